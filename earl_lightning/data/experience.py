@@ -1,0 +1,187 @@
+"""The experience batch: packed (unpadded) per-token tensors plus per-sequence fields.
+
+Per-token fields are 1-D tensors of length ``num_tokens`` laid end to end; sequence ``i`` owns
+``[cu_seqlens[i], cu_seqlens[i+1])``. Token-level conventions (shared by every stage):
+
+- ``input_ids[t]``: the token; ``action_mask[t] = 1`` iff the policy generated it.
+- ``*logprobs[t]``: log-prob of ``input_ids[t]`` given the tokens before it (0 where mask is 0).
+- ``advantages[t]``, ``returns[t]``, ``values[t]``: per generated token.
+
+Per-sequence fields are 1-D tensors of length ``num_seqs``: ``rewards``, ``group_ids``,
+``episode_ids``, ``truncated``, ``num_turns`` and anything else an algorithm adds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+TOKEN_FIELDS_REQUIRED = ("input_ids", "action_mask")
+SEQ_FIELDS_REQUIRED = ("rewards", "group_ids", "episode_ids")
+
+
+@dataclass
+class ExperienceBatch:
+    cu_seqlens: torch.Tensor  # [S+1] int64, cu_seqlens[0] == 0
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)  # each [N]
+    seqs: dict[str, torch.Tensor] = field(default_factory=dict)  # each [S]
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_sequences(cls, token_fields: dict[str, list[torch.Tensor]], seq_fields: dict[str, torch.Tensor]):
+        lengths = [len(t) for t in next(iter(token_fields.values()))]
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        if lengths:
+            cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
+        tokens = {}
+        for name, parts in token_fields.items():
+            if len(parts) != len(lengths):
+                raise ValueError(f"token field {name!r} has {len(parts)} sequences, expected {len(lengths)}")
+            tokens[name] = torch.cat(parts) if parts else torch.zeros(0)
+        return cls(cu, tokens, dict(seq_fields))
+
+    @classmethod
+    def empty_like(cls, other: "ExperienceBatch") -> "ExperienceBatch":
+        return other.select(torch.zeros(0, dtype=torch.long))
+
+    def validate(self) -> None:
+        cu = self.cu_seqlens
+        if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0:
+            raise ValueError(f"cu_seqlens must be 1-D and start at 0, got {cu.tolist()[:8]}")
+        if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError("cu_seqlens must be non-decreasing")
+        n, s = int(cu[-1]), cu.numel() - 1
+        for name, t in self.tokens.items():
+            if t.dim() != 1 or t.numel() != n:
+                raise ValueError(
+                    f"token field {name!r} has shape {tuple(t.shape)}, expected ({n},) to match cu_seqlens"
+                )
+        for name, t in self.seqs.items():
+            if t.dim() != 1 or t.numel() != s:
+                raise ValueError(
+                    f"sequence field {name!r} has shape {tuple(t.shape)}, expected ({s},): one value per sequence"
+                )
+        if "rewards" in self.seqs and s:
+            bad = ~torch.isfinite(self.seqs["rewards"].double())
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                ep = int(self.seqs["episode_ids"][i]) if "episode_ids" in self.seqs else i
+                raise ValueError(f"reward of episode {ep} is {float(self.seqs['rewards'][i])}; rewards must be finite")
+
+    # ---- shape ---------------------------------------------------------------------------
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    def __len__(self) -> int:
+        return self.num_seqs
+
+    def token_seq_index(self) -> torch.Tensor:
+        """[N] index of the sequence each token belongs to."""
+        return torch.repeat_interleave(torch.arange(self.num_seqs), self.seq_lens)
+
+    # ---- selection -----------------------------------------------------------------------
+    def select(self, indices) -> "ExperienceBatch":
+        idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        lens = self.seq_lens[idx]
+        starts = self.cu_seqlens[:-1][idx]
+        cu = torch.zeros(idx.numel() + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(lens, 0)
+        # token positions: for each chosen sequence, start + arange(len)
+        offs = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
+        pos = torch.repeat_interleave(starts, lens) + offs
+        return ExperienceBatch(cu, {k: v[pos] for k, v in self.tokens.items()},
+                               {k: v[idx] for k, v in self.seqs.items()})
+
+    @staticmethod
+    def concat(batches: list["ExperienceBatch"]) -> "ExperienceBatch":
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        keys_t, keys_s = set(batches[0].tokens), set(batches[0].seqs)
+        for b in batches[1:]:
+            if set(b.tokens) != keys_t or set(b.seqs) != keys_s:
+                raise ValueError(
+                    f"cannot concat batches with different fields: {sorted(keys_t | keys_s)} vs "
+                    f"{sorted(set(b.tokens) | set(b.seqs))}"
+                )
+        lens = torch.cat([b.seq_lens for b in batches])
+        cu = torch.zeros(lens.numel() + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(lens, 0)
+        return ExperienceBatch(
+            cu,
+            {k: torch.cat([b.tokens[k] for b in batches]) for k in batches[0].tokens},
+            {k: torch.cat([b.seqs[k] for b in batches]) for k in batches[0].seqs},
+        )
+
+    def split_by_tokens(self, max_tokens: int) -> list["ExperienceBatch"]:
+        """Consecutive micro-batches whose padded size (rows x longest row) stays within
+        ``max_tokens``. Sequences are sorted by length first so padding stays small; a sequence
+        longer than the budget gets a micro-batch of its own."""
+        if max_tokens < 1:
+            raise ValueError(f"`micro_batch_tokens` must be >= 1, got {max_tokens}")
+        order = torch.argsort(self.seq_lens, descending=True, stable=True).tolist()
+        lens = self.seq_lens.tolist()
+        out, cur = [], []
+        for i in order:
+            longest = lens[cur[0]] if cur else lens[i]
+            if cur and (len(cur) + 1) * longest > max_tokens:
+                out.append(self.select(cur))
+                cur = []
+            cur.append(i)
+        if cur:
+            out.append(self.select(cur))
+        return out
+
+    # ---- model input ---------------------------------------------------------------------
+    def padded(self, name: str, pad_value=0) -> torch.Tensor:
+        """[S, L] right-padded view of a per-token field (L = longest sequence)."""
+        t = self.tokens[name]
+        lens = self.seq_lens
+        width = int(lens.max()) if lens.numel() else 0
+        out = torch.full((self.num_seqs, width), pad_value, dtype=t.dtype, device=t.device)
+        rows = self.token_seq_index().to(t.device)
+        cols = (torch.arange(self.num_tokens) - torch.repeat_interleave(self.cu_seqlens[:-1], lens)).to(t.device)
+        out[rows, cols] = t
+        return out
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`padded`: [S, L] -> [N]."""
+        lens = self.seq_lens
+        rows = self.token_seq_index().to(padded.device)
+        cols = (torch.arange(self.num_tokens) - torch.repeat_interleave(self.cu_seqlens[:-1], lens)).to(padded.device)
+        return padded[rows, cols]
+
+    def to(self, device) -> "ExperienceBatch":
+        return ExperienceBatch(self.cu_seqlens, {k: v.to(device) for k, v in self.tokens.items()},
+                               {k: v.to(device) for k, v in self.seqs.items()})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.tokens.values(), *self.seqs.values()])
+
+    def context_stats(self) -> dict[str, float]:
+        lens = self.seq_lens.double()
+        if lens.numel() == 0:
+            return {"num_seqs": 0, "context_mean": 0.0, "context_max": 0.0, "context_p95": 0.0}
+        return {
+            "num_seqs": int(lens.numel()),
+            "context_mean": float(lens.mean()),
+            "context_max": float(lens.max()),
+            "context_p95": float(torch.quantile(lens, 0.95)),
+        }
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else math.inf

@@ -1,0 +1,70 @@
+"""Load any causal LM and its tokenizer by hub id or local path through ``from_pretrained``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from earl_lightning.models.tiny import PRESETS, make_tiny_model
+
+DType = Literal["float32", "bfloat16", "float16"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, arg: str = "dtype") -> torch.dtype:
+    if dtype not in _DTYPES:
+        raise ValueError(f"`{arg}` must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_model_path(name_or_path: str, arg: str = "--model.name_or_path") -> str:
+    """Turn a model name into something ``from_pretrained`` accepts.
+
+    ``earl-tiny`` (and the other presets) builds the offline model on first use and returns its
+    directory. A path that looks local (absolute, ``./``, ``~``) must exist. Anything else is a hub
+    id, passed through as is.
+    """
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ValueError(f"`{arg}` must be a hub id, a local path or one of {sorted(PRESETS)}; got {name_or_path!r}")
+    if name_or_path in PRESETS:
+        return str(make_tiny_model(name_or_path))
+    expanded = os.path.expanduser(name_or_path)
+    looks_local = expanded.startswith(("/", "./", "../")) or os.sep in expanded and os.path.exists(
+        os.path.dirname(expanded) or "."
+    )
+    if looks_local and not Path(expanded).exists():
+        raise FileNotFoundError(
+            f"`{arg}`: model path {name_or_path!r} does not exist. Pass a local directory made by "
+            f"save_pretrained, a hub id (e.g. 'Qwen/Qwen2.5-0.5B-Instruct'), or one of {sorted(PRESETS)}."
+        )
+    return expanded if Path(expanded).exists() else name_or_path
+
+
+def load_tokenizer(name_or_path: str, arg: str = "--model.name_or_path"):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path, arg)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise FileNotFoundError(f"`{arg}`: cannot load a tokenizer from {name_or_path!r}: {err}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ValueError(f"`{arg}`: tokenizer of {name_or_path!r} has no chat template; multi-turn rollout needs one")
+    return tok
+
+
+def load_model(name_or_path: str, dtype: str = "float32", arg: str = "--model.name_or_path"):
+    """A causal LM in train mode on CPU; the strategy moves and shards it."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name_or_path, arg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, "--model.dtype"))
+    except OSError as err:
+        raise FileNotFoundError(f"`{arg}`: cannot load a model from {name_or_path!r}: {err}") from None
+    return model

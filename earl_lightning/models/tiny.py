@@ -1,0 +1,152 @@
+"""The offline default model: a Qwen2-architecture causal LM with random weights and a
+character-level tokenizer, saved with ``save_pretrained`` and loaded back through the normal
+``from_pretrained`` path, so the code path is the one a hub id or a local checkpoint takes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_PREFIX = "earl-tiny"
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+
+# Qwen-style ChatML. `{% generation %}` markers let HF compute assistant masks too.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{{ message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Sizes of the named presets. "earl-tiny" is the default of every recipe: small enough to learn
+# Connect Four on two CPU cores in minutes. "earl-tiny-100m" is the ~100M-parameter config the
+# reshard and memory-model benchmarks use.
+PRESETS: dict[str, dict[str, Any]] = {
+    "earl-tiny": dict(
+        hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    ),
+    "earl-tiny-100m": dict(
+        hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4,
+    ),
+}
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode map (the one byte-level BPE tokenizers use)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}
+
+
+def char_vocab() -> dict[str, int]:
+    """Special tokens first (ids 0..2), then newline, tab and printable ASCII, one token each.
+
+    Characters are stored in byte-level form (space is ``\u0120``), so the same ``tokenizer.json``
+    loads identically as a plain fast tokenizer and as transformers' ``Qwen2Tokenizer``, which
+    ``AutoTokenizer`` picks for every Qwen2 checkpoint.
+    """
+    b2u = _byte_to_unicode()
+    chars = ["\n", "\t"] + [c for c in string.printable if c not in "\n\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for c in chars:
+        vocab[b2u[ord(c)]] = len(vocab)
+    return vocab
+
+
+def build_char_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Byte-level BPE with no merges: every character is one token, and decoding is lossless.
+    backend = Tokenizer(models.BPE(vocab=char_vocab(), merges=[], unk_token=None, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_config(vocab_size: int, seed: int = 0, **overrides: Any):
+    from transformers import Qwen2Config
+
+    kw: dict[str, Any] = dict(PRESETS["earl-tiny"])
+    kw.update(overrides)
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+        use_sliding_window=False,
+        **kw,
+    )
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("EARL_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "earl_lightning"
+    )
+    return Path(root)
+
+
+def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.PathLike | None = None,
+                    **overrides: Any) -> Path:
+    """Create (once) and return the directory of an offline model.
+
+    ``name`` picks a preset from :data:`PRESETS`; ``overrides`` change its sizes. The directory is
+    keyed by a hash of the full config and the seed, so the same arguments always give the same
+    weights, and a second call only returns the path.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown tiny model preset {name!r}; valid: {sorted(PRESETS)}")
+    spec = dict(PRESETS[name]); spec.update(overrides)
+    key = hashlib.sha256(json.dumps({"spec": spec, "seed": seed, "v": 2}, sort_keys=True).encode())
+    out = Path(cache_dir) if cache_dir is not None else _cache_root() / f"{name}-{key.hexdigest()[:12]}"
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM
+
+    tok = build_char_tokenizer()
+    vocab = len(tok)
+    cfg = tiny_config(vocab_size=((vocab + 7) // 8) * 8, **spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, out)  # atomic: concurrent ranks racing here both end with a whole model
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

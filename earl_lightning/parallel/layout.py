@@ -1,0 +1,91 @@
+"""One object describes parallelism: a (dp, tp) factorization of the world plus stage knobs.
+
+Rank order is dp-major, tp-minor (the same as ``init_device_mesh(..., ("dp", "tp"))``): global
+rank ``r`` is ``dp_rank = r // tp``, ``tp_rank = r % tp``, so a tensor-parallel group is a run of
+consecutive ranks (on GPUs: one node's NVLink domain).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STAGES = ("rollout", "experience", "train")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    micro_batch_tokens: int = 4096
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "micro_batch_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Layout `{name}` must be a positive integer, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def name(self) -> str:
+        return f"dp{self.dp}xtp{self.tp}"
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(dp_rank, tp_rank) of a global rank."""
+        return rank // self.tp, rank % self.tp
+
+    def rank_of(self, dp_rank: int, tp_rank: int) -> int:
+        return dp_rank * self.tp + tp_rank
+
+    def tp_group_ranks(self, dp_rank: int) -> list[int]:
+        return [self.rank_of(dp_rank, t) for t in range(self.tp)]
+
+    def dp_group_ranks(self, tp_rank: int) -> list[int]:
+        return [self.rank_of(d, tp_rank) for d in range(self.dp)]
+
+    def check_world(self, world_size: int, arg: str = "layout") -> "Layout":
+        if self.world_size != world_size:
+            raise ValueError(
+                f"`{arg}` {self.name} has dp*tp = {self.world_size}, but the world size is {world_size}; "
+                f"valid layouts: {[layout.name for layout in Layout.factorizations(world_size)]}"
+            )
+        return self
+
+    def check_heads(self, num_heads: int, num_kv_heads: int, arg: str = "layout") -> "Layout":
+        if num_heads % self.tp or num_kv_heads % self.tp:
+            raise ValueError(
+                f"`{arg}` tp={self.tp} does not divide the model's attention heads ({num_heads}) and "
+                f"KV heads ({num_kv_heads}); valid tp: "
+                f"{[t for t in range(1, num_heads + 1) if num_heads % t == 0 and num_kv_heads % t == 0]}"
+            )
+        return self
+
+    @staticmethod
+    def factorizations(world_size: int, num_heads: int | None = None, num_kv_heads: int | None = None,
+                       **knobs) -> list["Layout"]:
+        """Every dp x tp == world_size whose tp divides the heads (when given)."""
+        out = []
+        for tp in range(1, world_size + 1):
+            if world_size % tp:
+                continue
+            if num_heads is not None and (num_heads % tp or (num_kv_heads or num_heads) % tp):
+                continue
+            out.append(Layout(dp=world_size // tp, tp=tp, **knobs))
+        return out
+
+
+def check_stage(stage: str, arg: str = "stage") -> str:
+    if stage not in STAGES:
+        raise ValueError(f"unknown `{arg}` {stage!r}; valid stages: {list(STAGES)}")
+    return stage
