@@ -148,7 +148,10 @@ class ExperienceBatch:
     # ---- model input ---------------------------------------------------------------------
     def padded(self, name: str, pad_value=0) -> torch.Tensor:
         """[S, L] right-padded view of a per-token field (L = longest sequence)."""
-        t = self.tokens[name]
+        return self.pad(self.tokens[name], pad_value)
+
+    def pad(self, t: torch.Tensor, pad_value=0) -> torch.Tensor:
+        """[N] per-token values laid out like this batch -> [S, L], right-padded."""
         lens = self.seq_lens
         width = int(lens.max()) if lens.numel() else 0
         out = torch.full((self.num_seqs, width), pad_value, dtype=t.dtype, device=t.device)

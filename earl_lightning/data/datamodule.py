@@ -1,0 +1,108 @@
+"""The DataModule: a stream of episode specs, one global RL batch per training step.
+
+Every rank sees the same global batch; the LightningModule takes its share according to the
+rollout layout of the moment (which can change between steps), so the data pipeline does not need
+to know about layouts. Batch ``k`` is a pure function of ``(seed, k)``: a resumed run picks up at
+``trainer.global_step`` and sees exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import lightning as L
+from torch.utils.data import DataLoader, IterableDataset
+
+from earl_lightning.envs.base import check_env_name, make_env
+from earl_lightning.rollout.types import EpisodeSpec
+
+_SEED_STRIDE = 1_000_003  # keeps training seeds of different steps and eval seeds apart
+
+
+class EpisodeStream(IterableDataset):
+    """Infinite stream of global batches of :class:`EpisodeSpec`; G members of a group share a seed."""
+
+    def __init__(self, env: str, env_kwargs: dict, batch_size: int, group_size: int, seed: int, start_step: int = 0):
+        self.env, self.env_kwargs = env, dict(env_kwargs)
+        self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
+        self.start_step = start_step
+
+    def batch(self, step: int) -> list[EpisodeSpec]:
+        groups = self.batch_size // self.group_size
+        specs = []
+        for g in range(groups):
+            env_seed = (self.seed + 1) * _SEED_STRIDE + step * groups + g  # eval uses 0..n-1
+            for m in range(self.group_size):
+                specs.append(EpisodeSpec(env=self.env, seed=env_seed, group_id=g,
+                                         episode_id=g * self.group_size + m, env_kwargs=self.env_kwargs))
+        return specs
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        step = self.start_step
+        while True:
+            yield {"step": step, "specs": self.batch(step)}
+            step += 1
+
+
+class EvalEpisodes(IterableDataset):
+    """One batch of fixed evaluation seeds (0..n-1: the agent's seat alternates with the seed)."""
+
+    def __init__(self, env: str, env_kwargs: dict, num_episodes: int):
+        self.env, self.env_kwargs, self.num_episodes = env, dict(env_kwargs), num_episodes
+
+    def __iter__(self):
+        yield {"step": -1, "specs": [EpisodeSpec(env=self.env, seed=i, group_id=i, episode_id=i,
+                                                 env_kwargs=self.env_kwargs) for i in range(self.num_episodes)]}
+
+
+def _identity(batch):
+    return batch[0]
+
+
+class EpisodeDataModule(L.LightningDataModule):
+    """Episode specs for agentic RL.
+
+    Args:
+        env: registered environment name (``connect_four``, ``openspiel``, ``calculator``, ``textarena``...).
+        env_kwargs: keyword arguments of the environment (e.g. ``{"opponent": "random"}``).
+        batch_size: episodes per RL step, over all ranks.
+        group_size: episodes per GRPO group; they share a seed. Must divide ``batch_size``.
+        seed: base seed of the training episodes.
+        eval_episodes: fixed evaluation seeds played greedily by ``validation_step`` (0 disables).
+        eval_env_kwargs: overrides of ``env_kwargs`` for evaluation (e.g. another opponent).
+    """
+
+    def __init__(self, env: str = "connect_four", env_kwargs: dict[str, Any] | None = None, batch_size: int = 64,
+                 group_size: int = 8, seed: int = 0, eval_episodes: int = 128,
+                 eval_env_kwargs: dict[str, Any] | None = None):
+        super().__init__()
+        check_env_name(env, "--data.env")
+        for name, v in (("batch_size", batch_size), ("group_size", group_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"`--data.{name}` must be a positive integer, got {v!r}")
+        if batch_size % group_size:
+            raise ValueError(
+                f"`--data.batch_size` ({batch_size}) must be a multiple of `--data.group_size` ({group_size}): "
+                f"each GRPO group of {group_size} episodes shares a seed; try batch_size="
+                f"{max(group_size, batch_size // group_size * group_size)}"
+            )
+        if eval_episodes < 0:
+            raise ValueError(f"`--data.eval_episodes` must be >= 0, got {eval_episodes}")
+        self.env, self.env_kwargs = env, dict(env_kwargs or {})
+        self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
+        make_env(env, "--data.env", **self.env_kwargs)  # bad env kwargs fail now, not at step 1
+        self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
+        self.eval_episodes = eval_episodes
+        self.save_hyperparameters()
+
+    def first_spec(self) -> EpisodeSpec:
+        return EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed).batch(0)[0]
+
+    def train_dataloader(self) -> DataLoader:
+        start = self.trainer.global_step if self.trainer is not None else 0
+        stream = EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, start)
+        return DataLoader(stream, batch_size=1, collate_fn=_identity, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes), batch_size=1,
+                          collate_fn=_identity, num_workers=0)
