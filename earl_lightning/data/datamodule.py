@@ -3,7 +3,7 @@
 Every rank sees the same global batch; the LightningModule takes its share according to the
 rollout layout of the moment (which can change between steps), so the data pipeline does not need
 to know about layouts. Batch ``k`` is a pure function of ``(seed, k)``: a resumed run picks up at
-``trainer.global_step`` and sees exactly the batches an uninterrupted run would have seen.
+the module's checkpointed iteration count and sees exactly the batches an uninterrupted run would have seen.
 """
 
 from __future__ import annotations
@@ -99,7 +99,9 @@ class EpisodeDataModule(L.LightningDataModule):
         return EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed).batch(0)[0]
 
     def train_dataloader(self) -> DataLoader:
-        start = self.trainer.global_step if self.trainer is not None else 0
+        # the module checkpoints how many RL iterations it has done; a resumed run continues there
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        start = getattr(module, "rl_iteration", 0) if module is not None else 0
         stream = EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, start)
         return DataLoader(stream, batch_size=1, collate_fn=_identity, num_workers=0)
 

@@ -1,0 +1,3 @@
+from earl_lightning.modules.rl import AgenticRLModule
+
+__all__ = ["AgenticRLModule"]

@@ -1,0 +1,147 @@
+"""Glue between rollouts, the model and the pure algorithms: episodes -> packed experience,
+log-probs / values / entropy of an experience micro-batch, advantages.
+
+No Lightning here: these functions are what the LightningModule's training step is made of, and
+what the invariance tests call directly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from earl_lightning.algorithms import (
+    grpo_advantages,
+    gae_advantages,
+    outcome_to_token_rewards,
+    reinforce_pp_advantages,
+    shifted_logprobs,
+)
+from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.rollout.types import Episode
+
+
+def episodes_to_experience(episodes: list[Episode]) -> ExperienceBatch:
+    """Pack episodes (no padding). Failed episodes (env exception) keep their tokens but get an
+    all-zero action mask: they are counted in the metrics and contribute nothing to the loss."""
+    tokens: dict[str, list[torch.Tensor]] = {"input_ids": [], "action_mask": [], "rollout_logprobs": []}
+    for ep in episodes:
+        mask = torch.tensor(ep.action_mask, dtype=torch.float32)
+        if ep.error is not None:
+            mask.zero_()
+        tokens["input_ids"].append(torch.tensor(ep.token_ids, dtype=torch.long))
+        tokens["action_mask"].append(mask)
+        tokens["rollout_logprobs"].append(torch.tensor(ep.logprobs, dtype=torch.float32))
+    seqs = {
+        "rewards": torch.tensor([ep.reward for ep in episodes], dtype=torch.float32),
+        "group_ids": torch.tensor([ep.spec.group_id for ep in episodes], dtype=torch.long),
+        "episode_ids": torch.tensor([ep.spec.episode_id for ep in episodes], dtype=torch.long),
+        "truncated": torch.tensor([ep.truncated for ep in episodes], dtype=torch.bool),
+        "num_turns": torch.tensor([ep.num_turns for ep in episodes], dtype=torch.long),
+    }
+    return ExperienceBatch.from_sequences(tokens, seqs)
+
+
+def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value_head=None,
+                        with_entropy: bool = False) -> dict[str, torch.Tensor]:
+    """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N]."""
+    input_ids = mb.padded("input_ids", 0)  # [S, L]
+    attn = (torch.arange(input_ids.shape[1])[None, :] < mb.seq_lens[:, None]).to(input_ids.device)
+    need_hidden = value_head is not None
+    out = model(input_ids=input_ids, attention_mask=attn.long(), output_hidden_states=need_hidden, use_cache=False)
+    logits = out.logits.float()  # [S, L, V]
+    res = {"logprobs": mb.unpad(shifted_logprobs(logits, input_ids, temperature=temperature))}
+    if with_entropy:
+        from earl_lightning.algorithms import entropy
+
+        ent = entropy(logits[:, :-1], temperature=temperature)  # [S, L-1]: entropy of the dist at t predicting t+1
+        res["entropy"] = mb.unpad(torch.nn.functional.pad(ent, (1, 0)))
+    if need_hidden:
+        h = out.hidden_states[-1]  # [S, L, H]
+        v = value_head(h.float()).squeeze(-1)  # [S, L]: value of the state after token t
+        res["values"] = mb.unpad(torch.nn.functional.pad(v[:, :-1], (1, 0)))  # value before choosing token t
+    return res
+
+
+@torch.no_grad()
+def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: float, micro_batch_tokens: int,
+                  value_head=None) -> ExperienceBatch:
+    """Add per-token ``name`` log-probs (and ``values`` when a value head is given) to the batch."""
+    out = {name: torch.zeros(batch.num_tokens)}
+    if value_head is not None:
+        out["values"] = torch.zeros(batch.num_tokens)
+    for idx in _micro_batch_indices(batch, micro_batch_tokens):
+        mb = batch.select(idx)
+        res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head)
+        pos = _token_positions(batch, idx)
+        out[name][pos] = res["logprobs"].cpu()
+        if value_head is not None:
+            out["values"][pos] = res["values"].cpu()
+    tokens = dict(batch.tokens)
+    tokens.update(out)
+    return ExperienceBatch(batch.cu_seqlens, tokens, dict(batch.seqs))
+
+
+def _micro_batch_indices(batch: ExperienceBatch, max_tokens: int) -> list[list[int]]:
+    order = torch.argsort(batch.seq_lens, descending=True, stable=True).tolist()
+    lens = batch.seq_lens.tolist()
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lens[cur[0]] > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
+
+
+def _token_positions(batch: ExperienceBatch, idx: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])) for i in idx]) \
+        if idx else torch.zeros(0, dtype=torch.long)
+
+
+def compute_advantages(batch: ExperienceBatch, *, estimator: str, num_groups: int, grpo_scale: str,
+                       gamma: float, lam: float, kl: torch.Tensor | None, kl_coef_in_reward: float,
+                       moments_fn: Callable | None = None) -> ExperienceBatch:
+    """Add per-token ``advantages`` (and ``returns`` for GAE).
+
+    ``moments_fn(kind, local_moments)`` lets a distributed caller all-reduce the statistics, so the
+    rewards themselves never leave their rank; by default the local batch is the whole batch.
+    """
+    mask = batch.padded("action_mask", 0.0)
+    tokens = dict(batch.tokens)
+    if estimator == "grpo":
+        from earl_lightning.algorithms import grouped_moments, moments
+
+        rewards, gids = batch.seqs["rewards"], batch.seqs["group_ids"]
+        group, whole = grouped_moments(rewards, gids, num_groups), moments(rewards)
+        if moments_fn is not None:
+            group, whole = moments_fn("group", group), moments_fn("batch", whole)
+        adv = grpo_advantages(rewards, gids, num_groups=num_groups, scale=grpo_scale, group=group, batch=whole)
+        tokens["advantages"] = adv[batch.token_seq_index()] * batch.tokens["action_mask"]
+    elif estimator == "reinforce_pp":
+        from earl_lightning.algorithms import moments
+
+        r = token_rewards_padded(batch, mask, kl, kl_coef_in_reward)
+        whole = None
+        if moments_fn is not None:
+            from earl_lightning.algorithms import returns_to_go
+
+            whole = moments_fn("batch", moments(returns_to_go(r, mask, gamma=gamma), mask))
+        adv = reinforce_pp_advantages(r, mask, gamma=gamma, batch=whole)
+        tokens["advantages"] = batch.unpad(adv)
+    elif estimator == "gae":
+        r = token_rewards_padded(batch, mask, kl, kl_coef_in_reward)
+        adv, ret = gae_advantages(r, batch.padded("values", 0.0), mask, gamma=gamma, lam=lam)
+        tokens["advantages"], tokens["returns"] = batch.unpad(adv), batch.unpad(ret)
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: ['grpo', 'reinforce_pp', 'gae']")
+    return ExperienceBatch(batch.cu_seqlens, tokens, dict(batch.seqs))
+
+
+def token_rewards_padded(batch: ExperienceBatch, mask: torch.Tensor, kl: torch.Tensor | None,
+                         kl_coef: float) -> torch.Tensor:
+    r = outcome_to_token_rewards(batch.seqs["rewards"], mask)
+    if kl is not None and kl_coef:
+        r = r - kl_coef * batch.pad(kl, 0.0) * mask
+    return r

@@ -1,0 +1,366 @@
+"""The RL iteration as a LightningModule: GRPO, REINFORCE++ and PPO over a HF causal LM.
+
+One training step = one RL iteration (manual optimization):
+rollout -> old/ref log-probs (+ values) -> advantages -> ``ppo_epochs`` passes over mini-batches,
+each cut into micro-batches by a token budget, with gradient accumulation, clipping and an LR
+schedule. Each stage runs inside ``strategy.stage(...)`` when the strategy has one (EarlStrategy),
+so it may run under its own parallel layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation
+from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.models import load_model, load_tokenizer, resolve_dtype
+from earl_lightning.modules import metrics as M
+from earl_lightning.modules.experience_ops import compute_advantages, episodes_to_experience, fill_logprobs
+from earl_lightning.modules.update import UpdateConfig, ppo_update
+from earl_lightning.rollout.backends.base import SamplingConfig
+from earl_lightning.rollout.loop import rollout
+from earl_lightning.rollout.types import EpisodeSpec
+
+Algorithm = Literal["grpo", "reinforce_pp", "ppo"]
+_ESTIMATOR = {"grpo": "grpo", "reinforce_pp": "reinforce_pp", "ppo": "gae"}
+
+
+class AgenticRLModule(L.LightningModule):
+    """Multi-turn agentic RL of a causal LM.
+
+    Args:
+        model: hub id, local path, or an offline preset (``earl-tiny``).
+        dtype: parameter dtype of the policy.
+        algorithm: ``grpo`` (group-normalized outcome advantages), ``reinforce_pp`` (REINFORCE++:
+            batch-whitened returns, the EARL paper's estimator) or ``ppo`` (GAE with a value head).
+        backend: generation backend, ``hf`` (transformers, KV cache reused across turns) or ``vllm``.
+        reuse_kv: ``hf`` backend only; False re-encodes the whole context every turn (reference path).
+        max_turns: turns per episode before it is truncated.
+        max_context_tokens: an episode ends (truncated) when its next turn would exceed this.
+        max_new_tokens, temperature, top_p, top_k, stop: sampling per turn.
+        system_prompt: optional system message before the first observation.
+        lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (per optimizer step).
+        max_grad_norm: gradient clipping (0 disables).
+        ppo_epochs: passes over each RL batch; mini_batches: optimizer steps per pass.
+        micro_batch_tokens: padded-token budget of one forward/backward (gradient accumulation).
+        clip_low, clip_high: PPO ratio clipped to ``[1 - clip_low, 1 + clip_high]``.
+        loss_agg: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO), ``seq_mean_token_sum_norm`` (Dr. GRPO).
+        loss_norm_constant: the constant of ``seq_mean_token_sum_norm`` (default: max_context_tokens).
+        grpo_scale: GRPO advantage scale: ``group`` std, ``batch`` std or ``none``.
+        kl_coef, kl_estimator, kl_in_reward: KL to a frozen reference model (0 disables; ``k1``/``k2``/``k3``;
+            as a loss term, or subtracted from the token rewards).
+        entropy_coef: entropy bonus.
+        gamma, lam: discount and GAE lambda.
+        value_coef, value_clip: PPO value loss weight and clipping.
+        transcript_every_n_steps: log an episode transcript to TensorBoard every N steps (0 disables).
+        logprob_mismatch_warn: warn when rollout and recomputed log-probs differ by more than this.
+        seed: base seed of the sampling RNG (per step and data-parallel rank).
+    """
+
+    def __init__(
+        self,
+        model: str = "earl-tiny",
+        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        algorithm: Algorithm = "grpo",
+        backend: Literal["hf", "vllm"] = "hf",
+        reuse_kv: bool = True,
+        max_turns: int = 32,
+        max_context_tokens: int = 4096,
+        max_new_tokens: int = 4,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: list[str] | None = None,
+        system_prompt: str | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: Literal["constant", "cosine", "linear"] = "constant",
+        max_grad_norm: float = 1.0,
+        ppo_epochs: int = 1,
+        mini_batches: int = 1,
+        micro_batch_tokens: int = 16384,
+        clip_low: float = 0.2,
+        clip_high: float = 0.28,
+        loss_agg: str = "token_mean",
+        loss_norm_constant: float | None = None,
+        grpo_scale: Literal["group", "batch", "none"] = "group",
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        kl_in_reward: bool = False,
+        entropy_coef: float = 0.0,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        value_coef: float = 0.5,
+        value_clip: float = 0.2,
+        transcript_every_n_steps: int = 10,
+        logprob_mismatch_warn: float = 1e-3,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.automatic_optimization = False
+        self._validate(algorithm, backend, loss_agg, kl_estimator, grpo_scale, max_turns, max_context_tokens,
+                       ppo_epochs, mini_batches, micro_batch_tokens, lr_schedule, dtype)
+        self.save_hyperparameters()
+        self.tokenizer = load_tokenizer(model, "--model.model")
+        self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                       top_k=top_k, stop=list(stop or []))
+        self.policy = None
+        self.ref_policy = None
+        self.value_head = None
+        self.rl_iteration = 0  # RL iterations done (checkpointed; the data stream resumes here)
+        self._backend = None
+
+    # ---- configuration -------------------------------------------------------------------
+    @staticmethod
+    def _validate(algorithm, backend, loss_agg, kl_estimator, grpo_scale, max_turns, max_context_tokens,
+                  ppo_epochs, mini_batches, micro_batch_tokens, lr_schedule, dtype) -> None:
+        choices = {"algorithm": (algorithm, list(_ESTIMATOR)), "backend": (backend, ["hf", "vllm"]),
+                   "grpo_scale": (grpo_scale, ["group", "batch", "none"]),
+                   "lr_schedule": (lr_schedule, ["constant", "cosine", "linear"])}
+        for arg, (value, valid) in choices.items():
+            if value not in valid:
+                raise ValueError(f"unknown `--model.{arg}` {value!r}; valid: {valid}")
+        get_loss_aggregation(loss_agg, "--model.loss_agg")
+        get_kl_estimator(kl_estimator, "--model.kl_estimator")
+        resolve_dtype(dtype, "--model.dtype")
+        for arg, value in (("max_turns", max_turns), ("max_context_tokens", max_context_tokens),
+                           ("ppo_epochs", ppo_epochs), ("mini_batches", mini_batches),
+                           ("micro_batch_tokens", micro_batch_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`--model.{arg}` must be a positive integer, got {value!r}")
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        hp = self.hparams
+        self.policy = load_model(hp.model, hp.dtype, "--model.model")
+        self.policy.config.use_cache = False
+        if hp.kl_coef:
+            self.ref_policy = load_model(hp.model, hp.dtype, "--model.model").eval().requires_grad_(False)
+        if hp.algorithm == "ppo":
+            torch.manual_seed(hp.seed)
+            self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+        total = max(1, (self.trainer.max_steps if self.trainer and self.trainer.max_steps > 0 else 1000))
+
+        def factor(step: int) -> float:
+            if hp.warmup_steps and step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            frac = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+            if hp.lr_schedule == "cosine":
+                return 0.5 * (1 + math.cos(math.pi * frac))
+            if hp.lr_schedule == "linear":
+                return 1.0 - frac
+            return 1.0
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "first_spec"):
+            self._check_first_observation(dm.first_spec())
+
+    def _check_first_observation(self, spec: EpisodeSpec) -> None:
+        """`max_context_tokens` smaller than the first observation fails before any work is done."""
+        from earl_lightning.envs.base import make_env
+
+        obs = make_env(spec.env, **spec.env_kwargs).reset(spec.seed)
+        msgs = ([{"role": "system", "content": self.hparams.system_prompt}] if self.hparams.system_prompt else [])
+        ids = self.tokenizer.apply_chat_template(msgs + [{"role": "user", "content": obs}],
+                                                 add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        need = len(ids) + self.hparams.max_new_tokens
+        if need > self.hparams.max_context_tokens:
+            raise ValueError(
+                f"`--model.max_context_tokens` ({self.hparams.max_context_tokens}) is smaller than the first "
+                f"observation of env {spec.env!r} plus one turn: {len(ids)} prompt tokens + "
+                f"{self.hparams.max_new_tokens} new tokens = {need}; raise it to at least {need}"
+            )
+
+    # ---- distributed helpers --------------------------------------------------------------
+    def _strategy_stage(self, name: str, stats: dict):
+        stage = getattr(self.trainer.strategy, "stage", None)
+        return stage(name, stats) if callable(stage) else contextlib.nullcontext()
+
+    def _dp_coords(self) -> tuple[int, int]:
+        """(dp_rank, dp_size) of this process in the current stage's layout."""
+        strat = self.trainer.strategy
+        layout = getattr(strat, "current_layout", None)
+        if layout is not None:
+            return layout.coords(self.global_rank)[0], layout.dp
+        return self.global_rank, self.trainer.world_size
+
+    def _local_specs(self, specs: list[EpisodeSpec]) -> list[EpisodeSpec]:
+        """This data-parallel rank's share, whole groups at a time."""
+        dp_rank, dp = self._dp_coords()
+        return [s for s in specs if s.group_id % dp == dp_rank]
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t = t.clone()
+            dist.all_reduce(t)
+        return t
+
+    # ---- rollout --------------------------------------------------------------------------
+    def backend(self):
+        if self._backend is None:
+            if self.hparams.backend == "hf":
+                from earl_lightning.rollout.backends.hf import HFBackend
+
+                self._backend = HFBackend(self.policy, self.tokenizer, reuse_kv=self.hparams.reuse_kv)
+            else:
+                from earl_lightning.rollout.backends.vllm import VLLMBackend
+
+                self._backend = VLLMBackend.for_module(self)
+        return self._backend
+
+    def _rollout(self, specs: list[EpisodeSpec], sampling: SamplingConfig):
+        hp = self.hparams
+        backend = self.backend()
+        try:
+            return rollout(specs, backend, self.tokenizer, sampling, max_turns=hp.max_turns,
+                           max_context_tokens=hp.max_context_tokens, system_prompt=hp.system_prompt)
+        finally:
+            backend.release(None)
+
+    def _sampling_seed(self, step: int) -> int:
+        dp_rank, _ = self._dp_coords()
+        return (self.hparams.seed * 1_000_003 + step * 131 + dp_rank) % (2**31 - 1)
+
+    # ---- the RL iteration -------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int):
+        hp, step, specs = self.hparams, batch["step"], batch["specs"]
+        num_groups = max(s.group_id for s in specs) + 1
+        timer = M.StageTimer()
+        with self._strategy_stage("rollout", M.spec_stats(specs, hp.max_new_tokens)), timer("rollout"):
+            sampling = SamplingConfig(**{**vars(self.sampling), "seed": self._sampling_seed(step)})
+            episodes = self._rollout(self._local_specs(specs), sampling)
+        exp = episodes_to_experience(episodes)
+        with self._strategy_stage("experience", exp.context_stats()), timer("experience"):
+            exp = self._exchange(exp, "experience")
+            exp = fill_logprobs(self.policy, exp, name="old_logprobs", temperature=hp.temperature,
+                                micro_batch_tokens=hp.micro_batch_tokens, value_head=self.value_head)
+            if self.ref_policy is not None:
+                exp = fill_logprobs(self.ref_policy, exp, name="ref_logprobs", temperature=hp.temperature,
+                                    micro_batch_tokens=hp.micro_batch_tokens)
+        exp = self._advantages(exp, num_groups)
+        with self._strategy_stage("train", exp.context_stats()), timer("train"):
+            exp = self._exchange(exp, "train")
+            update = ppo_update(self, exp, self._update_config())
+        self.rl_iteration = step + 1
+        self._log_iteration(episodes, exp, update, timer, step)
+
+    def _exchange(self, exp: ExperienceBatch, stage: str) -> ExperienceBatch:
+        exchange = getattr(self.trainer.datamodule, "exchange", None) if self.trainer.datamodule else None
+        if exchange is None or self.trainer.world_size == 1:
+            return exp
+        exp, stats = exchange(exp, self.trainer.strategy, stage)
+        self._dispatch_stats = stats
+        return exp
+
+    def _advantages(self, exp: ExperienceBatch, num_groups: int) -> ExperienceBatch:
+        hp = self.hparams
+        kl = None
+        if self.ref_policy is not None and hp.kl_in_reward:
+            kl = get_kl_estimator(hp.kl_estimator)(exp.tokens["old_logprobs"], exp.tokens["ref_logprobs"])
+        moments_fn = None
+        if self.trainer.world_size > 1:
+            from earl_lightning.data.dist_advantages import all_reduce_moments
+
+            moments_fn = all_reduce_moments
+        return compute_advantages(exp, estimator=_ESTIMATOR[hp.algorithm], num_groups=num_groups,
+                                  grpo_scale=hp.grpo_scale, gamma=hp.gamma, lam=hp.lam, kl=kl,
+                                  kl_coef_in_reward=hp.kl_coef if hp.kl_in_reward else 0.0, moments_fn=moments_fn)
+
+    def _update_config(self) -> UpdateConfig:
+        hp = self.hparams
+        return UpdateConfig(
+            ppo_epochs=hp.ppo_epochs, mini_batches=hp.mini_batches, micro_batch_tokens=hp.micro_batch_tokens,
+            temperature=hp.temperature, clip_low=hp.clip_low, clip_high=hp.clip_high, loss_agg=hp.loss_agg,
+            norm_constant=hp.loss_norm_constant or float(hp.max_context_tokens),
+            kl_coef=0.0 if hp.kl_in_reward else hp.kl_coef, kl_estimator=hp.kl_estimator,
+            entropy_coef=hp.entropy_coef, value_coef=hp.value_coef, value_clip=hp.value_clip,
+            max_grad_norm=hp.max_grad_norm,
+        )
+
+    def _log_iteration(self, episodes, exp, update, timer, step) -> None:
+        hp = self.hparams
+        counts = self._all_reduce(M.episode_counts(episodes))
+        metrics = M.episode_metrics(counts)
+        metrics.update(M.context_metrics(exp, self._all_reduce))
+        metrics.update(timer.metrics(exp, self._all_reduce))
+        metrics.update(update)
+        metrics["logprob/mismatch"] = self._mismatch(exp)
+        metrics.update(getattr(self.trainer.strategy, "stage_metrics", {}) or {})
+        metrics.update(getattr(self, "_dispatch_stats", {}) or {})
+        metrics["rl/iteration"] = float(self.rl_iteration)
+        for name in ("reward/mean", "env/win_rate"):
+            if name in metrics:
+                self.log(name, metrics.pop(name), prog_bar=True, on_step=True, rank_zero_only=True)
+        self.log_dict(metrics, on_step=True, rank_zero_only=True)
+        if hp.transcript_every_n_steps and step % hp.transcript_every_n_steps == 0 and self.global_rank == 0:
+            M.log_transcripts(self.loggers, episodes[:2], step)
+
+    def _mismatch(self, exp: ExperienceBatch) -> float:
+        mask = exp.tokens["action_mask"] > 0
+        local = (exp.tokens["rollout_logprobs"] - exp.tokens["old_logprobs"]).abs()[mask]
+        value = local.max() if local.numel() else torch.zeros(())
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        value = float(value)
+        if value > self.hparams.logprob_mismatch_warn:
+            warnings.warn(
+                f"rollout log-probs differ from the trainer's recomputed log-probs by {value:.3g} "
+                f"(> logprob_mismatch_warn={self.hparams.logprob_mismatch_warn}): the generation weights are "
+                f"probably stale or the sampling settings differ", RuntimeWarning, stacklevel=2)
+        return value
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def evaluate(self, specs: list[EpisodeSpec]) -> dict[str, float]:
+        """Play ``specs`` greedily; rates over all ranks."""
+        sampling = SamplingConfig(**{**vars(self.sampling), "greedy": True, "seed": 0})
+        was_training = self.policy.training
+        episodes = self._rollout(self._local_specs(specs), sampling)
+        self.policy.train(was_training)
+        counts = self._all_reduce(M.episode_counts(episodes))
+        return {f"val/{k.split('/', 1)[1]}": v for k, v in M.episode_metrics(counts).items()}
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int):
+        metrics = self.evaluate(batch["specs"])
+        self.log_dict(metrics, on_epoch=True, rank_zero_only=True)
+        self.log("val/win_rate", metrics["val/win_rate"], prog_bar=True, on_epoch=True, rank_zero_only=True)
+
+    def on_train_start(self) -> None:
+        # The first evaluation, before any update: the learning curve's baseline at step 0.
+        dm = self.trainer.datamodule
+        if self.global_step == 0 and dm is not None and getattr(dm, "eval_episodes", 0) and \
+                self.trainer.val_dataloaders is not None and self.trainer.limit_val_batches:
+            specs = next(iter(dm.val_dataloader()))["specs"]
+            metrics = self.evaluate(specs)
+            for logger in self.loggers:
+                logger.log_metrics(metrics, step=0)
+
+    # ---- checkpointing ----------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["earl"] = {"rl_iteration": self.rl_iteration}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.rl_iteration = checkpoint.get("earl", {}).get("rl_iteration", 0)
+        self.configure_model()

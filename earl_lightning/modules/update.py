@@ -1,0 +1,147 @@
+"""The policy (and value) update of one RL iteration: epochs x mini-batches x micro-batches.
+
+Loss denominators are global (all micro-batches of all data-parallel ranks of a mini-batch), so
+the summed gradient equals the gradient of the whole mini-batch's loss computed at once, whatever
+the layout and the micro-batch token budget: this is what makes layouts numerically equivalent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from earl_lightning.algorithms import aggregate, get_kl_estimator, policy_loss, value_loss
+from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.modules.experience_ops import forward_micro_batch
+
+
+@dataclass
+class UpdateConfig:
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batch_tokens: int = 16384
+    temperature: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    loss_agg: str = "token_mean"
+    norm_constant: float = 4096.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    value_coef: float = 0.5
+    value_clip: float = 0.2
+    max_grad_norm: float = 1.0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _sum_all(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if _world() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _max_all(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.long)
+    if _world() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def mini_batch_indices(batch: ExperienceBatch, n: int) -> list[list[int]]:
+    """Split sequences into ``n`` contiguous mini-batches (deterministic, same on every rank)."""
+    s = batch.num_seqs
+    bounds = [round(i * s / n) for i in range(n + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(n)]
+
+
+def micro_batch_loss(module, mb: ExperienceBatch, cfg: UpdateConfig, denom: dict) -> tuple[torch.Tensor, dict]:
+    """Loss of one micro-batch, scaled so that summing over micro-batches and ranks gives the
+    mini-batch loss. Returns the loss and un-normalized stat sums."""
+    value_head = getattr(module, "value_head", None)
+    res = forward_micro_batch(module.policy, mb, temperature=cfg.temperature, value_head=value_head,
+                              with_entropy=True)
+    mask = mb.padded("action_mask", 0.0)
+    logp, old = mb.pad(res["logprobs"], 0.0), mb.padded("old_logprobs", 0.0)
+    adv = mb.padded("advantages", 0.0)
+    tok_loss, pstats = policy_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    agg = dict(num_tokens=denom["tokens"], num_seqs=denom["seqs"], norm_constant=cfg.norm_constant)
+    loss = aggregate(tok_loss, mask, cfg.loss_agg, **agg)
+    ent = mb.pad(res["entropy"], 0.0)
+    stats = {"loss/policy": float(loss), "policy/entropy": float((ent * mask).sum() / denom["tokens"]),
+             "policy/clip_frac": float(pstats["clip_frac"]) * float(mask.sum()) / denom["tokens"],
+             "policy/approx_kl": float(pstats["approx_kl"]) * float(mask.sum()) / denom["tokens"]}
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.loss_agg, **agg)
+    if cfg.kl_coef and "ref_logprobs" in mb.tokens:
+        kl = get_kl_estimator(cfg.kl_estimator)(logp, mb.padded("ref_logprobs", 0.0))
+        kl_loss = aggregate(kl, mask, cfg.loss_agg, **agg)
+        loss = loss + cfg.kl_coef * kl_loss
+        stats["loss/kl"] = float(kl_loss)
+    if value_head is not None:
+        v = mb.pad(res["values"], 0.0)
+        vl = value_loss(v, mb.padded("values", 0.0), mb.padded("returns", 0.0), mask, clip=cfg.value_clip)
+        vloss = aggregate(vl, mask, "token_mean", num_tokens=denom["tokens"])
+        loss = loss + cfg.value_coef * vloss
+        stats["loss/value"] = float(vloss)
+    return loss, stats
+
+
+def _dummy_loss(module) -> torch.Tensor:
+    """A zero loss through every parameter, for ranks with fewer micro-batches than others:
+    collective-backed parameters (FSDP, TP) need every rank in every forward/backward."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=module.device)
+    out = module.policy(input_ids=ids, use_cache=False, output_hidden_states=module.value_head is not None)
+    loss = out.logits.sum() * 0.0
+    if module.value_head is not None:
+        loss = loss + module.value_head(out.hidden_states[-1].float()).sum() * 0.0
+    return loss
+
+
+def ppo_update(module, batch: ExperienceBatch, cfg: UpdateConfig) -> dict[str, float]:
+    opt = module.optimizers()
+    sched = module.lr_schedulers()
+    totals: dict[str, float] = {}
+    grad_norms = []
+    for _epoch in range(cfg.ppo_epochs):
+        for idx in mini_batch_indices(batch, cfg.mini_batches):
+            mini = batch.select(idx)
+            mask_tok = mini.tokens["action_mask"]
+            seqs_with_actions = float((mini.pad(mask_tok, 0.0).sum(-1) > 0).sum()) if mini.num_seqs else 0.0
+            tokens, seqs = _sum_all([float(mask_tok.sum()), seqs_with_actions])
+            denom = {"tokens": max(tokens, 1.0), "seqs": max(seqs, 1.0)}
+            micro = mini.split_by_tokens(cfg.micro_batch_tokens) if mini.num_seqs else []
+            for mb in micro:
+                loss, stats = micro_batch_loss(module, mb, cfg, denom)
+                module.manual_backward(loss)
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+            for _ in range(_max_all(len(micro)) - len(micro)):
+                module.manual_backward(_dummy_loss(module))
+            grad_norms.append(_clip(module, cfg.max_grad_norm))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
+    steps = cfg.ppo_epochs * cfg.mini_batches
+    keys = sorted(totals)
+    summed = _sum_all([totals[k] for k in keys])
+    out = {k: v / steps for k, v in zip(keys, summed)}
+    out["grad_norm"] = float(sum(grad_norms) / max(1, len(grad_norms)))
+    out["lr"] = float(opt.param_groups[0]["lr"])
+    return out
+
+
+def _clip(module, max_norm: float) -> float:
+    params = [p for p in module.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
