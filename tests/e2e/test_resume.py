@@ -1,0 +1,58 @@
+"""`earl fit ... --ckpt_path last` after an interrupted run ends where an uninterrupted run ends."""
+
+from pathlib import Path
+
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from earl_lightning.cli import main
+
+RECIPE = Path(__file__).parents[2] / "recipes" / "connect4_grpo.yaml"
+
+
+def recipe_checkpointing_every_step(tmp_path: Path) -> Path:
+    cfg = yaml.safe_load(RECIPE.read_text())
+    cfg["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                    "init_args": {"save_last": True, "every_n_train_steps": 1}}]
+    out = tmp_path / "recipe.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def args(recipe, root, steps, *extra):
+    return ["fit", "--config", str(recipe), "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root),
+            "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", "100",
+            "--trainer.limit_val_batches", "0", "--data.batch_size", "8", "--data.group_size", "4",
+            "--data.eval_episodes", "0", *extra]
+
+
+def scalars(root: Path, tag: str) -> dict[int, float]:
+    out = {}
+    for ev in sorted(root.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(ev)); acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            out.update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def last_state(root: Path) -> dict:
+    ckpt = max(root.rglob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return torch.load(ckpt, map_location="cpu", weights_only=False)
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    recipe = recipe_checkpointing_every_step(tmp_path)
+    main(args(recipe, full, 4))
+    main(args(recipe, part, 2))
+    main(args(recipe, part, 4, "--ckpt_path", "last"))
+    a, b = last_state(full), last_state(part)
+    assert a["global_step"] == b["global_step"] == 4
+    assert a["earl"]["rl_iteration"] == b["earl"]["rl_iteration"] == 4
+    for k, v in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][k], v, rtol=0, atol=0, msg=f"parameter {k} differs")
+    ra, rb = scalars(full, "reward/mean"), scalars(part, "reward/mean")
+    assert set(ra) == set(rb) and len(ra) == 4
+    for step in ra:
+        assert ra[step] == rb[step], f"reward/mean differs at step {step}"
