@@ -1,0 +1,59 @@
+"""Bad input fails at configuration time with a message naming the argument and the value."""
+
+import pytest
+
+from earl_lightning.cli import main
+from earl_lightning.data.datamodule import EpisodeDataModule
+from earl_lightning.modules import AgenticRLModule
+
+
+def test_unknown_env_name_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown `--data.env` 'conect_four'.*valid environments:.*connect_four"):
+        EpisodeDataModule(env="conect_four")
+
+
+def test_unknown_game_name():
+    with pytest.raises(ValueError, match=r"game.*'checkers_xyz'"):
+        EpisodeDataModule(env="openspiel", env_kwargs={"game": "checkers_xyz"})
+
+
+def test_batch_size_not_multiple_of_group_size():
+    with pytest.raises(ValueError, match=r"`--data.batch_size` \(10\) must be a multiple of `--data.group_size` \(4\)"):
+        EpisodeDataModule(batch_size=10, group_size=4)
+
+
+def test_unknown_algorithm():
+    with pytest.raises(ValueError, match=r"unknown `--model.algorithm` 'gpro'; valid: \['grpo', 'reinforce_pp', 'ppo'\]"):
+        AgenticRLModule(algorithm="gpro")
+
+
+def test_unknown_loss_aggregation():
+    with pytest.raises(ValueError, match=r"--model.loss_agg.*'token_avg'.*token_mean"):
+        AgenticRLModule(loss_agg="token_avg")
+
+
+def test_unknown_kl_estimator():
+    with pytest.raises(ValueError, match=r"--model.kl_estimator.*'k9'.*k3"):
+        AgenticRLModule(kl_estimator="k9")
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(FileNotFoundError, match=r"`--model.model`: model path '.*no_such_model' does not exist"):
+        AgenticRLModule(model=missing)
+
+
+def test_max_context_tokens_smaller_than_first_observation():
+    module = AgenticRLModule(max_context_tokens=20)
+    dm = EpisodeDataModule()
+    with pytest.raises(ValueError, match=r"`--model.max_context_tokens` \(20\) is smaller than the first observation"):
+        module._check_first_observation(dm.first_spec())
+
+
+def test_cli_reports_config_errors_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", "recipes/connect4_grpo.yaml", "--data.batch_size", "10", "--data.group_size", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "earl: error: `--data.batch_size` (10) must be a multiple of `--data.group_size` (4)" in err
+    assert "Traceback" not in err
