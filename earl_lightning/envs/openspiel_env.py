@@ -1,0 +1,235 @@
+"""Two-player OpenSpiel board games (connect_four, tic_tac_toe, ...) against a fixed opponent.
+
+The observation is deliberately compact, because a character-level model reads it every turn::
+
+    You are x. Opponent played 3.
+    .......
+    ...o...
+    Legal: 0 1 2 3 4 5 6
+
+(the board is exactly OpenSpiel's ``str(state)``). The action is the first integer in the model's
+text. Also here: two scripted baseline policies and ``evaluate_policy``, which give the win rates
+an RL agent should beat.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+import pyspiel
+from open_spiel.python.algorithms import mcts
+
+from earl_lightning.envs.base import Env, StepResult, register_env
+from earl_lightning.envs.parsing import (Seat, agent_player, check_choice, check_finite,
+                                         check_positive_int, check_seat, check_seed, first_int)
+
+# Marks as OpenSpiel prints them for player 0 / player 1; other games say "player 0".
+_MARKS = {"connect_four": ("x", "o"), "tic_tac_toe": ("x", "o")}
+_UCT_C = 2.0  # OpenSpiel's own examples use this exploration constant for MCTSBot.
+# Registered with a game type that qualifies, but it is a loader for a game file, not a game.
+_NOT_STANDALONE = frozenset({"efg_game"})
+
+
+@functools.lru_cache(maxsize=1)
+def suitable_games() -> tuple[str, ...]:
+    """Registered OpenSpiel games this env can play: 2 players, sequential, deterministic,
+    perfect information, reward only at the end (read from the game types, nothing loaded)."""
+    T = pyspiel.GameType
+    return tuple(sorted(
+        t.short_name for t in pyspiel.registered_games()
+        if t.short_name not in _NOT_STANDALONE and t.min_num_players <= 2 <= t.max_num_players
+        and t.dynamics == T.Dynamics.SEQUENTIAL
+        and t.chance_mode == T.ChanceMode.DETERMINISTIC
+        and t.information == T.Information.PERFECT_INFORMATION
+        and t.reward_model == T.RewardModel.TERMINAL))
+
+
+def load_two_player_game(game: str, arg: str = "game") -> pyspiel.Game:
+    """Load ``game`` (a name, or ``name(param=value,...)``) and check that it is playable here."""
+    if not isinstance(game, str):
+        raise ValueError(f"`{arg}` must be an OpenSpiel game name, got {game!r}")
+    short = game.split("(", 1)[0].strip()
+    if short not in pyspiel.registered_names():
+        raise ValueError(f"unknown `{arg}` {game!r}; suitable OpenSpiel games: {list(suitable_games())}")
+    try:
+        loaded = pyspiel.load_game(game)
+    except pyspiel.SpielError as err:
+        raise ValueError(f"`{arg}` {game!r} could not be loaded by OpenSpiel: {err}") from err
+    t = loaded.get_type()
+    T = pyspiel.GameType
+    if (loaded.num_players() != 2 or t.dynamics != T.Dynamics.SEQUENTIAL
+            or t.chance_mode != T.ChanceMode.DETERMINISTIC
+            or t.information != T.Information.PERFECT_INFORMATION
+            or t.reward_model != T.RewardModel.TERMINAL):
+        raise ValueError(
+            f"`{arg}` {game!r} is not a 2-player, sequential, deterministic, perfect-information "
+            f"game with terminal rewards; suitable OpenSpiel games: {list(suitable_games())}")
+    return loaded
+
+
+def _outcome(returns: Sequence[float], agent: int) -> tuple[str, float]:
+    """Outcome and reward (+1 / 0 / -1) from the agent's seat, by comparing the two returns."""
+    mine, theirs = returns[agent], returns[1 - agent]
+    if mine > theirs:
+        return "win", 1.0
+    if mine < theirs:
+        return "loss", -1.0
+    return "draw", 0.0
+
+
+class OpenSpielEnv:
+    """A two-player OpenSpiel game; the agent plays one seat, a fixed opponent the other.
+
+    Args:
+        game: OpenSpiel game name (optionally with parameters, ``"connect_four(rows=5)"``); must
+            be 2-player, sequential, deterministic, perfect-information, terminal-reward.
+        opponent: ``"random"`` (uniform over legal moves, RNG seeded from the episode seed) or
+            ``"mcts"`` (OpenSpiel's ``MCTSBot`` with a random-rollout evaluator).
+        mcts_simulations: MCTS simulations per opponent move.
+        mcts_rollouts: random rollouts per MCTS leaf evaluation.
+        seat: ``"alternate"`` (agent moves first on even seeds, second on odd), or 0 / 1.
+        invalid_reward: reward when the agent's text names no legal action (ends the episode).
+    """
+
+    def __init__(self, game: str = "connect_four", opponent: Literal["random", "mcts"] = "random",
+                 mcts_simulations: int = 50, mcts_rollouts: int = 1, seat: Seat = "alternate",
+                 invalid_reward: float = -1.0) -> None:
+        self.game_name = game
+        self.game = load_two_player_game(game)
+        self.opponent = check_choice(opponent, "opponent", ("random", "mcts"))
+        self.mcts_simulations = check_positive_int(mcts_simulations, "mcts_simulations")
+        self.mcts_rollouts = check_positive_int(mcts_rollouts, "mcts_rollouts")
+        self.seat = check_seat(seat)
+        self.invalid_reward = check_finite(invalid_reward, "invalid_reward")
+        self._marks = _MARKS.get(self.game.get_type().short_name, ("player 0", "player 1"))
+        # Placeholders until reset(); `_done` makes step() refuse to run before it.
+        self._state = self.game.new_initial_state()
+        self._agent = 0
+        self._opponent_move = self._make_opponent(0)
+        self._done = True
+
+    # ---- Env protocol --------------------------------------------------------------------
+    def reset(self, seed: int) -> str:
+        seed = check_seed(seed)
+        self._state = self.game.new_initial_state()
+        self._agent = agent_player(self.seat, seed)
+        self._opponent_move = self._make_opponent(seed)
+        self._done = False
+        return self._observation(self._play_opponent())
+
+    def step(self, action: str) -> StepResult:
+        if self._done:
+            raise RuntimeError("step() called on a finished episode; call reset(seed) first")
+        state = self._state
+        legal = state.legal_actions()
+        chosen = first_int(action)
+        if chosen is None or chosen not in legal:
+            # An illegal move forfeits the game, so win-rate metrics count it as a loss.
+            self._done = True
+            return StepResult(f"Invalid move. Legal: {_join(legal)}", self.invalid_reward, True,
+                              {"invalid_action": True, "outcome": "loss"})
+        state.apply_action(chosen)
+        played = self._play_opponent()
+        if state.is_terminal():
+            self._done = True
+            outcome, reward = _outcome(state.returns(), self._agent)
+            return StepResult(self._observation(played, outcome), reward, True,
+                              {"invalid_action": False, "outcome": outcome})
+        return StepResult(self._observation(played), 0.0, False, {"invalid_action": False})
+
+    # ---- internals -----------------------------------------------------------------------
+    def _make_opponent(self, seed: int) -> Callable[[pyspiel.State], int]:
+        if self.opponent == "random":
+            rng = random.Random(seed)
+            return lambda state: rng.choice(state.legal_actions())
+        rs = np.random.RandomState(seed)
+        evaluator = mcts.RandomRolloutEvaluator(n_rollouts=self.mcts_rollouts, random_state=rs)
+        bot = mcts.MCTSBot(self.game, _UCT_C, self.mcts_simulations, evaluator, random_state=rs)
+        return bot.step
+
+    def _play_opponent(self) -> list[int]:
+        """Let the opponent move until it is the agent's turn (some games grant extra moves)."""
+        played: list[int] = []
+        while not self._state.is_terminal() and self._state.current_player() != self._agent:
+            move = int(self._opponent_move(self._state))
+            self._state.apply_action(move)
+            played.append(move)
+        return played
+
+    def _observation(self, played: list[int], outcome: str | None = None) -> str:
+        head = f"You are {self._marks[self._agent]}."
+        if played:
+            head += f" Opponent played {_join(played)}."
+        board = str(self._state).rstrip("\n")
+        tail = f"Result: {outcome}." if outcome else f"Legal: {_join(self._state.legal_actions())}"
+        return f"{head}\n{board}\n{tail}"
+
+
+def _join(actions: Sequence[int]) -> str:
+    return " ".join(str(a) for a in actions)
+
+
+@register_env("openspiel")
+def _make_openspiel(**kwargs) -> Env:
+    return OpenSpielEnv(**kwargs)
+
+
+@register_env("connect_four")
+def _make_connect_four(**kwargs) -> Env:
+    if "game" in kwargs:
+        raise ValueError(f"env 'connect_four' fixes `game`; got game={kwargs['game']!r} "
+                         "(use env 'openspiel' to choose the game)")
+    return OpenSpielEnv(game="connect_four", **kwargs)
+
+
+# ---- scripted baselines ------------------------------------------------------------------
+_LEGAL_LINE = re.compile(r"^Legal:((?: \d+)*)\s*$", re.MULTILINE)
+
+
+def legal_from_observation(observation: str) -> list[int]:
+    """The legal action ids listed on the observation's ``Legal:`` line (empty if none)."""
+    match = _LEGAL_LINE.search(observation)
+    return [int(a) for a in match.group(1).split()] if match else []
+
+
+def uniform_policy(seed: int = 0) -> Callable[[str], str]:
+    """A policy that plays a uniformly random legal move (its own RNG, seeded once)."""
+    rng = random.Random(seed)
+    return lambda observation: str(rng.choice(legal_from_observation(observation)))
+
+
+def preference_policy(order: Sequence[int] = (3, 2, 4, 1, 5, 0, 6)) -> Callable[[str], str]:
+    """A policy that plays the first legal action in ``order`` (default: centre-first columns)."""
+    order = list(order)
+
+    def policy(observation: str) -> str:
+        legal = set(legal_from_observation(observation))
+        return str(next((a for a in order if a in legal), min(legal, default=0)))
+
+    return policy
+
+
+def evaluate_policy(env: Env, policy: Callable[[str], str], seeds: Sequence[int],
+                    max_steps: int = 1000) -> dict[str, float]:
+    """Play one episode per seed; return the fractions of ``win``/``draw``/``loss``/``invalid``
+    and the ``mean_reward``."""
+    counts = {"win": 0, "draw": 0, "loss": 0, "invalid": 0}
+    total = 0.0
+    for seed in seeds:
+        observation = env.reset(seed)
+        for _ in range(max_steps):
+            result = env.step(policy(observation))
+            observation = result.observation
+            if result.done:
+                break
+        else:
+            raise RuntimeError(f"episode with seed {seed} did not end within {max_steps} steps")
+        total += result.reward
+        key = "invalid" if result.info.get("invalid_action") else result.info["outcome"]
+        counts[key] += 1
+    n = max(len(seeds), 1)
+    return {**{k: v / n for k, v in counts.items()}, "mean_reward": total / n}

@@ -1,0 +1,90 @@
+"""Helpers shared by the built-in environments: reading actions out of model text, and the
+argument checks (seat, seed, numbers) that every game env needs.
+
+Pure Python: no torch, no OpenSpiel, no TextArena, so every env module can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal, Union
+
+Seat = Union[Literal["alternate"], int]
+
+_FIRST_INT = re.compile(r"\d+")
+
+
+def first_int(text: str) -> int | None:
+    """The first run of decimal digits in ``text`` as an int, or ``None`` if there is none.
+
+    A leading minus sign is ignored on purpose: the games' action ids are non-negative, and a
+    small model that writes ``-3`` most likely meant column 3.
+    """
+    match = _FIRST_INT.search(text)
+    return int(match.group()) if match else None
+
+
+def find_call(text: str, names: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first ``name(...)`` call in ``text`` for one of ``names``, as ``(name, argument)``.
+
+    The argument runs to the matching closing parenthesis, so ``calc((2+3)*4)`` yields
+    ``"(2+3)*4"``. An unbalanced call (no matching ``)``) takes the rest of the text; the caller
+    decides whether that argument makes sense. ``None`` when no call to any name is present.
+    """
+    pattern = re.compile(r"\b(" + "|".join(re.escape(n) for n in names) + r")\s*\(")
+    match = pattern.search(text)
+    if match is None:
+        return None
+    start, depth = match.end(), 1
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return match.group(1), text[start:i]
+    return match.group(1), text[start:]
+
+
+def check_seat(seat: object, arg: str = "seat") -> Seat:
+    """Validate a seat setting: ``"alternate"`` or a player index 0 / 1."""
+    if seat == "alternate" or (type(seat) is int and seat in (0, 1)):
+        return seat  # type: ignore[return-value]
+    raise ValueError(f"`{arg}` must be 'alternate', 0 or 1, got {seat!r}")
+
+
+def agent_player(seat: Seat, seed: int) -> int:
+    """The player index the agent takes for this episode.
+
+    ``"alternate"`` gives the first move to the agent on even seeds and to the opponent on odd
+    ones, so a batch of consecutive seeds trains both seats equally.
+    """
+    if seat == "alternate":
+        return seed % 2
+    return int(seat)
+
+
+def check_seed(seed: object, arg: str = "seed") -> int:
+    """Episode seeds are non-negative ints (they seed NumPy and ``random`` generators)."""
+    if type(seed) is not int or seed < 0:
+        raise ValueError(f"`{arg}` must be a non-negative int, got {seed!r}")
+    return seed
+
+
+def check_positive_int(value: object, arg: str) -> int:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
+    return value
+
+
+def check_finite(value: object, arg: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"`{arg}` must be a finite number, got {value!r}")
+    return float(value)
+
+
+def check_choice(value: object, arg: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"`{arg}` must be one of {list(allowed)}, got {value!r}")
+    return value  # type: ignore[return-value]

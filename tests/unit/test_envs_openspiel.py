@@ -1,0 +1,224 @@
+"""OpenSpiel games: observation format, rules (win / loss / draw / illegal moves), seats,
+determinism, the MCTS opponent, and argument errors."""
+
+from __future__ import annotations
+
+import re
+
+import pyspiel
+import pytest
+
+from earl_lightning.envs import (OpenSpielEnv, check_env_name, evaluate_policy, make_env,
+                                 preference_policy, uniform_policy)
+from earl_lightning.envs.openspiel_env import legal_from_observation
+
+EMPTY_C4 = "\n".join(["......."] * 6)
+
+
+def play(env: OpenSpielEnv, seed: int, policy) -> tuple[list[str], list]:
+    """Run one episode; return every observation and every StepResult."""
+    observations, results = [env.reset(seed)], []
+    while not results or not results[-1].done:
+        results.append(env.step(policy(observations[-1])))
+        observations.append(results[-1].observation)
+    return observations, results
+
+
+def replay(game: str, observations: list[str], actions: list[int]) -> pyspiel.State:
+    """Rebuild the game independently from the agent's moves and the opponent moves the
+    observations report, so the env's bookkeeping is checked against OpenSpiel itself."""
+    state = pyspiel.load_game(game).new_initial_state()
+    for i, obs in enumerate(observations):
+        head = obs.splitlines()[0]
+        match = re.search(r"Opponent played ([\d ]+)\.", head)
+        for move in (match.group(1).split() if match else []):
+            state.apply_action(int(move))
+        if i < len(actions) and not state.is_terminal():
+            state.apply_action(actions[i])
+    return state
+
+
+def scripted(moves: list[int]):
+    """Plays ``moves`` in order, then the first legal action."""
+    it = iter(moves)
+    return lambda observation: f"I play {next(it, legal_from_observation(observation)[0])}"
+
+
+def first_seed(env, seeds, policy_factory, accept):
+    """The first seed whose episode satisfies ``accept`` (the random opponent depends on it)."""
+    for seed in seeds:
+        obs, res = play(env, seed, policy_factory())
+        if accept(obs, res):
+            return seed, obs, res
+    raise AssertionError("no seed produced the scripted situation")
+
+
+def test_observation_shape_agent_first():
+    obs = OpenSpielEnv().reset(0)
+    assert obs == f"You are x.\n{EMPTY_C4}\nLegal: 0 1 2 3 4 5 6"
+
+
+def test_observation_shape_opponent_first():
+    obs = OpenSpielEnv().reset(1)
+    lines = obs.splitlines()
+    col = int(re.fullmatch(r"You are o\. Opponent played (\d)\.", lines[0]).group(1))
+    assert lines[1:6] == ["......."] * 5
+    assert lines[6] == "." * col + "x" + "." * (6 - col)
+    assert lines[7] == "Legal: 0 1 2 3 4 5 6"
+
+
+def test_seat_alternates_with_seed_parity_and_can_be_fixed():
+    env = OpenSpielEnv()
+    for seed in range(6):
+        assert env.reset(seed).startswith("You are x." if seed % 2 == 0 else "You are o.")
+    assert OpenSpielEnv(seat=1).reset(0).startswith("You are o. Opponent played")
+    assert OpenSpielEnv(seat=0).reset(1) == f"You are x.\n{EMPTY_C4}\nLegal: 0 1 2 3 4 5 6"
+
+
+def test_vertical_win():
+    env = OpenSpielEnv()
+    seed, obs, res = first_seed(env, range(0, 40, 2), lambda: scripted([0, 0, 0, 0]),
+                                lambda o, r: len(r) == 4 and r[-1].info.get("outcome") == "win")
+    assert [r.reward for r in res] == [0.0, 0.0, 0.0, 1.0]
+    assert [r.done for r in res] == [False, False, False, True]
+    assert res[-1].info == {"invalid_action": False, "outcome": "win"}
+    rows = obs[-1].splitlines()[1:7]
+    assert [row[0] for row in rows[2:]] == ["x"] * 4
+    assert obs[-1].endswith("Result: win.")
+    assert replay("connect_four", obs, [0, 0, 0, 0]).returns() == [1.0, -1.0]
+
+
+def test_horizontal_win():
+    env = OpenSpielEnv()
+    _, obs, res = first_seed(env, range(0, 60, 2), lambda: scripted([0, 1, 2, 3]),
+                             lambda o, r: len(r) == 4 and r[-1].info.get("outcome") == "win")
+    assert res[-1].reward == 1.0
+    assert obs[-1].splitlines()[6].startswith("xxxx")
+    assert replay("connect_four", obs, [0, 1, 2, 3]).returns() == [1.0, -1.0]
+
+
+def test_loss_against_mcts_matches_openspiel_returns():
+    env = OpenSpielEnv(opponent="mcts", mcts_simulations=20)
+    first_legal = lambda o: str(legal_from_observation(o)[0])
+    obs, res = play(env, 1, first_legal)  # odd seed: the agent is player 1 ("o")
+    assert res[-1].info == {"invalid_action": False, "outcome": "loss"}
+    assert res[-1].reward == -1.0 and all(r.reward == 0.0 for r in res[:-1])
+    actions = [legal_from_observation(o)[0] for o in obs[:-1]]
+    state = replay("connect_four", obs, actions)
+    assert state.is_terminal() and state.returns() == [1.0, -1.0]
+    assert str(state).rstrip("\n") == "\n".join(obs[-1].splitlines()[1:7])
+
+
+def test_draw_on_tic_tac_toe():
+    env = OpenSpielEnv(game="tic_tac_toe")
+    _, obs, res = first_seed(env, range(40), lambda: uniform_policy(0),
+                             lambda o, r: r[-1].info.get("outcome") == "draw")
+    assert res[-1].reward == 0.0 and res[-1].done
+    board = obs[-1].splitlines()[1:4]
+    assert "." not in "".join(board) and obs[-1].endswith("Result: draw.")
+
+
+@pytest.mark.parametrize("text", ["7", "99", "left", "", "column three"])
+def test_out_of_range_or_missing_integer_is_invalid(text):
+    env = OpenSpielEnv()
+    env.reset(0)
+    res = env.step(text)
+    assert res.done and res.reward == -1.0
+    assert res.info == {"invalid_action": True, "outcome": "loss"}
+
+
+def test_full_column_is_invalid_and_custom_penalty():
+    env = OpenSpielEnv(game="connect_four(rows=2)", invalid_reward=-2.5)
+    obs = env.reset(0)
+    while True:
+        res = env.step("0")
+        if res.info["invalid_action"]:
+            break
+        obs = res.observation
+    assert 0 not in legal_from_observation(obs)  # the column was full when the agent chose it
+    assert res.reward == -2.5 and res.done
+
+
+def test_occupied_cell_is_invalid_in_tic_tac_toe():
+    env = OpenSpielEnv(game="tic_tac_toe", seat=0)
+    env.reset(3)
+    res = env.step("4")
+    assert not res.done and res.observation.splitlines()[2][1] == "x"
+    res = env.step("4")
+    assert res.info["invalid_action"] and res.reward == -1.0
+
+
+def test_first_integer_in_text_is_the_action():
+    env = OpenSpielEnv(seat=0)
+    env.reset(0)
+    res = env.step("Column 5, not 2")
+    assert res.observation.splitlines()[6][5] == "x"
+
+
+def test_episode_is_deterministic_given_seed_and_actions():
+    for opponent in ("random", "mcts"):
+        make = lambda: OpenSpielEnv(opponent=opponent, mcts_simulations=10)
+        for seed in (4, 5):
+            a, b = play(make(), seed, preference_policy()), play(make(), seed, preference_policy())
+            assert a[0] == b[0] and [r.reward for r in a[1]] == [r.reward for r in b[1]]
+        # A reused env object, after another episode, replays the same episode as a fresh one.
+        env = make()
+        play(env, 9, uniform_policy(1))
+        assert play(env, 7, preference_policy())[0] == play(make(), 7, preference_policy())[0]
+    # ... while the seed does change the random opponent's play.
+    first_moves = {OpenSpielEnv().reset(seed).splitlines()[0] for seed in range(1, 40, 2)}
+    assert len(first_moves) > 3
+
+
+def test_mcts_beats_random_play():
+    env = OpenSpielEnv(opponent="mcts", mcts_simulations=25)
+    stats = evaluate_policy(env, uniform_policy(0), range(6))
+    assert stats["loss"] >= 5 / 6
+
+
+def test_scripted_baselines_against_random_opponent():
+    # Win rates the RL agent should beat (200 seeds, seats alternate); see the report.
+    uniform = evaluate_policy(OpenSpielEnv(), uniform_policy(0), range(200))
+    centre = evaluate_policy(OpenSpielEnv(), preference_policy(), range(200))
+    assert 0.4 < uniform["win"] < 0.65 and uniform["invalid"] == 0.0
+    assert centre["win"] > 0.8 and centre["win"] > uniform["win"] + 0.2
+
+
+def test_step_after_done_raises():
+    env = OpenSpielEnv()
+    env.reset(0)
+    env.step("x")
+    with pytest.raises(RuntimeError, match="finished episode"):
+        env.step("3")
+
+
+def test_registry_builds_connect_four_and_openspiel():
+    assert make_env("connect_four").reset(0) == OpenSpielEnv().reset(0)
+    ttt = make_env("openspiel", game="tic_tac_toe", seat=0)
+    assert ttt.reset(0) == "You are x.\n...\n...\n...\nLegal: 0 1 2 3 4 5 6 7 8"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"game": "conect_four"}, r"unknown `game` 'conect_four'; suitable OpenSpiel games: .*'connect_four'"),
+    ({"game": "kuhn_poker"}, r"`game` 'kuhn_poker' is not a 2-player, sequential, deterministic.*'tic_tac_toe'"),
+    ({"game": "connect_four(rowz=3)"}, r"`game` 'connect_four\(rowz=3\)' could not be loaded"),
+    ({"opponent": "alphazero"}, r"`opponent` must be one of \['random', 'mcts'\], got 'alphazero'"),
+    ({"seat": 2}, r"`seat` must be 'alternate', 0 or 1, got 2"),
+    ({"mcts_simulations": 0}, r"`mcts_simulations` must be a positive int, got 0"),
+    ({"mcts_rollouts": 1.5}, r"`mcts_rollouts` must be a positive int, got 1.5"),
+    ({"invalid_reward": float("nan")}, r"`invalid_reward` must be a finite number, got nan"),
+])
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OpenSpielEnv(**kwargs)
+
+
+def test_bad_seed_and_env_name_raise():
+    with pytest.raises(ValueError, match=r"`seed` must be a non-negative int, got -1"):
+        OpenSpielEnv().reset(-1)
+    with pytest.raises(ValueError, match=r"unknown `env` 'connect4'; valid environments: .*'connect_four'"):
+        make_env("connect4")
+    with pytest.raises(ValueError, match=r"unknown `data.env` 'chess'"):
+        check_env_name("chess", arg="data.env")
+    with pytest.raises(ValueError, match=r"env 'connect_four' fixes `game`; got game='chess'"):
+        make_env("connect_four", game="chess")
