@@ -14,7 +14,9 @@ Per-sequence fields are 1-D tensors of length ``num_seqs``: ``rewards``, ``group
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -185,6 +187,77 @@ class ExperienceBatch:
             "context_p95": float(torch.quantile(lens, 0.95)),
         }
 
+    # ---- dtype grouping (what the dispatcher packs into one buffer per dtype) ----------------
+    def schema(self) -> tuple["FieldSpec", ...]:
+        """Every field as a :class:`FieldSpec`: token fields by name, then sequence fields by name."""
+        return (*(FieldSpec(k, "token", self.tokens[k].dtype) for k in sorted(self.tokens)),
+                *(FieldSpec(k, "seq", self.seqs[k].dtype) for k in sorted(self.seqs)))
+
+    @classmethod
+    def empty(cls, schema: tuple["FieldSpec", ...]) -> "ExperienceBatch":
+        """A batch with no sequences and the given fields (what a rank that produced nothing holds)."""
+        tokens = {f.name: torch.zeros(0, dtype=f.dtype) for f in schema if f.kind == "token"}
+        seqs = {f.name: torch.zeros(0, dtype=f.dtype) for f in schema if f.kind == "seq"}
+        return cls(torch.zeros(1, dtype=torch.long), tokens, seqs)
+
+    def row_bytes(self) -> tuple[int, int]:
+        """(bytes per token summed over token fields, bytes per sequence summed over sequence fields)."""
+        return (sum(t.element_size() for t in self.tokens.values()),
+                sum(t.element_size() for t in self.seqs.values()))
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b) if b else math.inf
+
+
+# Dtypes every torch.distributed backend (gloo, NCCL) moves natively; anything else (int16, uint16,
+# float8 ...) travels as its raw bytes, which is exact because the receiver views them back.
+WIRE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16,
+               torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One field of an :class:`ExperienceBatch`: its name, whether it is per token or per sequence,
+    and its dtype."""
+
+    name: str
+    kind: Literal["token", "seq"]
+    dtype: torch.dtype
+
+    @property
+    def wire(self) -> torch.dtype:
+        """The dtype this field travels as."""
+        return self.dtype if self.dtype in WIRE_DTYPES else torch.uint8
+
+    @property
+    def width(self) -> int:
+        """Wire elements per value (1, or the itemsize when the field travels as bytes)."""
+        return 1 if self.dtype in WIRE_DTYPES else torch.empty(0, dtype=self.dtype).element_size()
+
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.width == 1 and self.wire == self.dtype else t.contiguous().view(torch.uint8)
+
+    def from_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.wire == self.dtype else t.view(self.dtype)
+
+
+def group_by_wire_dtype(schema: tuple[FieldSpec, ...]) -> dict[torch.dtype, list[FieldSpec]]:
+    """Fields grouped by the dtype they travel as, groups in a fixed order (the order of
+    ``WIRE_DTYPES``) so every rank packs and unpacks identical layouts."""
+    groups: dict[torch.dtype, list[FieldSpec]] = {}
+    for dt in WIRE_DTYPES:
+        members = [f for f in schema if f.wire == dt]
+        if members:
+            groups[dt] = members
+    return groups
+
+
+def schema_fingerprint(schema: tuple[FieldSpec, ...]) -> int:
+    """A 31-bit checksum of field names, kinds and dtypes: ranks compare it before they exchange."""
+    text = ";".join(f"{f.kind}:{f.name}:{f.dtype}" for f in schema)
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def describe_schema(schema: tuple[FieldSpec, ...]) -> str:
+    return ", ".join(f"{f.name}[{f.kind}]:{str(f.dtype).removeprefix('torch.')}" for f in schema) or "(no fields)"

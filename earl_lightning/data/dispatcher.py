@@ -1,0 +1,267 @@
+"""The decentralized, layout-aware data dispatcher (EARL's all-to-all, for every tensor).
+
+``Dispatcher().exchange(batch, to=layout, src=previous_layout)`` moves an
+:class:`ExperienceBatch` from the layout that produced it to the layout that consumes it:
+
+1. all-gather metadata only: per rank a small int64 header (sequence count, field checksum), then
+   per sequence its token count and group id;
+2. every rank computes the same :class:`~earl_lightning.data.planner.DispatchPlan`;
+3. one ``all_to_all_single`` per wire dtype: every field of one dtype, for every destination, packed
+   into one flat buffer with split sizes taken from the plan; the sequence lengths travel too;
+4. in destination TP groups the plan serves by broadcast, the root broadcasts what it received;
+5. a local unpack into ascending canonical order (identical on every member of a TP group).
+
+Nothing is ever gathered on one rank. The centralized baseline lives in ``centralized.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from earl_lightning.data.experience import (
+    ExperienceBatch,
+    FieldSpec,
+    describe_schema,
+    group_by_wire_dtype,
+    schema_fingerprint,
+)
+from earl_lightning.data.planner import TP_MODES, DispatchPlan, TpMode, broadcast_chain, make_plan
+from earl_lightning.parallel.layout import Layout
+
+# Sequence lengths travel with the data so the receiver rebuilds cu_seqlens from what it received.
+LENGTHS = FieldSpec("_seq_lens", "seq", torch.int64)
+
+
+# ---- packing (shared with the centralized baseline) ---------------------------------------------
+def wire_schema(batch_schema: tuple[FieldSpec, ...]) -> dict[torch.dtype, list[FieldSpec]]:
+    """The batch's fields plus the lengths, grouped by the dtype they travel as."""
+    return group_by_wire_dtype((*batch_schema, LENGTHS))
+
+
+def chunk_elements(fields: list[FieldSpec], num_rows: int, num_tokens: int) -> int:
+    """Wire elements one chunk (``num_rows`` sequences, ``num_tokens`` tokens) of ``fields`` takes."""
+    return sum(f.width * (num_tokens if f.kind == "token" else num_rows) for f in fields)
+
+
+def wire_bytes_per_row(batch_schema: tuple[FieldSpec, ...]) -> tuple[int, int]:
+    """(bytes per token, bytes per sequence) on the wire, lengths included."""
+    size = {f: torch.empty(0, dtype=f.dtype).element_size() for f in (*batch_schema, LENGTHS)}
+    return (sum(s for f, s in size.items() if f.kind == "token"),
+            sum(s for f, s in size.items() if f.kind == "seq"))
+
+
+def _field_values(batch: ExperienceBatch, f: FieldSpec) -> torch.Tensor:
+    if f is LENGTHS:
+        return batch.seq_lens
+    return (batch.tokens if f.kind == "token" else batch.seqs)[f.name]
+
+
+def pack_chunks(batch: ExperienceBatch, chunks: list[list[int]]) -> dict[torch.dtype, tuple[torch.Tensor, list[int]]]:
+    """One flat buffer per wire dtype holding, chunk after chunk, the chosen rows of every field.
+
+    ``chunks[c]`` lists local row indices (a row may appear in several chunks). Returns
+    ``{dtype: (buffer, elements per chunk)}``; inside a chunk the fields follow the schema order.
+    """
+    rows = [i for chunk in chunks for i in chunk]
+    picked = batch.select(rows) if rows else ExperienceBatch.empty(batch.schema())
+    lens = picked.seq_lens
+    rows_per = [len(c) for c in chunks]
+    toks_per = [int(t.sum()) for t in torch.split(lens, rows_per)]
+    out = {}
+    for dtype, fields in wire_schema(batch.schema()).items():
+        pieces = {f: torch.split(f.to_wire(_field_values(picked, f)),
+                                 [f.width * (t if f.kind == "token" else r) for r, t in zip(rows_per, toks_per)])
+                  for f in fields}
+        flat = [pieces[f][c] for c in range(len(chunks)) for f in fields]
+        buffer = torch.cat(flat) if flat else torch.zeros(0, dtype=dtype)
+        out[dtype] = (buffer, [chunk_elements(fields, r, t) for r, t in zip(rows_per, toks_per)])
+    return out
+
+
+def unpack_chunks(buffers: dict[torch.dtype, torch.Tensor], batch_schema: tuple[FieldSpec, ...],
+                  rows_per: list[int], toks_per: list[int]) -> ExperienceBatch:
+    """Inverse of :func:`pack_chunks`: the chunks' rows laid end to end, in chunk order."""
+    parts: dict[FieldSpec, list[torch.Tensor]] = {}
+    for dtype, fields in wire_schema(batch_schema).items():
+        sizes = [f.width * (t if f.kind == "token" else r) for r, t in zip(rows_per, toks_per) for f in fields]
+        views = torch.split(buffers[dtype], sizes)
+        for j, view in enumerate(views):
+            parts.setdefault(fields[j % len(fields)], []).append(view)
+    values = {f: f.from_wire(torch.cat(v)) if v else torch.zeros(0, dtype=f.dtype) for f, v in parts.items()}
+    lens = values.pop(LENGTHS) if LENGTHS in values else torch.zeros(0, dtype=torch.long)
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.long)
+    cu[1:] = torch.cumsum(lens, 0)
+    return ExperienceBatch(cu, {f.name: v for f, v in values.items() if f.kind == "token"},
+                           {f.name: v for f, v in values.items() if f.kind == "seq"})
+
+
+# ---- the dispatcher ------------------------------------------------------------------------------
+def check_layout(layout: Layout, arg: str, world_size: int) -> Layout:
+    """``layout`` must be a :class:`Layout` covering the world; errors name ``arg``."""
+    if not isinstance(layout, Layout):
+        raise ValueError(f"`{arg}` must be a Layout(dp=..., tp=...), got {layout!r}")
+    return layout.check_world(world_size, arg=arg)
+
+
+class Dispatcher:
+    """Moves experience batches between layouts with one all-to-all per dtype.
+
+    ``group``: the process group to dispatch over (default: the world). ``tp_mode``: how a
+    destination TP group gets its rows: ``"auto"`` (the plan picks, per group, whatever moves fewer
+    bytes through the busiest rank), ``"direct"`` (every member receives them) or ``"broadcast"``
+    (one member receives them and broadcasts). After each exchange, ``last_stats`` holds
+    ``bytes`` (this rank's bytes sent + received), ``bytes_sent``, ``bytes_recv``,
+    ``busiest_rank_bytes``, ``total_bytes`` (all ranks' bytes sent), ``seconds``, ``imbalance``
+    (max over mean tokens per destination dp rank), ``num_seqs`` and ``num_tokens`` received.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, tp_mode: TpMode = "auto") -> None:
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"`tp_mode` must be one of {list(TP_MODES)}, got {tp_mode!r}")
+        self.group = group
+        self.tp_mode = tp_mode
+        self.last_stats: dict[str, float] = {}
+        self.last_plan: DispatchPlan | None = None
+        self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def exchange(self, batch: ExperienceBatch, to: Layout, *, src: Layout | None = None,
+                 keep_groups: bool = False) -> ExperienceBatch:
+        """This rank's share of the batch under layout ``to``.
+
+        ``src`` is the layout that produced ``batch`` (members of one of its TP groups hold
+        identical batches); ``None`` means every rank holds its own rows. ``keep_groups`` keeps
+        sequences that share a ``group_ids`` value on one dp rank (GRPO groups).
+        """
+        start = time.perf_counter()
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        to = check_layout(to, "to", world)
+        src = check_layout(Layout(dp=world, tp=1) if src is None else src, "src", world)
+        batch.validate()
+        batch, lengths, group_ids = self._gather_metadata(batch, keep_groups)
+        token_bytes, seq_bytes = wire_bytes_per_row(batch.schema())
+        plan = make_plan(lengths, group_ids, src=src, dst=to, token_bytes=token_bytes,
+                         seq_bytes=seq_bytes, keep_groups=keep_groups, tp_mode=self.tp_mode)
+        received = self._all_to_all(batch, plan, rank)
+        received, as_rank = self._tp_broadcast(plan, received, rank, batch.schema())
+        out = unpack_received(plan, as_rank, received, batch.schema())
+        self.last_plan = plan
+        self.last_stats = dispatch_stats(plan, rank, time.perf_counter() - start, out)
+        return out
+
+    # -- step 1: metadata ---------------------------------------------------------------------
+    def _gather_metadata(self, batch: ExperienceBatch, keep_groups: bool,
+                         ) -> tuple[ExperienceBatch, list[list[int]], list[list[int]]]:
+        if keep_groups and "group_ids" not in batch.seqs:
+            raise ValueError("`keep_groups=True` needs a `group_ids` sequence field in the batch; it has: "
+                             f"{describe_schema(batch.schema())}")
+        world = dist.get_world_size(self.group)
+        header = torch.tensor([batch.num_seqs, schema_fingerprint(batch.schema())], dtype=torch.long)
+        headers = [torch.empty_like(header) for _ in range(world)]
+        dist.all_gather(headers, header, group=self.group)
+        counts = [int(h[0]) for h in headers]
+        batch = self._agree_on_schema(batch, [int(h[1]) for h in headers], counts)
+        gids = batch.seqs.get("group_ids", torch.full((batch.num_seqs,), -1, dtype=torch.long))
+        table = torch.full((max(counts), 2), -1, dtype=torch.long)
+        table[: batch.num_seqs, 0] = batch.seq_lens
+        table[: batch.num_seqs, 1] = gids.long()
+        tables = [torch.empty_like(table) for _ in range(world)]
+        dist.all_gather(tables, table, group=self.group)
+        return (batch, [t[:c, 0].tolist() for t, c in zip(tables, counts)],
+                [t[:c, 1].tolist() for t, c in zip(tables, counts)])
+
+    def _agree_on_schema(self, batch: ExperienceBatch, prints: list[int], counts: list[int]) -> ExperienceBatch:
+        """Ranks holding sequences must agree on the fields; a rank holding none adopts theirs."""
+        filled = sorted({p for p, c in zip(prints, counts) if c})
+        if len(filled) > 1:
+            raise ValueError(
+                "ranks hold batches with different fields (checksum per rank: "
+                f"{prints}); this rank (rank {dist.get_rank(self.group)}) holds {describe_schema(batch.schema())}"
+            )
+        if all(p == prints[0] for p in prints):
+            return batch
+        # Rare path (a rank produced nothing and built its empty batch without the fields): fetch the
+        # schema from a rank that holds sequences.
+        schemas = [None] * len(prints)
+        dist.all_gather_object(schemas, batch.schema(), group=self.group)
+        schema = schemas[counts.index(max(counts))]
+        return batch if batch.num_seqs else ExperienceBatch.empty(schema)
+
+    # -- step 3: the all-to-all ----------------------------------------------------------------
+    def _all_to_all(self, batch: ExperienceBatch, plan: DispatchPlan, rank: int) -> dict[torch.dtype, torch.Tensor]:
+        world = plan.world_size
+        chunks = [[plan.src_index[i] for i in plan.rows_from(rank, d)] for d in range(world)]
+        packed = pack_chunks(batch, chunks)
+        received = {}
+        for dtype, fields in wire_schema(batch.schema()).items():
+            buffer, send_sizes = packed[dtype]
+            recv_sizes = [_elements(plan, fields, plan.rows_from(s, rank)) for s in range(world)]
+            out = torch.empty(sum(recv_sizes), dtype=dtype)
+            dist.all_to_all_single(out, buffer, recv_sizes, send_sizes, group=self.group)
+            received[dtype] = out
+        return received
+
+    # -- step 4: broadcast inside destination TP groups ------------------------------------------
+    def _tp_broadcast(self, plan: DispatchPlan, received: dict[torch.dtype, torch.Tensor], rank: int,
+                      schema: tuple[FieldSpec, ...]) -> tuple[dict[torch.dtype, torch.Tensor], int]:
+        """Members of a broadcast-mode TP group take the root's received buffers (and unpack them
+        as the root does, so the group ends with identical batches)."""
+        g = plan.dst.coords(rank)[0]
+        if plan.tp_mode[g] != "broadcast" or plan.dst.tp == 1:
+            return received, rank
+        root = plan.root[g]
+        members = sorted(broadcast_chain(plan, g))
+        pg = self._subgroup(members)
+        out = {}
+        for dtype, fields in wire_schema(schema).items():
+            buffer = received[dtype]
+            if rank != root:
+                size = sum(_elements(plan, fields, plan.rows_from(s, root)) for s in range(plan.world_size))
+                buffer = torch.empty(size, dtype=dtype)
+            dist.broadcast(buffer, group=pg, group_src=members.index(root))
+            out[dtype] = buffer
+        return out, root
+
+    def _subgroup(self, ranks: list[int]) -> dist.ProcessGroup:
+        key = tuple(ranks)
+        if key not in self._subgroups:
+            global_ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in ranks]
+            # Only the members call new_group: other TP groups may be in direct mode.
+            self._subgroups[key] = dist.new_group(global_ranks, use_local_synchronization=True)
+        return self._subgroups[key]
+
+
+def _elements(plan: DispatchPlan, fields: list[FieldSpec], rows: list[int]) -> int:
+    return chunk_elements(fields, len(rows), sum(plan.lengths[i] for i in rows))
+
+
+def unpack_received(plan: DispatchPlan, receiver: int, buffers: dict[torch.dtype, torch.Tensor],
+                    schema: tuple[FieldSpec, ...]) -> ExperienceBatch:
+    """Unpack what ``receiver`` got in the all-to-all into ascending canonical order."""
+    world = plan.world_size
+    ids = [i for s in range(world) for i in plan.rows_from(s, receiver)]
+    rows_per = [len(plan.rows_from(s, receiver)) for s in range(world)]
+    toks_per = [sum(plan.lengths[i] for i in plan.rows_from(s, receiver)) for s in range(world)]
+    out = unpack_chunks(buffers, schema, rows_per, toks_per)
+    if out.seq_lens.tolist() != [plan.lengths[i] for i in ids]:
+        raise RuntimeError("dispatcher: received sequence lengths differ from the plan (ranks disagree on it)")
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    # Rows from one sender arrive sorted; several senders (or replicas) interleave canonical ids.
+    return out if order == list(range(len(ids))) else out.select(order)
+
+
+def dispatch_stats(plan: DispatchPlan, rank: int, seconds: float, out: ExperienceBatch) -> dict[str, float]:
+    """The figures the training step logs (``dispatch/bytes`` ...), for this rank."""
+    return {
+        "bytes": float(plan.sent[rank] + plan.recv[rank]),
+        "bytes_sent": float(plan.sent[rank]),
+        "bytes_recv": float(plan.recv[rank]),
+        "busiest_rank_bytes": float(plan.busiest_rank_bytes),
+        "total_bytes": float(sum(plan.sent)),
+        "seconds": seconds,
+        "imbalance": plan.imbalance,
+        "num_seqs": float(out.num_seqs),
+        "num_tokens": float(out.num_tokens),
+    }
