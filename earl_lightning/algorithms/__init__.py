@@ -1,0 +1,57 @@
+"""Pure RL math: advantages, policy/value losses, aggregation, KL estimators, log-probs.
+
+Tensors in, tensors out; no torch.distributed, Lightning or logging. Variants are registered by
+name; the ``get_*`` lookups raise a ValueError listing the valid names, for config-time checks.
+"""
+
+from earl_lightning.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    GRPO_SCALES,
+    discounted_returns,
+    gae_advantages,
+    get_advantage_estimator,
+    grpo_advantages,
+    outcome_to_token_rewards,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    whiten,
+)
+from earl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate, get_loss_aggregation
+from earl_lightning.algorithms.kl import (
+    KL_ESTIMATORS,
+    get_kl_estimator,
+    kl_divergence,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_penalized_rewards,
+)
+from earl_lightning.algorithms.logprobs import (
+    entropy,
+    entropy_bonus,
+    logprobs_from_logits,
+    shifted_entropy,
+    shifted_logprobs,
+)
+from earl_lightning.algorithms.losses import (
+    POLICY_LOSSES,
+    PolicyLossStats,
+    check_clip_args,
+    get_policy_loss,
+    gspo_loss,
+    ppo_clip_loss,
+    value_loss,
+)
+from earl_lightning.algorithms.moments import Moments, grouped_moments, moments
+from earl_lightning.algorithms.registry import Registry
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "GRPO_SCALES", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "POLICY_LOSSES",
+    "Moments", "PolicyLossStats", "Registry",
+    "aggregate", "check_clip_args", "discounted_returns", "entropy", "entropy_bonus", "gae_advantages",
+    "get_advantage_estimator", "get_kl_estimator", "get_loss_aggregation", "get_policy_loss",
+    "grouped_moments", "grpo_advantages", "gspo_loss", "kl_divergence", "kl_k1", "kl_k2", "kl_k3",
+    "kl_penalized_rewards", "logprobs_from_logits", "moments", "outcome_to_token_rewards",
+    "ppo_clip_loss", "reinforce_pp_advantages", "rloo_advantages", "shifted_entropy",
+    "shifted_logprobs", "value_loss", "whiten",
+]
