@@ -24,7 +24,7 @@ import pyspiel
 from open_spiel.python.algorithms import mcts
 
 from earl_lightning.envs.base import Env, StepResult, register_env
-from earl_lightning.envs.parsing import (Seat, agent_player, check_choice, check_finite,
+from earl_lightning.envs.parsing import (Seat, agent_player, build_env, check_choice, check_finite,
                                          check_positive_int, check_seat, check_seed, first_int)
 
 # Marks as OpenSpiel prints them for player 0 / player 1; other games say "player 0".
@@ -175,15 +175,13 @@ def _join(actions: Sequence[int]) -> str:
 
 @register_env("openspiel")
 def _make_openspiel(**kwargs) -> Env:
-    return OpenSpielEnv(**kwargs)
+    return build_env(OpenSpielEnv, "openspiel", kwargs)
 
 
 @register_env("connect_four")
 def _make_connect_four(**kwargs) -> Env:
-    if "game" in kwargs:
-        raise ValueError(f"env 'connect_four' fixes `game`; got game={kwargs['game']!r} "
-                         "(use env 'openspiel' to choose the game)")
-    return OpenSpielEnv(game="connect_four", **kwargs)
+    return build_env(functools.partial(OpenSpielEnv, game="connect_four"), "connect_four", kwargs,
+                     fixed=("game",))
 
 
 # ---- scripted baselines ------------------------------------------------------------------

@@ -6,9 +6,12 @@ Pure Python: no torch, no OpenSpiel, no TextArena, so every env module can impor
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
-from typing import Literal, Union
+from typing import Any, Callable, Literal, TypeVar, Union
+
+E = TypeVar("E")
 
 Seat = Union[Literal["alternate"], int]
 
@@ -88,3 +91,15 @@ def check_choice(value: object, arg: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"`{arg}` must be one of {list(allowed)}, got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def build_env(factory: Callable[..., E], env: str, kwargs: dict[str, Any],
+              fixed: tuple[str, ...] = ()) -> E:
+    """Call ``factory(**kwargs)``, turning a misspelt keyword into a ValueError that lists the
+    valid ones (``env_kwargs`` come from YAML, where a typo would otherwise be a bare TypeError).
+    ``fixed`` names parameters the registered name already decides."""
+    valid = sorted(set(inspect.signature(factory).parameters) - set(fixed))
+    unknown = sorted(set(kwargs) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown argument(s) {unknown} for env {env!r}; valid: {valid}")
+    return factory(**kwargs)

@@ -1,0 +1,8 @@
+"""Registers the built-in environments by importing their modules.
+
+``openspiel`` / ``connect_four`` (OpenSpiel games), ``calculator`` (tool use) and ``textarena``
+(TextArena games). None of these imports pulls in TextArena; that happens when a TextArena env is
+built, so this module imports fine without the optional extra.
+"""
+
+from earl_lightning.envs import calculator, openspiel_env, textarena_env  # noqa: F401
