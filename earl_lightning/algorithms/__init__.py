@@ -16,7 +16,7 @@ from earl_lightning.algorithms.advantages import (
     rloo_advantages,
     whiten,
 )
-from earl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate, get_loss_aggregation
+from earl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate, get_loss_aggregation, local_counts
 from earl_lightning.algorithms.kl import (
     KL_ESTIMATORS,
     get_kl_estimator,
@@ -51,7 +51,7 @@ __all__ = [
     "aggregate", "check_clip_args", "discounted_returns", "entropy", "entropy_bonus", "gae_advantages",
     "get_advantage_estimator", "get_kl_estimator", "get_loss_aggregation", "get_policy_loss",
     "grouped_moments", "grpo_advantages", "gspo_loss", "kl_divergence", "kl_k1", "kl_k2", "kl_k3",
-    "kl_penalized_rewards", "logprobs_from_logits", "moments", "outcome_to_token_rewards",
+    "kl_penalized_rewards", "local_counts", "logprobs_from_logits", "moments", "outcome_to_token_rewards",
     "ppo_clip_loss", "reinforce_pp_advantages", "rloo_advantages", "shifted_entropy",
     "shifted_logprobs", "value_loss", "whiten",
 ]

@@ -32,7 +32,7 @@ def get_loss_aggregation(name: str, arg: str = "loss_aggregation") -> Aggregatio
 def aggregate(
     token_values: Tensor,
     mask: Tensor,
-    mode: str,
+    mode: AggregationMode,
     *,
     num_tokens: Number | None = None,
     num_seqs: Number | None = None,
@@ -61,10 +61,22 @@ def aggregate(
     return fn(masked, keep, num_tokens, num_seqs, norm_constant)
 
 
+def local_counts(mask: Tensor) -> Tensor:
+    """``[num masked tokens, num sequences]`` (float64) of a [B, T] ``mask``: sum it over every
+    micro-batch of every rank (one all-reduce) to get ``num_tokens`` / ``num_seqs`` for ``aggregate``."""
+    check_2d("mask", mask)
+    rows = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
+    return torch.stack([mask.bool().sum().to(torch.float64), rows])  # on mask's device, ready for NCCL
+
+
 def _denominator(value: Number | None, local: Tensor) -> Tensor:
     # clamp(min=1): a slice (or batch) without a single generated token contributes 0, not nan.
     d = local if value is None else torch.as_tensor(value, device=local.device)
     return d.to(torch.float64).clamp(min=1)
+
+
+def _num_rows(masked: Tensor) -> Tensor:
+    return torch.tensor(masked.shape[0], device=masked.device)
 
 
 def _divide(total: Tensor, denominator: Tensor) -> Tensor:
@@ -72,19 +84,25 @@ def _divide(total: Tensor, denominator: Tensor) -> Tensor:
 
 
 @LOSS_AGGREGATIONS.register("token_mean")
-def _token_mean(masked: Tensor, keep: Tensor, num_tokens, num_seqs, norm_constant) -> Tensor:
+def _token_mean(
+    masked: Tensor, keep: Tensor, num_tokens: Number | None, num_seqs: Number | None, norm_constant: Number | None
+) -> Tensor:
     return _divide(masked.sum(), _denominator(num_tokens, keep.sum()))
 
 
 @LOSS_AGGREGATIONS.register("seq_mean_token_mean")
-def _seq_mean_token_mean(masked: Tensor, keep: Tensor, num_tokens, num_seqs, norm_constant) -> Tensor:
+def _seq_mean_token_mean(
+    masked: Tensor, keep: Tensor, num_tokens: Number | None, num_seqs: Number | None, norm_constant: Number | None
+) -> Tensor:
     row_lens = keep.sum(dim=1).clamp(min=1).to(masked.dtype)  # [B]
     per_seq = masked.sum(dim=1) / row_lens  # [B]
-    return _divide(per_seq.sum(), _denominator(num_seqs, torch.tensor(masked.shape[0], device=masked.device)))
+    return _divide(per_seq.sum(), _denominator(num_seqs, _num_rows(masked)))
 
 
 @LOSS_AGGREGATIONS.register("seq_mean_token_sum_norm")
-def _seq_mean_token_sum_norm(masked: Tensor, keep: Tensor, num_tokens, num_seqs, norm_constant) -> Tensor:
+def _seq_mean_token_sum_norm(
+    masked: Tensor, keep: Tensor, num_tokens: Number | None, num_seqs: Number | None, norm_constant: Number | None
+) -> Tensor:
     norm = masked.shape[1] if norm_constant is None else norm_constant
     per_seq = masked.sum(dim=1) / norm  # [B]
-    return _divide(per_seq.sum(), _denominator(num_seqs, torch.tensor(masked.shape[0], device=masked.device)))
+    return _divide(per_seq.sum(), _denominator(num_seqs, _num_rows(masked)))

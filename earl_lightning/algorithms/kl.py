@@ -8,7 +8,7 @@ low variance), ``k3 = exp(d) - d - 1`` (unbiased and always >= 0). Each is usabl
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
@@ -17,6 +17,7 @@ from earl_lightning.algorithms._checks import check_2d, check_non_negative, chec
 from earl_lightning.algorithms.registry import Registry
 
 KlFn = Callable[[Tensor, Tensor], Tensor]
+KlEstimatorName = Literal["k1", "k2", "k3"]
 KL_ESTIMATORS: Registry[KlFn] = Registry("KL estimators")
 # exp(d) for |d| > 20 overflows float32 into inf, one token with a tiny reference probability would
 # dominate the batch: clamp d, then the estimate, as verl's "low_var_kl" does.
@@ -48,7 +49,9 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return (torch.expm1(d) - d).clamp(max=K3_CLAMP)
 
 
-def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: str = "k3") -> Tensor:
+def kl_divergence(
+    logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: KlEstimatorName = "k3"
+) -> Tensor:
     """Per-token KL estimate [B, T], 0 where ``mask`` is 0. Differentiable in ``logprobs`` (loss use)."""
     fn = get_kl_estimator(estimator, "estimator")
     check_2d("logprobs", logprobs)
@@ -64,7 +67,7 @@ def kl_penalized_rewards(
     mask: Tensor,
     *,
     coef: float,
-    estimator: str = "k1",
+    estimator: KlEstimatorName = "k1",
 ) -> Tensor:
     """``token_rewards - coef * KL`` on generated tokens, [B, T] (the REINFORCE++ / PPO reward shaping).
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from earl_lightning.algorithms._checks import check_positive
-from earl_lightning.algorithms.aggregation import Number, aggregate
+from earl_lightning.algorithms.aggregation import AggregationMode, Number, aggregate
 
 
 @lru_cache(maxsize=1)
@@ -71,7 +71,7 @@ def entropy_bonus(
     mask: Tensor,
     *,
     coef: float,
-    mode: str = "token_mean",
+    mode: AggregationMode = "token_mean",
     num_tokens: Number | None = None,
     num_seqs: Number | None = None,
 ) -> Tensor:

@@ -131,3 +131,15 @@ def test_registry_and_errors():
         shifted_entropy(torch.zeros(2, 4))
     with pytest.raises(ValueError, match=r"`temperature` must be a positive number, got -1.0"):
         entropy(torch.zeros(2, 4), temperature=-1.0)
+
+
+def test_registry_rejects_duplicate_names():
+    from earl_lightning.algorithms import Registry
+
+    reg = Registry("widgets")
+    reg.register("a")(1)
+    assert reg.get("a", "widget") == 1 and "a" in reg and len(reg) == 1
+    with pytest.raises(ValueError, match=r"widgets 'a' is already registered"):
+        reg.register("a")(2)
+    with pytest.raises(ValueError, match=r"unknown `widget` None; valid widgets: \['a'\]"):
+        reg.get(None, "widget")

@@ -12,6 +12,7 @@ from earl_lightning.algorithms import (
     check_clip_args,
     get_loss_aggregation,
     get_policy_loss,
+    local_counts,
     gspo_loss,
     kl_divergence,
     ppo_clip_loss,
@@ -172,10 +173,12 @@ def test_aggregation_over_micro_batches_and_ranks_equals_whole_batch(mode, ranks
     whole = aggregate(x * 2.5, mask, mode, norm_constant=T)
     (whole_grad,) = torch.autograd.grad(whole, x)
 
-    # Global denominators, as a distributed caller gets them by all-reducing local counts.
-    num_tokens, num_seqs = mask.sum(), B
-    total = 0.0
     rows = torch.randperm(B, generator=g).tensor_split(ranks)
+    # Global denominators, as a distributed caller gets them: all-reduce (here: sum) the local counts.
+    counts = sum(local_counts(mask[mb, : int(lengths[mb].max())]) for r in rows for mb in r.tensor_split(micro))
+    num_tokens, num_seqs = counts
+    assert (num_tokens.item(), num_seqs.item()) == (mask.sum().item(), B)
+    total = 0.0
     for rank_rows in rows:
         for mb in rank_rows.tensor_split(micro):
             width = int(lengths[mb].max()) if len(mb) else 0  # each micro-batch padded to its own width
