@@ -6,3 +6,4 @@ built, so this module imports fine without the optional extra.
 """
 
 from earl_lightning.envs import calculator, openspiel_env, textarena_env  # noqa: F401
+from earl_lightning.envs import recall  # noqa: F401

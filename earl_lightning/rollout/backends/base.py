@@ -1,0 +1,80 @@
+"""The generation-backend protocol shared by the HF and vLLM backends, and its request types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class SamplingConfig:
+    """How to sample one assistant turn; validated on construction.
+
+    ``stop`` strings end a turn as soon as the decoded generated text contains one (the tokens
+    are kept, finish reason ``"stop"``); the eos token always stops. ``greedy`` takes the argmax
+    (temperature, top-k and top-p are then ignored). ``seed`` makes sampling reproducible: ranks
+    of one tensor-parallel group pass the same seed and draw the same tokens.
+    """
+
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    greedy: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"`sampling.max_new_tokens` must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.greedy and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(
+                f"`sampling.temperature` must be > 0 (or set `sampling.greedy` for argmax decoding), "
+                f"got {self.temperature!r}"
+            )
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"`sampling.top_p` must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"`sampling.top_k` must be an integer >= 0 (0 = no top-k), got {self.top_k!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"`sampling.stop` must be a list of non-empty strings, got {self.stop!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"`sampling.seed` must be an integer or None, got {self.seed!r}")
+
+
+@dataclass
+class GenRequest:
+    """One episode's generation request.
+
+    ``key`` identifies the episode across its turns (stable for the whole rollout); ``prompt_ids``
+    is the WHOLE context so far, ending with the assistant generation prompt.
+    """
+
+    key: int
+    prompt_ids: list[int]
+
+
+@dataclass
+class GenOutput:
+    """The generated tokens (eos included when sampled), the log-prob of each under
+    softmax(logits / temperature) before top-k / top-p filtering (0.0 when greedy), and why
+    generation stopped: ``"stop"`` (eos or a stop string) or ``"length"``."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """Generates one assistant turn for a batch of episodes.
+
+    A backend may reuse any state it cached for a request key whose previous context is a prefix
+    of the new ``prompt_ids`` (HF: the KV cache; vLLM: prefix caching). ``release`` drops cached
+    state (``None`` = all keys); callers release keys when an episode ends and whenever the model
+    weights change.
+    """
+
+    def generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]: ...
+
+    def release(self, keys: list[int] | None = None) -> None: ...

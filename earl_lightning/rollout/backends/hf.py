@@ -1,0 +1,244 @@
+"""Generation with a transformers causal LM, keeping each episode's KV cache between turns.
+
+With ``reuse_kv=True`` turn t prefills only the tokens added since turn t-1 (the previous
+turn's last generated token, the env's observation, the chat scaffolding): the episode's cached
+keys/values for turns 1..t-1 are packed into a batched buffer (see :mod:`.kv`) and reused.
+``reuse_kv=False`` is the reference path: the same batched forward, with every turn re-encoding
+its whole context. Both draw identical tokens for a given seed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig
+from earl_lightning.rollout.backends.kv import EpisodeKV, additive_mask, build_cache
+from earl_lightning.rollout.backends.sampling import draw_uniforms, row_seed, sample_tokens
+
+
+@dataclass
+class _Batch:
+    """Column layout of one ``generate`` call (see :mod:`.kv`)."""
+
+    prefix_cols: int  # widest reused prefix
+    decode_start: int  # first decode column = prefix_cols + widest suffix
+    capacity: int
+    valid: torch.Tensor  # [B, capacity] bool: column holds a real token of that row
+    suffix_ids: torch.Tensor  # [B, S] left-padded new tokens
+    suffix_pos: torch.Tensor  # [B, S] their true positions (0 under padding)
+    next_pos: torch.Tensor  # [B] position of the first generated token (= prompt length)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+class HFBackend:
+    """Batched multi-turn generation with a transformers causal LM on the model's device.
+
+    Args:
+        model: a decoder-only ``AutoModelForCausalLM`` with full attention (Qwen2, Llama, ...).
+        tokenizer: its tokenizer (eos, pad, stop-string decoding, and the decodable vocabulary).
+        reuse_kv: keep each episode's KV cache between calls and prefill only the new suffix;
+            ``False`` re-encodes the whole context every call (the reference path).
+        prefill_chunk_elems: bound on batch x query x key elements per prefill forward; long
+            prefills are split along the query axis so the attention mask stays small.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, reuse_kv: bool = True, prefill_chunk_elems: int = 1 << 24):
+        if prefill_chunk_elems < 1:
+            raise ValueError(f"`prefill_chunk_elems` must be >= 1, got {prefill_chunk_elems!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.reuse_kv, self.prefill_chunk_elems = reuse_kv, prefill_chunk_elems
+        self.eos_ids = _eos_ids(model, tokenizer)
+        if not self.eos_ids:
+            raise ValueError("the tokenizer has no `eos_token_id`; generation needs one to end a turn")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.vocab_limit = len(tokenizer)
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self._cache: dict[int, EpisodeKV] = {}
+        # Cumulative counters; tests use them to check that turn t re-encodes nothing old.
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0, "forwards": 0}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def release(self, keys: list[int] | None = None) -> None:
+        """Drop cached KV for ``keys`` (all when None). Call it whenever the weights change."""
+        if keys is None:
+            self._cache.clear()
+        else:
+            for k in keys:
+                self._cache.pop(k, None)
+
+    def cached_keys(self) -> list[int]:
+        return sorted(self._cache)
+
+    def generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
+        """One assistant turn for every request, batched; outputs in request order."""
+        _check_requests(requests)
+        if not requests:
+            return []
+        with _eval_mode(self.model), torch.inference_mode():
+            return self._generate(requests, sampling)
+
+    # ---- one call ------------------------------------------------------------------------
+    def _generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
+        entries = [self._reusable(r) for r in requests]
+        batch = self._layout(requests, entries, sampling.max_new_tokens)
+        cache = build_cache(self.num_layers, batch.capacity, batch.prefix_cols, entries)
+        logits = self._prefill(batch, cache)
+        seeds = None if sampling.seed is None else [row_seed(sampling.seed, r.key, len(r.prompt_ids)) for r in requests]
+        uniforms = draw_uniforms(seeds, len(requests), sampling.max_new_tokens, self.device)
+        tokens, logps, lengths, stopped = self._decode(batch, cache, logits, sampling, uniforms)
+        if self.reuse_kv:
+            self._store(requests, tokens, lengths, batch, cache)
+        self.stats["generated_tokens"] += sum(lengths)
+        return [
+            GenOutput(tokens[i][: lengths[i]], [0.0] * lengths[i] if sampling.greedy else logps[i][: lengths[i]],
+                      "stop" if stopped[i] else "length")
+            for i in range(len(requests))
+        ]
+
+    def _reusable(self, req: GenRequest) -> EpisodeKV | None:
+        """The cached entry for this key if its ids are a strict prefix of the new prompt."""
+        entry = self._cache.pop(req.key, None) if self.reuse_kv else None
+        if entry is None or len(entry.ids) >= len(req.prompt_ids):
+            return None
+        if req.prompt_ids[: len(entry.ids)] != entry.ids:
+            return None  # the context was rewritten: recompute from scratch
+        return entry
+
+    def _layout(self, requests: list[GenRequest], entries: list[EpisodeKV | None], max_new: int) -> _Batch:
+        cached = [len(e.ids) if e is not None else 0 for e in entries]
+        suffixes = [r.prompt_ids[c:] for r, c in zip(requests, cached)]
+        prefix_cols, width = max(cached), max(len(s) for s in suffixes)
+        decode_start = prefix_cols + width
+        capacity = decode_start + max_new - 1
+        b = len(requests)
+        valid = torch.zeros(b, capacity, dtype=torch.bool)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        pos = torch.zeros(b, width, dtype=torch.long)
+        for i, (c, s) in enumerate(zip(cached, suffixes)):
+            valid[i, prefix_cols - c:prefix_cols] = True
+            valid[i, decode_start - len(s):decode_start] = True
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            pos[i, width - len(s):] = torch.arange(c, c + len(s))
+        self.stats["prefill_tokens"] += sum(len(s) for s in suffixes)
+        self.stats["reused_tokens"] += sum(cached)
+        dev = self.device
+        next_pos = torch.tensor([len(r.prompt_ids) for r in requests], dtype=torch.long)
+        return _Batch(prefix_cols, decode_start, capacity, valid.to(dev), ids.to(dev), pos.to(dev), next_pos.to(dev))
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        self.stats["forwards"] += 1
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def _prefill(self, batch: _Batch, cache: Any) -> torch.Tensor:
+        """Encode the new suffixes in query chunks; returns the last column's logits [B, V]."""
+        b, width = batch.suffix_ids.shape
+        chunk = max(1, self.prefill_chunk_elems // (b * batch.decode_start))
+        dtype = _float_dtype(self.model)
+        logits = None
+        for q0 in range(0, width, chunk):
+            q1 = min(width, q0 + chunk)
+            cols = torch.arange(batch.prefix_cols + q0, batch.prefix_cols + q1, device=batch.valid.device)
+            mask = additive_mask(batch.valid[:, : batch.prefix_cols + q1], cols, dtype)
+            logits = self._forward(batch.suffix_ids[:, q0:q1], batch.suffix_pos[:, q0:q1], mask, cache)
+        return logits
+
+    def _decode(self, batch: _Batch, cache: Any, logits: torch.Tensor, sampling: SamplingConfig,
+                uniforms: torch.Tensor) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]]:
+        """Sample up to ``max_new_tokens`` per row, feeding each sampled token back batched."""
+        b, steps, dev = logits.shape[0], sampling.max_new_tokens, logits.device
+        tokens = torch.full((b, steps), self.pad_id, dtype=torch.long, device=dev)
+        logps = torch.zeros(b, steps, dtype=torch.float32, device=dev)
+        active = torch.ones(b, dtype=torch.bool, device=dev)
+        stopped = torch.zeros(b, dtype=torch.bool, device=dev)
+        lengths = torch.zeros(b, dtype=torch.long, device=dev)
+        eos = torch.tensor(sorted(self.eos_ids), device=dev)
+        dtype = _float_dtype(self.model)
+        for j in range(steps):
+            tok, lp = sample_tokens(logits, uniforms[:, j], temperature=sampling.temperature, top_k=sampling.top_k,
+                                    top_p=sampling.top_p, greedy=sampling.greedy, vocab_limit=self.vocab_limit)
+            tokens[:, j] = torch.where(active, tok, self.pad_id)
+            logps[:, j] = torch.where(active, lp, 0.0)
+            lengths += active.long()
+            hit = active & torch.isin(tok, eos)
+            if sampling.stop:
+                hit |= self._stop_hits(tokens[:, : j + 1], active & ~hit, sampling.stop)
+            stopped |= hit
+            active &= ~hit
+            if j == steps - 1 or not bool(active.any()):
+                break
+            col = batch.decode_start + j
+            batch.valid[:, col] = active  # a finished row's last token is never attended to
+            mask = additive_mask(batch.valid[:, : col + 1], torch.tensor([col], device=dev), dtype)
+            logits = self._forward(tokens[:, j: j + 1], (batch.next_pos + j).unsqueeze(1), mask, cache)
+        return tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
+
+    def _stop_hits(self, tokens: torch.Tensor, rows: torch.Tensor, stop: list[str]) -> torch.Tensor:
+        """[B] bool: rows (among ``rows``) whose generated text now contains a stop string.
+
+        Only the tail that can contain a string completed by the newest token is decoded; any
+        earlier occurrence would already have stopped the row.
+        """
+        hits = torch.zeros_like(rows)
+        # A token decodes to >= 1 character except for partial UTF-8 bytes; twice the longest stop
+        # string plus slack covers a string that ends at the newest token.
+        tail = 2 * max(len(s) for s in stop) + 8
+        idx = rows.nonzero().flatten().tolist()
+        if not idx:
+            return hits
+        texts = self.tokenizer.batch_decode(tokens[idx, -tail:].tolist())
+        for i, text in zip(idx, texts):
+            hits[i] = any(s in text for s in stop)
+        return hits
+
+    def _store(self, requests: list[GenRequest], tokens: list[list[int]], lengths: list[int], batch: _Batch,
+               cache: Any) -> None:
+        """Keep each row's fed columns: the prompt plus all generated tokens but the last (the
+        last one was sampled, never fed; the next turn's prefill starts with it)."""
+        for i, req in enumerate(requests):
+            cols = batch.valid[i].nonzero().flatten()
+            ids = req.prompt_ids + tokens[i][: lengths[i] - 1]
+            if cols.numel() != len(ids):  # cannot happen unless the layout logic is broken
+                raise RuntimeError(f"KV cache of key {req.key}: {cols.numel()} columns for {len(ids)} ids")
+            self._cache[req.key] = EpisodeKV(ids, [layer.extract(i, cols) for layer in cache.layers])
+
+
+def _check_requests(requests: list[GenRequest]) -> None:
+    keys = [r.key for r in requests]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"`requests` keys must be unique within one generate call; duplicated: {dup[:8]}")
+    for r in requests:
+        if not r.prompt_ids:
+            raise ValueError(f"`requests` key {r.key}: `prompt_ids` is empty; it must hold at least one token")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids = set()
+    for src in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src is not None:
+            ids.update(int(x) for x in src)
+    return ids
+
+
+def _float_dtype(model: Any) -> torch.dtype:
+    return next(model.parameters()).dtype

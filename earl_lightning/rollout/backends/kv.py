@@ -1,0 +1,107 @@
+"""A batched, padded KV cache for a transformers causal LM, assembled from per-episode caches.
+
+Each ``generate`` call packs its episodes into one ``[B, kv_heads, capacity, head_dim]`` buffer
+per layer with a shared column layout, so every row writes the same columns at every step and
+the model sees one ordinary batched forward::
+
+    | cached prefix (left-padded) | new suffix (left-padded) | decoded tokens ... |
+    0                          prefix_cols          decode_start             capacity
+
+Holes (padding) are excluded by an explicit 4-D attention mask and explicit ``position_ids``
+(RoPE positions are each episode's true positions), so the numbers equal an unpadded forward.
+After the call each row's valid columns are copied out again, keyed by episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass
+class EpisodeKV:
+    """One episode's cache: the token ids it encodes and per-layer ``(keys, values)``, each
+    ``[kv_heads, len(ids), head_dim]``."""
+
+    ids: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class PaddedKVLayer(CacheLayerMixin):
+    """One layer of the packed buffer. The buffer is allocated on the first ``update`` (when the
+    head count and head size are known) and the cached prefixes are copied in right then."""
+
+    is_sliding = False
+
+    def __init__(self, capacity: int, prefix_cols: int, prefixes: list[tuple[torch.Tensor, torch.Tensor] | None]):
+        super().__init__()
+        self.capacity, self.prefix_cols, self.prefixes = capacity, prefix_cols, prefixes
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        # Zeros, not empty: padded columns are masked out, but masked attention still multiplies
+        # their values by a zero weight, and 0 * NaN from uninitialised memory would be NaN.
+        self.keys = key_states.new_zeros(b, h, self.capacity, d)
+        self.values = value_states.new_zeros(b, h, self.capacity, d)
+        for row, kv in enumerate(self.prefixes):
+            if kv is not None:
+                n = kv[0].shape[1]
+                self.keys[row, :, self.prefix_cols - n:self.prefix_cols] = kv[0]
+                self.values[row, :, self.prefix_cols - n:self.prefix_cols] = kv[1]
+        self.prefixes = []  # the per-episode copies are no longer needed by this layer
+        self.length = self.prefix_cols
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV buffer overflow: {end} columns > capacity {self.capacity}")
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def extract(self, row: int, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A contiguous ``[kv_heads, len(cols), head_dim]`` copy of one row's chosen columns."""
+        return self.keys[row].index_select(1, cols), self.values[row].index_select(1, cols)
+
+
+def build_cache(num_layers: int, capacity: int, prefix_cols: int, entries: list[EpisodeKV | None]) -> Cache:
+    """A transformers ``Cache`` whose layers are :class:`PaddedKVLayer` with the rows' prefixes."""
+    layers = [
+        PaddedKVLayer(capacity, prefix_cols, [e.layers[i] if e is not None else None for e in entries])
+        for i in range(num_layers)
+    ]
+    return Cache(layers=layers)
+
+
+def additive_mask(valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, Q, K] additive attention mask from ``valid`` [B, K] and the query columns [Q].
+
+    Query ``q`` may attend column ``k`` iff ``k`` holds a real token and ``k <= query_cols[q]``.
+    Every query also attends its own column: a padding query then never has an empty row
+    (which would make SDPA return NaN), and real rows are unaffected since a real query's own
+    column is valid anyway.
+    """
+    k = valid.shape[1]
+    cols = torch.arange(k, device=valid.device)
+    causal = cols[None, :] <= query_cols[:, None]  # [Q, K]
+    allowed = valid[:, None, :] & causal[None]  # [B, Q, K]
+    allowed = allowed | (cols[None, :] == query_cols[:, None])[None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1)

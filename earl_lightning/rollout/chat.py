@@ -1,0 +1,76 @@
+"""Token deltas of a growing chat transcript, taken from the tokenizer's own chat template.
+
+Nothing here knows ChatML: every piece of scaffolding (end of an assistant turn, the next user
+message, the assistant generation prompt) is the difference between two renders of the
+transcript, with and without the new message. The template must therefore be append-only
+(rendering more messages only appends text), which holds for ChatML, Llama-3, Mistral and the
+usual single-turn-agnostic templates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Messages = list[dict[str, str]]
+
+# Content used to learn the end-of-turn text when a template rewrites the real content (e.g.
+# strips whitespace), so the real content is not a prefix of the rendered delta.
+_PLACEHOLDER = "x"
+
+
+class ChatDeltas:
+    """Renders the pieces the rollout loop appends to an episode's token sequence.
+
+    Args:
+        tokenizer: a tokenizer with a chat template (``apply_chat_template``, ``encode``, ``decode``).
+    """
+
+    def __init__(self, tokenizer: Any):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("`tokenizer` has no chat template; multi-turn rollout needs one")
+        self.tokenizer = tokenizer
+
+    def render(self, messages: Messages, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        # The template already carries any BOS / special tokens as text.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt(self, messages: Messages) -> str:
+        """The whole first context: the messages and the assistant generation prompt."""
+        return self.render(messages, generation_prompt=True)
+
+    def end_of_turn(self, messages: Messages, content: str) -> str:
+        """Text the template puts after an assistant message's content (e.g. ``<|im_end|>\\n``).
+
+        ``messages`` is the transcript before the assistant message.
+        """
+        before = self.render(messages, generation_prompt=True)
+        for text in (content, _PLACEHOLDER):
+            after = self.render([*messages, {"role": "assistant", "content": text}], generation_prompt=False)
+            delta = _delta(before, after, "an assistant message")
+            if delta.startswith(text):
+                return delta[len(text):]
+        raise ValueError(
+            "the chat template does not render an assistant message's content verbatim after the generation "
+            f"prompt (got {delta!r}); multi-turn rollout needs an append-only template"
+        )
+
+    def next_user(self, messages: Messages, observation: str) -> str:
+        """Text for a new user message plus the assistant generation prompt.
+
+        ``messages`` ends with the assistant message just played.
+        """
+        before = self.render(messages, generation_prompt=False)
+        after = self.render([*messages, {"role": "user", "content": observation}], generation_prompt=True)
+        return _delta(before, after, "a user message")
+
+
+def _delta(before: str, after: str, what: str) -> str:
+    if not after.startswith(before):
+        raise ValueError(
+            f"the chat template is not append-only: adding {what} changed earlier text "
+            f"(render before ends {before[-40:]!r}, after has {after[len(before) - 40:len(before)]!r} there)"
+        )
+    return after[len(before):]

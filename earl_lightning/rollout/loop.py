@@ -1,0 +1,187 @@
+"""The multi-turn rollout loop: batched generation over all live episodes, then one env step each.
+
+Each episode is one token sequence in chat form, exactly what the tokenizer's chat template gives
+for its transcript: [system] user(obs_0) <gen prompt> assistant(gen_1) <end> user(obs_1) <gen
+prompt> assistant(gen_2) <end> ... Generated tokens carry mask 1 and their sampled log-probs;
+everything else (observations, chat scaffolding, and the end-of-turn text the loop appends when a
+turn stopped without eos) carries mask 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from earl_lightning.envs.base import Env, make_env
+from earl_lightning.rollout.backends.base import GenerationBackend, GenOutput, GenRequest, SamplingConfig
+from earl_lightning.rollout.chat import ChatDeltas, Messages
+from earl_lightning.rollout.types import Episode, EpisodeSpec
+
+
+@dataclass
+class _Live:
+    """An episode being played."""
+
+    spec: EpisodeSpec
+    env: Env | None
+    messages: Messages
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turn_starts: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    truncated: bool = False
+    invalid_action: bool = False
+    outcome: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done or self.truncated
+
+    def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
+        self.token_ids += ids
+        self.action_mask += [mask] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def fail(self, exc: BaseException) -> None:
+        self.error, self.done, self.reward = repr(exc), True, 0.0
+
+    def to_episode(self) -> Episode:
+        return Episode(
+            spec=self.spec, token_ids=self.token_ids, action_mask=self.action_mask, logprobs=self.logprobs,
+            reward=self.reward, num_turns=len(self.turn_starts), done=self.done, truncated=self.truncated,
+            invalid_action=self.invalid_action, outcome=self.outcome, error=self.error,
+            turn_starts=self.turn_starts, messages=self.messages,
+        )
+
+
+def rollout(
+    specs: list[EpisodeSpec],
+    backend: GenerationBackend,
+    tokenizer: Any,
+    sampling: SamplingConfig,
+    *,
+    max_turns: int,
+    max_context_tokens: int,
+    system_prompt: str | None = None,
+) -> list[Episode]:
+    """Play every episode of ``specs`` to the end, in lock-step turns; episodes in spec order.
+
+    An episode ends when its env says done, after ``max_turns`` turns (``truncated``), or when
+    the next turn would not fit: ``len(context + next observation) + max_new_tokens >
+    max_context_tokens`` (``truncated``). An exception from ``env.reset`` / ``env.step`` ends
+    only that episode: ``error = repr(exc)``, ``done``, reward 0.0.
+
+    Raises:
+        ValueError: bad ``max_turns`` / ``max_context_tokens`` / duplicate episode ids, or a first
+            observation that does not fit in ``max_context_tokens``.
+    """
+    _check_args(specs, max_turns, max_context_tokens)
+    chat = ChatDeltas(tokenizer)
+    keys = [s.episode_id for s in specs]
+    backend.release(keys)  # a stale cache from an earlier rollout (older weights) must not be reused
+    try:
+        states = [_start(spec, chat, system_prompt) for spec in specs]
+        for st in states:
+            _check_first_fit(st, sampling.max_new_tokens, max_context_tokens)
+        for turn in range(max_turns):
+            live = [st for st in states if not st.finished]
+            if not live:
+                break
+            outputs = backend.generate([GenRequest(st.spec.episode_id, st.token_ids) for st in live], sampling)
+            for st, out in zip(live, outputs):
+                _play_turn(st, out, chat, tokenizer, last_turn=turn == max_turns - 1,
+                           budget=max_context_tokens - sampling.max_new_tokens)
+            backend.release([st.spec.episode_id for st in live if st.finished])
+        return [st.to_episode() for st in states]
+    finally:
+        backend.release(keys)
+
+
+def _check_args(specs: list[EpisodeSpec], max_turns: int, max_context_tokens: int) -> None:
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"`max_turns` must be an integer >= 1, got {max_turns!r}")
+    if isinstance(max_context_tokens, bool) or not isinstance(max_context_tokens, int) or max_context_tokens < 1:
+        raise ValueError(f"`max_context_tokens` must be an integer >= 1, got {max_context_tokens!r}")
+    ids = [s.episode_id for s in specs]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise ValueError(f"`specs` must have unique `episode_id`s (they key the KV cache); duplicated: {dup[:8]}")
+
+
+def _start(spec: EpisodeSpec, chat: ChatDeltas, system_prompt: str | None) -> _Live:
+    """Build the env, reset it and encode the first prompt; a reset that raises fails the episode."""
+    env = make_env(spec.env, **spec.env_kwargs)
+    st = _Live(spec, env, [{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+    try:
+        observation = env.reset(spec.seed)
+    except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
+        st.messages = []
+        st.fail(exc)
+        return st
+    st.messages.append({"role": "user", "content": observation})
+    st.append(chat.encode(chat.prompt(st.messages)), 0)
+    return st
+
+
+def _check_first_fit(st: _Live, max_new_tokens: int, max_context_tokens: int) -> None:
+    if st.finished:
+        return
+    need = len(st.token_ids) + max_new_tokens
+    if need > max_context_tokens:
+        raise ValueError(
+            f"`max_context_tokens`={max_context_tokens} is too small: the first prompt of episode "
+            f"{st.spec.episode_id} (env {st.spec.env!r}) needs {need} tokens ({len(st.token_ids)} prompt "
+            f"+ {max_new_tokens} max_new_tokens)"
+        )
+
+
+def _play_turn(st: _Live, out: GenOutput, chat: ChatDeltas, tokenizer: Any, *, last_turn: bool, budget: int) -> None:
+    """Append one assistant turn, step the env, then either close the episode or append the next
+    observation. ``budget`` is the longest context a next turn may start from."""
+    content, closing = _assistant_text(st.messages, out, chat, tokenizer)
+    st.turn_starts.append(len(st.token_ids))
+    st.append(list(out.token_ids), 1, [float(x) for x in out.logprobs])
+    st.append(chat.encode(closing), 0)
+    st.messages.append({"role": "assistant", "content": content})
+    try:
+        result = st.env.step(content)
+    except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
+        st.fail(exc)
+        return
+    st.reward += float(result.reward)
+    st.invalid_action |= bool(result.info.get("invalid_action", False))
+    st.outcome = result.info.get("outcome", st.outcome)
+    if result.done:
+        st.done = True
+        return
+    if last_turn:
+        st.truncated = True
+        return
+    nxt = chat.encode(chat.next_user(st.messages, result.observation))
+    if len(st.token_ids) + len(nxt) > budget:
+        st.truncated = True
+        return
+    st.messages.append({"role": "user", "content": result.observation})
+    st.append(nxt, 0)
+
+
+def _assistant_text(messages: Messages, out: GenOutput, chat: ChatDeltas, tokenizer: Any) -> tuple[str, str]:
+    """The assistant message content and the mask-0 text that closes the turn.
+
+    When the turn ended with eos and the template's end-of-turn text starts with the eos text
+    (ChatML's ``<|im_end|>``), the sampled eos already is that text, so only the rest (``\\n``)
+    is appended; otherwise (length or stop-string finish) the whole end-of-turn text is.
+    """
+    ids = list(out.token_ids)
+    eos_id = tokenizer.eos_token_id
+    ended_eos = bool(ids) and ids[-1] == eos_id
+    content = tokenizer.decode(ids[:-1] if ended_eos else ids, skip_special_tokens=False)
+    end = chat.end_of_turn(messages, content)
+    if ended_eos:
+        eos_text = tokenizer.decode([eos_id], skip_special_tokens=False)
+        if end.startswith(eos_text):
+            return content, end[len(eos_text):]
+    return content, end

@@ -1,0 +1,52 @@
+"""What a rollout is asked to play (:class:`EpisodeSpec`) and what it returns (:class:`Episode`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class EpisodeSpec:
+    """One episode to play: environment name, its reset seed, and the ids the trainer groups by.
+
+    ``episode_id`` must be unique within one :func:`~earl_lightning.rollout.loop.rollout` call: it is
+    the generation backend's request key (KV cache slot) for the whole episode.
+    """
+
+    env: str
+    seed: int
+    group_id: int
+    episode_id: int
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Episode:
+    """A finished episode as one token sequence in chat form.
+
+    ``token_ids``, ``action_mask`` and ``logprobs`` have the same length; ``action_mask[t] == 1``
+    iff the policy generated ``token_ids[t]``, and ``logprobs[t]`` is that token's sampled
+    log-prob (0.0 where the mask is 0). ``turn_starts[k]`` is the index of the first generated
+    token of assistant turn ``k``. ``messages`` is the chat transcript the tokens render: the
+    chat template applied to it gives exactly ``token_ids`` (for tokenizers whose encoding of the
+    generated text round-trips).
+    """
+
+    spec: EpisodeSpec
+    token_ids: list[int]
+    action_mask: list[int]
+    logprobs: list[float]
+    reward: float
+    num_turns: int
+    done: bool
+    truncated: bool
+    invalid_action: bool
+    outcome: str | None
+    error: str | None
+    turn_starts: list[int]
+    messages: list[dict[str, str]]
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.action_mask)
