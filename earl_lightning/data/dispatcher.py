@@ -98,6 +98,68 @@ def unpack_chunks(buffers: dict[torch.dtype, torch.Tensor], batch_schema: tuple[
                            {f.name: v for f, v in values.items() if f.kind == "seq"})
 
 
+# ---- metadata (shared with the centralized baseline) --------------------------------------------
+def gather_metadata(batch: ExperienceBatch, group: dist.ProcessGroup | None, keep_groups: bool,
+                    ) -> tuple[ExperienceBatch, list[list[int]], list[list[int]]]:
+    """All-gather every rank's per-sequence token counts and group ids (small int64 tensors only).
+
+    Returns the batch (replaced by an empty batch with the common fields on a rank that holds no
+    sequences and lacks them), and per rank its lengths and group ids (-1 without ``group_ids``).
+    The batch is validated here, collectively: when one rank's batch is bad every rank raises
+    (that rank with the container's message), instead of the others hanging in the next collective.
+    """
+    error = _local_error(batch, keep_groups)
+    world = dist.get_world_size(group)
+    header = torch.tensor([batch.num_seqs, schema_fingerprint(batch.schema()), error is not None], dtype=torch.long)
+    headers = [torch.empty_like(header) for _ in range(world)]
+    dist.all_gather(headers, header, group=group)
+    bad = [r for r, h in enumerate(headers) if int(h[2])]
+    if error is not None:
+        raise error
+    if bad:
+        raise ValueError(f"the batch of rank(s) {bad} is invalid (see the error raised there); nothing was exchanged")
+    counts = [int(h[0]) for h in headers]
+    batch = _agree_on_schema(batch, [int(h[1]) for h in headers], counts, group)
+    gids = batch.seqs.get("group_ids", torch.full((batch.num_seqs,), -1, dtype=torch.long))
+    table = torch.full((max(counts), 2), -1, dtype=torch.long)
+    table[: batch.num_seqs, 0] = batch.seq_lens
+    table[: batch.num_seqs, 1] = gids.long()
+    tables = [torch.empty_like(table) for _ in range(world)]
+    dist.all_gather(tables, table, group=group)
+    return (batch, [t[:c, 0].tolist() for t, c in zip(tables, counts)],
+            [t[:c, 1].tolist() for t, c in zip(tables, counts)])
+
+
+def _local_error(batch: ExperienceBatch, keep_groups: bool) -> ValueError | None:
+    try:
+        batch.validate()
+    except ValueError as e:
+        return e
+    if keep_groups and "group_ids" not in batch.seqs:
+        return ValueError("`keep_groups=True` needs a `group_ids` sequence field in the batch; it has: "
+                          f"{describe_schema(batch.schema())}")
+    return None
+
+
+def _agree_on_schema(batch: ExperienceBatch, prints: list[int], counts: list[int],
+                     group: dist.ProcessGroup | None) -> ExperienceBatch:
+    """Ranks holding sequences must agree on the fields; a rank holding none adopts theirs."""
+    filled = sorted({p for p, c in zip(prints, counts) if c})
+    if len(filled) > 1:
+        raise ValueError(
+            f"ranks hold batches with different fields (checksum per rank: {prints}); this rank "
+            f"(rank {dist.get_rank(group)}) holds {describe_schema(batch.schema())}"
+        )
+    if all(p == prints[0] for p in prints):
+        return batch
+    # Rare path (a rank produced nothing and built its empty batch without the fields): fetch the
+    # schema from a rank that holds sequences.
+    schemas: list = [None] * len(prints)
+    dist.all_gather_object(schemas, batch.schema(), group=group)
+    schema = schemas[counts.index(max(counts))]
+    return batch if batch.num_seqs else ExperienceBatch.empty(schema)
+
+
 # ---- the dispatcher ------------------------------------------------------------------------------
 def check_layout(layout: Layout, arg: str, world_size: int) -> Layout:
     """``layout`` must be a :class:`Layout` covering the world; errors name ``arg``."""
@@ -139,8 +201,7 @@ class Dispatcher:
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         to = check_layout(to, "to", world)
         src = check_layout(Layout(dp=world, tp=1) if src is None else src, "src", world)
-        batch.validate()
-        batch, lengths, group_ids = self._gather_metadata(batch, keep_groups)
+        batch, lengths, group_ids = gather_metadata(batch, self.group, keep_groups)
         token_bytes, seq_bytes = wire_bytes_per_row(batch.schema())
         plan = make_plan(lengths, group_ids, src=src, dst=to, token_bytes=token_bytes,
                          seq_bytes=seq_bytes, keep_groups=keep_groups, tp_mode=self.tp_mode)
@@ -150,44 +211,6 @@ class Dispatcher:
         self.last_plan = plan
         self.last_stats = dispatch_stats(plan, rank, time.perf_counter() - start, out)
         return out
-
-    # -- step 1: metadata ---------------------------------------------------------------------
-    def _gather_metadata(self, batch: ExperienceBatch, keep_groups: bool,
-                         ) -> tuple[ExperienceBatch, list[list[int]], list[list[int]]]:
-        if keep_groups and "group_ids" not in batch.seqs:
-            raise ValueError("`keep_groups=True` needs a `group_ids` sequence field in the batch; it has: "
-                             f"{describe_schema(batch.schema())}")
-        world = dist.get_world_size(self.group)
-        header = torch.tensor([batch.num_seqs, schema_fingerprint(batch.schema())], dtype=torch.long)
-        headers = [torch.empty_like(header) for _ in range(world)]
-        dist.all_gather(headers, header, group=self.group)
-        counts = [int(h[0]) for h in headers]
-        batch = self._agree_on_schema(batch, [int(h[1]) for h in headers], counts)
-        gids = batch.seqs.get("group_ids", torch.full((batch.num_seqs,), -1, dtype=torch.long))
-        table = torch.full((max(counts), 2), -1, dtype=torch.long)
-        table[: batch.num_seqs, 0] = batch.seq_lens
-        table[: batch.num_seqs, 1] = gids.long()
-        tables = [torch.empty_like(table) for _ in range(world)]
-        dist.all_gather(tables, table, group=self.group)
-        return (batch, [t[:c, 0].tolist() for t, c in zip(tables, counts)],
-                [t[:c, 1].tolist() for t, c in zip(tables, counts)])
-
-    def _agree_on_schema(self, batch: ExperienceBatch, prints: list[int], counts: list[int]) -> ExperienceBatch:
-        """Ranks holding sequences must agree on the fields; a rank holding none adopts theirs."""
-        filled = sorted({p for p, c in zip(prints, counts) if c})
-        if len(filled) > 1:
-            raise ValueError(
-                "ranks hold batches with different fields (checksum per rank: "
-                f"{prints}); this rank (rank {dist.get_rank(self.group)}) holds {describe_schema(batch.schema())}"
-            )
-        if all(p == prints[0] for p in prints):
-            return batch
-        # Rare path (a rank produced nothing and built its empty batch without the fields): fetch the
-        # schema from a rank that holds sequences.
-        schemas = [None] * len(prints)
-        dist.all_gather_object(schemas, batch.schema(), group=self.group)
-        schema = schemas[counts.index(max(counts))]
-        return batch if batch.num_seqs else ExperienceBatch.empty(schema)
 
     # -- step 3: the all-to-all ----------------------------------------------------------------
     def _all_to_all(self, batch: ExperienceBatch, plan: DispatchPlan, rank: int) -> dict[torch.dtype, torch.Tensor]:

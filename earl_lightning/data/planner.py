@@ -19,6 +19,7 @@ every other member receives them once and all but the last forward them once.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass, field
 from typing import Literal
@@ -140,7 +141,8 @@ def balanced_partition(weights: list[int], k: int) -> list[int]:
     candidates = [_lpt(weights, k)]
     if k <= KK_MAX_PARTS:
         candidates.append(_karmarkar_karp(weights, k))
-    return min(candidates, key=lambda parts: _max_load(weights, parts, k))
+    best = min(candidates, key=lambda parts: _max_load(weights, parts, k))
+    return _refine(weights, best, k)
 
 
 def _max_load(weights: list[int], parts: list[int], k: int) -> int:
@@ -148,6 +150,48 @@ def _max_load(weights: list[int], parts: list[int], k: int) -> int:
     for w, p in zip(weights, parts):
         loads[p] += w
     return max(loads)
+
+
+def _refine(weights: list[int], parts: list[int], k: int, max_rounds: int = 64) -> list[int]:
+    """Local search after the construction: move one item, or swap two, between the heaviest and
+    the lightest part while that lowers the heavier of the two (fixes e.g. 5,5,4,4,3,3,3 into
+    three parts, where KK and LPT both stop at 10 instead of 9)."""
+    parts = list(parts)
+    for _ in range(max_rounds):
+        loads = [0] * k
+        for w, p in zip(weights, parts):
+            loads[p] += w
+        hi = max(range(k), key=lambda p: (loads[p], -p))
+        lo = min(range(k), key=lambda p: (loads[p], p))
+        gap = loads[hi] - loads[lo]
+        move = _best_exchange(weights, parts, hi, lo, gap)
+        if move is None:
+            return parts
+        a, b = move
+        parts[a] = lo
+        if b is not None:
+            parts[b] = hi
+    return parts
+
+
+def _best_exchange(weights: list[int], parts: list[int], hi: int, lo: int, gap: int):
+    """(item of ``hi`` to move, item of ``lo`` to move back or None) shrinking ``gap`` the most;
+    None when nothing helps. Moving weight ``d`` net leaves a gap of ``|gap - 2d|``."""
+    heavy = sorted((weights[i], i) for i, p in enumerate(parts) if p == hi)
+    light = sorted((weights[i], i) for i, p in enumerate(parts) if p == lo)
+    light_w = [w for w, _ in light]
+    best, best_gap = None, gap
+    for wa, a in heavy:
+        if abs(gap - 2 * wa) < best_gap:
+            best, best_gap = (a, None), abs(gap - 2 * wa)
+        # the partner b closest to wa - gap / 2 makes the net move closest to gap / 2
+        j = bisect.bisect_left(light_w, wa - gap / 2)
+        for jj in (j - 1, j):
+            if 0 <= jj < len(light) and light_w[jj] < wa:
+                new_gap = abs(gap - 2 * (wa - light_w[jj]))
+                if new_gap < best_gap:
+                    best, best_gap = (a, light[jj][1]), new_gap
+    return best
 
 
 def _lpt(weights: list[int], k: int) -> list[int]:

@@ -1,0 +1,122 @@
+"""ExperienceBatch: packing, selection, validation errors, and the dtype-grouping helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from earl_lightning.data.dispatcher import LENGTHS, pack_chunks, unpack_chunks, wire_bytes_per_row
+from earl_lightning.data.experience import (
+    ExperienceBatch,
+    FieldSpec,
+    describe_schema,
+    group_by_wire_dtype,
+    schema_fingerprint,
+)
+
+
+def make_batch(lengths=(3, 1, 4), seed=0) -> ExperienceBatch:
+    g = torch.Generator().manual_seed(seed)
+    n = len(lengths)
+    return ExperienceBatch.from_sequences(
+        {
+            "input_ids": [torch.randint(0, 100, (k,), generator=g) for k in lengths],
+            "action_mask": [torch.rand(k, generator=g) > 0.5 for k in lengths],
+            "logprobs": [torch.randn(k, generator=g) for k in lengths],
+            "values": [torch.randn(k, generator=g).to(torch.bfloat16) for k in lengths],
+            "turn_ids": [torch.randint(-5, 5, (k,), generator=g).to(torch.int16) for k in lengths],
+        },
+        {
+            "rewards": torch.randn(n, generator=g, dtype=torch.float64),
+            "group_ids": torch.arange(n),
+            "episode_ids": torch.arange(n) + 10,
+            "truncated": torch.arange(n) % 2 == 0,
+        },
+    )
+
+
+def assert_batches_equal(a: ExperienceBatch, b: ExperienceBatch) -> None:
+    assert torch.equal(a.cu_seqlens, b.cu_seqlens)
+    assert a.schema() == b.schema()
+    for k in a.tokens:
+        assert torch.equal(a.tokens[k], b.tokens[k]), k
+    for k in a.seqs:
+        assert torch.equal(a.seqs[k], b.seqs[k]), k
+
+
+def test_select_and_concat_round_trip():
+    b = make_batch()
+    parts = [b.select([0]), b.select([1, 2])]
+    assert_batches_equal(ExperienceBatch.concat(parts), b)
+    picked = b.select([2, 0])
+    assert picked.seq_lens.tolist() == [4, 3]
+    assert torch.equal(picked.tokens["logprobs"][:4], b.tokens["logprobs"][4:8])
+
+
+def test_split_by_tokens_respects_the_budget_and_keeps_every_sequence():
+    b = make_batch(lengths=(5, 2, 2, 7, 1, 3))
+    chunks = b.split_by_tokens(8)
+    assert sorted(int(e) for c in chunks for e in c.seqs["episode_ids"]) == list(range(10, 16))
+    assert all(c.num_seqs * int(c.seq_lens.max()) <= 8 for c in chunks)
+
+
+def test_mismatched_token_field_length_is_named():
+    with pytest.raises(ValueError, match=r"token field 'logprobs' has shape \(3,\), expected \(4,\) to match cu_seqlens"):
+        ExperienceBatch(torch.tensor([0, 4]), {"input_ids": torch.zeros(4, dtype=torch.long),
+                                               "logprobs": torch.zeros(3)}, {})
+
+
+def test_mismatched_sequence_field_length_is_named():
+    with pytest.raises(ValueError, match=r"sequence field 'rewards' has shape \(3,\), expected \(2,\)"):
+        ExperienceBatch(torch.tensor([0, 1, 2]), {}, {"rewards": torch.zeros(3)})
+
+
+def test_nan_reward_names_the_episode():
+    b = make_batch()
+    rewards = b.seqs["rewards"].clone()
+    rewards[1] = float("nan")
+    with pytest.raises(ValueError, match=r"reward of episode 11 is nan; rewards must be finite"):
+        ExperienceBatch(b.cu_seqlens, b.tokens, {**b.seqs, "rewards": rewards})
+
+
+def test_schema_orders_token_then_sequence_fields_by_name():
+    schema = make_batch().schema()
+    assert [(f.kind, f.name) for f in schema] == [
+        ("token", "action_mask"), ("token", "input_ids"), ("token", "logprobs"), ("token", "turn_ids"),
+        ("token", "values"), ("seq", "episode_ids"), ("seq", "group_ids"), ("seq", "rewards"), ("seq", "truncated")]
+    assert "turn_ids[token]:int16" in describe_schema(schema)
+
+
+def test_group_by_wire_dtype_sends_unsupported_dtypes_as_bytes():
+    groups = group_by_wire_dtype(make_batch().schema())
+    assert [f.name for f in groups[torch.int64]] == ["input_ids", "episode_ids", "group_ids"]
+    assert [f.name for f in groups[torch.uint8]] == ["turn_ids"]  # int16 travels as 2 bytes per value
+    assert [f.name for f in groups[torch.bfloat16]] == ["values"]
+    assert FieldSpec("turn_ids", "token", torch.int16).width == 2
+
+
+def test_schema_fingerprint_changes_with_dtype_and_kind():
+    a = (FieldSpec("x", "token", torch.float32),)
+    assert schema_fingerprint(a) == schema_fingerprint((FieldSpec("x", "token", torch.float32),))
+    assert schema_fingerprint(a) != schema_fingerprint((FieldSpec("x", "token", torch.float64),))
+    assert schema_fingerprint(a) != schema_fingerprint((FieldSpec("x", "seq", torch.float32),))
+
+
+def test_empty_keeps_the_fields():
+    b = make_batch()
+    e = ExperienceBatch.empty(b.schema())
+    assert e.num_seqs == 0 and e.schema() == b.schema()
+
+
+def test_pack_unpack_round_trip_is_exact_for_every_dtype():
+    b = make_batch(lengths=(3, 1, 4))
+    chunks = [[2], [], [0, 2, 1]]
+    packed = pack_chunks(b, chunks)
+    rows = [len(c) for c in chunks]
+    toks = [sum(int(b.seq_lens[i]) for i in c) for c in chunks]
+    out = unpack_chunks({dt: buf for dt, (buf, _) in packed.items()}, b.schema(), rows, toks)
+    assert_batches_equal(out, b.select([2, 0, 2, 1]))
+    token_bytes, seq_bytes = wire_bytes_per_row(b.schema())
+    assert token_bytes == 1 + 8 + 4 + 2 + 2 and seq_bytes == 8 + 8 + 8 + 1 + LENGTHS.width * 8
+    assert sum(buf.numel() * buf.element_size() for buf, _ in packed.values()) == sum(
+        r * seq_bytes + t * token_bytes for r, t in zip(rows, toks))
