@@ -1,7 +1,7 @@
 """Registers the built-in environments by importing their modules.
 
-``openspiel`` / ``connect_four`` (OpenSpiel games), ``calculator`` (tool use) and ``textarena``
-(TextArena games). None of these imports pulls in TextArena; that happens when a TextArena env is
+``openspiel`` / ``connect_four`` (OpenSpiel games), ``calculator`` (tool use), ``textarena``
+(TextArena games) and ``recall`` (a memory task with steadily growing context). None of these imports pulls in TextArena; that happens when a TextArena env is
 built, so this module imports fine without the optional extra.
 """
 

@@ -169,3 +169,59 @@ def test_registry_and_bad_names():
         make_env("calculater")
     with pytest.raises(ValueError, match=r"`seed` must be a non-negative int, got '3'"):
         CalculatorEnv().reset("3")
+
+
+# ---- property tests: the evaluator agrees with Python's integer arithmetic, and never raises
+# anything but CalcError on arbitrary text ---------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_leaf = st.integers(min_value=0, max_value=10**6).map(str)
+_expr = st.recursive(
+    _leaf,
+    lambda sub: st.one_of(
+        st.tuples(sub, st.sampled_from(["+", "-", "*", "//", "%"]), sub).map(lambda t: f"({t[0]}{t[1]}{t[2]})"),
+        st.tuples(sub, st.integers(min_value=0, max_value=4)).map(lambda t: f"({t[0]})**{t[1]}"),
+        sub.map(lambda s: f"-{s}"),
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_expr)
+def test_safe_eval_matches_python_integer_arithmetic(expr):
+    if len(expr) > 200:
+        return
+    try:
+        expected = eval(expr, {"__builtins__": {}})  # noqa: S307 - generated from the grammar above
+    except ZeroDivisionError:
+        with pytest.raises(CalcError, match="division by zero"):
+            safe_eval(expr)
+        return
+    try:
+        got = safe_eval(expr)
+    except CalcError as err:
+        # Only the size bound may refuse a well-formed expression of this grammar.
+        assert str(err) == "number too large"
+        return
+    assert got == expected and abs(expected) <= 10**18
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="0123456789+-*/%() .xa_'", max_size=60))
+def test_safe_eval_never_raises_anything_else(text):
+    try:
+        value = safe_eval(text)
+    except CalcError:
+        return
+    assert isinstance(value, Fraction)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=80))
+def test_env_step_never_raises_on_any_text(text):
+    env = CalculatorEnv()
+    env.reset(0)
+    res = env.step(text)
+    assert isinstance(res.observation, str) and isinstance(res.done, bool)

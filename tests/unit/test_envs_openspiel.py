@@ -226,3 +226,19 @@ def test_bad_seed_and_env_name_raise():
     with pytest.raises(ValueError, match=r"unknown argument\(s\) \['opponnet'\] for env 'openspiel'; valid: "
                                          r"\['game', 'invalid_reward'"):
         make_env("openspiel", opponnet="mcts")
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=40), st.integers(min_value=0, max_value=10**6))
+def test_any_text_is_a_legal_move_or_an_invalid_action(text, seed):
+    env = OpenSpielEnv()
+    legal = legal_from_observation(env.reset(seed))
+    res = env.step(text)
+    digits = re.search(r"\d+", text)
+    valid = digits is not None and int(digits.group()) in legal
+    assert res.info["invalid_action"] is (not valid)
+    assert res.done is (not valid) and res.reward == (0.0 if valid else -1.0)
