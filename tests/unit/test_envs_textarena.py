@@ -28,6 +28,11 @@ def random_agent(game: str, seed: int = 99):
     return random_opponent(game, seed)
 
 
+def scripted(moves: list[str]):
+    it = iter(moves)
+    return lambda observation: next(it)
+
+
 def first_seed(env, seeds, make_policy, accept):
     for seed in seeds:
         obs, res = play(env, seed, make_policy())
@@ -50,8 +55,7 @@ def test_first_observation_agent_first_and_opponent_first():
 def test_agent_win_on_the_top_row():
     env = TextArenaEnv()
     moves = ["[0]", "[1]", "[2]"]
-    scripted = lambda: (lambda it: lambda observation: next(it))(iter(moves))
-    _, obs, res = first_seed(env, range(0, 40, 2), scripted,
+    _, obs, res = first_seed(env, range(0, 40, 2), lambda: scripted(moves),
                              lambda r: len(r) == 3 and r[-1].info.get("outcome") == "win")
     assert [r.reward for r in res] == [0.0, 0.0, 1.0]
     assert res[-1].info == {"invalid_action": False, "outcome": "win"}
