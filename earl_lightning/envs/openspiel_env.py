@@ -93,11 +93,15 @@ class OpenSpielEnv:
         mcts_rollouts: random rollouts per MCTS leaf evaluation.
         seat: ``"alternate"`` (agent moves first on even seeds, second on odd), or 0 / 1.
         invalid_reward: reward when the agent's text names no legal action (ends the episode).
+        legal_move_reward: shaping reward for every legal move (default 0: pure outcome reward).
+            A random-weight model almost never completes a game, so without it every episode ends
+            in an illegal move with the same -1 and GRPO sees no signal; a small value (0.02 over
+            at most 21 moves stays well below a win's +1) rewards learning the move format first.
     """
 
     def __init__(self, game: str = "connect_four", opponent: Literal["random", "mcts"] = "random",
                  mcts_simulations: int = 50, mcts_rollouts: int = 1, seat: Seat = "alternate",
-                 invalid_reward: float = -1.0) -> None:
+                 invalid_reward: float = -1.0, legal_move_reward: float = 0.0) -> None:
         self.game_name = game
         self.game = load_two_player_game(game)
         self.opponent = check_choice(opponent, "opponent", ("random", "mcts"))
@@ -105,6 +109,7 @@ class OpenSpielEnv:
         self.mcts_rollouts = check_positive_int(mcts_rollouts, "mcts_rollouts")
         self.seat = check_seat(seat)
         self.invalid_reward = check_finite(invalid_reward, "invalid_reward")
+        self.legal_move_reward = check_finite(legal_move_reward, "legal_move_reward")
         self._marks = _MARKS.get(self.game.get_type().short_name, ("player 0", "player 1"))
         # Placeholders until reset(); `_done` makes step() refuse to run before it.
         self._state = self.game.new_initial_state()
@@ -137,9 +142,9 @@ class OpenSpielEnv:
         if state.is_terminal():
             self._done = True
             outcome, reward = _outcome(state.returns(), self._agent)
-            return StepResult(self._observation(played, outcome), reward, True,
+            return StepResult(self._observation(played, outcome), reward + self.legal_move_reward, True,
                               {"invalid_action": False, "outcome": outcome})
-        return StepResult(self._observation(played), 0.0, False, {"invalid_action": False})
+        return StepResult(self._observation(played), self.legal_move_reward, False, {"invalid_action": False})
 
     # ---- internals -----------------------------------------------------------------------
     def _make_opponent(self, seed: int) -> Callable[[pyspiel.State], int]:

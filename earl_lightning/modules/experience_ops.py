@@ -16,6 +16,7 @@ from earl_lightning.algorithms import (
     gae_advantages,
     outcome_to_token_rewards,
     reinforce_pp_advantages,
+    shifted_entropy,
     shifted_logprobs,
 )
 from earl_lightning.data.experience import ExperienceBatch
@@ -53,10 +54,7 @@ def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value
     logits = out.logits.float()  # [S, L, V]
     res = {"logprobs": mb.unpad(shifted_logprobs(logits, input_ids, temperature=temperature))}
     if with_entropy:
-        from earl_lightning.algorithms import entropy
-
-        ent = entropy(logits[:, :-1], temperature=temperature)  # [S, L-1]: entropy of the dist at t predicting t+1
-        res["entropy"] = mb.unpad(torch.nn.functional.pad(ent, (1, 0)))
+        res["entropy"] = mb.unpad(shifted_entropy(logits, temperature=temperature))
     if need_hidden:
         h = out.hidden_states[-1]  # [S, L, H]
         v = value_head(h.float()).squeeze(-1)  # [S, L]: value of the state after token t
@@ -125,9 +123,9 @@ def compute_advantages(batch: ExperienceBatch, *, estimator: str, num_groups: in
         r = token_rewards_padded(batch, mask, kl, kl_coef_in_reward)
         whole = None
         if moments_fn is not None:
-            from earl_lightning.algorithms import returns_to_go
+            from earl_lightning.algorithms import discounted_returns
 
-            whole = moments_fn("batch", moments(returns_to_go(r, mask, gamma=gamma), mask))
+            whole = moments_fn("batch", moments(discounted_returns(r, mask, gamma=gamma), mask))
         adv = reinforce_pp_advantages(r, mask, gamma=gamma, batch=whole)
         tokens["advantages"] = batch.unpad(adv)
     elif estimator == "gae":
@@ -143,5 +141,5 @@ def token_rewards_padded(batch: ExperienceBatch, mask: torch.Tensor, kl: torch.T
                          kl_coef: float) -> torch.Tensor:
     r = outcome_to_token_rewards(batch.seqs["rewards"], mask)
     if kl is not None and kl_coef:
-        r = r - kl_coef * batch.pad(kl, 0.0) * mask
+        r = r - kl_coef * kl * mask
     return r

@@ -278,12 +278,15 @@ class AgenticRLModule(L.LightningModule):
         hp = self.hparams
         kl = None
         if self.ref_policy is not None and hp.kl_in_reward:
-            kl = get_kl_estimator(hp.kl_estimator)(exp.tokens["old_logprobs"], exp.tokens["ref_logprobs"])
+            kl = exp.pad(get_kl_estimator(hp.kl_estimator)(exp.tokens["old_logprobs"], exp.tokens["ref_logprobs"]), 0.0)
         moments_fn = None
         if self.trainer.world_size > 1:
             from earl_lightning.data.dist_advantages import all_reduce_moments
 
-            moments_fn = all_reduce_moments
+            layout = getattr(self.trainer.strategy, "current_layout", None)
+
+            def moments_fn(kind, local):  # sums over ranks; TP replicas are counted once
+                return all_reduce_moments([local], layout=layout)[0]
         return compute_advantages(exp, estimator=_ESTIMATOR[hp.algorithm], num_groups=num_groups,
                                   grpo_scale=hp.grpo_scale, gamma=hp.gamma, lam=hp.lam, kl=kl,
                                   kl_coef_in_reward=hp.kl_coef if hp.kl_in_reward else 0.0, moments_fn=moments_fn)

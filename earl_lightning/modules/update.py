@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from earl_lightning.algorithms import aggregate, get_kl_estimator, policy_loss, value_loss
+from earl_lightning.algorithms import aggregate, kl_divergence, ppo_clip_loss, value_loss
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.modules.experience_ops import forward_micro_batch
 
@@ -69,23 +69,23 @@ def micro_batch_loss(module, mb: ExperienceBatch, cfg: UpdateConfig, denom: dict
     mask = mb.padded("action_mask", 0.0)
     logp, old = mb.pad(res["logprobs"], 0.0), mb.padded("old_logprobs", 0.0)
     adv = mb.padded("advantages", 0.0)
-    tok_loss, pstats = policy_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+    tok_loss, pstats = ppo_clip_loss(logp, old, adv, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
     agg = dict(num_tokens=denom["tokens"], num_seqs=denom["seqs"], norm_constant=cfg.norm_constant)
     loss = aggregate(tok_loss, mask, cfg.loss_agg, **agg)
     ent = mb.pad(res["entropy"], 0.0)
     stats = {"loss/policy": float(loss), "policy/entropy": float((ent * mask).sum() / denom["tokens"]),
-             "policy/clip_frac": float(pstats["clip_frac"]) * float(mask.sum()) / denom["tokens"],
-             "policy/approx_kl": float(pstats["approx_kl"]) * float(mask.sum()) / denom["tokens"]}
+             "policy/clip_frac": float(pstats.clip_frac) * float(mask.sum()) / denom["tokens"],
+             "policy/approx_kl": float(pstats.approx_kl) * float(mask.sum()) / denom["tokens"]}
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.loss_agg, **agg)
     if cfg.kl_coef and "ref_logprobs" in mb.tokens:
-        kl = get_kl_estimator(cfg.kl_estimator)(logp, mb.padded("ref_logprobs", 0.0))
+        kl = kl_divergence(logp, mb.padded("ref_logprobs", 0.0), mask, cfg.kl_estimator)
         kl_loss = aggregate(kl, mask, cfg.loss_agg, **agg)
         loss = loss + cfg.kl_coef * kl_loss
         stats["loss/kl"] = float(kl_loss)
     if value_head is not None:
         v = mb.pad(res["values"], 0.0)
-        vl = value_loss(v, mb.padded("values", 0.0), mb.padded("returns", 0.0), mask, clip=cfg.value_clip)
+        vl, _ = value_loss(v, mb.padded("values", 0.0), mb.padded("returns", 0.0), mask, value_clip=cfg.value_clip)
         vloss = aggregate(vl, mask, "token_mean", num_tokens=denom["tokens"])
         loss = loss + cfg.value_coef * vloss
         stats["loss/value"] = float(vloss)

@@ -242,3 +242,14 @@ def test_any_text_is_a_legal_move_or_an_invalid_action(text, seed):
     valid = digits is not None and int(digits.group()) in legal
     assert res.info["invalid_action"] is (not valid)
     assert res.done is (not valid) and res.reward == (0.0 if valid else -1.0)
+
+
+def test_legal_move_reward_shapes_every_legal_move_only():
+    from earl_lightning.envs import make_env
+
+    env = make_env("connect_four", legal_move_reward=0.02, seat=0)
+    env.reset(0)
+    r = env.step("3")
+    assert r.reward == pytest.approx(0.02) and not r.done
+    bad = env.step("no move")
+    assert bad.reward == -1.0 and bad.done and bad.info["invalid_action"]
