@@ -1,0 +1,235 @@
+"""HF generation backend: KV-reuse path against the re-prefill reference, sampling, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from earl_lightning.models import load_tokenizer, make_tiny_model
+from earl_lightning.rollout.backends.base import GenRequest, SamplingConfig
+from earl_lightning.rollout.backends.hf import HFBackend
+from earl_lightning.rollout.backends.sampling import filter_logits, sample_tokens
+
+
+@pytest.fixture(scope="module")
+def lm():
+    path = make_tiny_model("earl-tiny", hidden_size=64, intermediate_size=128)
+    return AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(str(path))
+
+
+def _prompts(n_tokens: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 100, (n,), generator=g).tolist() for n in n_tokens]
+
+
+def _play(backend: HFBackend, sampling: SamplingConfig, turns: int = 4, seed: int = 0):
+    """Several turns over ragged contexts; each turn appends the generated tokens and a random
+    'observation'. Key 1 skips turn 2, so its cache must survive a call it is absent from."""
+    g = torch.Generator().manual_seed(seed + 100)
+    ctx = dict(enumerate(_prompts([5, 17, 9, 30], seed)))
+    log = []
+    for turn in range(turns):
+        reqs = [GenRequest(k, c) for k, c in ctx.items() if not (turn == 2 and k == 1)]
+        outs = backend.generate(reqs, sampling)
+        log.append((reqs, outs))
+        for r, o in zip(reqs, outs):
+            ctx[r.key] = r.prompt_ids + o.token_ids + torch.randint(3, 100, (7,), generator=g).tolist()
+    return log
+
+
+def _full_logprobs(model, prompt: list[int], gen: list[int], temperature: float) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + gen])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(gen)]
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(max_new_tokens=6, greedy=True),
+    SamplingConfig(max_new_tokens=6, seed=3, temperature=0.8, top_k=20, top_p=0.9),
+], ids=["greedy", "seeded"])
+def test_kv_reuse_equals_reprefill(lm, sampling):
+    model, tok = lm
+    kv_log = _play(HFBackend(model, tok, reuse_kv=True), sampling)
+    ref_log = _play(HFBackend(model, tok, reuse_kv=False), sampling)
+    for (reqs, a), (reqs_ref, b) in zip(kv_log, ref_log):
+        assert [r.prompt_ids for r in reqs] == [r.prompt_ids for r in reqs_ref]
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert x.finish_reason == y.finish_reason
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+
+
+def test_turn_prefills_only_the_new_suffix(lm):
+    model, tok = lm
+    backend = HFBackend(model, tok)
+    sampling = SamplingConfig(max_new_tokens=4, seed=0)
+    prompts = _prompts([12, 20])
+    outs = backend.generate([GenRequest(k, p) for k, p in enumerate(prompts)], sampling)
+    assert backend.stats["prefill_tokens"] == 32 and backend.stats["reused_tokens"] == 0
+    extra = [5, 6, 7]
+    nxt = [p + o.token_ids + extra for p, o in zip(prompts, outs)]
+    backend.generate([GenRequest(k, p) for k, p in enumerate(nxt)], sampling)
+    # Cached: prompt + all generated tokens but the last; new: the last generated token + extra.
+    assert backend.stats["reused_tokens"] == sum(len(p) + 4 - 1 for p in prompts)
+    assert backend.stats["prefill_tokens"] == 32 + 2 * (1 + len(extra))
+
+
+def test_rewritten_context_is_recomputed(lm):
+    model, tok = lm
+    sampling = SamplingConfig(max_new_tokens=5, greedy=True)
+    kv, ref = HFBackend(model, tok), HFBackend(model, tok, reuse_kv=False)
+    first = _prompts([15])[0]
+    kv.generate([GenRequest(7, first)], sampling)
+    other = _prompts([25], seed=9)[0]  # not an extension of what key 7 cached
+    a = kv.generate([GenRequest(7, other)], sampling)[0]
+    b = ref.generate([GenRequest(7, other)], sampling)[0]
+    assert a.token_ids == b.token_ids
+    assert kv.stats["reused_tokens"] == 0
+
+
+def test_logprobs_match_full_forward(lm):
+    model, tok = lm
+    sampling = SamplingConfig(max_new_tokens=6, seed=5, temperature=0.7)
+    reqs, outs = _play(HFBackend(model, tok), sampling)[-1]
+    for r, o in zip(reqs, outs):
+        ref = _full_logprobs(model, r.prompt_ids, o.token_ids, 0.7)
+        assert max(abs(u - v) for u, v in zip(ref, o.logprobs)) < 1e-4
+
+
+def test_greedy_matches_transformers_generate(lm):
+    model, tok = lm
+    prompt = _prompts([23])[0]
+    ours = HFBackend(model, tok).generate([GenRequest(0, prompt)], SamplingConfig(max_new_tokens=8, greedy=True))[0]
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    assert ours.token_ids == ref[0, len(prompt):].tolist()
+    assert ours.logprobs == [0.0] * len(ours.token_ids)
+
+
+def test_chunked_prefill_equals_single_chunk(lm):
+    model, tok = lm
+    sampling = SamplingConfig(max_new_tokens=5, seed=1)
+    reqs = [GenRequest(k, p) for k, p in enumerate(_prompts([40, 13, 27]))]
+    a = HFBackend(model, tok, prefill_chunk_elems=1).generate(reqs, sampling)
+    b = HFBackend(model, tok).generate(reqs, sampling)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert max(abs(u - v) for x, y in zip(a, b) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+
+
+def test_seeded_sampling_is_independent_of_batch_and_rank(lm):
+    model, tok = lm
+    sampling = SamplingConfig(max_new_tokens=8, seed=11)
+    prompts = _prompts([10, 30, 18])
+    batched = HFBackend(model, tok).generate([GenRequest(k, p) for k, p in enumerate(prompts)], sampling)
+    alone = HFBackend(model, tok).generate([GenRequest(1, prompts[1])], sampling)[0]
+    assert alone.token_ids == batched[1].token_ids  # a second "rank" with the same seed
+    other = HFBackend(model, tok).generate([GenRequest(1, prompts[1])], SamplingConfig(max_new_tokens=8, seed=12))[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_stop_strings_end_the_turn(lm):
+    model, tok = lm
+    free = HFBackend(model, tok).generate([GenRequest(k, p) for k, p in enumerate(_prompts([8] * 6))],
+                                          SamplingConfig(max_new_tokens=12, seed=2))
+    # Stop on a character the unconstrained run produced mid-turn, so some rows must stop early.
+    stop = tok.decode(free[0].token_ids[3:4])
+    sampling = SamplingConfig(max_new_tokens=12, seed=2, stop=[stop])
+    reqs = [GenRequest(k, p) for k, p in enumerate(_prompts([8] * 6))]
+    outs = HFBackend(model, tok).generate(reqs, sampling)
+    ref = HFBackend(model, tok, reuse_kv=False).generate(reqs, sampling)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    for o, f in zip(outs, free):
+        text = tok.decode(o.token_ids)
+        if o.finish_reason == "stop" and o.token_ids[-1] != tok.eos_token_id:
+            assert text.endswith(stop) and stop not in text[: -len(stop)]
+        else:
+            assert stop not in text
+        assert o.token_ids == f.token_ids[: len(o.token_ids)]  # same draws until the stop
+    assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) == 4
+
+
+def test_eos_stops_and_is_kept(lm):
+    model, tok = lm
+    sampling = SamplingConfig(max_new_tokens=48, seed=0, temperature=1.5)
+    outs = HFBackend(model, tok).generate([GenRequest(k, p) for k, p in enumerate(_prompts([6] * 16))], sampling)
+    eos_ended = [o for o in outs if o.token_ids[-1] == tok.eos_token_id]
+    assert eos_ended, "expected some turn to end with eos at temperature 1.5"
+    for o in outs:
+        assert tok.eos_token_id not in o.token_ids[:-1]
+        assert o.finish_reason == ("stop" if o in eos_ended else "length")
+        assert len(o.token_ids) == len(o.logprobs) and (o in eos_ended or len(o.token_ids) == 48)
+
+
+def test_never_samples_undecodable_ids(lm):
+    model, tok = lm
+    assert model.config.vocab_size > len(tok)  # the tiny model pads its vocabulary
+    outs = HFBackend(model, tok).generate([GenRequest(k, p) for k, p in enumerate(_prompts([5] * 8))],
+                                         SamplingConfig(max_new_tokens=32, seed=4, temperature=3.0))
+    assert max(t for o in outs for t in o.token_ids) < len(tok)
+
+
+def test_model_mode_is_restored_and_cache_released(lm):
+    model, tok = lm
+    backend = HFBackend(model, tok)
+    model.train()
+    try:
+        backend.generate([GenRequest(3, [5, 6, 7]), GenRequest(4, [8, 9])], SamplingConfig(max_new_tokens=2, seed=0))
+        assert model.training
+    finally:
+        model.eval()
+    assert backend.cached_keys() == [3, 4]
+    backend.release([3])
+    assert backend.cached_keys() == [4]
+    backend.release()
+    assert backend.cached_keys() == []
+
+
+def test_sampling_distribution_and_filters():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]]).repeat(40000, 1)
+    u = torch.rand(40000, dtype=torch.float64)
+    tokens, logp = sample_tokens(logits, u, temperature=1.3)
+    probs = torch.softmax(logits[0] / 1.3, -1)
+    freq = torch.bincount(tokens, minlength=6).double() / 40000
+    assert torch.allclose(freq, probs.double(), atol=0.01)
+    assert torch.allclose(logp, probs.log()[tokens], atol=1e-6)
+    top2, _ = sample_tokens(logits, u, temperature=1.0, top_k=2)
+    assert set(top2.tolist()) == {0, 5}
+    nucleus, lp = sample_tokens(logits, u, temperature=1.0, top_p=0.5)
+    assert set(nucleus.tolist()) == {5}  # p(5) ~ 0.59 >= 0.5 on its own
+    assert torch.allclose(lp, torch.log_softmax(logits[0], -1)[5].expand(40000))  # before filtering
+    limited = filter_logits(logits[:1], vocab_limit=4)
+    assert torch.isinf(limited[0, 4:]).all() and torch.isfinite(limited[0, :4]).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), r"`sampling.max_new_tokens` must be an integer >= 1, got 0"),
+    (dict(temperature=0.0), r"`sampling.temperature` must be > 0 .*got 0.0"),
+    (dict(top_p=0.0), r"`sampling.top_p` must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"`sampling.top_p` must be in \(0, 1\], got 1.5"),
+    (dict(top_k=-1), r"`sampling.top_k` must be an integer >= 0 .*got -1"),
+    (dict(stop="</s>"), r"`sampling.stop` must be a list of non-empty strings, got '</s>'"),
+    (dict(stop=[""]), r"`sampling.stop` must be a list of non-empty strings"),
+    (dict(seed=1.5), r"`sampling.seed` must be an integer or None, got 1.5"),
+])
+def test_sampling_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
+
+
+def test_greedy_allows_zero_temperature():
+    assert SamplingConfig(greedy=True, temperature=0.0).greedy
+
+
+def test_backend_errors(lm):
+    model, tok = lm
+    backend = HFBackend(model, tok)
+    with pytest.raises(ValueError, match=r"`requests` keys must be unique .*duplicated: \[1\]"):
+        backend.generate([GenRequest(1, [5]), GenRequest(1, [6])], SamplingConfig())
+    with pytest.raises(ValueError, match=r"`requests` key 2: `prompt_ids` is empty"):
+        backend.generate([GenRequest(2, [])], SamplingConfig())
+    with pytest.raises(ValueError, match=r"`prefill_chunk_elems` must be >= 1, got 0"):
+        HFBackend(model, tok, prefill_chunk_elems=0)
+    assert backend.generate([], SamplingConfig()) == []
