@@ -1,0 +1,172 @@
+"""Apply a :class:`Layout` to a HF Qwen2 / Llama causal LM: tensor parallel, activation
+checkpointing, then FSDP2 over the data-parallel mesh dimension.
+
+No Lightning import: the strategy calls :func:`parallelize_model` and so can a plain script.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from earl_lightning.parallel.layout import Layout
+
+# Per decoder layer, relative to ``model.model.layers[i]``. q/k/v/gate/up split their output
+# features (heads / intermediate) across TP ranks; o/down split their input features and all-reduce,
+# so one attention block and one MLP cost one all-reduce each (Megatron-style).
+_LAYER_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def reject_fsdp1(model: nn.Module, arg: str = "model") -> None:
+    """FSDP1 flattens parameters into FlatParameters that neither DTensor TP nor the reshard understand."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel) or any(
+        isinstance(m, FullyShardedDataParallel) for m in model.modules()
+    ):
+        raise TypeError(
+            f"`{arg}` is wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1); EarlStrategy shards "
+            "models itself with FSDP2 (`fully_shard`) and tensor parallel. Pass the plain HF model instead."
+        )
+
+
+def model_heads(model: nn.Module) -> tuple[int, int]:
+    """(attention heads, KV heads) from a HF config; TP must divide both."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "num_attention_heads"):
+        raise TypeError(f"expected a HF causal LM with a `config.num_attention_heads`, got {type(model).__name__}")
+    heads = int(cfg.num_attention_heads)
+    return heads, int(getattr(cfg, "num_key_value_heads", None) or heads)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not hasattr(model, "lm_head"):
+        raise TypeError(
+            f"parallelize_model supports HF Qwen2 / Llama-style causal LMs (model.model.layers, model.lm_head); "
+            f"got {type(model).__name__}"
+        )
+    return layers
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron TP over ``tp_mesh`` (1-D). Activations stay replicated between blocks (no sequence
+    parallel), so the HF code in between (norms, rotary, residuals) runs on plain local tensors."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in _decoder_layers(model):
+        parallelize_module(layer, tp_mesh, {k: styles[v]() for k, v in _LAYER_PLAN.items()})
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    # Both plans shard the [vocab, hidden] weight on dim 0 (vocab), so a tied weight gets the same
+    # placement from either side and can be re-tied after distribution.
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer in backward: memory ∝ one layer's activations, +1 forward."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = _decoder_layers(model)
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True) -> None:
+    """FSDP2 per decoder layer (overlaps one layer's all-gather with the previous layer's compute)
+    and at the root (embeddings, final norm, LM head; a tied weight is one parameter there)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = _decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are needed again first in backward: keep them gathered.
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    # Losses are normalized by the GLOBAL token count on every rank, so the dp gradients must be
+    # summed, not averaged, for a sharded update to equal the single-process one. Plain SUM
+    # collectives (no PREMUL_SUM / AVG) are also the only reductions gloo implements.
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize_model(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layout,
+                      reshard_after_forward: bool = True, fsdp: bool = True) -> nn.Module:
+    """Shard ``model`` in place for ``layout`` on ``mesh`` (dims ``("dp", "tp")``) and return it.
+
+    Order: tensor parallel first, because TP replaces ``nn.Linear`` weights by DTensors that FSDP2
+    must then shard along the *other* mesh dim (2-D placements); FSDP on top of TP is the
+    composition FSDP2 supports, the reverse is not. Activation checkpointing wraps the decoder layers
+    after TP (so recomputation replays TP's collectives too) and before FSDP (so FSDP's per-layer
+    groups contain the checkpoint wrappers and their all-gathers are re-issued in recomputation).
+
+    ``fsdp=False`` keeps parameters replicated across dp (inference replicas for rollout). With
+    ``layout.world_size == 1`` the model is returned unchanged (the single-process trainer).
+    HF attention reshapes q/k/v with ``view(*input_shape, -1, head_dim)``, so it infers the local
+    head count under TP; ``num_key_value_groups`` is a ratio and stays valid when both head counts
+    are divided by tp.
+    """
+    reject_fsdp1(model)
+    heads, kv_heads = model_heads(model)
+    layout.check_heads(heads, kv_heads)
+    if layout.world_size == 1:
+        if layout.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        return model
+    if mesh is None or tuple(mesh.mesh_dim_names or ()) != ("dp", "tp") or tuple(mesh.shape) != (layout.dp, layout.tp):
+        raise ValueError(f"`mesh` must be a ('dp', 'tp') DeviceMesh of shape ({layout.dp}, {layout.tp}), got {mesh}")
+    if layout.tp_enabled:
+        apply_tensor_parallel(model, mesh["tp"])
+    if layout.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if fsdp and layout.dp_enabled:
+        apply_fsdp(model, mesh["dp"], reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def build_replica(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layout, device: torch.device | str,
+                  fsdp: bool = False) -> nn.Module:
+    """An empty copy of ``model``'s architecture placed for ``layout`` (weights uninitialized; fill
+    them with a reshard). Built on the meta device, so no full-size copy is ever materialized.
+
+    Buffers (rotary ``inv_freq``...) are neither sharded nor saved, so they are copied from ``model``.
+    """
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    with torch.device("meta"):
+        replica = type(model)(config).to(dtype)
+    parallelize_model(replica, mesh=mesh, layout=layout, fsdp=fsdp)
+    replica.to_empty(device=device)
+    if getattr(config, "tie_word_embeddings", False):
+        replica.tie_weights()
+    src_buffers = {_strip_wrappers(n): b for n, b in model.named_buffers()}
+    with torch.no_grad():
+        for name, buf in replica.named_buffers():
+            buf.copy_(src_buffers[_strip_wrappers(name)])
+    replica.eval()
+    for p in replica.parameters():
+        p.requires_grad_(False)
+    return replica
+
+
+def _strip_wrappers(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")

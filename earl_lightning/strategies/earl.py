@@ -1,0 +1,373 @@
+"""EarlStrategy: one parallel layout per RL stage, switched at stage boundaries.
+
+Hook contract with the LightningModule (modules stay free of parallel code):
+
+- The module holds plain HF causal LMs in the attributes named by ``model_attrs`` (default
+  ``"policy"`` and the optional, frozen ``"ref_policy"``), created in ``__init__`` or
+  ``configure_model()``. It must not shard them itself.
+- In ``setup`` (after ``configure_model``, before ``configure_optimizers``) the strategy shards each
+  of them for the train layout with :func:`parallelize_model` (TP, activation checkpointing, FSDP2),
+  so the optimizer is built over the sharded parameters.
+- ``with strategy.stage(name, stats):`` picks the stage's layout (registered selector, else the
+  fixed per-stage layout), and syncs the stage's models into it. Inside, the module gets the model
+  placed for the current layout with ``strategy.stage_model("policy")`` (the train copy itself when
+  the layout's dp x tp equals the train layout's, else a cached replica: TP-sharded, dp-replicated,
+  weights refreshed by a layout-aware reshard whenever the train copy changed), and its share of
+  the episodes with ``strategy.layout_coords()`` -> (dp_rank, tp_rank): ranks of one TP group
+  process the same episodes with the same sampling seed.
+- Losses are normalized by the GLOBAL token count (all dp ranks): FSDP sums dp gradients.
+- Leaving ``stage("train")`` marks the trainable models as changed; call
+  ``strategy.mark_weights_updated()`` if weights change elsewhere (e.g. an optimizer step outside
+  a train stage).
+- Metrics for ``self.log`` accumulate in ``strategy.stage_metrics``; ``pop_stage_metrics()``
+  returns and clears them once per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal, Optional, Protocol, Union, runtime_checkable
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+
+from earl_lightning.parallel.layout import STAGES, Layout, check_stage
+from earl_lightning.parallel.parallelize import build_replica, model_heads, parallelize_model, reject_fsdp1
+from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
+
+LayoutArg = Union[Layout, dict, str]
+
+
+@runtime_checkable
+class LayoutSelector(Protocol):
+    def select(self, stage: str, stats: Optional[Mapping[str, Any]], current: Layout) -> Layout: ...
+
+
+def to_layout(value: LayoutArg, arg: str) -> Optional[Layout]:
+    """A Layout from a Layout, a dict of its fields, or ``"auto"`` (returned as None)."""
+    if isinstance(value, Layout):
+        return value
+    if value == "auto":
+        return None
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(Layout.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"`{arg}` has unknown keys {unknown}; valid keys: {list(Layout.__dataclass_fields__)}")
+        return Layout(**value)
+    raise ValueError(f"`{arg}` must be a Layout, a dict like {{'dp': 2, 'tp': 1}} or 'auto', got {value!r}")
+
+
+def _parse_layouts(layouts: Any) -> tuple[dict[str, Layout], Optional[list[Layout]], bool]:
+    """(fixed per-stage layouts, candidate list or None, candidates are 'auto')."""
+    if layouts is None:
+        return {}, None, False
+    if layouts == "auto":
+        return {}, None, True
+    if isinstance(layouts, Mapping):
+        fixed = {}
+        for stage, value in layouts.items():
+            check_stage(stage, arg="layouts")
+            fixed[stage] = to_layout(value, f"layouts.{stage}")
+            if fixed[stage] is None:
+                raise ValueError(f"`layouts.{stage}` must be a Layout or a dict; 'auto' is only valid for all of "
+                                 "`layouts` (every factorization of the world size)")
+        return fixed, None, False
+    if isinstance(layouts, Sequence) and not isinstance(layouts, str) and layouts:
+        cands = [to_layout(v, f"layouts[{i}]") for i, v in enumerate(layouts)]
+        if any(c is None for c in cands):
+            raise ValueError("`layouts` entries must be Layouts or dicts; use `layouts: auto` for all factorizations")
+        return {}, cands, False
+    raise ValueError(f"`layouts` must be a dict stage -> layout (stages {list(STAGES)}), a non-empty list of "
+                     f"candidate layouts, 'auto' or None; got {layouts!r}")
+
+
+def _same_placement(a: Layout, b: Layout) -> bool:
+    return (a.dp, a.tp) == (b.dp, b.tp)
+
+
+class EarlStrategy(ModelParallelStrategy):
+    """FSDP2 x tensor parallel with a layout per RL stage.
+
+    Arguments:
+        train_layout: the layout the optimizer's copy lives in: a Layout, a dict of its fields, or
+            ``"auto"`` (``layouts["train"]`` when given, else dp = world size, tp = 1).
+        layouts: fixed layouts per stage (``{"rollout": {"dp": 1, "tp": 2}}``; missing stages use the
+            train layout), or a list of candidate layouts for a selector, or ``"auto"`` (every dp x tp
+            factorization of the world size whose tp divides the attention and KV heads).
+        memory_budget_gb: memory per device the selector may plan with (None: unknown).
+        process_group_backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU); None picks from the device.
+        model_attrs: the LightningModule attributes holding the models to shard.
+        stage_models: which of them each stage syncs on entry; others sync on first ``stage_model``.
+        reshard_method: ``"layout_aware"`` (all-to-all of the needed slices) or ``"naive"`` (reference).
+        bucket_mb: size of one all-to-all bucket of the layout-aware reshard.
+    """
+
+    strategy_name = "earl"
+
+    def __init__(
+        self,
+        train_layout: LayoutArg = "auto",
+        layouts: Optional[Union[dict[str, LayoutArg], list[LayoutArg], str]] = None,
+        memory_budget_gb: Optional[float] = None,
+        process_group_backend: Optional[Literal["gloo", "nccl"]] = None,
+        model_attrs: Sequence[str] = ("policy", "ref_policy"),
+        stage_models: Optional[dict[str, list[str]]] = None,
+        reshard_method: Literal["layout_aware", "naive"] = "layout_aware",
+        bucket_mb: float = 64.0,
+        save_distributed_checkpoint: bool = True,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        if process_group_backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"`process_group_backend` must be 'gloo', 'nccl' or None, got {process_group_backend!r}")
+        if memory_budget_gb is not None and (not isinstance(memory_budget_gb, (int, float)) or memory_budget_gb <= 0):
+            raise ValueError(f"`memory_budget_gb` must be a positive number of GiB or None, got {memory_budget_gb!r}")
+        if reshard_method not in ("layout_aware", "naive"):
+            raise ValueError(f"`reshard_method` must be 'layout_aware' or 'naive', got {reshard_method!r}")
+        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ValueError(f"`bucket_mb` must be a positive number of MiB, got {bucket_mb!r}")
+        self._fixed, self._candidates, self._auto_candidates = _parse_layouts(layouts)
+        self._train = self._resolve_train_arg(to_layout(train_layout, "train_layout"))
+        self.memory_budget_gb = memory_budget_gb
+        self.model_attrs = tuple(model_attrs)
+        self.stage_models = self._check_stage_models(stage_models)
+        self.reshard_method = reshard_method
+        self.bucket_mb = float(bucket_mb)
+        self.stage_metrics: dict[str, float] = {}
+        self._selector: Optional[LayoutSelector] = None
+        self._meshes: dict[tuple[int, int], Any] = {}
+        self._replicas: dict[tuple[str, int, int], nn.Module] = {}
+        self._resharders: dict[tuple[str, int, int], Resharder] = {}
+        self._version: dict[str, int] = {}
+        self._synced: dict[tuple[str, int, int], int] = {}
+        self._current: Optional[Layout] = None
+        self.current_stage: Optional[str] = None
+
+    # ---- construction checks -------------------------------------------------------------------
+    def _resolve_train_arg(self, train: Optional[Layout]) -> Optional[Layout]:
+        fixed_train = self._fixed.get("train")
+        if train is not None and fixed_train is not None and not _same_placement(train, fixed_train):
+            raise ValueError(f"`train_layout` {train.name} and `layouts.train` {fixed_train.name} disagree; "
+                             "give one of them (the optimizer's copy lives in the train layout)")
+        return train or fixed_train
+
+    def _check_stage_models(self, stage_models: Optional[dict[str, list[str]]]) -> dict[str, tuple[str, ...]]:
+        default = {"rollout": ("policy",), "experience": ("policy", "ref_policy"), "train": ()}
+        if stage_models is None:
+            return default
+        for stage, attrs in stage_models.items():
+            check_stage(stage, arg="stage_models")
+            bad = [a for a in attrs if a not in self.model_attrs]
+            if bad:
+                raise ValueError(f"`stage_models.{stage}` names {bad}, which are not in `model_attrs` {list(self.model_attrs)}")
+        return {**default, **{k: tuple(v) for k, v in stage_models.items()}}
+
+    # ---- layouts and meshes --------------------------------------------------------------------
+    @property
+    def train_layout(self) -> Layout:
+        if self._train is None:
+            raise RuntimeError("the train layout is resolved when the processes start (Trainer.fit)")
+        return self._train
+
+    @property
+    def current_layout(self) -> Layout:
+        """The layout of the running stage; the train layout outside any stage."""
+        return self._current or self.train_layout
+
+    @property
+    def candidate_layouts(self) -> list[Layout]:
+        """Layouts a selector may choose from (fixed ones and the train layout when none were listed)."""
+        if self._candidates is not None:
+            return list(self._candidates)
+        return [self.train_layout, *[v for v in self._fixed.values() if v != self.train_layout]]
+
+    def layout_coords(self) -> tuple[int, int]:
+        """(dp_rank, tp_rank) of this process in the current layout."""
+        return self.current_layout.coords(self.global_rank)
+
+    def mesh_for(self, layout: Layout):
+        """The ("dp", "tp") DeviceMesh of a layout, built on first use (a collective) and cached."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        key = (layout.dp, layout.tp)
+        if key not in self._meshes:
+            self._meshes[key] = init_device_mesh(self.root_device.type, key, mesh_dim_names=("dp", "tp"))
+        return self._meshes[key]
+
+    def _resolve_layouts(self, world_size: int) -> None:
+        if self._train is None:
+            self._train = Layout(dp=world_size, tp=1)
+        self._train.check_world(world_size, arg="train_layout")
+        for stage, layout in self._fixed.items():
+            layout.check_world(world_size, arg=f"layouts.{stage}")
+        for i, layout in enumerate(self._candidates or []):
+            layout.check_world(world_size, arg=f"layouts[{i}]")
+
+    def _check_heads(self, model: nn.Module, attr: str) -> None:
+        heads, kv_heads = model_heads(model)
+        self._train.check_heads(heads, kv_heads, arg="train_layout")
+        for stage, layout in self._fixed.items():
+            layout.check_heads(heads, kv_heads, arg=f"layouts.{stage}")
+        for i, layout in enumerate(self._candidates or []):
+            layout.check_heads(heads, kv_heads, arg=f"layouts[{i}]")
+        if self._auto_candidates and self._candidates is None:
+            self._candidates = Layout.factorizations(self.world_size, heads, kv_heads)
+
+    # ---- Lightning hooks -----------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self._resolve_layouts(self.world_size)
+        self._data_parallel_size, self._tensor_parallel_size = self._train.dp, self._train.tp
+        self._device_mesh = self.mesh_for(self._train)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.train_layout.dp, "rank": self.train_layout.coords(self.global_rank)[0]}
+
+    def setup(self, trainer) -> None:
+        """Shard the module's models for the train layout, then the usual ModelParallel setup
+        (without requiring a ``configure_model`` override: the strategy does the sharding)."""
+        self.accelerator.setup(trainer)
+        self.parallelize_module_models()
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize_module_models(self) -> None:
+        module = self.lightning_module
+        reject_fsdp1(module, arg="LightningModule")
+        for attr in self.model_attrs:
+            model = getattr(module, attr, None)
+            if model is None:
+                continue
+            reject_fsdp1(model, arg=attr)
+            self._check_heads(model, attr)
+            parallelize_model(model, mesh=self.mesh_for(self._train), layout=self._train)
+            self._version[attr] = 0
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """DCP load; a checkpoint saved under another train layout is resharded by DCP itself."""
+        out = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.mark_weights_updated(all_models=True)
+        return out
+
+    # ---- stages --------------------------------------------------------------------------------
+    def register_selector(self, selector: LayoutSelector) -> None:
+        """Let ``selector.select(stage, stats, current) -> Layout`` choose every stage's layout."""
+        if not callable(getattr(selector, "select", None)):
+            raise TypeError(f"a layout selector needs a `select(stage, stats, current)` method; got {selector!r}")
+        self._selector = selector
+
+    @contextmanager
+    def stage(self, name: str, stats: Optional[Mapping[str, Any]] = None) -> Iterator[Layout]:
+        """Run a stage under its layout (yielded); the train layout is current again afterwards."""
+        check_stage(name, arg="stage")
+        layout = self._select(name, stats)
+        self._current, self.current_stage = layout, name
+        self.stage_metrics[f"layout/{name}/dp"] = float(layout.dp)
+        self.stage_metrics[f"layout/{name}/tp"] = float(layout.tp)
+        try:
+            for attr in self.stage_models.get(name, ()):
+                if getattr(self.lightning_module, attr, None) is not None:
+                    self.stage_model(attr)
+            yield layout
+        finally:
+            self._current, self.current_stage = None, None
+            if name == "train":
+                self.mark_weights_updated()
+
+    def _select(self, name: str, stats: Optional[Mapping[str, Any]]) -> Layout:
+        if self._selector is None:
+            return self._fixed.get(name, self.train_layout)
+        layout = self._selector.select(name, stats, self.current_layout)
+        if self.world_size > 1:  # one decision for all ranks, even if the selector's inputs differ
+            box = [layout]
+            torch.distributed.broadcast_object_list(box, src=0)
+            layout = box[0]
+        if not isinstance(layout, Layout):
+            raise TypeError(f"the layout selector returned {layout!r} for stage {name!r}; expected a Layout")
+        layout.check_world(self.world_size, arg=f"selected layout for stage {name!r}")
+        if self._candidates is not None and not any(_same_placement(layout, c) for c in self._candidates):
+            raise ValueError(f"the layout selector chose {layout.name} for stage {name!r}, which is not among the "
+                             f"candidate `layouts` {[c.name for c in self._candidates]}")
+        if name == "train" and not _same_placement(layout, self.train_layout):
+            raise ValueError(f"the layout selector chose {layout.name} for stage 'train', but the optimizer lives in "
+                             f"the train layout {self.train_layout.name}; only its micro-batch knobs may change")
+        return layout
+
+    def stage_model(self, attr: str = "policy") -> nn.Module:
+        """The model ``attr`` placed for the current layout, with up-to-date weights."""
+        if attr not in self.model_attrs:
+            raise ValueError(f"unknown model `{attr}`; `model_attrs` are {list(self.model_attrs)}")
+        model = getattr(self.lightning_module, attr, None)
+        if model is None:
+            raise ValueError(f"the LightningModule has no `{attr}` model (it is None or missing)")
+        layout = self.current_layout
+        if _same_placement(layout, self.train_layout):
+            return model
+        key = (attr, layout.dp, layout.tp)
+        if key not in self._replicas:
+            placement = Layout(dp=layout.dp, tp=layout.tp)  # inference replica: no activation checkpointing
+            self._replicas[key] = build_replica(model, mesh=self.mesh_for(placement), layout=placement,
+                                                device=self.root_device)
+        if self._synced.get(key) != self._version.get(attr, 0):
+            self._record(self._reshard(model, key))
+            self._synced[key] = self._version.get(attr, 0)
+        return self._replicas[key]
+
+    def _reshard(self, model: nn.Module, key: tuple[str, int, int]) -> ReshardStats:
+        if self.reshard_method == "naive":
+            return reshard_naive(model, self._replicas[key])
+        if key not in self._resharders:
+            self._resharders[key] = Resharder(model, self._replicas[key], bucket_mb=self.bucket_mb)
+        return self._resharders[key].run()
+
+    def _record(self, stats: ReshardStats) -> None:
+        self.stage_metrics["reshard/bytes"] = self.stage_metrics.get("reshard/bytes", 0.0) + stats.bytes_received
+        self.stage_metrics["reshard/seconds"] = self.stage_metrics.get("reshard/seconds", 0.0) + stats.seconds
+
+    def mark_weights_updated(self, attrs: Optional[Sequence[str]] = None, all_models: bool = False) -> None:
+        """Invalidate replicas of the given models (default: every model with trainable parameters)."""
+        module = self.lightning_module
+        for attr in attrs or self.model_attrs:
+            model = getattr(module, attr, None) if module is not None else None
+            if model is None:
+                continue
+            if all_models or attrs or any(p.requires_grad for p in model.parameters()):
+                self._version[attr] = self._version.get(attr, 0) + 1
+
+    def pop_stage_metrics(self) -> dict[str, float]:
+        """The metrics recorded since the last call (layout per stage, reshard bytes / seconds)."""
+        out, self.stage_metrics = self.stage_metrics, {}
+        return out
+
+    def teardown(self) -> None:
+        self._replicas.clear()
+        self._resharders.clear()
+        super().teardown()
+
+
+def register(registry=StrategyRegistry) -> None:
+    if "earl" not in registry:
+        registry.register("earl", EarlStrategy, description="EARL: a parallel layout per RL stage (FSDP2 x TP)")
+
+
+register()
