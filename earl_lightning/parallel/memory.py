@@ -1,0 +1,321 @@
+"""How many bytes one rank needs for one RL stage under one layout.
+
+Every figure is a peak per rank, built from the model's sizes, the layout and the step's
+statistics (``stats``: ``num_seqs``, ``context_mean``, ``context_max``, ``context_p95``,
+``gen_len``; the context lengths are the sequences as the stage sees them: the prompt so far in
+rollout, the whole sequence in experience and train).
+
+The per-token coefficients below were measured on the project's own code paths (the padded
+micro-batch forward of ``modules/experience_ops.py`` and the HF generation backend) with
+``torch.autograd.graph.saved_tensors_hooks`` and peak RSS; ``tests/unit/test_memory_model_measured.py``
+checks the resulting estimates against measured peaks. Pure arithmetic: no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, Mapping
+
+from earl_lightning.parallel.layout import Layout, check_stage
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # state tensors per parameter
+STATS_KEYS = ("num_seqs", "context_mean", "context_max", "context_p95", "gen_len")
+RolloutBackend = Literal["hf", "vllm"]
+
+# Steady-state framework memory of a stage (allocator slack, autograd bookkeeping, small buffers)
+# measured as the peak-RSS delta of a 1 x 8-token step after warm-up: 3-5 MiB on CPU. A cold
+# process also faults in code pages (about 17 MiB more on its first step); on GPU pass the
+# CUDA figure (cuBLAS workspace, NCCL buffers) as ``overhead_bytes``.
+DEFAULT_OVERHEAD_BYTES = 4 << 20
+# Logits held per token, in fp32 vocab rows: train keeps the logits, the exp() of logsumexp's
+# backward and the logits' gradient (measured 2.8); experience keeps only the logits.
+TRAIN_LOGIT_ROWS = 3
+DEFAULT_PREFILL_CHUNK_ELEMS = 1 << 24  # the HF backend's bound on batch x query x key per prefill
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """The sizes of a decoder-only transformer that its memory depends on."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"`model_config.{f.name}` must be a positive integer, got {v!r}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelSizes":
+        """From a transformers config (Qwen2, Llama, ...) or a ``ModelSizes``."""
+        if isinstance(config, ModelSizes):
+            return config
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+        missing = [n for n in need if getattr(config, n, None) is None]
+        if missing:
+            raise ValueError(
+                f"`model_config` {type(config).__name__} lacks {missing}; pass a transformers config "
+                f"of a decoder-only LM or a ModelSizes"
+            )
+        heads = config.num_attention_heads
+        return cls(
+            num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size, num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab_size=config.vocab_size,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(config, "attention_bias", getattr(config, "model_type", "") == "qwen2")),
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        return attn + bias + 3 * h * i + 2 * h
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        lm_head = 0 if self.tie_word_embeddings else self.embedding_params
+        return self.embedding_params + lm_head + self.num_layers * self.layer_params + self.hidden_size
+
+    def saved_per_token(self, tp: int) -> float:
+        """Elements one decoder layer saves for backward per token. Measured on Qwen2 (sdpa):
+        8h + 4i + 2kv + heads + 2; the norms and the residual stream (5h + 2) stay replicated under
+        tensor parallelism, the attention and MLP internals are split across the tp ranks."""
+        h, i = self.hidden_size, self.intermediate_size
+        return 5 * h + 2 + (3 * h + 4 * i + 2 * self.kv_dim + self.num_heads) / tp
+
+    def inference_per_token(self, tp: int) -> float:
+        """Elements alive per token inside one layer of a no-grad forward (measured: 4h + 3i):
+        one layer at a time, since nothing is kept for backward."""
+        return 4 * self.hidden_size + 3 * self.intermediate_size / tp
+
+    def recompute_per_token(self, tp: int) -> float:
+        """Extra elements per token while a checkpointed layer runs its backward: the layer's saved
+        activations are rebuilt, plus the gradient buffers in flight (measured: about h + i)."""
+        return self.saved_per_token(tp) + self.hidden_size + self.intermediate_size / tp
+
+    def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> float:
+        # KV heads split across tp; an engine replicates them when tp exceeds their number.
+        kv_heads = math.ceil(self.num_kv_heads / tp)
+        return self.num_layers * kv_heads * self.head_dim * 2 * dtype_bytes
+
+
+def check_stats(stats: Mapping[str, Any], arg: str = "stats") -> dict[str, float]:
+    """Validate the step statistics a stage reports; returns them as plain numbers."""
+    if not isinstance(stats, Mapping):
+        raise ValueError(f"`{arg}` must be a mapping with keys {list(STATS_KEYS)}, got {type(stats).__name__}")
+    missing = [k for k in STATS_KEYS if k not in stats]
+    if missing:
+        raise ValueError(f"`{arg}` lacks {missing}; required keys: {list(STATS_KEYS)}")
+    out = {}
+    for k in STATS_KEYS:
+        v = stats[k]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        lo = 0 if k == "gen_len" else 1
+        if not ok or v < lo:
+            raise ValueError(f"`{arg}['{k}']` must be a finite number >= {lo}, got {v!r}")
+        out[k] = float(v)
+    if out["context_mean"] > out["context_max"] or out["context_p95"] > out["context_max"]:
+        raise ValueError(
+            f"`{arg}`: context_mean ({out['context_mean']:g}) and context_p95 ({out['context_p95']:g}) "
+            f"must not exceed context_max ({out['context_max']:g})"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes per rank. ``total`` is the stage's peak, not the sum of the parts: phases
+    that never overlap (a forward's activations vs the gradients that replace them during
+    backward; a prefill vs the KV copies stored after decoding) count as the larger of the two."""
+
+    stage: str
+    layout: str
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int  # under the layout's activation-checkpointing setting
+    activations_no_ckpt: int
+    activations_ckpt: int
+    logits: int
+    kv_cache: int
+    transient: int  # FSDP all-gather buffers, attention masks, prefill working set
+    overhead: int
+    resident: int  # the training copy kept on the device during the other stages
+    total: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        parts = [f"{f.name}={_gib(getattr(self, f.name))}" for f in fields(self)
+                 if f.name not in ("stage", "layout", "total") and getattr(self, f.name)]
+        return f"{self.stage}/{self.layout}: total {_gib(self.total)} ({', '.join(parts)})"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f}GiB" if n >= 2**30 else f"{n / 2**20:.1f}MiB"
+
+
+class MemoryModel:
+    """Estimates the peak bytes per rank of a stage under a layout.
+
+    Args:
+        model_config: a transformers config or a :class:`ModelSizes`.
+        dtype: parameter / activation dtype ("float32", "bfloat16", "float16").
+        optimizer: "adamw" / "adam" (two fp32-or-param-dtype states per parameter) or "sgd".
+        rollout_backend: "hf" (padded per-call KV buffer, per-episode KV copies kept between
+            turns, chunked prefill with an explicit mask) or "vllm" (paged KV: only real tokens,
+            prefill bounded by the layout's ``micro_batch_tokens``).
+        reference_model: a frozen reference policy lives next to the policy in the experience stage.
+        resident_train_state: the sharded weights and optimizer state of the train layout stay on
+            the device during rollout and experience (no offload).
+        overhead_bytes: fixed framework memory per rank.
+        prefill_chunk_elems: the HF backend's prefill bound (batch x query x key elements).
+    """
+
+    def __init__(self, model_config: Any, dtype: str = "float32",
+                 optimizer: Literal["adamw", "adam", "sgd"] = "adamw", *,
+                 rollout_backend: RolloutBackend = "hf", reference_model: bool = False,
+                 resident_train_state: bool = False, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+                 prefill_chunk_elems: int = DEFAULT_PREFILL_CHUNK_ELEMS) -> None:
+        self.sizes = ModelSizes.from_config(model_config)
+        dtype = str(dtype).removeprefix("torch.")
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"`dtype` must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        if optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"`optimizer` must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+        if rollout_backend not in ("hf", "vllm"):
+            raise ValueError(f"`rollout_backend` must be one of ['hf', 'vllm'], got {rollout_backend!r}")
+        for name, v in (("overhead_bytes", overhead_bytes), ("prefill_chunk_elems", prefill_chunk_elems)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "overhead_bytes" else 1):
+                raise ValueError(f"`{name}` must be a {'non-negative' if name == 'overhead_bytes' else 'positive'} "
+                                 f"integer, got {v!r}")
+        self.dtype, self.optimizer, self.rollout_backend = dtype, optimizer, rollout_backend
+        self.dtype_bytes = DTYPE_BYTES[dtype]
+        self.reference_model, self.resident_train_state = bool(reference_model), bool(resident_train_state)
+        self.overhead_bytes, self.prefill_chunk_elems = overhead_bytes, prefill_chunk_elems
+
+    # ---- public -------------------------------------------------------------------------
+    def estimate(self, stage: str, layout: Layout, stats: Mapping[str, Any], *,
+                 train_layout: Layout | None = None) -> MemoryEstimate:
+        """Peak bytes per rank of ``stage`` under ``layout`` for a step with ``stats``.
+
+        ``train_layout`` is where the training copy lives (default: ``layout``); it only matters
+        with ``resident_train_state``, for rollout and experience.
+        """
+        check_stage(stage)
+        if not isinstance(layout, Layout):
+            raise ValueError(f"`layout` must be a Layout, got {type(layout).__name__}")
+        s = check_stats(stats)
+        if stage == "train":
+            return self._train(layout, s)
+        resident = self._resident(train_layout or layout)
+        return (self._rollout if stage == "rollout" else self._experience)(layout, s, resident)
+
+    def micro_batches(self, layout: Layout, stats: Mapping[str, Any]) -> tuple[int, int]:
+        """(padded tokens of the largest micro-batch, an upper bound on the number of
+        micro-batches) on one rank; the count only decides whether gradients accumulate.
+
+        Follows the module's micro-batching: sequences padded to the longest of their micro-batch,
+        as many as fit ``micro_batch_tokens``, a longer sequence alone. Only the longest length is
+        known here, so the tokens are a bound the real largest micro-batch never exceeds.
+        """
+        s = check_stats(stats)
+        seqs = math.ceil(s["num_seqs"] / layout.dp)
+        width = math.ceil(s["context_max"])
+        tokens = min(seqs * width, max(width, layout.micro_batch_tokens))
+        per_mb = max(1, layout.micro_batch_tokens // width)
+        return tokens, math.ceil(seqs / per_mb)
+
+    # ---- stages -------------------------------------------------------------------------
+    def _train(self, layout: Layout, s: dict[str, float]) -> MemoryEstimate:
+        z, b, shards = self.sizes, self.dtype_bytes, layout.dp * layout.tp
+        weights = z.num_params * b // shards  # FSDP over dp, TP over tp
+        grads = weights
+        optimizer = OPTIMIZER_STATES[self.optimizer] * weights
+        tokens, n_mb = self.micro_batches(layout, s)
+        full = int(tokens * (z.num_layers * z.saved_per_token(layout.tp) + 3 * z.hidden_size + 6) * b)
+        ckpt = int(tokens * (z.num_layers * z.hidden_size + 3 * z.hidden_size + 6
+                             + z.recompute_per_token(layout.tp)) * b)
+        acts = ckpt if layout.activation_checkpointing else full
+        logits = tokens * z.vocab_size * (4 * TRAIN_LOGIT_ROWS + (b if b != 4 else 0))
+        # FSDP keeps the unit being computed and the prefetched one gathered, plus the unit's
+        # unsharded gradient before its reduce-scatter.
+        unit = max(z.layer_params, z.embedding_params) * b // layout.tp
+        transient = 3 * unit if layout.dp > 1 else 0
+        static = weights + optimizer + transient + self.overhead_bytes
+        # One micro-batch: its activations are freed as the gradients appear (peak = the larger).
+        # Several: the gradients of the first ones are alive during the next forward.
+        total = static + (grads + acts + logits if n_mb > 1 else max(acts + logits, grads))
+        return MemoryEstimate("train", layout.name, weights, grads, optimizer, acts, full, ckpt, logits,
+                              0, transient, self.overhead_bytes, 0, total)
+
+    def _rollout(self, layout: Layout, s: dict[str, float], resident: int) -> MemoryEstimate:
+        z, b, tp = self.sizes, self.dtype_bytes, layout.tp
+        weights = z.num_params * b // tp
+        seqs = math.ceil(s["num_seqs"] / layout.dp)
+        kv_tok = z.kv_bytes_per_token(tp, b)
+        logits = seqs * z.vocab_size * 4 * 3  # last-position logits, probabilities, sampling scratch
+        if self.rollout_backend == "hf":
+            ctx = math.ceil(s["context_max"])
+            buffer = int(seqs * (ctx + s["gen_len"]) * kv_tok)  # one padded buffer per call
+            copies = int(seqs * (s["context_mean"] + s["gen_len"]) * kv_tok)  # kept per episode
+            query = max(1, min(ctx, self.prefill_chunk_elems // max(1, seqs * ctx)))
+            mask = seqs * query * ctx * b
+            prefill = int(mask + seqs * query * z.inference_per_token(tp) * b)
+            kv, transient = buffer + copies, max(prefill, copies)
+            total = weights + buffer + transient + logits + self.overhead_bytes + resident
+        else:
+            kv = int(seqs * (s["context_mean"] + s["gen_len"]) * kv_tok)
+            chunk = min(seqs * s["context_max"], layout.micro_batch_tokens)
+            transient = int(chunk * z.inference_per_token(tp) * b)
+            total = weights + kv + transient + logits + self.overhead_bytes + resident
+        return MemoryEstimate("rollout", layout.name, weights, 0, 0, 0, 0, 0, logits, kv, transient,
+                              self.overhead_bytes, resident, int(total))
+
+    def _experience(self, layout: Layout, s: dict[str, float], resident: int) -> MemoryEstimate:
+        z, b = self.sizes, self.dtype_bytes
+        weights = z.num_params * b // layout.tp * (2 if self.reference_model else 1)
+        tokens, _ = self.micro_batches(layout, s)
+        acts = int(tokens * z.inference_per_token(layout.tp) * b)
+        # The fp32 logits of the micro-batch, plus one sequence's logsumexp scratch (TRL's
+        # selective_log_softmax goes row by row); a bf16 model also holds its own-dtype logits.
+        width = math.ceil(s["context_max"])
+        logits = tokens * z.vocab_size * (4 + (b if b != 4 else 0)) + width * z.vocab_size * 4
+        total = weights + max(acts, logits) + self.overhead_bytes + resident
+        return MemoryEstimate("experience", layout.name, weights, 0, 0, acts, acts, acts, logits, 0, 0,
+                              self.overhead_bytes, resident, int(total))
+
+    def _resident(self, train_layout: Layout) -> int:
+        if not self.resident_train_state:
+            return 0
+        shard = self.sizes.num_params * self.dtype_bytes // train_layout.world_size
+        return shard * (1 + OPTIMIZER_STATES[self.optimizer])
