@@ -233,6 +233,7 @@ class Resharder:
             dist.all_gather_object(everyone, mine, group=group)
         else:
             everyone = [mine]
+        self.names = [n for n, _ in src]
         self.elem_sizes = [t.element_size() for _, t in src]
         self.dtypes = [t.dtype for _, t in src]
         self.plan = plan_reshard(
