@@ -116,7 +116,8 @@ def test_load_not_json(tmp_path):
 
 
 @pytest.mark.parametrize("mutate, match", [
-    (lambda d: d.update(schema_version=7), r"has schema_version 7; this version of earl_lightning reads schema_version 1"),
+    (lambda d: d.update(schema_version=7),
+     r"has schema_version 7; this version of earl_lightning reads schema_version 1"),
     (lambda d: d.pop("schema_version"), r"has schema_version None"),
     (lambda d: d.update(world_size=0), r"is corrupt: `world_size` must be a positive integer, got 0"),
     (lambda d: d.update(model=""), r"is corrupt: `model` must be a non-empty string"),
@@ -125,8 +126,10 @@ def test_load_not_json(tmp_path):
     (lambda d: d["entries"][2].update(tokens_per_s=-5),
      r"is corrupt: entries\[2\]: `tokens_per_s` must be a positive finite number, got -5"),
     (lambda d: d["entries"][0].update(stage="rolout"), r"is corrupt: entries\[0\]: unknown stage 'rolout'"),
-    (lambda d: d["entries"][0].update(context=12.5), r"is corrupt: entries\[0\]: `context` must be a positive integer, got 12.5"),
-    (lambda d: d["entries"][0].update(layout="tp2"), r"is corrupt: entries\[0\]: `layout` must be a Layout or a key like"),
+    (lambda d: d["entries"][0].update(context=12.5),
+     r"is corrupt: entries\[0\]: `context` must be a positive integer, got 12.5"),
+    (lambda d: d["entries"][0].update(layout="tp2"),
+     r"is corrupt: entries\[0\]: `layout` must be a Layout or a key like"),
     (lambda d: d["entries"][0].update(layout="dp4xtp1"),
      r"is corrupt: entries\[0\]: layout 'dp4xtp1' spans 4 ranks, but the table is for world_size=2"),
 ])
