@@ -24,10 +24,11 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # state tensors per parame
 STATS_KEYS = ("num_seqs", "context_mean", "context_max", "context_p95", "gen_len")
 RolloutBackend = Literal["hf", "vllm"]
 
-# Steady-state framework memory of a stage (allocator slack, autograd bookkeeping, small buffers)
-# measured as the peak-RSS delta of a 1 x 8-token step after warm-up: 3-5 MiB on CPU. A cold
-# process also faults in code pages (about 17 MiB more on its first step); on GPU pass the
-# CUDA figure (cuBLAS workspace, NCCL buffers) as ``overhead_bytes``.
+# Framework memory of a stage beyond its tensors (allocator slack, autograd bookkeeping). On CPU,
+# after warm-up, a 1 x 8-token tiny-model train step raises peak RSS by 5-6 MiB, which is about
+# its own weights, gradients and Adam states (6 MiB), so the framework adds little; 4 MiB is kept
+# as slack. A cold process also faults in code pages (about 17 MiB on its first step). On GPU
+# pass the CUDA figure (cuBLAS workspace, NCCL buffers) as ``overhead_bytes``.
 DEFAULT_OVERHEAD_BYTES = 4 << 20
 # Logits held per token, in fp32 vocab rows: train keeps the logits, the exp() of logsumexp's
 # backward and the logits' gradient (measured 2.8); experience keeps only the logits.
