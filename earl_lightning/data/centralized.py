@@ -39,15 +39,16 @@ CENTRAL_METHODS = ("tensor", "object")
 class CentralizedDispatcher:
     """Gather-to-``root``-then-scatter behind the :class:`Dispatcher` interface.
 
+    ``locality`` must match the decentralized Dispatcher's to get the same assignment.
     ``last_stats`` has the Dispatcher's keys; bytes count what the collectives move (padding
     included for ``"tensor"``, the unpadded payload for ``"object"``, whose pickles add a little).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *,
-                 method: Literal["tensor", "object"] = "tensor", root: int = 0) -> None:
+                 method: Literal["tensor", "object"] = "tensor", root: int = 0, locality: bool = True) -> None:
         if method not in CENTRAL_METHODS:
             raise ValueError(f"`method` must be one of {list(CENTRAL_METHODS)}, got {method!r}")
-        self.group, self.method, self.root = group, method, root
+        self.group, self.method, self.root, self.locality = group, method, root, locality
         self.last_stats: dict[str, float] = {}
 
     def exchange(self, batch: ExperienceBatch, to: Layout, *, src: Layout | None = None,
@@ -68,7 +69,7 @@ class CentralizedDispatcher:
                          ) -> tuple[ExperienceBatch, DispatchPlan]:
         rank = dist.get_rank(self.group)
         batch, lengths, group_ids = gather_metadata(batch, self.group, keep_groups)
-        plan = _central_plan(lengths, group_ids, batch, src, to, keep_groups)
+        plan = _central_plan(lengths, group_ids, batch, src, to, keep_groups, self.locality)
         schema = batch.schema()
         primary = [src.tp_group_ranks(d)[0] for d in range(src.dp)]
         # Non-primary replicas hold copies the controller already gets from the primary.
@@ -153,7 +154,7 @@ class CentralizedDispatcher:
             b = batches[src.tp_group_ranks(src.coords(r)[0])[0]]
             lengths.append(b.seq_lens.tolist())
             gids.append(b.seqs["group_ids"].tolist() if "group_ids" in b.seqs else [-1] * b.num_seqs)
-        plan = _central_plan(lengths, gids, template, src, to, keep_groups)
+        plan = _central_plan(lengths, gids, template, src, to, keep_groups, self.locality)
         inbound = [lengths[r] if src.coords(r)[1] == 0 else [] for r in range(len(batches))]
         outbound = [[plan.lengths[i] for i in plan.rows_of(to.coords(d)[0])] for d in range(len(batches))]
         _set_central_traffic(plan, self.root, inbound, outbound, template, padded=False)
@@ -161,11 +162,11 @@ class CentralizedDispatcher:
 
 
 def _central_plan(lengths, group_ids, batch: ExperienceBatch, src: Layout, to: Layout,
-                  keep_groups: bool) -> DispatchPlan:
+                  keep_groups: bool, locality: bool) -> DispatchPlan:
     """The decentralized dispatcher's plan, so both paths deliver the same rows."""
     token_bytes, seq_bytes = wire_bytes_per_row(batch.schema())
     return make_plan(lengths, group_ids, src=src, dst=to, token_bytes=token_bytes, seq_bytes=seq_bytes,
-                     keep_groups=keep_groups, tp_mode="direct")
+                     keep_groups=keep_groups, tp_mode="direct", locality=locality)
 
 
 def _set_central_traffic(plan: DispatchPlan, root: int, inbound: list[list[int]], outbound: list[list[int]],

@@ -174,17 +174,21 @@ class Dispatcher:
     ``group``: the process group to dispatch over (default: the world). ``tp_mode``: how a
     destination TP group gets its rows: ``"auto"`` (the plan picks, per group, whatever moves fewer
     bytes through the busiest rank), ``"direct"`` (every member receives them) or ``"broadcast"``
-    (one member receives them and broadcasts). After each exchange, ``last_stats`` holds
+    (one member receives them and broadcasts). ``locality``: let sequences stay on their rank when
+    that costs at most 1% balance (``False``: balance as if nothing were anywhere; every byte that
+    can move does, as in a full all-to-all reshuffle). After each exchange, ``last_stats`` holds
     ``bytes`` (this rank's bytes sent + received), ``bytes_sent``, ``bytes_recv``,
     ``busiest_rank_bytes``, ``total_bytes`` (all ranks' bytes sent), ``seconds``, ``imbalance``
     (max over mean tokens per destination dp rank), ``num_seqs`` and ``num_tokens`` received.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, tp_mode: TpMode = "auto") -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, tp_mode: TpMode = "auto",
+                 locality: bool = True) -> None:
         if tp_mode not in TP_MODES:
             raise ValueError(f"`tp_mode` must be one of {list(TP_MODES)}, got {tp_mode!r}")
         self.group = group
         self.tp_mode = tp_mode
+        self.locality = locality
         self.last_stats: dict[str, float] = {}
         self.last_plan: DispatchPlan | None = None
         self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -204,7 +208,8 @@ class Dispatcher:
         batch, lengths, group_ids = gather_metadata(batch, self.group, keep_groups)
         token_bytes, seq_bytes = wire_bytes_per_row(batch.schema())
         plan = make_plan(lengths, group_ids, src=src, dst=to, token_bytes=token_bytes,
-                         seq_bytes=seq_bytes, keep_groups=keep_groups, tp_mode=self.tp_mode)
+                         seq_bytes=seq_bytes, keep_groups=keep_groups, tp_mode=self.tp_mode,
+                         locality=self.locality)
         received = self._all_to_all(batch, plan, rank)
         received, as_rank = self._tp_broadcast(plan, received, rank, batch.schema())
         out = unpack_received(plan, as_rank, received, batch.schema())

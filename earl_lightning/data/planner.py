@@ -32,6 +32,9 @@ TP_MODES = ("auto", "direct", "broadcast")
 # destination groups LPT (O(n log k)) is used alone; its bound (4/3 OPT) is still tight at that
 # scale because each group then holds few sequences.
 KK_MAX_PARTS = 64
+# How much larger than the balanced optimum the busiest destination may get when that lets data
+# stay where it is: 1% more tokens on one rank costs less than moving most of the batch.
+LOCALITY_SLACK = 0.01
 
 
 @dataclass
@@ -242,25 +245,77 @@ def _leaves(tree) -> list[int]:
 
 
 def assign_destinations(lengths: list[int], group_ids: list[int], nbytes: list[int], src_dp: list[int],
-                        *, src: Layout, dst: Layout, keep_groups: bool) -> list[int]:
+                        *, src: Layout, dst: Layout, keep_groups: bool, locality: bool = True) -> list[int]:
     """Destination dp group per sequence, balancing tokens; whole GRPO groups when ``keep_groups``.
 
-    Parts of the balanced partition are then matched to destination dp groups so that as many
-    bytes as possible are already on a rank of their destination (they need not move).
+    The balanced partition's parts are matched to destination dp groups so that as many bytes as
+    possible are already on a rank of their destination. With ``locality``, a second candidate
+    keeps items where they are and moves only the overflow; it wins when its largest group is
+    within ``LOCALITY_SLACK`` of the balanced optimum (then an exchange between equal, balanced
+    layouts moves almost nothing).
     """
-    if keep_groups:
-        keys = sorted(set(group_ids))
-        index = {gid: j for j, gid in enumerate(keys)}
-        item_of = [index[g] for g in group_ids]
-    else:
-        item_of = list(range(len(lengths)))
+    item_of = _items(group_ids, keep_groups)
     weights = [0] * (max(item_of) + 1 if item_of else 0)
     for i, n in zip(item_of, lengths):
         weights[i] += n
     parts = balanced_partition(weights, dst.dp)
     part_of_seq = [parts[j] for j in item_of]
     mapping = _match_parts_to_groups(part_of_seq, nbytes, src_dp, src=src, dst=dst)
-    return [mapping[p] for p in part_of_seq]
+    balanced = [mapping[p] for p in part_of_seq]
+    if not locality or dst.dp == 1 or not weights:
+        return balanced
+    best = _max_load(weights, [mapping[p] for p in parts], dst.dp)
+    capacity = int(best * (1 + LOCALITY_SLACK))
+    homes = _homes(item_of, nbytes, src_dp, len(weights), src=src, dst=dst)
+    kept = _home_first(weights, homes, dst.dp, capacity)
+    if _max_load(weights, kept, dst.dp) > capacity:
+        return balanced
+    kept = [kept[j] for j in item_of]
+    stays = [_local_bytes(dest, nbytes, src_dp, src=src, dst=dst) for dest in (kept, balanced)]
+    return kept if stays[0] >= stays[1] else balanced
+
+
+def _local_bytes(dest: list[int], nbytes: list[int], src_dp: list[int], *, src: Layout, dst: Layout) -> int:
+    """Bytes that destination ranks already hold (they need not travel) under ``dest``."""
+    return sum(b for g, b, d in zip(dest, nbytes, src_dp) for r in src.tp_group_ranks(d) if dst.coords(r)[0] == g)
+
+
+def _items(group_ids: list[int], keep_groups: bool) -> list[int]:
+    """Item index of each sequence: the sequence itself, or its GRPO group."""
+    if not keep_groups:
+        return list(range(len(group_ids)))
+    index = {gid: j for j, gid in enumerate(sorted(set(group_ids)))}
+    return [index[g] for g in group_ids]
+
+
+def _homes(item_of: list[int], nbytes: list[int], src_dp: list[int], num_items: int,
+           *, src: Layout, dst: Layout) -> list[int]:
+    """Per item, the destination dp group whose ranks already hold most of its bytes."""
+    local: list[dict[int, int]] = [{} for _ in range(num_items)]
+    for j, b, d in zip(item_of, nbytes, src_dp):
+        for r in src.tp_group_ranks(d):
+            g = dst.coords(r)[0]
+            local[j][g] = local[j].get(g, 0) + b
+    return [min(m, key=lambda g: (-m[g], g)) for m in local]
+
+
+def _home_first(weights: list[int], homes: list[int], k: int, capacity: int) -> list[int]:
+    """Largest items first stay home while their home has room; the rest go, largest first, to
+    the lightest group (LPT), so only small items move."""
+    loads, parts, rest = [0] * k, [-1] * len(weights), []
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        if loads[homes[i]] + weights[i] <= capacity:
+            parts[i] = homes[i]
+            loads[homes[i]] += weights[i]
+        else:
+            rest.append(i)
+    heap = [(load, g) for g, load in enumerate(loads)]
+    heapq.heapify(heap)
+    for i in rest:
+        load, g = heapq.heappop(heap)
+        parts[i] = g
+        heapq.heappush(heap, (load + weights[i], g))
+    return parts
 
 
 def _match_parts_to_groups(part_of_seq: list[int], nbytes: list[int], src_dp: list[int],
@@ -343,11 +398,12 @@ def _add_broadcast_traffic(plan: DispatchPlan, sent: list[int], recv: list[int])
 
 def make_plan(lengths: list[list[int]], group_ids: list[list[int]], *, src: Layout, dst: Layout,
               token_bytes: int, seq_bytes: int, keep_groups: bool = False, tp_mode: TpMode = "auto",
-              ) -> DispatchPlan:
+              locality: bool = True) -> DispatchPlan:
     """The dispatch plan from every rank's metadata (``lengths[r]``, ``group_ids[r]``: rank ``r``'s
     per-sequence token counts and group ids). ``token_bytes`` / ``seq_bytes``: wire bytes per
     token and per sequence. ``tp_mode="auto"`` starts from direct delivery and switches a
     destination TP group to send-once-and-broadcast whenever that lowers the busiest rank's bytes.
+    ``locality=False`` ignores where the data sits when balancing (every byte that can move does).
     """
     if tp_mode not in TP_MODES:
         raise ValueError(f"`tp_mode` must be one of {list(TP_MODES)}, got {tp_mode!r}")
@@ -355,7 +411,8 @@ def make_plan(lengths: list[list[int]], group_ids: list[list[int]], *, src: Layo
         raise ValueError(f"`src` {src.name} has {src.world_size} ranks but `to` {dst.name} has {dst.world_size}")
     src_dp, src_index, lens, gids = canonical_sequences(lengths, group_ids, src)
     nbytes = [n * token_bytes + seq_bytes for n in lens]
-    dest = assign_destinations(lens, gids, nbytes, src_dp, src=src, dst=dst, keep_groups=keep_groups)
+    dest = assign_destinations(lens, gids, nbytes, src_dp, src=src, dst=dst, keep_groups=keep_groups,
+                               locality=locality)
     single = dst.tp == 1
     plan = DispatchPlan(src, dst, src_dp, src_index, lens, gids, nbytes, dest,
                         tp_mode=["direct" if tp_mode == "auto" or single else tp_mode] * dst.dp,

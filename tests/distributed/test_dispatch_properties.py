@@ -50,6 +50,7 @@ def dispatch_cases(draw, world: int) -> dict:
         "groups": draw(st.integers(1, 20)),
         "keep_groups": draw(st.booleans()) if not many else False,
         "tp_mode": draw(st.sampled_from(TP_MODES)),
+        "locality": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**20)),
     }
 
@@ -66,7 +67,7 @@ def draw_cases(world: int, n: int) -> list[dict]:
     # Always one large case with wildly different lengths, whatever hypothesis drew.
     out.append({"world": world, "src": (world, 1), "dst": (1, world) if world < 4 else (2, 2),
                 "counts": [80 // world + 1] * world, "max_len": 3000, "groups": 16, "keep_groups": False,
-                "tp_mode": "auto", "seed": 12345})
+                "tp_mode": "auto", "locality": True, "seed": 12345})
     return out
 
 
@@ -123,11 +124,11 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         src, dst = Layout(*case["src"]), Layout(*case["dst"])
         batch = build_batch(case, src.coords(rank)[0])
         kw = dict(src=src, keep_groups=case["keep_groups"])
-        dispatcher = Dispatcher(tp_mode=case["tp_mode"])
+        dispatcher = Dispatcher(tp_mode=case["tp_mode"], locality=case["locality"])
         out = dispatcher.exchange(batch, dst, **kw)
         check_rows_match_input(out, case)
-        tensor = CentralizedDispatcher(method="tensor").exchange(batch, dst, **kw)
-        obj = CentralizedDispatcher(method="object").exchange(batch, dst, **kw)
+        tensor = CentralizedDispatcher(method="tensor", locality=case["locality"]).exchange(batch, dst, **kw)
+        obj = CentralizedDispatcher(method="object", locality=case["locality"]).exchange(batch, dst, **kw)
         plan = dispatcher.last_plan
         results.append({"episodes": out.seqs["episode_ids"].tolist(), "digest": digest(out),
                         "same_as_tensor": equal(out, tensor), "same_as_object": equal(out, obj),

@@ -153,3 +153,29 @@ def test_replicas_that_disagree_are_reported():
     with pytest.raises(ValueError, match=r"`src` dp1xtp2 says ranks \[0, 1\] are tensor-parallel replicas.*rank 0 "
                                          r"holds 2 sequences \(30 tokens\) and rank 1 holds 1 \(10 tokens\)"):
         make_plan([[10, 20], [10]], [[0, 0], [0]], src=Layout(1, 2), dst=Layout(2, 1), token_bytes=1, seq_bytes=0)
+
+
+def test_locality_keeps_a_balanced_batch_where_it_is():
+    rng = random.Random(5)
+    lengths = [[rng.randint(100, 900) for _ in range(30)] for _ in range(4)]
+    # make every rank hold the same number of tokens: a balanced batch in the same layout
+    top = max(sum(x) for x in lengths)
+    for x in lengths:
+        x.append(top - sum(x) + 1)
+    gids = [[0] * len(x) for x in lengths]
+    kw = dict(src=Layout(4, 1), dst=Layout(4, 1), token_bytes=4, seq_bytes=8)
+    stay = make_plan(lengths, gids, **kw)
+    assert stay.sent == [0, 0, 0, 0] and stay.imbalance == 1.0
+    shuffle = make_plan(lengths, gids, locality=False, **kw)
+    assert min(shuffle.sent) > 0 and shuffle.imbalance <= 1.01
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 4000), min_size=0, max_size=40), min_size=4, max_size=4),
+       st.sampled_from([Layout(4, 1), Layout(2, 2)]))
+def test_locality_costs_at_most_one_percent_balance_and_never_moves_more(lengths, dst):
+    gids = [[0] * len(x) for x in lengths]
+    kw = dict(src=Layout(4, 1), dst=dst, token_bytes=4, seq_bytes=8, tp_mode="direct")
+    local, spread = make_plan(lengths, gids, **kw), make_plan(lengths, gids, locality=False, **kw)
+    assert max(local.dp_tokens()) <= max(spread.dp_tokens()) * 1.01 + 1e-9
+    assert sum(local.sent) <= sum(spread.sent)
