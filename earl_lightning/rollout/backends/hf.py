@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig
-from earl_lightning.rollout.backends.kv import EpisodeKV, additive_mask, build_cache
+from earl_lightning.rollout.backends.kv import EpisodeKV, additive_mask, build_cache, gqa_attention
 from earl_lightning.rollout.backends.sampling import draw_uniforms, row_seed, sample_tokens
 
 
@@ -90,7 +90,7 @@ class HFBackend:
         _check_requests(requests)
         if not requests:
             return []
-        with _eval_mode(self.model), torch.inference_mode():
+        with _eval_mode(self.model), gqa_attention(self.model), torch.inference_mode():
             return self._generate(requests, sampling)
 
     # ---- one call ------------------------------------------------------------------------

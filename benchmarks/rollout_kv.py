@@ -1,0 +1,151 @@
+"""Multi-turn rollout throughput: KV-cache reuse across turns vs re-prefilling the whole context.
+
+Both methods play the same ``recall`` episodes (observations padded so the context reaches
+about two thousand tokens at 20 turns) with the same seed, so they generate identical tokens;
+the script checks that. Methods are interleaved per turn count (and their order alternates per
+repeat) so that load on a shared machine hits both alike.
+
+    python benchmarks/rollout_kv.py --quick        # < 3 minutes on 2 CPU cores
+    python benchmarks/rollout_kv.py                # more episodes, 3 repeats
+
+Writes ``benchmarks/results/rollout_kv.csv`` (turns,method,tokens_per_s,seconds: the median
+repeat) and ``rollout_kv.png``, and prints a table with the speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from earl_lightning.models import load_model, load_tokenizer
+from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METHODS = ("kv_reuse", "reprefill")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer episodes, one repeat (< 3 min on 2 cores)")
+    p.add_argument("--model", default="earl-tiny", help="model preset, hub id or local path")
+    p.add_argument("--episodes", type=int, default=None, help="episodes per rollout (default 32, quick 16)")
+    p.add_argument("--turns", type=int, nargs="+", default=[5, 10, 20])
+    p.add_argument("--padding-chars", type=int, default=16, help="filler characters per recall observation")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per point (default 3, quick 1)")
+X
+    p.add_argument("--out", type=Path, default=RESULTS / "rollout_kv.csv")
+    args = p.parse_args(argv)
+    args.episodes = args.episodes or (16 if args.quick else 32)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if args.episodes < 1 or args.repeats < 1 or min(args.turns) < 1:
+        p.error(f"--episodes, --repeats and --turns must be >= 1, got {args.episodes}, {args.repeats}, {args.turns}")
+    return args
+
+
+def run_once(backend: HFBackend, tokenizer, turns: int, args: argparse.Namespace):
+    """One timed rollout; returns (wall seconds, CPU seconds, generated tokens, final context
+    lengths, token ids). CPU time is printed too because wall time on a shared machine also
+    measures the neighbours."""
+    specs = [EpisodeSpec("recall", seed=1000 + i, group_id=i, episode_id=i,
+                         env_kwargs={"num_turns": turns, "padding_chars": args.padding_chars})
+             for i in range(args.episodes)]
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, seed=0)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    episodes = rollout(specs, backend, tokenizer, sampling, max_turns=turns, max_context_tokens=1 << 20)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    generated = sum(ep.num_generated for ep in episodes)
+    return seconds, cpu, generated, [len(ep.token_ids) for ep in episodes], [ep.token_ids for ep in episodes]
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model).eval()
+    backends = {m: HFBackend(model, tokenizer, reuse_kv=(m == "kv_reuse")) for m in METHODS}
+    run_once(backends["kv_reuse"], tokenizer, 2, args)  # warm-up: allocator, first-call overheads
+    rows = []
+    for turns in args.turns:
+        times, cpus = {m: [] for m in METHODS}, {m: [] for m in METHODS}
+        for rep in range(args.repeats):
+            order = METHODS if rep % 2 == 0 else METHODS[::-1]
+            outputs = {}
+            for method in order:
+                seconds, cpu, generated, lengths, ids = run_once(backends[method], tokenizer, turns, args)
+                times[method].append(seconds)
+                cpus[method].append(cpu)
+                outputs[method] = ids
+            if outputs["kv_reuse"] != outputs["reprefill"]:
+                raise RuntimeError(f"KV reuse and re-prefill generated different tokens at {turns} turns")
+        for method in METHODS:
+            seconds = statistics.median(times[method])
+            rows.append({"turns": turns, "method": method, "tokens_per_s": generated / seconds, "seconds": seconds,
+                         "cpu_seconds": statistics.median(cpus[method]),
+                         "generated": generated, "context_mean": sum(lengths) / len(lengths),
+                         "context_max": max(lengths)})
+        print(f"  {turns} turns done: " + ", ".join(f"{m} {statistics.median(times[m]):.2f}s" for m in METHODS),
+              flush=True)
+    return rows
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["turns", "method", "tokens_per_s", "seconds"])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({"turns": r["turns"], "method": r["method"], "tokens_per_s": f"{r['tokens_per_s']:.1f}",
+                             "seconds": f"{r['seconds']:.3f}"})
+    by = {(r["turns"], r["method"]): r for r in rows}
+    print(f"\n{args.episodes} episodes, {args.max_new_tokens} new tokens/turn, recall padding {args.padding_chars}, "
+          f"model {args.model}, torch threads {torch.get_num_threads()}")
+    print(f"{'turns':>5} {'context mean/max':>17} {'kv_reuse tok/s':>15} {'reprefill tok/s':>16} {'speedup':>8} "
+          f"{'kv/ref CPU s':>14} {'CPU speedup':>12}")
+    for turns in args.turns:
+        kv, ref = by[(turns, "kv_reuse")], by[(turns, "reprefill")]
+        ctx = f"{kv['context_mean']:.0f}/{kv['context_max']}"
+        print(f"{turns:>5} {ctx:>17} {kv['tokens_per_s']:>15.1f} {ref['tokens_per_s']:>16.1f} "
+              f"{ref['seconds'] / kv['seconds']:>7.2f}x {kv['cpu_seconds']:>6.1f}/{ref['cpu_seconds']:<7.1f} "
+              f"{ref['cpu_seconds'] / kv['cpu_seconds']:>11.2f}x")
+    print(f"wrote {args.out}")
+    plot(rows, args)
+
+
+def plot(rows: list[dict], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in METHODS:
+        pts = [r for r in rows if r["method"] == method]
+        ax.plot([r["turns"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o", label=method)
+    for turns in args.turns:
+        kv = next(r for r in rows if r["turns"] == turns and r["method"] == "kv_reuse")
+        ref = next(r for r in rows if r["turns"] == turns and r["method"] == "reprefill")
+        ax.annotate(f"{ref['seconds'] / kv['seconds']:.1f}x", (turns, kv["tokens_per_s"]),
+                    textcoords="offset points", xytext=(0, 6), ha="center")
+    ax.set_xlabel("turns per episode")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"Multi-turn rollout, {args.episodes} episodes ({args.model})")
+    ax.legend()
+    fig.tight_layout()
+    png = args.out.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    report(measure(args), args)
+
+
+if __name__ == "__main__":
+    main()
