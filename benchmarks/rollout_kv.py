@@ -38,7 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--padding-chars", type=int, default=16, help="filler characters per recall observation")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per point (default 3, quick 1)")
-X
+    # One thread: the tiny model gains nothing from intra-op threads, and on a shared machine
+    # spinning OpenMP workers make wall times noisy.
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--out", type=Path, default=RESULTS / "rollout_kv.csv")
     args = p.parse_args(argv)
     args.episodes = args.episodes or (16 if args.quick else 32)
