@@ -61,6 +61,19 @@ def test_kv_reuse_equals_reprefill(lm, sampling):
             assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kv_reuse_equals_reprefill_on_cuda(lm):
+    model, tok = lm
+    cuda = AutoModelForCausalLM.from_pretrained(model.name_or_path).cuda().eval()
+    sampling = SamplingConfig(max_new_tokens=6, seed=3, temperature=0.8)
+    kv_log = _play(HFBackend(cuda, tok), sampling)
+    ref_log = _play(HFBackend(model, tok, reuse_kv=False), sampling)  # CPU reference
+    for (_, a), (_, b) in zip(kv_log, ref_log):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-3
+
+
 def test_turn_prefills_only_the_new_suffix(lm):
     model, tok = lm
     backend = HFBackend(model, tok)
@@ -177,6 +190,7 @@ def test_model_mode_is_restored_and_cache_released(lm):
     try:
         backend.generate([GenRequest(3, [5, 6, 7]), GenRequest(4, [8, 9])], SamplingConfig(max_new_tokens=2, seed=0))
         assert model.training
+        assert model.config._attn_implementation == "sdpa"  # the generation-only GQA attention is undone
     finally:
         model.eval()
     assert backend.cached_keys() == [3, 4]
