@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation
 from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.parallel.layout import Layout
 from earl_lightning.models import load_model, load_tokenizer, resolve_dtype
 from earl_lightning.modules import metrics as M
 from earl_lightning.modules.experience_ops import compute_advantages, episodes_to_experience, fill_logprobs
@@ -117,7 +118,8 @@ class AgenticRLModule(L.LightningModule):
         self.ref_policy = None
         self.value_head = None
         self.rl_iteration = 0  # RL iterations done (checkpointed; the data stream resumes here)
-        self._backend = None
+        self._backend = self._backend_model = self._dispatcher = None
+        self._dispatch_stats: dict[str, float] = {}
 
     # ---- configuration -------------------------------------------------------------------
     @staticmethod
@@ -144,6 +146,7 @@ class AgenticRLModule(L.LightningModule):
         hp = self.hparams
         self.policy = load_model(hp.model, hp.dtype, "--model.model")
         self.policy.config.use_cache = False
+        self.policy.train()
         if hp.kl_coef:
             self.ref_policy = load_model(hp.model, hp.dtype, "--model.model").eval().requires_grad_(False)
         if hp.algorithm == "ppo":
@@ -194,53 +197,63 @@ class AgenticRLModule(L.LightningModule):
             )
 
     # ---- distributed helpers --------------------------------------------------------------
-    def _strategy_stage(self, name: str, stats: dict):
+    @contextlib.contextmanager
+    def _stage(self, name: str, stats: dict):
+        """Run a stage under its layout: EarlStrategy picks (and switches to) it; any other
+        strategy is plain data parallelism over the world."""
         stage = getattr(self.trainer.strategy, "stage", None)
-        return stage(name, stats) if callable(stage) else contextlib.nullcontext()
+        if callable(stage):
+            with stage(name, stats) as layout:
+                yield layout
+        else:
+            yield Layout(dp=self.trainer.world_size, tp=1)
 
-    def _dp_coords(self) -> tuple[int, int]:
-        """(dp_rank, dp_size) of this process in the current stage's layout."""
-        strat = self.trainer.strategy
-        layout = getattr(strat, "current_layout", None)
-        if layout is not None:
-            return layout.coords(self.global_rank)[0], layout.dp
-        return self.global_rank, self.trainer.world_size
+    def _stage_model(self, attr: str = "policy"):
+        """The model placed for the current stage's layout (the train copy outside EarlStrategy)."""
+        get = getattr(self.trainer.strategy, "stage_model", None)
+        return get(attr) if callable(get) else getattr(self, attr)
 
-    def _local_specs(self, specs: list[EpisodeSpec]) -> list[EpisodeSpec]:
-        """This data-parallel rank's share, whole groups at a time."""
-        dp_rank, dp = self._dp_coords()
-        return [s for s in specs if s.group_id % dp == dp_rank]
+    def _local_specs(self, specs: list[EpisodeSpec], layout: Layout) -> list[EpisodeSpec]:
+        """This data-parallel rank's share, whole groups at a time (TP peers get the same share)."""
+        dp_rank = layout.coords(self.global_rank)[0]
+        return [s for s in specs if s.group_id % layout.dp == dp_rank]
 
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            t = t.clone()
-            dist.all_reduce(t)
+    def _all_reduce(self, t: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
+        """Sum over ranks; under a TP layout only TP rank 0 of each group counts (peers hold copies)."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return t
+        t = t.clone()
+        if layout is not None and layout.coords(self.global_rank)[1] != 0:
+            t.zero_()
+        dist.all_reduce(t)
         return t
 
     # ---- rollout --------------------------------------------------------------------------
-    def backend(self):
-        if self._backend is None:
+    def backend(self, model):
+        """The generation backend bound to ``model`` (a stage may hand out another placement)."""
+        if self._backend is None or self._backend_model is not model:
             if self.hparams.backend == "hf":
                 from earl_lightning.rollout.backends.hf import HFBackend
 
-                self._backend = HFBackend(self.policy, self.tokenizer, reuse_kv=self.hparams.reuse_kv)
+                self._backend = HFBackend(model, self.tokenizer, reuse_kv=self.hparams.reuse_kv)
             else:
                 from earl_lightning.rollout.backends.vllm import VLLMBackend
 
-                self._backend = VLLMBackend.for_module(self)
+                self._backend = VLLMBackend.for_module(self, model)
+            self._backend_model = model
         return self._backend
 
     def _rollout(self, specs: list[EpisodeSpec], sampling: SamplingConfig):
         hp = self.hparams
-        backend = self.backend()
+        backend = self.backend(self._stage_model("policy"))
         try:
             return rollout(specs, backend, self.tokenizer, sampling, max_turns=hp.max_turns,
                            max_context_tokens=hp.max_context_tokens, system_prompt=hp.system_prompt)
         finally:
             backend.release(None)
 
-    def _sampling_seed(self, step: int) -> int:
-        dp_rank, _ = self._dp_coords()
+    def _sampling_seed(self, step: int, layout: Layout) -> int:
+        dp_rank = layout.coords(self.global_rank)[0]
         return (self.hparams.seed * 1_000_003 + step * 131 + dp_rank) % (2**31 - 1)
 
     # ---- the RL iteration -------------------------------------------------------------------
@@ -248,33 +261,43 @@ class AgenticRLModule(L.LightningModule):
         hp, step, specs = self.hparams, batch["step"], batch["specs"]
         num_groups = max(s.group_id for s in specs) + 1
         timer = M.StageTimer()
-        with self._strategy_stage("rollout", M.spec_stats(specs, hp.max_new_tokens)), timer("rollout"):
-            sampling = SamplingConfig(**{**vars(self.sampling), "seed": self._sampling_seed(step)})
-            episodes = self._rollout(self._local_specs(specs), sampling)
+        with self._stage("rollout", M.spec_stats(specs, hp.max_new_tokens)) as rollout_layout, timer("rollout"):
+            sampling = SamplingConfig(**{**vars(self.sampling), "seed": self._sampling_seed(step, rollout_layout)})
+            episodes = self._rollout(self._local_specs(specs, rollout_layout), sampling)
+        counts = self._all_reduce(M.episode_counts(episodes), rollout_layout)
         exp = episodes_to_experience(episodes)
-        with self._strategy_stage("experience", exp.context_stats()), timer("experience"):
-            exp = self._exchange(exp, "experience")
-            exp = fill_logprobs(self.policy, exp, name="old_logprobs", temperature=hp.temperature,
+        with self._stage("experience", exp.context_stats()) as layout, timer("experience"):
+            exp = self._exchange(exp, src=rollout_layout, to=layout)
+            exp = fill_logprobs(self._stage_model("policy"), exp, name="old_logprobs", temperature=hp.temperature,
                                 micro_batch_tokens=hp.micro_batch_tokens, value_head=self.value_head)
             if self.ref_policy is not None:
-                exp = fill_logprobs(self.ref_policy, exp, name="ref_logprobs", temperature=hp.temperature,
-                                    micro_batch_tokens=hp.micro_batch_tokens)
-        exp = self._advantages(exp, num_groups)
-        with self._strategy_stage("train", exp.context_stats()), timer("train"):
-            exp = self._exchange(exp, "train")
-            update = ppo_update(self, exp, self._update_config())
+                exp = fill_logprobs(self._stage_model("ref_policy"), exp, name="ref_logprobs",
+                                    temperature=hp.temperature, micro_batch_tokens=hp.micro_batch_tokens)
+            exp = self._advantages(exp, num_groups, layout)
+        with self._stage("train", exp.context_stats()) as train_layout, timer("train"):
+            exp = self._exchange(exp, src=layout, to=train_layout)
+            update = ppo_update(self, exp, self._update_config(), layout=train_layout)
         self.rl_iteration = step + 1
-        self._log_iteration(episodes, exp, update, timer, step)
+        self._log_iteration(episodes[:2], counts, exp, update, timer, step, train_layout)
 
-    def _exchange(self, exp: ExperienceBatch, stage: str) -> ExperienceBatch:
-        exchange = getattr(self.trainer.datamodule, "exchange", None) if self.trainer.datamodule else None
-        if exchange is None or self.trainer.world_size == 1:
+    def _exchange(self, exp: ExperienceBatch, *, src: Layout, to: Layout) -> ExperienceBatch:
+        """Move the batch from the ranks that produced it to the ranks that consume it (one
+        all-to-all per dtype); a no-op in a single process or when the layouts coincide."""
+        if self.trainer.world_size == 1 or (src.dp, src.tp) == (to.dp, to.tp):
             return exp
-        exp, stats = exchange(exp, self.trainer.strategy, stage)
-        self._dispatch_stats = stats
-        return exp
+        from earl_lightning.data.dispatcher import Dispatcher
 
-    def _advantages(self, exp: ExperienceBatch, num_groups: int) -> ExperienceBatch:
+        if self._dispatcher is None:
+            self._dispatcher = Dispatcher()
+        out = self._dispatcher.exchange(exp, to=to, src=src)
+        st = self._dispatcher.last_stats
+        for key, name in (("total_bytes", "dispatch/bytes"), ("seconds", "dispatch/seconds"),
+                          ("imbalance", "dispatch/imbalance")):
+            self._dispatch_stats[name] = self._dispatch_stats.get(name, 0.0) + st[key] if key != "imbalance" \
+                else max(self._dispatch_stats.get(name, 0.0), st[key])
+        return out
+
+    def _advantages(self, exp: ExperienceBatch, num_groups: int, layout: Layout) -> ExperienceBatch:
         hp = self.hparams
         kl = None
         if self.ref_policy is not None and hp.kl_in_reward:
@@ -282,8 +305,6 @@ class AgenticRLModule(L.LightningModule):
         moments_fn = None
         if self.trainer.world_size > 1:
             from earl_lightning.data.dist_advantages import all_reduce_moments
-
-            layout = getattr(self.trainer.strategy, "current_layout", None)
 
             def moments_fn(kind, local):  # sums over ranks; TP replicas are counted once
                 return all_reduce_moments([local], layout=layout)[0]
@@ -302,23 +323,24 @@ class AgenticRLModule(L.LightningModule):
             max_grad_norm=hp.max_grad_norm,
         )
 
-    def _log_iteration(self, episodes, exp, update, timer, step) -> None:
+    def _log_iteration(self, sample_episodes, counts, exp, update, timer, step, layout: Layout) -> None:
         hp = self.hparams
-        counts = self._all_reduce(M.episode_counts(episodes))
+        reduce = lambda t: self._all_reduce(t, layout)  # noqa: E731
         metrics = M.episode_metrics(counts)
-        metrics.update(M.context_metrics(exp, self._all_reduce))
-        metrics.update(timer.metrics(exp, self._all_reduce))
+        metrics.update(M.context_metrics(exp, reduce))
+        metrics.update(timer.metrics(exp, reduce))
         metrics.update(update)
         metrics["logprob/mismatch"] = self._mismatch(exp)
-        metrics.update(getattr(self.trainer.strategy, "stage_metrics", {}) or {})
-        metrics.update(getattr(self, "_dispatch_stats", {}) or {})
+        pop = getattr(self.trainer.strategy, "pop_stage_metrics", None)
+        metrics.update(pop() if callable(pop) else {})
+        metrics.update(self._dispatch_stats)
+        self._dispatch_stats = {}
         metrics["rl/iteration"] = float(self.rl_iteration)
         for name in ("reward/mean", "env/win_rate"):
-            if name in metrics:
-                self.log(name, metrics.pop(name), prog_bar=True, on_step=True, rank_zero_only=True)
+            self.log(name, metrics.pop(name), prog_bar=True, on_step=True, rank_zero_only=True)
         self.log_dict(metrics, on_step=True, rank_zero_only=True)
         if hp.transcript_every_n_steps and step % hp.transcript_every_n_steps == 0 and self.global_rank == 0:
-            M.log_transcripts(self.loggers, episodes[:2], step)
+            M.log_transcripts(self.loggers, sample_episodes, step)
 
     def _mismatch(self, exp: ExperienceBatch) -> float:
         mask = exp.tokens["action_mask"] > 0
@@ -339,10 +361,9 @@ class AgenticRLModule(L.LightningModule):
     def evaluate(self, specs: list[EpisodeSpec]) -> dict[str, float]:
         """Play ``specs`` greedily; rates over all ranks."""
         sampling = SamplingConfig(**{**vars(self.sampling), "greedy": True, "seed": 0})
-        was_training = self.policy.training
-        episodes = self._rollout(self._local_specs(specs), sampling)
-        self.policy.train(was_training)
-        counts = self._all_reduce(M.episode_counts(episodes))
+        with self._stage("rollout", M.spec_stats(specs, self.hparams.max_new_tokens)) as layout:
+            episodes = self._rollout(self._local_specs(specs, layout), sampling)
+        counts = self._all_reduce(M.episode_counts(episodes), layout)
         return {f"val/{k.split('/', 1)[1]}": v for k, v in M.episode_metrics(counts).items()}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int):

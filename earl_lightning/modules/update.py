@@ -15,6 +15,7 @@ import torch.distributed as dist
 from earl_lightning.algorithms import aggregate, kl_divergence, ppo_clip_loss, value_loss
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.modules.experience_ops import forward_micro_batch
+from earl_lightning.parallel.layout import Layout
 
 
 @dataclass
@@ -39,9 +40,12 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _sum_all(values: list[float]) -> list[float]:
+def _sum_all(values: list[float], layout: Layout | None = None) -> list[float]:
+    """Sum over ranks; members of a TP group hold the same rows, so only TP rank 0 contributes."""
     t = torch.tensor(values, dtype=torch.float64)
     if _world() > 1:
+        if layout is not None and layout.coords(dist.get_rank())[1] != 0:
+            t.zero_()
         dist.all_reduce(t)
     return t.tolist()
 
@@ -73,7 +77,7 @@ def micro_batch_loss(module, mb: ExperienceBatch, cfg: UpdateConfig, denom: dict
     agg = dict(num_tokens=denom["tokens"], num_seqs=denom["seqs"], norm_constant=cfg.norm_constant)
     loss = aggregate(tok_loss, mask, cfg.loss_agg, **agg)
     ent = mb.pad(res["entropy"], 0.0)
-    stats = {"loss/policy": float(loss), "policy/entropy": float((ent * mask).sum() / denom["tokens"]),
+    stats = {"loss/policy": float(loss.detach()), "policy/entropy": float((ent.detach() * mask).sum() / denom["tokens"]),
              "policy/clip_frac": float(pstats.clip_frac) * float(mask.sum()) / denom["tokens"],
              "policy/approx_kl": float(pstats.approx_kl) * float(mask.sum()) / denom["tokens"]}
     if cfg.entropy_coef:
@@ -82,13 +86,13 @@ def micro_batch_loss(module, mb: ExperienceBatch, cfg: UpdateConfig, denom: dict
         kl = kl_divergence(logp, mb.padded("ref_logprobs", 0.0), mask, cfg.kl_estimator)
         kl_loss = aggregate(kl, mask, cfg.loss_agg, **agg)
         loss = loss + cfg.kl_coef * kl_loss
-        stats["loss/kl"] = float(kl_loss)
+        stats["loss/kl"] = float(kl_loss.detach())
     if value_head is not None:
         v = mb.pad(res["values"], 0.0)
         vl, _ = value_loss(v, mb.padded("values", 0.0), mb.padded("returns", 0.0), mask, value_clip=cfg.value_clip)
         vloss = aggregate(vl, mask, "token_mean", num_tokens=denom["tokens"])
         loss = loss + cfg.value_coef * vloss
-        stats["loss/value"] = float(vloss)
+        stats["loss/value"] = float(vloss.detach())
     return loss, stats
 
 
@@ -103,7 +107,7 @@ def _dummy_loss(module) -> torch.Tensor:
     return loss
 
 
-def ppo_update(module, batch: ExperienceBatch, cfg: UpdateConfig) -> dict[str, float]:
+def ppo_update(module, batch: ExperienceBatch, cfg: UpdateConfig, layout: Layout | None = None) -> dict[str, float]:
     opt = module.optimizers()
     sched = module.lr_schedulers()
     totals: dict[str, float] = {}
@@ -113,7 +117,7 @@ def ppo_update(module, batch: ExperienceBatch, cfg: UpdateConfig) -> dict[str, f
             mini = batch.select(idx)
             mask_tok = mini.tokens["action_mask"]
             seqs_with_actions = float((mini.pad(mask_tok, 0.0).sum(-1) > 0).sum()) if mini.num_seqs else 0.0
-            tokens, seqs = _sum_all([float(mask_tok.sum()), seqs_with_actions])
+            tokens, seqs = _sum_all([float(mask_tok.sum()), seqs_with_actions], layout)
             denom = {"tokens": max(tokens, 1.0), "seqs": max(seqs, 1.0)}
             micro = mini.split_by_tokens(cfg.micro_batch_tokens) if mini.num_seqs else []
             for mb in micro:
@@ -123,6 +127,7 @@ def ppo_update(module, batch: ExperienceBatch, cfg: UpdateConfig) -> dict[str, f
                     totals[k] = totals.get(k, 0.0) + v
             for _ in range(_max_all(len(micro)) - len(micro)):
                 module.manual_backward(_dummy_loss(module))
+            _sync_replicated_grads(module, layout)
             grad_norms.append(_clip(module, cfg.max_grad_norm))
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -130,11 +135,25 @@ def ppo_update(module, batch: ExperienceBatch, cfg: UpdateConfig) -> dict[str, f
                 sched.step()
     steps = cfg.ppo_epochs * cfg.mini_batches
     keys = sorted(totals)
-    summed = _sum_all([totals[k] for k in keys])
+    summed = _sum_all([totals[k] for k in keys], layout)
     out = {k: v / steps for k, v in zip(keys, summed)}
     out["grad_norm"] = float(sum(grad_norms) / max(1, len(grad_norms)))
     out["lr"] = float(opt.param_groups[0]["lr"])
     return out
+
+
+def _sync_replicated_grads(module, layout: Layout | None) -> None:
+    """Plain (non-DTensor) trainable parameters, e.g. PPO's value head, are replicated on every
+    rank and not managed by FSDP: sum their gradients over data-parallel ranks ourselves (TP peers
+    computed identical ones, hence the division by tp)."""
+    if _world() == 1:
+        return
+    tp = layout.tp if layout is not None else 1
+    for p in module.parameters():
+        if p.grad is not None and not hasattr(p, "device_mesh"):
+            dist.all_reduce(p.grad)
+            if tp > 1:
+                p.grad.div_(tp)
 
 
 def _clip(module, max_norm: float) -> float:
