@@ -64,10 +64,14 @@ def full_copy(sharded, reference):
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    device = "cuda" if os.environ.get("EARL_SCENARIO_DEVICE") == "cuda" else "cpu"
+    if device == "cuda":  # vLLM's TP all-reduce runs on the world's device backend: NCCL on GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = os.environ["EARL_SCENARIO_OUT"]
-    device = "cuda" if os.environ.get("EARL_SCENARIO_DEVICE") == "cuda" else "cpu"
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
