@@ -42,7 +42,8 @@ def draw_uniforms(seeds: list[int] | None, num_rows: int, steps: int, device: to
     return out.to(device)
 
 
-def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0,
+                  vocab_limit: int | None = None) -> torch.Tensor:
     """[B, V] -> [B, V] with excluded entries set to -inf.
 
     ``vocab_limit`` excludes ids the tokenizer cannot decode (models pad their vocabulary to a
