@@ -224,6 +224,12 @@ class VLLMBackend:
         )
         if self.kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * (1 << 30))
+        if not torch.cuda.is_available():
+            # vLLM 0.32 rewinds a seeded request's generator after a partial (chunked) prefill with
+            # Generator.set_offset, which CPU generators do not have ("CPU Generator does not use
+            # offset"). Whole-prompt prefills avoid the rewind; the token budget must then hold
+            # the longest prompt.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
         kwargs.update(self.engine_kwargs)
         with _preserve_rng():
             llm = LLM(**kwargs)
