@@ -64,21 +64,35 @@ def pack_chunks(batch: ExperienceBatch, chunks: list[list[int]]) -> dict[torch.d
 
     ``chunks[c]`` lists local row indices (a row may appear in several chunks). Returns
     ``{dtype: (buffer, elements per chunk)}``; inside a chunk the fields follow the schema order.
+    Rows are gathered straight into the buffers (one copy of the payload; the only temporary is
+    one chunk's token positions).
     """
-    rows = [i for chunk in chunks for i in chunk]
-    picked = batch.select(rows) if rows else ExperienceBatch.empty(batch.schema())
-    lens = picked.seq_lens
+    groups = wire_schema(batch.schema())
+    lens = batch.seq_lens
+    index = [torch.as_tensor(c, dtype=torch.long) for c in chunks]
     rows_per = [len(c) for c in chunks]
-    toks_per = [int(t.sum()) for t in torch.split(lens, rows_per)]
-    out = {}
-    for dtype, fields in wire_schema(batch.schema()).items():
-        pieces = {f: torch.split(f.to_wire(_field_values(picked, f)),
-                                 [f.width * (t if f.kind == "token" else r) for r, t in zip(rows_per, toks_per)])
-                  for f in fields}
-        flat = [pieces[f][c] for c in range(len(chunks)) for f in fields]
-        buffer = torch.cat(flat) if flat else torch.zeros(0, dtype=dtype)
-        out[dtype] = (buffer, [chunk_elements(fields, r, t) for r, t in zip(rows_per, toks_per)])
-    return out
+    toks_per = [int(lens[i].sum()) for i in index]
+    sizes = {dt: [chunk_elements(fs, r, t) for r, t in zip(rows_per, toks_per)] for dt, fs in groups.items()}
+    buffers = {dt: torch.empty(sum(sz), dtype=dt) for dt, sz in sizes.items()}
+    offset = dict.fromkeys(groups, 0)
+    for c, rows in enumerate(index):
+        pos = token_positions(batch.cu_seqlens[:-1][rows], lens[rows])
+        for dt, fields in groups.items():
+            for f in fields:
+                src = f.to_wire(_field_values(batch, f)).view(-1, f.width)
+                picks = pos if f.kind == "token" else rows
+                n = picks.numel() * f.width
+                dst = buffers[dt][offset[dt]:offset[dt] + n].view(-1, f.width)
+                torch.index_select(src, 0, picks, out=dst)
+                offset[dt] += n
+    return {dt: (buffers[dt], sizes[dt]) for dt in groups}
+
+
+def token_positions(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Positions of the tokens of rows starting at ``starts`` with ``lens`` tokens, row after row."""
+    total = int(lens.sum())
+    row_start_in_out = torch.cumsum(lens, 0) - lens
+    return torch.arange(total) + torch.repeat_interleave(starts - row_start_in_out, lens, output_size=total)
 
 
 def unpack_chunks(buffers: dict[torch.dtype, torch.Tensor], batch_schema: tuple[FieldSpec, ...],
