@@ -364,12 +364,15 @@ class AgenticRLModule(L.LightningModule):
         with self._stage("rollout", M.spec_stats(specs, self.hparams.max_new_tokens)) as layout:
             episodes = self._rollout(self._local_specs(specs, layout), sampling)
         counts = self._all_reduce(M.episode_counts(episodes), layout)
-        return {f"val/{k.split('/', 1)[1]}": v for k, v in M.episode_metrics(counts).items()}
+        metrics = M.episode_metrics(counts)
+        metrics["val/reward"] = metrics.pop("reward/mean")
+        return {f"val/{k.split('/', 1)[1]}": v for k, v in metrics.items()}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int):
         metrics = self.evaluate(batch["specs"])
-        self.log_dict(metrics, on_epoch=True, rank_zero_only=True)
-        self.log("val/win_rate", metrics["val/win_rate"], prog_bar=True, on_epoch=True, rank_zero_only=True)
+        win = metrics.pop("val/win_rate")
+        self.log_dict(metrics, on_epoch=True, rank_zero_only=True, batch_size=1)
+        self.log("val/win_rate", win, prog_bar=True, on_epoch=True, rank_zero_only=True, batch_size=1)
 
     def on_train_start(self) -> None:
         # The first evaluation, before any update: the learning curve's baseline at step 0.

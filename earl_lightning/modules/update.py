@@ -129,7 +129,11 @@ def ppo_update(module, batch: ExperienceBatch, cfg: UpdateConfig, layout: Layout
                 module.manual_backward(_dummy_loss(module))
             _sync_replicated_grads(module, layout)
             grad_norms.append(_clip(module, cfg.max_grad_norm))
-            opt.step()
+            last = len(grad_norms) == cfg.ppo_epochs * cfg.mini_batches
+            # One Lightning training step is one RL iteration, and `trainer.max_steps` counts them:
+            # only the iteration's last optimizer step goes through the LightningOptimizer, whose
+            # step advances `global_step`; the others step the wrapped optimizer directly.
+            (opt if last else opt.optimizer).step()
             opt.zero_grad(set_to_none=True)
             if sched is not None:
                 sched.step()
