@@ -120,6 +120,8 @@ class AgenticRLModule(L.LightningModule):
         self.rl_iteration = 0  # RL iterations done (checkpointed; the data stream resumes here)
         self._backend = self._backend_model = self._dispatcher = None
         self._dispatch_stats: dict[str, float] = {}
+        self.oom_recoveries = 0
+        self.max_oom_retries = 3
 
     # ---- configuration -------------------------------------------------------------------
     @staticmethod
@@ -261,24 +263,75 @@ class AgenticRLModule(L.LightningModule):
         hp, step, specs = self.hparams, batch["step"], batch["specs"]
         num_groups = max(s.group_id for s in specs) + 1
         timer = M.StageTimer()
-        with self._stage("rollout", M.spec_stats(specs, hp.max_new_tokens)) as rollout_layout, timer("rollout"):
-            sampling = SamplingConfig(**{**vars(self.sampling), "seed": self._sampling_seed(step, rollout_layout)})
-            episodes = self._rollout(self._local_specs(specs, rollout_layout), sampling)
+
+        def rollout_stage(layout):
+            sampling = SamplingConfig(**{**vars(self.sampling), "seed": self._sampling_seed(step, layout)})
+            return self._rollout(self._local_specs(specs, layout), sampling), layout
+
+        episodes, rollout_layout = self._run_stage("rollout", M.spec_stats(specs, hp.max_new_tokens),
+                                                   rollout_stage, timer)
         counts = self._all_reduce(M.episode_counts(episodes), rollout_layout)
         exp = episodes_to_experience(episodes)
-        with self._stage("experience", exp.context_stats()) as layout, timer("experience"):
-            exp = self._exchange(exp, src=rollout_layout, to=layout)
-            exp = fill_logprobs(self._stage_model("policy"), exp, name="old_logprobs", temperature=hp.temperature,
-                                micro_batch_tokens=hp.micro_batch_tokens, value_head=self.value_head)
+
+        def experience_stage(layout):
+            mbt = self._micro_batch_tokens(layout)
+            out = self._exchange(exp, src=rollout_layout, to=layout)
+            out = fill_logprobs(self._stage_model("policy"), out, name="old_logprobs", temperature=hp.temperature,
+                                micro_batch_tokens=mbt, value_head=self.value_head)
             if self.ref_policy is not None:
-                exp = fill_logprobs(self._stage_model("ref_policy"), exp, name="ref_logprobs",
-                                    temperature=hp.temperature, micro_batch_tokens=hp.micro_batch_tokens)
-            exp = self._advantages(exp, num_groups, layout)
-        with self._stage("train", exp.context_stats()) as train_layout, timer("train"):
-            exp = self._exchange(exp, src=layout, to=train_layout)
-            update = ppo_update(self, exp, self._update_config(), layout=train_layout)
+                out = fill_logprobs(self._stage_model("ref_policy"), out, name="ref_logprobs",
+                                    temperature=hp.temperature, micro_batch_tokens=mbt)
+            return self._advantages(out, num_groups, layout), layout
+
+        exp, layout = self._run_stage("experience", exp.context_stats(), experience_stage, timer)
+
+        def train_stage(train_layout):
+            out = self._exchange(exp, src=layout, to=train_layout)
+            cfg = self._update_config(self._micro_batch_tokens(train_layout))
+            return out, ppo_update(self, out, cfg, layout=train_layout), train_layout
+
+        exp, update, train_layout = self._run_stage("train", exp.context_stats(), train_stage, timer)
         self.rl_iteration = step + 1
         self._log_iteration(episodes[:2], counts, exp, update, timer, step, train_layout)
+
+    def _run_stage(self, name: str, stats: dict, fn, timer):
+        """Run ``fn(layout)`` under the stage's layout. On an out-of-memory error, callbacks with
+        ``on_stage_oom`` (AdaptiveParallelism) may mark that layout infeasible and ask for a retry:
+        the stage then runs again under the next layout the selector picks; the step is not lost."""
+        retries = 0
+        while True:
+            try:
+                with self._stage(name, stats) as layout, timer(name):
+                    return fn(layout)
+            except Exception as err:  # noqa: BLE001 - filtered right below
+                from earl_lightning.parallel.oom import is_oom_error
+
+                if not is_oom_error(err) or retries >= self.max_oom_retries:
+                    raise
+                handlers = [cb for cb in self.trainer.callbacks if callable(getattr(cb, "on_stage_oom", None))]
+                if not any([cb.on_stage_oom(self.trainer, self, name, stats, err) for cb in handlers]):
+                    raise
+                retries += 1
+                self.oom_recoveries += 1
+                self._free_after_oom()
+
+    def _free_after_oom(self) -> None:
+        import gc
+
+        for opt in self.trainer.optimizers:
+            opt.zero_grad(set_to_none=True)
+        if self._backend is not None:
+            self._backend.release(None)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _micro_batch_tokens(self, layout: Layout) -> int:
+        """The module's budget, lowered by the layout's when EarlStrategy runs the stage (the
+        selector shrinks micro-batches to fit memory)."""
+        if callable(getattr(self.trainer.strategy, "stage", None)):
+            return min(self.hparams.micro_batch_tokens, layout.micro_batch_tokens)
+        return self.hparams.micro_batch_tokens
 
     def _exchange(self, exp: ExperienceBatch, *, src: Layout, to: Layout) -> ExperienceBatch:
         """Move the batch from the ranks that produced it to the ranks that consume it (one
@@ -312,10 +365,10 @@ class AgenticRLModule(L.LightningModule):
                                   grpo_scale=hp.grpo_scale, gamma=hp.gamma, lam=hp.lam, kl=kl,
                                   kl_coef_in_reward=hp.kl_coef if hp.kl_in_reward else 0.0, moments_fn=moments_fn)
 
-    def _update_config(self) -> UpdateConfig:
+    def _update_config(self, micro_batch_tokens: int) -> UpdateConfig:
         hp = self.hparams
         return UpdateConfig(
-            ppo_epochs=hp.ppo_epochs, mini_batches=hp.mini_batches, micro_batch_tokens=hp.micro_batch_tokens,
+            ppo_epochs=hp.ppo_epochs, mini_batches=hp.mini_batches, micro_batch_tokens=micro_batch_tokens,
             temperature=hp.temperature, clip_low=hp.clip_low, clip_high=hp.clip_high, loss_agg=hp.loss_agg,
             norm_constant=hp.loss_norm_constant or float(hp.max_context_tokens),
             kl_coef=0.0 if hp.kl_in_reward else hp.kl_coef, kl_estimator=hp.kl_estimator,
@@ -336,6 +389,7 @@ class AgenticRLModule(L.LightningModule):
         metrics.update(self._dispatch_stats)
         self._dispatch_stats = {}
         metrics["rl/iteration"] = float(self.rl_iteration)
+        metrics["oom/recoveries"] = float(self.oom_recoveries)
         for name in ("reward/mean", "env/win_rate"):
             self.log(name, metrics.pop(name), prog_bar=True, on_step=True, rank_zero_only=True)
         self.log_dict(metrics, on_step=True, rank_zero_only=True)
