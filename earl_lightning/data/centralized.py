@@ -22,6 +22,7 @@ import torch.distributed as dist
 from earl_lightning.data.dispatcher import (
     check_layout,
     chunk_elements,
+    comm_device,
     dispatch_stats,
     gather_metadata,
     pack_chunks,
@@ -93,31 +94,31 @@ class CentralizedDispatcher:
 
     def _gather(self, packed, inbound: list[list[int]], schema) -> dict[torch.dtype, list[torch.Tensor]]:
         """Padded gather of each rank's buffer per dtype; on the root, the unpadded parts in rank order."""
-        rank = dist.get_rank(self.group)
+        rank, device = dist.get_rank(self.group), comm_device(self.group)
         out = {}
         for dtype, fields in wire_schema(schema).items():
             sizes = [chunk_elements(fields, len(x), sum(x)) for x in inbound]
             width = max(sizes)
-            buffer = torch.zeros(width, dtype=dtype)
+            buffer = torch.zeros(width, dtype=dtype, device=device)
             buffer[: sizes[rank]] = packed[dtype][0]
-            parts = [torch.empty(width, dtype=dtype) for _ in sizes] if rank == self.root else None
+            parts = [torch.empty(width, dtype=dtype, device=device) for _ in sizes] if rank == self.root else None
             dist.gather(buffer, parts, group_dst=self.root, group=self.group)
             out[dtype] = [p[:n] for p, n in zip(parts, sizes)] if rank == self.root else []
         return out
 
     def _scatter(self, packed, outbound: list[list[int]], schema) -> dict[torch.dtype, torch.Tensor]:
         """Padded scatter of each destination's buffer per dtype from the root."""
-        rank = dist.get_rank(self.group)
+        rank, device = dist.get_rank(self.group), comm_device(self.group)
         out = {}
         for dtype, fields in wire_schema(schema).items():
             sizes = [chunk_elements(fields, len(x), sum(x)) for x in outbound]
             width = max(sizes)
             parts = None
             if rank == self.root:
-                parts = [torch.zeros(width, dtype=dtype) for _ in sizes]
+                parts = [torch.zeros(width, dtype=dtype, device=device) for _ in sizes]
                 for part, piece in zip(parts, torch.split(packed[dtype][0], sizes)):
                     part[: piece.numel()] = piece
-            buffer = torch.empty(width, dtype=dtype)
+            buffer = torch.empty(width, dtype=dtype, device=device)
             dist.scatter(buffer, parts, group_src=self.root, group=self.group)
             out[dtype] = buffer[: sizes[rank]]
         return out

@@ -73,13 +73,16 @@ def pack_chunks(batch: ExperienceBatch, chunks: list[list[int]]) -> dict[torch.d
     rows_per = [len(c) for c in chunks]
     toks_per = [int(lens[i].sum()) for i in index]
     sizes = {dt: [chunk_elements(fs, r, t) for r, t in zip(rows_per, toks_per)] for dt, fs in groups.items()}
-    buffers = {dt: torch.empty(sum(sz), dtype=dt) for dt, sz in sizes.items()}
+    fields = [*batch.tokens.values(), *batch.seqs.values()]
+    device = fields[0].device if fields else torch.device("cpu")
+    buffers = {dt: torch.empty(sum(sz), dtype=dt, device=device) for dt, sz in sizes.items()}
     offset = dict.fromkeys(groups, 0)
     for c, rows in enumerate(index):
-        pos = token_positions(batch.cu_seqlens[:-1][rows], lens[rows])
+        pos = token_positions(batch.cu_seqlens[:-1][rows], lens[rows]).to(device)
+        rows = rows.to(device)
         for dt, fields in groups.items():
             for f in fields:
-                src = f.to_wire(_field_values(batch, f)).view(-1, f.width)
+                src = f.to_wire(_field_values(batch, f).to(device)).view(-1, f.width)
                 picks = pos if f.kind == "token" else rows
                 n = picks.numel() * f.width
                 dst = buffers[dt][offset[dt]:offset[dt] + n].view(-1, f.width)
@@ -105,14 +108,21 @@ def unpack_chunks(buffers: dict[torch.dtype, torch.Tensor], batch_schema: tuple[
         for j, view in enumerate(views):
             parts.setdefault(fields[j % len(fields)], []).append(view)
     values = {f: f.from_wire(torch.cat(v)) if v else torch.zeros(0, dtype=f.dtype) for f, v in parts.items()}
-    lens = values.pop(LENGTHS) if LENGTHS in values else torch.zeros(0, dtype=torch.long)
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.long)
+    lens = values.pop(LENGTHS).cpu() if LENGTHS in values else torch.zeros(0, dtype=torch.long)
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.long)  # offsets stay on the host, like the container's
     cu[1:] = torch.cumsum(lens, 0)
     return ExperienceBatch(cu, {f.name: v for f, v in values.items() if f.kind == "token"},
                            {f.name: v for f, v in values.items() if f.kind == "seq"})
 
 
 # ---- metadata (shared with the centralized baseline) --------------------------------------------
+def comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where collective buffers must live: the current CUDA device under NCCL, else the host."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def gather_metadata(batch: ExperienceBatch, group: dist.ProcessGroup | None, keep_groups: bool,
                     ) -> tuple[ExperienceBatch, list[list[int]], list[list[int]]]:
     """All-gather every rank's per-sequence token counts and group ids (small int64 tensors only).
@@ -124,7 +134,9 @@ def gather_metadata(batch: ExperienceBatch, group: dist.ProcessGroup | None, kee
     """
     error = _local_error(batch, keep_groups)
     world = dist.get_world_size(group)
-    header = torch.tensor([batch.num_seqs, schema_fingerprint(batch.schema()), error is not None], dtype=torch.long)
+    device = comm_device(group)
+    header = torch.tensor([batch.num_seqs, schema_fingerprint(batch.schema()), error is not None],
+                          dtype=torch.long, device=device)
     headers = [torch.empty_like(header) for _ in range(world)]
     dist.all_gather(headers, header, group=group)
     bad = [r for r, h in enumerate(headers) if int(h[2])]
@@ -135,7 +147,7 @@ def gather_metadata(batch: ExperienceBatch, group: dist.ProcessGroup | None, kee
     counts = [int(h[0]) for h in headers]
     batch = _agree_on_schema(batch, [int(h[1]) for h in headers], counts, group)
     gids = batch.seqs.get("group_ids", torch.full((batch.num_seqs,), -1, dtype=torch.long))
-    table = torch.full((max(counts), 2), -1, dtype=torch.long)
+    table = torch.full((max(counts), 2), -1, dtype=torch.long, device=device)
     table[: batch.num_seqs, 0] = batch.seq_lens
     table[: batch.num_seqs, 1] = gids.long()
     tables = [torch.empty_like(table) for _ in range(world)]
@@ -236,11 +248,13 @@ class Dispatcher:
         world = plan.world_size
         chunks = [[plan.src_index[i] for i in plan.rows_from(rank, d)] for d in range(world)]
         packed = pack_chunks(batch, chunks)
+        device = comm_device(self.group)
         received = {}
         for dtype, fields in wire_schema(batch.schema()).items():
             buffer, send_sizes = packed[dtype]
+            buffer = buffer.to(device)
             recv_sizes = [_elements(plan, fields, plan.rows_from(s, rank)) for s in range(world)]
-            out = torch.empty(sum(recv_sizes), dtype=dtype)
+            out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
             dist.all_to_all_single(out, buffer, recv_sizes, send_sizes, group=self.group)
             received[dtype] = out
         return received
@@ -261,7 +275,7 @@ class Dispatcher:
             buffer = received[dtype]
             if rank != root:
                 size = sum(_elements(plan, fields, plan.rows_from(s, root)) for s in range(plan.world_size))
-                buffer = torch.empty(size, dtype=dtype)
+                buffer = torch.empty(size, dtype=dtype, device=comm_device(self.group))
             dist.broadcast(buffer, group=pg, group_src=members.index(root))
             out[dtype] = buffer
         return out, root
