@@ -230,7 +230,8 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, (key, label) in zip(axes, keys):
         for world in sorted({r["world"] for r in rows}):
             for method, style in zip(METHODS, ("o-", "s--", "^:")):
-                pts = sorted((r["mib_per_worker"], r[key]) for r in rows if r["world"] == world and r["method"] == method)
+                pts = sorted((r["mib_per_worker"], r[key]) for r in rows
+                             if r["world"] == world and r["method"] == method)
                 if pts:
                     scale = 1 if key == "seconds" else MIB
                     ax.plot([p[0] for p in pts], [p[1] / scale for p in pts], style, label=f"{method}, {world} procs")
@@ -263,7 +264,8 @@ def print_tables(rows: list[dict], model: list[dict]) -> None:
           f"{'busiest GB':>10} {'s @25Gbps':>10} {'s @200Gbps':>10}")
     for m in model:
         print(f"{m['ranks']:>5} {m['context']:>7} {m['paper_total_gb_1024']:>14.1f} {m['total_gb']:>9.1f} "
-              f"{m['method']:>13} {m['busiest_rank_gb']:>10.2f} {m['seconds_25gbps']:>10.2f} {m['seconds_200gbps']:>10.3f}")
+              f"{m['method']:>13} {m['busiest_rank_gb']:>10.2f} {m['seconds_25gbps']:>10.2f} "
+              f"{m['seconds_200gbps']:>10.3f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -77,7 +77,7 @@ def pack_chunks(batch: ExperienceBatch, chunks: list[list[int]]) -> dict[torch.d
     device = fields[0].device if fields else torch.device("cpu")
     buffers = {dt: torch.empty(sum(sz), dtype=dt, device=device) for dt, sz in sizes.items()}
     offset = dict.fromkeys(groups, 0)
-    for c, rows in enumerate(index):
+    for rows in index:
         pos = token_positions(batch.cu_seqlens[:-1][rows], lens[rows]).to(device)
         rows = rows.to(device)
         for dt, fields in groups.items():

@@ -29,8 +29,7 @@ from earl_lightning.parallel.layout import Layout
 TpMode = Literal["auto", "direct", "broadcast"]
 TP_MODES = ("auto", "direct", "broadcast")
 # Karmarkar-Karp keeps k-tuples of partial sums per item: O(n * k) memory. Past this many
-# destination groups LPT (O(n log k)) is used alone; its bound (4/3 OPT) is still tight at that
-# scale because each group then holds few sequences.
+# destination groups LPT (O(n log k), within 4/3 of optimal) and the local search run alone.
 KK_MAX_PARTS = 64
 # How much larger than the balanced optimum the busiest destination may get when that lets data
 # stay where it is: 1% more tokens on one rank costs less than moving most of the batch.

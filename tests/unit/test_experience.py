@@ -61,7 +61,7 @@ def test_split_by_tokens_respects_the_budget_and_keeps_every_sequence():
 
 
 def test_mismatched_token_field_length_is_named():
-    with pytest.raises(ValueError, match=r"token field 'logprobs' has shape \(3,\), expected \(4,\) to match cu_seqlens"):
+    with pytest.raises(ValueError, match=r"token field 'logprobs' has shape \(3,\), expected \(4,\) to match"):
         ExperienceBatch(torch.tensor([0, 4]), {"input_ids": torch.zeros(4, dtype=torch.long),
                                                "logprobs": torch.zeros(3)}, {})
 
