@@ -241,13 +241,20 @@ class AgenticRLModule(L.LightningModule):
             else:
                 from earl_lightning.rollout.backends.vllm import VLLMBackend
 
-                self._backend = VLLMBackend.for_module(self, model)
+                # One engine for the run: prepare() moves it to each rollout layout's TP degree,
+                # and a rebuilt engine takes its weights from the placement it was last handed.
+                if isinstance(self._backend, VLLMBackend):
+                    self._backend.weights_source = model
+                else:
+                    self._backend = VLLMBackend.for_module(self, model)
             self._backend_model = model
         return self._backend
 
-    def _rollout(self, specs: list[EpisodeSpec], sampling: SamplingConfig):
+    def _rollout(self, specs: list[EpisodeSpec], sampling: SamplingConfig, layout: Layout):
         hp = self.hparams
         backend = self.backend(self._stage_model("policy"))
+        if callable(getattr(backend, "prepare", None)):  # vLLM: engine for layout.tp, awake, synced
+            backend.prepare(layout)
         try:
             return rollout(specs, backend, self.tokenizer, sampling, max_turns=hp.max_turns,
                            max_context_tokens=hp.max_context_tokens, system_prompt=hp.system_prompt)
@@ -266,7 +273,7 @@ class AgenticRLModule(L.LightningModule):
 
         def rollout_stage(layout):
             sampling = SamplingConfig(**{**vars(self.sampling), "seed": self._sampling_seed(step, layout)})
-            return self._rollout(self._local_specs(specs, layout), sampling), layout
+            return self._rollout(self._local_specs(specs, layout), sampling, layout), layout
 
         episodes, rollout_layout = self._run_stage("rollout", M.spec_stats(specs, hp.max_new_tokens),
                                                    rollout_stage, timer)
@@ -288,7 +295,10 @@ class AgenticRLModule(L.LightningModule):
         def train_stage(train_layout):
             out = self._exchange(exp, src=layout, to=train_layout)
             cfg = self._update_config(self._micro_batch_tokens(train_layout))
-            return out, ppo_update(self, out, cfg, layout=train_layout), train_layout
+            update = ppo_update(self, out, cfg, layout=train_layout)
+            if callable(getattr(self._backend, "after_update", None)):  # vLLM: push weights, sleep
+                self._backend.after_update(self._stage_model("policy"))
+            return out, update, train_layout
 
         exp, update, train_layout = self._run_stage("train", exp.context_stats(), train_stage, timer)
         self.rl_iteration = step + 1
@@ -387,6 +397,8 @@ class AgenticRLModule(L.LightningModule):
         pop = getattr(self.trainer.strategy, "pop_stage_metrics", None)
         metrics.update(pop() if callable(pop) else {})
         metrics.update(self._dispatch_stats)
+        if hasattr(self._backend, "switch_seconds"):
+            metrics["rollout/switch_seconds"] = float(self._backend.switch_seconds)
         self._dispatch_stats = {}
         metrics["rl/iteration"] = float(self.rl_iteration)
         metrics["oom/recoveries"] = float(self.oom_recoveries)
@@ -416,7 +428,7 @@ class AgenticRLModule(L.LightningModule):
         """Play ``specs`` greedily; rates over all ranks."""
         sampling = SamplingConfig(**{**vars(self.sampling), "greedy": True, "seed": 0})
         with self._stage("rollout", M.spec_stats(specs, self.hparams.max_new_tokens)) as layout:
-            episodes = self._rollout(self._local_specs(specs, layout), sampling)
+            episodes = self._rollout(self._local_specs(specs, layout), sampling, layout)
         counts = self._all_reduce(M.episode_counts(episodes), layout)
         metrics = M.episode_metrics(counts)
         metrics["val/reward"] = metrics.pop("reward/mean")
