@@ -290,7 +290,7 @@ class AgenticRLModule(L.LightningModule):
                                     temperature=hp.temperature, micro_batch_tokens=mbt)
             return self._advantages(out, num_groups, layout), layout
 
-        exp, layout = self._run_stage("experience", exp.context_stats(), experience_stage, timer)
+        exp, layout = self._run_stage("experience", self._batch_stats(exp, rollout_layout), experience_stage, timer)
 
         def train_stage(train_layout):
             out = self._exchange(exp, src=layout, to=train_layout)
@@ -300,9 +300,24 @@ class AgenticRLModule(L.LightningModule):
                 self._backend.after_update(self._stage_model("policy"))
             return out, update, train_layout
 
-        exp, update, train_layout = self._run_stage("train", exp.context_stats(), train_stage, timer)
+        exp, update, train_layout = self._run_stage("train", self._batch_stats(exp, layout), train_stage, timer)
         self.rl_iteration = step + 1
         self._log_iteration(episodes[:2], counts, exp, update, timer, step, train_layout)
+
+    def _batch_stats(self, exp: ExperienceBatch, layout: Layout) -> dict:
+        """Context statistics of the GLOBAL batch (the selector sizes a layout for all of it, and
+        every rank must decide alike): sums over dp ranks (TP peers counted once), maxima over all;
+        p95 is the largest rank's p95, an upper bound."""
+        local = exp.context_stats()
+        if self.trainer.world_size == 1:
+            return local
+        lens = exp.seq_lens.double()
+        total = self._all_reduce(torch.tensor([float(lens.sum()), float(lens.numel())], dtype=torch.float64), layout)
+        top = torch.tensor([local["context_max"], local["context_p95"]], dtype=torch.float64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        n = int(total[1])
+        return {"num_seqs": n, "context_mean": float(total[0]) / max(n, 1), "context_max": float(top[0]),
+                "context_p95": float(top[1])}
 
     def _run_stage(self, name: str, stats: dict, fn, timer):
         """Run ``fn(layout)`` under the stage's layout. On an out-of-memory error, callbacks with
