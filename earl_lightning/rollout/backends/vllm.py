@@ -64,6 +64,26 @@ def vllm_available() -> bool:
     return True
 
 
+# Room past max_context_tokens: the rollout loop keeps context + max_new_tokens within it, so this
+# only guards against an off-by-one in what vLLM counts as the model length.
+_MODEL_LEN_MARGIN = 16
+KV_CACHE_SEQUENCES = 64
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_cache_gib_for(config: dict[str, Any], max_model_len: int, dtype: str,
+                     sequences: int = KV_CACHE_SEQUENCES) -> float:
+    """KV-cache GiB per rank for ``sequences`` sequences of ``max_model_len`` tokens (K and V of
+    every layer and KV head), at least 1/16 GiB. A TP engine shards the KV heads, so this is an
+    upper bound there."""
+    cfg = config.get("text_config", config)
+    heads = cfg.get("num_attention_heads") or 1
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // heads
+    per_token = 2 * cfg.get("num_hidden_layers", 1) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    return max(1 / 16, per_token * max_model_len * sequences / (1 << 30))
+
+
 def _read_config(model: str, arg: str) -> dict[str, Any]:
     path = Path(model) / "config.json"
     if not path.exists():
@@ -122,6 +142,10 @@ def _preserve_rng() -> Iterator[None]:
 def _ensure_process_group() -> None:
     """external_launcher needs torch.distributed; a single process gets a 1-rank gloo group."""
     if dist.is_initialized():
+        # vLLM reads RANK / LOCAL_RANK from the environment (torchrun sets them); Lightning's own
+        # launcher passes the rank to init_process_group and sets no RANK.
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
         return
     import socket
 
@@ -190,8 +214,67 @@ class VLLMBackend:
         self.enable_sleep = enable_sleep and _sleep_supported()
         self._tp, self._llm, self._asleep = tp, None, False
         self.eos_id = tokenizer.eos_token_id
-        self.switch_seconds = 0.0  # of the last set_tp that rebuilt an engine
+        self.switch_seconds = 0.0  # of the last set_tp / prepare that (re)built an engine
         self.stats = {"engines_built": 0, "generated_tokens": 0, "weight_updates": 0}
+        # The trainer's model whose weights a freshly built engine must receive: an engine starts
+        # from the checkpoint on disk, which is stale after any update (or on a resumed run).
+        self.weights_source: torch.nn.Module | None = None
+
+    @classmethod
+    def for_module(cls, module: Any, model: torch.nn.Module, **overrides: Any) -> "VLLMBackend":
+        """The backend of an :class:`~earl_lightning.modules.rl.AgenticRLModule`, from its hparams.
+
+        Model path (``--model.model``), dtype and seed come from the module, the tokenizer is the
+        module's, ``max_model_len`` is ``max_context_tokens`` plus a small margin, and the KV cache
+        holds :data:`KV_CACHE_SEQUENCES` full-length sequences per rank (on CPU,
+        ``VLLM_CPU_KVCACHE_SPACE`` in GiB overrides it). ``overrides`` go to the constructor. The
+        engine itself is built by the first :meth:`prepare`, under the rollout layout's TP degree,
+        and then receives ``model``'s weights.
+        """
+        from earl_lightning.models import resolve_model_path
+
+        hp = module.hparams
+        path = resolve_model_path(hp.model, "--model.model")
+        max_model_len = int(hp.max_context_tokens) + _MODEL_LEN_MARGIN
+        kwargs: dict[str, Any] = dict(
+            tp=1, seed=int(hp.seed), dtype=hp.dtype, max_model_len=max_model_len,
+            kv_cache_gib=kv_cache_gib_for(_read_config(path, "--model.model"), max_model_len, hp.dtype),
+        )
+        kwargs.update(overrides)
+        backend = cls(path, module.tokenizer, **kwargs)
+        backend.weights_source = model
+        return backend
+
+    # ---- trainer hooks (called by the module on any backend that has them) ----------------
+    def prepare(self, layout: Any) -> float:
+        """At the start of a rollout: build the engine for ``layout.tp`` if it is missing or has
+        another TP degree (tear down, rebuild, then push :attr:`weights_source`'s weights), and
+        wake it up. Returns the seconds spent switching (0.0 when nothing changed), also kept in
+        :attr:`switch_seconds` for the ``rollout/switch_seconds`` metric. Every rank must call it."""
+        if self._llm is not None and layout.tp == self._tp:
+            self.switch_seconds = 0.0
+            self.wake_up()
+            return 0.0
+        t0 = time.perf_counter()
+        self.set_tp(layout.tp)
+        if self.weights_source is not None:
+            from earl_lightning.rollout.weight_sync import sync_weights
+
+            sync_weights(self.weights_source, self)
+        self.wake_up()
+        self.switch_seconds = time.perf_counter() - t0
+        return self.switch_seconds
+
+    def after_update(self, model: torch.nn.Module) -> None:
+        """After the train stage: push the updated weights (every rank takes part; FSDP2 / TP
+        DTensors are gathered bucket by bucket), remember ``model`` as the source for a later
+        rebuild, and put the engine to sleep until the next rollout."""
+        self.weights_source = model
+        if self._llm is not None:
+            from earl_lightning.rollout.weight_sync import sync_weights
+
+            sync_weights(model, self)
+            self.sleep()
 
     # ---- engine life cycle ---------------------------------------------------------------
     @property
