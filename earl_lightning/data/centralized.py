@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from earl_lightning.data.dispatcher import (
+    Dispatcher,
     check_layout,
     chunk_elements,
     comm_device,
@@ -64,6 +65,8 @@ class CentralizedDispatcher:
         out, plan = run(batch, to, src, keep_groups)
         self.last_stats = dispatch_stats(plan, rank, time.perf_counter() - start, out)
         return out
+
+    metrics = Dispatcher.metrics
 
     # -- tensors through gather / scatter --------------------------------------------------------
     def _exchange_tensor(self, batch: ExperienceBatch, to: Layout, src: Layout, keep_groups: bool,

@@ -280,6 +280,11 @@ class Dispatcher:
             out[dtype] = buffer
         return out, root
 
+    def metrics(self, prefix: str = "dispatch/") -> dict[str, float]:
+        """The last exchange's ``bytes``, ``seconds`` and ``imbalance`` under ``prefix``, for
+        ``LightningModule.log_dict``; empty before the first exchange."""
+        return {prefix + k: self.last_stats[k] for k in ("bytes", "seconds", "imbalance") if k in self.last_stats}
+
     def _subgroup(self, ranks: list[int]) -> dist.ProcessGroup:
         key = tuple(ranks)
         if key not in self._subgroups:
