@@ -1,0 +1,3 @@
+from earl_lightning.callbacks.adaptive import AdaptiveParallelism
+
+__all__ = ["AdaptiveParallelism"]

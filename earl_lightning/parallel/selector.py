@@ -14,6 +14,7 @@ Pure Python; the strategy and the AdaptiveParallelism callback drive it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
 
@@ -286,9 +287,11 @@ class Selector:
             if inc is not None and inc.usable:
                 return incumbent, f"keep {incumbent}: no profile data for stage {stage!r}"
             # Without throughput data prefer the least tensor parallelism: the fewest collectives.
-            pick = min(usable, key=lambda k: (_tp_of(k), reports[k].predicted_bytes))
+            pick = min(usable, key=lambda k: (_tp_of(k), -_mbt_of(k), reports[k].predicted_bytes))
             return pick, f"{pick}: no profile data for stage {stage!r}; least tensor parallelism that fits"
-        best = min(known, key=lambda k: (reports[k].score, reports[k].predicted_bytes))
+        # Ties (micro-batch variants of one dp x tp share its profile row): the larger micro-batch,
+        # since fewer forward calls are never slower, then the smaller memory.
+        best = min(known, key=lambda k: (reports[k].score, -_mbt_of(k), reports[k].predicted_bytes))
         b = reports[best]
         if inc is None or not inc.usable or inc.seconds is None:
             why = "first choice" if inc is None else f"{incumbent} is " + (
@@ -353,6 +356,11 @@ class Selector:
 
 def _tp_of(key: str) -> int:
     return int(key.split("xtp")[1].split("-")[0])
+
+
+def _mbt_of(key: str) -> int:
+    m = re.search(r"-mbt(\d+)", key)
+    return int(m[1]) if m else Layout().micro_batch_tokens
 
 
 def _rate(r: CandidateReport) -> str:

@@ -1,0 +1,338 @@
+"""AdaptiveParallelism: drives the layout :class:`Selector` of :class:`EarlStrategy` from a Trainer.
+
+At fit start it builds the memory model from the module's policy (its config, dtype, optimizer,
+reference model, generation backend), loads a profiled throughput table (or measures one within a
+time budget), and registers a selector with the strategy. From then on every ``strategy.stage``
+asks it for the stage's layout; every decision is logged (``layout/<stage>/tp`` and ``dp`` by the
+strategy, the predicted memory and throughput here, the reason as TensorBoard text). On an
+out-of-memory error inside a stage it marks the layout infeasible for that size and lets the
+module retry the stage under the next layout.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence, Union
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from earl_lightning.parallel.layout import STAGES, Layout
+from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel
+from earl_lightning.parallel.profile import ProfileTable, layout_key
+from earl_lightning.parallel.selector import Decision, Selector, bucket_of
+
+GIB = 2**30
+STATE_VERSION = 1
+LayoutLike = Union[Layout, Mapping[str, Any]]
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _check_args(profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens) -> None:
+    if profile is not None and profile_budget_s is not None:
+        raise ValueError("give either `profile` (a saved table) or `profile_budget_s` (measure one at fit start), "
+                         f"not both; got profile={profile!r}, profile_budget_s={profile_budget_s!r}")
+    if profile is not None and not isinstance(profile, (str, os.PathLike)):
+        raise ValueError(f"`profile` must be a path to a profile JSON file, got {profile!r}")
+    if profile_budget_s is not None and not _positive(profile_budget_s):
+        raise ValueError(f"`profile_budget_s` must be a positive number of seconds, got {profile_budget_s!r}")
+    if memory_budget_gb is not None and memory_budget_bytes is not None:
+        raise ValueError("give the memory budget once: `memory_budget_gb` or `memory_budget_bytes`, not both")
+    if memory_budget_gb is not None and not _positive(memory_budget_gb):
+        raise ValueError(f"`memory_budget_gb` must be a positive number of GiB per device, got {memory_budget_gb!r}")
+    if memory_budget_bytes is not None and (not _positive(memory_budget_bytes) or memory_budget_bytes < 1):
+        raise ValueError(f"`memory_budget_bytes` must be a positive number of bytes per device, "
+                         f"got {memory_budget_bytes!r}")
+    if micro_batch_tokens is not None and (
+            isinstance(micro_batch_tokens, (str, bytes)) or not isinstance(micro_batch_tokens, Sequence)
+            or not micro_batch_tokens or any(isinstance(m, bool) or not isinstance(m, int) or m < 1
+                                             for m in micro_batch_tokens)):
+        raise ValueError(f"`micro_batch_tokens` must be a non-empty list of positive integers, "
+                         f"got {micro_batch_tokens!r}")
+
+
+def _to_layout(value: Any, arg: str) -> Layout:
+    if isinstance(value, Layout):
+        return value
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(Layout.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"`{arg}` has unknown keys {unknown}; valid keys: {list(Layout.__dataclass_fields__)}")
+        return Layout(**value)
+    raise ValueError(f"`{arg}` must be a Layout or a dict like {{'dp': 2, 'tp': 1}}, got {value!r}")
+
+
+class AdaptiveParallelism(L.Callback):
+    """Choose every RL stage's parallel layout at every step (needs ``EarlStrategy``).
+
+    Args:
+        profile: a profile table saved by ``earl profile`` (JSON); it must match the run's model
+            and world size.
+        profile_budget_s: instead, profile every candidate at fit start for at most this long.
+        profile_contexts: context lengths to profile (default: powers of 4 from 256 up to the
+            module's ``max_context_tokens``).
+        profile_out: directory where a profile measured at fit start is saved (JSON + heatmaps).
+        memory_budget_gb / memory_budget_bytes: memory per device the layouts must fit (default:
+            the strategy's ``memory_budget_gb``, else the device's total memory: the GPU's, or the
+            host's RAM divided by the processes on the node).
+        safety_margin: fraction of the budget kept free for what the memory model does not count.
+        hysteresis: a new layout must be more than this fraction faster to replace the current one.
+        candidates: ``"auto"`` (every dp x tp of the world size whose tp divides the heads, within
+            the strategy's candidate ``layouts`` when it lists some) or a list of layouts.
+        micro_batch_tokens: micro-batch budgets to choose from, per placement (default: the
+            module's ``micro_batch_tokens`` and its half and quarter). The train stage keeps the
+            strategy's train placement and only chooses among these.
+        amortize_steps: steps over which one layout switch is expected to pay off.
+    """
+
+    def __init__(self, profile: str | None = None, profile_budget_s: float | None = None,
+                 profile_contexts: list[int] | None = None, profile_out: str | None = None,
+                 memory_budget_gb: float | None = None, memory_budget_bytes: int | None = None,
+                 safety_margin: float = 0.1, hysteresis: float = 0.1,
+                 candidates: Union[Literal["auto"], list[LayoutLike]] = "auto",
+                 micro_batch_tokens: list[int] | None = None, amortize_steps: int = 1) -> None:
+        super().__init__()
+        _check_args(profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens)
+        if candidates != "auto":
+            if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or not candidates:
+                raise ValueError(f"`candidates` must be 'auto' or a non-empty list of layouts, got {candidates!r}")
+            candidates = [_to_layout(c, f"candidates[{i}]") for i, c in enumerate(candidates)]
+        self.profile, self.profile_budget_s = profile, profile_budget_s
+        self.profile_contexts, self.profile_out = profile_contexts, profile_out
+        self.memory_budget_gb, self.memory_budget_bytes = memory_budget_gb, memory_budget_bytes
+        self.safety_margin, self.hysteresis, self.amortize_steps = safety_margin, hysteresis, amortize_steps
+        self.candidates, self.micro_batch_tokens = candidates, micro_batch_tokens
+        self.selector: Selector | None = None
+        self.table: ProfileTable | None = None
+        self.history: list[dict[str, Any]] = []  # every decision: step, stage, layout, reason, ...
+        self.oom_events: list[dict[str, Any]] = []
+        self._step_decisions: dict[str, Decision] = {}
+        self._last_context: dict[str, float] | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._trainer: L.Trainer | None = None
+        self._default_context = 1.0
+
+    # ---- Lightning hooks -------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from earl_lightning.strategies import EarlStrategy
+
+        if not isinstance(trainer.strategy, EarlStrategy):
+            raise ValueError(f"AdaptiveParallelism chooses layouts through EarlStrategy; the Trainer's strategy is "
+                             f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=EarlStrategy())` "
+                             f"(or `trainer.strategy: earl` in a recipe)")
+        self._trainer = trainer
+        if self.profile is not None:  # a corrupt or mismatched file fails before any model is built
+            self.table = ProfileTable.load(self.profile, world_size=trainer.world_size)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Built here, not in setup(): the model exists after configure_model and the optimizer after
+        # the strategy's setup, and both size the memory model.
+        if self.selector is None:
+            self.build(trainer, pl_module)
+
+    def build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Selector:
+        """Build the memory model and the selector and register them with the strategy."""
+        strategy = trainer.strategy
+        model, hp = self._policy(pl_module, strategy), pl_module.hparams
+        memory = MemoryModel(model.config, str(next(model.parameters()).dtype), self._optimizer_name(trainer),
+                             rollout_backend=hp.get("backend", "hf"),
+                             reference_model=getattr(pl_module, "ref_policy", None) is not None)
+        self._default_context = float(hp.get("max_context_tokens", 1))
+        per_stage = self._candidates(strategy, memory, hp)
+        if self.table is None and self.profile_budget_s is not None:
+            self.table = self._profile(trainer, pl_module, model, per_stage, hp)
+        self.selector = Selector(per_stage, memory, self.table, self._budget_bytes(trainer),
+                                 safety_margin=self.safety_margin, hysteresis=self.hysteresis,
+                                 amortize_steps=self.amortize_steps)
+        if self._pending_state is not None:
+            self._apply_state(self._pending_state)
+            self._pending_state = None
+        strategy.register_selector(_StageSelector(self))
+        rank_zero_info(f"AdaptiveParallelism: budget {self.selector.budget_bytes / GIB:.2f} GiB per device, "
+                       f"candidates { {s: [layout_key(c) for c in v] for s, v in per_stage.items()} }, "
+                       f"profile: {'none' if self.table is None else f'{len(self.table)} cells'}")
+        return self.selector
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        decisions, self._step_decisions = self._step_decisions, {}
+        if trainer.global_rank != 0 or not decisions:
+            return
+        for logger in trainer.loggers:
+            add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+            if callable(add_text):
+                for stage, d in decisions.items():
+                    add_text(f"layout/{stage}", _describe(d), trainer.global_step)
+
+    def on_stage_oom(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str,
+                     stats: Mapping[str, Any] | None, err: BaseException) -> bool:
+        """Mark the stage's current layout infeasible at this size; True when another layout is left."""
+        if self.selector is None or stage not in self.selector.last_decisions:
+            return False
+        failed = self.selector.last_decisions[stage].layout
+        full = self.complete_stats(stage, stats)
+        bucket = bucket_of(full)
+        self.selector.mark_infeasible(stage, bucket, failed)
+        left = [layout_key(c) for c in self.selector.candidates(stage)
+                if not self.selector.is_infeasible(stage, bucket, c)
+                and self.selector.estimate(stage, c, full).total <= self.selector.usable_bytes]
+        self.oom_events.append(dict(step=trainer.global_step, stage=stage, layout=layout_key(failed),
+                                    error=f"{type(err).__name__}: {str(err)[:200]}", left=left))
+        rank_zero_warn(f"out of memory in stage {stage!r} under {layout_key(failed)} ({type(err).__name__}: "
+                       f"{str(err)[:120]}); marked infeasible at context<={bucket.context}, "
+                       f"num_seqs<={bucket.num_seqs}; " + (f"retrying with one of {left}" if left else
+                                                            "no other layout fits: giving up"))
+        return bool(left)
+
+    # ---- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.selector is None:
+            return dict(self._pending_state or {})
+        return {"version": STATE_VERSION, "selector": self.selector.state_dict(), "last_context": self._last_context}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if state_dict.get("version") != STATE_VERSION:
+            raise ValueError(f"AdaptiveParallelism state must have version {STATE_VERSION}, "
+                             f"got {state_dict.get('version')!r}")
+        if self.selector is None:  # restored before fit start: applied once the selector exists
+            self._pending_state = dict(state_dict)
+        else:
+            self._apply_state(state_dict)
+
+    def _apply_state(self, state: Mapping[str, Any]) -> None:
+        self.selector.load_state_dict(state["selector"])
+        self.table = self.selector.table
+        self._last_context = dict(state["last_context"]) if state.get("last_context") else None
+
+    # ---- deciding --------------------------------------------------------------------------
+    def complete_stats(self, stage: str, stats: Mapping[str, Any] | None) -> dict[str, float]:
+        """The stats the selector needs. Rollout starts before any context exists: its contexts
+        are predicted by the previous step's final contexts (what the KV cache held at the end),
+        or by the module's ``max_context_tokens`` on the first step (the safe bound)."""
+        s = {k: float(v) for k, v in (stats or {}).items()}
+        s.setdefault("gen_len", 0.0)
+        if "context_max" not in s:
+            prev = self._last_context or dict.fromkeys(("context_mean", "context_max", "context_p95"),
+                                                       self._default_context)
+            s.update({k: prev[k] for k in ("context_mean", "context_max", "context_p95")})
+        elif stage == "experience":  # the sequences the next rollout will grow to
+            self._last_context = {k: s[k] for k in ("context_mean", "context_max", "context_p95")}
+        s["num_seqs"] = max(1.0, s.get("num_seqs", 1.0))
+        for k in ("context_mean", "context_max", "context_p95"):
+            s[k] = max(1.0, s[k])
+        return s
+
+    def decide(self, stage: str, stats: Mapping[str, Any] | None, current: Layout | None) -> Layout:
+        full = self.complete_stats(stage, stats)
+        d = self.selector.decide(stage, full, current)
+        self._step_decisions[stage] = d
+        step = self._trainer.global_step if self._trainer is not None else 0
+        self.history.append(dict(step=step, stage=stage, layout=layout_key(d.layout), switched=d.switched,
+                                 predicted_bytes=d.predicted_bytes, predicted_tokens_per_s=d.predicted_tokens_per_s,
+                                 reason=d.reason, context_mean=full["context_mean"], num_seqs=full["num_seqs"]))
+        metrics = getattr(getattr(self._trainer, "strategy", None), "stage_metrics", None)
+        if isinstance(metrics, dict):
+            metrics[f"layout/{stage}/predicted_mib"] = d.predicted_bytes / 2**20
+            metrics[f"layout/{stage}/micro_batch_tokens"] = float(d.layout.micro_batch_tokens)
+            metrics[f"layout/{stage}/switched"] = float(d.switched)
+            if d.predicted_tokens_per_s is not None:
+                metrics[f"layout/{stage}/predicted_tokens_per_s"] = float(d.predicted_tokens_per_s)
+        return d.layout
+
+    # ---- construction helpers ----------------------------------------------------------------
+    @staticmethod
+    def _policy(pl_module: L.LightningModule, strategy: Any) -> torch.nn.Module:
+        for attr in strategy.model_attrs:
+            model = getattr(pl_module, attr, None)
+            if model is not None and hasattr(model, "config"):
+                return model
+        raise ValueError(f"AdaptiveParallelism sizes layouts from the module's HF model; none of the strategy's "
+                         f"`model_attrs` {list(strategy.model_attrs)} holds one on {type(pl_module).__name__}")
+
+    @staticmethod
+    def _optimizer_name(trainer: L.Trainer) -> str:
+        opts = trainer.optimizers
+        name = type(opts[0]).__name__.lower() if opts else "adamw"
+        return name if name in OPTIMIZER_STATES else "adamw"  # unknown: assume Adam-like states
+
+    def _budget_bytes(self, trainer: L.Trainer) -> int:
+        if self.memory_budget_bytes is not None:
+            return int(self.memory_budget_bytes)
+        gb = self.memory_budget_gb or getattr(trainer.strategy, "memory_budget_gb", None)
+        if gb:
+            return int(gb * GIB)
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes))
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node)
+
+    def _mbt_options(self, hp: Any) -> list[int]:
+        if self.micro_batch_tokens is not None:
+            return sorted(set(self.micro_batch_tokens), reverse=True)
+        base = int(hp.get("micro_batch_tokens", Layout().micro_batch_tokens))
+        return sorted({max(1, base // f) for f in (1, 2, 4)}, reverse=True)
+
+    def _candidates(self, strategy: Any, memory: MemoryModel, hp: Any) -> dict[str, list[Layout]]:
+        z, world = memory.sizes, strategy.world_size
+        if self.candidates == "auto":
+            places = Layout.factorizations(world, z.num_heads, z.num_kv_heads)
+            allowed = strategy._candidates  # an explicit strategy list narrows "auto"
+            if allowed:
+                places = [p for p in places if any((a.dp, a.tp) == (p.dp, p.tp) for a in allowed)]
+        else:
+            places = self.candidates
+        mbts = self._mbt_options(hp)
+        knobs = lambda p: [Layout(p.dp, p.tp, m, p.activation_checkpointing) for m in mbts]  # noqa: E731
+        unique = list({(p.dp, p.tp, p.activation_checkpointing): p for p in places}.values())
+        inference = [lay for p in unique for lay in knobs(p)]
+        train = strategy.train_layout
+        return {"rollout": inference, "experience": inference, "train": knobs(train)}
+
+    def _profile(self, trainer, pl_module, model, per_stage, hp) -> ProfileTable:
+        from transformers import AutoModelForCausalLM
+
+        from earl_lightning.parallel.profiler import ProfileGrid, profile_stages
+
+        layouts = list({layout_key(c): c for s in STAGES for c in per_stage[s]}.values())
+        top = int(self._default_context) if self._default_context > 1 else 4096
+        contexts = self.profile_contexts or [c for c in (256, 1024, 4096, 16384, 65536) if c <= max(top, 256)]
+        dm = getattr(trainer, "datamodule", None)
+        grid = ProfileGrid(contexts=contexts, num_seqs=[int(getattr(dm, "batch_size", 8) or 8)],
+                           gen_len=int(hp.get("max_new_tokens", 8)))
+        dtype, config = next(model.parameters()).dtype, model.config
+        run = profile_stages(lambda: AutoModelForCausalLM.from_config(config).to(dtype), pl_module.tokenizer,
+                             layouts=layouts, grid=grid, model_name=getattr(config, "_name_or_path", "") or "model",
+                             budget_s=self.profile_budget_s, device=trainer.strategy.root_device)
+        if self.profile_out and trainer.global_rank == 0:
+            run.table.save(Path(self.profile_out) / "profile.json")
+            run.table.heatmaps(self.profile_out)
+        return run.table
+
+
+class _StageSelector:
+    """What EarlStrategy calls: ``select(stage, stats, current) -> Layout``."""
+
+    def __init__(self, callback: AdaptiveParallelism) -> None:
+        self.callback = callback
+
+    def select(self, stage: str, stats: Mapping[str, Any] | None, current: Layout) -> Layout:
+        return self.callback.decide(stage, stats, current)
+
+
+def _describe(d: Decision) -> str:
+    tps = f"{d.predicted_tokens_per_s:.0f} tok/s" if d.predicted_tokens_per_s else "no profile"
+    return (f"**{layout_key(d.layout)}** (dp={d.layout.dp}, tp={d.layout.tp}, micro_batch_tokens="
+            f"{d.layout.micro_batch_tokens}); predicted {d.predicted_bytes / 2**20:.1f} MiB, {tps}; "
+            f"bucket context<={d.bucket.context}, num_seqs<={d.bucket.num_seqs}. {d.reason}")
+
+
+__all__ = ["AdaptiveParallelism"]
