@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCENARIO = Path(__file__).with_name("scenario.py")
 
 
@@ -21,3 +23,14 @@ def run_scenario(out_dir: Path, nproc: int = 2, device: str = "cpu", timeout: fl
     if proc.returncode != 0:
         raise RuntimeError(f"vLLM scenario failed (rc {proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """``import vllm`` (done in-process by the construction-error tests) sets environment variables
+    such as TORCHINDUCTOR_COMPILE_THREADS; put the environment back for the tests that follow.
+    Engines are only ever built in subprocesses (the scenario and the recipe runs)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -135,3 +135,33 @@ def test_generate_rejects_prompt_longer_than_max_model_len(tiny):
     with pytest.raises(ValueError, match=r"`requests` key 7: prompt of 16 tokens .* `max_model_len`=16"):
         backend.generate([GenRequest(7, [5] * 16)], SamplingConfig())
     assert backend.stats["engines_built"] == 0  # validated before any engine exists
+
+
+def test_kv_cache_budget_holds_full_length_sequences():
+    from earl_lightning.rollout.backends.vllm import kv_cache_gib_for
+
+    cfg = json.loads((make_tiny_model("earl-tiny") / "config.json").read_text())
+    # earl-tiny: 2 layers x 2 KV heads x head_dim 32 x (K, V) x 4 bytes = 1 KiB per token.
+    assert kv_cache_gib_for(cfg, 4096, "float32", sequences=64) == pytest.approx(0.25)
+    assert kv_cache_gib_for(cfg, 4096, "bfloat16", sequences=64) == pytest.approx(0.125)
+    assert kv_cache_gib_for(cfg, 16, "float32") == 1 / 16  # the floor
+
+
+@needs_vllm
+def test_for_module_builds_from_the_module_hparams_without_an_engine(tiny):
+    import torch
+
+    from earl_lightning.modules.rl import AgenticRLModule
+    from earl_lightning.rollout.backends.vllm import VLLMBackend, kv_cache_gib_for
+
+    module = AgenticRLModule(model="earl-tiny", backend="vllm", max_context_tokens=512, seed=7, dtype="bfloat16")
+    source = torch.nn.Linear(1, 1)
+    backend = VLLMBackend.for_module(module, source, enforce_eager=False)
+    assert backend.model == tiny[0] and backend.tokenizer is module.tokenizer
+    assert (backend.max_model_len, backend.seed, backend.dtype) == (512 + 16, 7, "bfloat16")
+    assert backend.kv_cache_gib == pytest.approx(kv_cache_gib_for(backend.config, 528, "bfloat16"))
+    assert backend.enforce_eager is False and backend.weights_source is source
+    newer = torch.nn.Linear(1, 1)
+    backend.after_update(newer)  # no engine yet: nothing to push, but a later build syncs from `newer`
+    assert backend.weights_source is newer
+    assert backend.stats == {"engines_built": 0, "generated_tokens": 0, "weight_updates": 0}

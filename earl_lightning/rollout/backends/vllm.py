@@ -57,11 +57,15 @@ def import_vllm() -> Any:
 
 
 def vllm_available() -> bool:
+    """Whether vLLM is installed, without importing it: ``import vllm`` takes seconds and changes
+    process-wide state (environment variables, warning filters), which test collection and the
+    ``hf`` backend must not pay for."""
+    import importlib.util
+
     try:
-        import_vllm()
-    except ImportError:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules (tests simulate a missing vLLM)
         return False
-    return True
 
 
 # Room past max_context_tokens: the rollout loop keeps context + max_new_tokens within it, so this
