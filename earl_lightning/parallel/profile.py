@@ -7,8 +7,9 @@ seconds: generated tokens for rollout, all sequence tokens for experience and tr
 fills the table (the profiler, a benchmark) must count the same way.
 
 Layouts are stored by key: ``layout_key(layout)`` (dp x tp plus any non-default knob), and a
-lookup falls back to the plain ``dp{d}xtp{t}`` name, so a table measured per (dp, tp) serves every
-micro-batch / checkpointing variant of it.
+lookup falls back to the plain ``dp{d}xtp{t}`` name, then to the measured micro-batch variant of
+the same dp x tp closest in log scale, so a table measured per (dp, tp) serves every micro-batch
+variant of it.
 
 Pure Python (matplotlib only inside :meth:`ProfileTable.heatmap`); no torch.distributed.
 """
@@ -157,7 +158,7 @@ class ProfileTable:
             for key in (layout_key(layout), layout.name):
                 if key in keys:
                     return key
-            return None
+            return _nearest_variant(layout, keys)
         return layout if layout in keys else None
 
     # ---- (de)serialization --------------------------------------------------------------
@@ -274,6 +275,21 @@ def _draw_panel(ax: Any, grid: list[list[float]], xlabels: list[str], ylabels: l
     ax.set_yticks(range(len(ylabels)), ylabels, fontsize=7)
     ax.set_xlabel("context length (tokens)")
     ax.set_title(title, fontsize=8)
+
+
+def _nearest_variant(layout: Layout, keys: set[str]) -> str | None:
+    """A measured micro-batch variant of the same dp x tp (and checkpointing), the closest budget
+    in log scale: a table profiled at one micro-batch size still ranks the placements."""
+    best, best_d = None, math.inf
+    for key in sorted(keys):
+        m = _LAYOUT_KEY.match(key)
+        if m is None or (int(m[1]), int(m[2]), bool(m[4])) != (layout.dp, layout.tp, layout.activation_checkpointing):
+            continue
+        mbt = int(m[3][4:]) if m[3] else _DEFAULT_LAYOUT.micro_batch_tokens
+        d = abs(math.log(mbt) - math.log(layout.micro_batch_tokens))
+        if d < best_d:
+            best, best_d = key, d
+    return best
 
 
 def _layout_sort(key: str) -> tuple[int, int, str]:

@@ -304,3 +304,67 @@ def _describe(device: torch.device, world: int) -> str:
     if device.type == "cuda":
         return f"{world} x {torch.cuda.get_device_name(device)}"
     return f"{world} CPU process(es), {torch.get_num_threads()} thread(s) each"
+
+
+# ---- `earl profile --config <recipe>` --------------------------------------------------------------
+def _recipe_settings(config: str) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    path = __import__("pathlib").Path(config)
+    if not path.is_file():
+        raise FileNotFoundError(f"`--config` {config!r} is not a file")
+    try:
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    except Exception as err:  # noqa: BLE001 - YAML and interpolation errors alike
+        raise ValueError(f"`--config` {config!r} is not a readable recipe: {err}") from None
+    model, data = dict(cfg.get("model") or {}), dict(cfg.get("data") or {})
+    return dict(name=path.stem, model=str(model.get("model", "earl-tiny")), dtype=str(model.get("dtype", "float32")),
+                gen_len=int(model.get("max_new_tokens", 4)), max_context=int(model.get("max_context_tokens", 4096)),
+                micro_batch_tokens=int(model.get("micro_batch_tokens", 16384)),
+                batch_size=int(data.get("batch_size", 64)))
+
+
+def _init_world() -> torch.device:
+    """Join the processes ``torchrun`` started (if any); the device this rank measures on."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return device
+
+
+def profile_recipe(config: str, *, out: str | None = None, budget_s: float = 600.0,
+                   contexts: Sequence[int] | None = None, num_seqs: Sequence[int] | None = None,
+                   repeats: int = 3, log: Callable[[str], None] | None = None) -> ProfileRun:
+    """Profile a recipe's model on the world this process runs in; save JSON + heatmaps under ``out``."""
+    from pathlib import Path
+
+    from earl_lightning.models import load_model, load_tokenizer
+
+    s = _recipe_settings(config)
+    device = _init_world()
+    rank, world = _rank_world()
+    if contexts is None:
+        contexts = [c for c in (256, 1024, 4096, 16384, 65536, 262144) if c <= max(256, s["max_context"])]
+    grid = ProfileGrid(contexts=list(contexts), num_seqs=list(num_seqs or [s["batch_size"]]), gen_len=s["gen_len"],
+                       repeats=repeats)
+    tokenizer = load_tokenizer(s["model"], "model.model")
+    base = load_model(s["model"], s["dtype"], "model.model")
+    factory = lambda: copy.deepcopy(base)  # noqa: E731 - the same weights on every call and rank
+    heads, kv = model_heads(base)
+    layouts = Layout.factorizations(world, heads, kv, micro_batch_tokens=s["micro_batch_tokens"])
+    run = profile_stages(factory, tokenizer, layouts=layouts, grid=grid, model_name=s["model"], budget_s=budget_s,
+                         device=device, log=log)
+    target = Path(out or Path("profiles") / s["name"])
+    if rank == 0:
+        path = run.table.save(target / "profile.json")
+        pngs = run.table.heatmaps(target)
+        if log is not None:
+            log(f"measured {run.measured} cells in {run.seconds:.0f}s ({len(run.skipped)} skipped by the budget); "
+                f"wrote {path} and {', '.join(str(p) for p in pngs)}")
+    return run
