@@ -360,8 +360,9 @@ class AgenticRLModule(L.LightningModule):
 
     def _exchange(self, exp: ExperienceBatch, *, src: Layout, to: Layout) -> ExperienceBatch:
         """Move the batch from the ranks that produced it to the ranks that consume it (one
-        all-to-all per dtype); a no-op in a single process or when the layouts coincide."""
-        if self.trainer.world_size == 1 or (src.dp, src.tp) == (to.dp, to.tp):
+        all-to-all per dtype). Between equal layouts it only rebalances tokens across dp ranks
+        (rows stay put when the load is already within 1%); a no-op in a single process."""
+        if self.trainer.world_size == 1:
             return exp
         from earl_lightning.data.dispatcher import Dispatcher
 

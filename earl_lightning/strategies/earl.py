@@ -321,7 +321,11 @@ class EarlStrategy(ModelParallelStrategy):
         if model is None:
             raise ValueError(f"the LightningModule has no `{attr}` model (it is None or missing)")
         layout = self.current_layout
-        if _same_placement(layout, self.train_layout):
+        # The train copy is FSDP-sharded over dp: every forward all-gathers, so it can serve a stage
+        # only if all ranks run the same forwards. Rollout and experience ranks of different dp
+        # groups process different episodes (different numbers of turns and micro-batches), so
+        # with dp > 1 they get a replica that is whole over dp (sharded over tp only).
+        if _same_placement(layout, self.train_layout) and (self.train_layout.dp == 1 or self.current_stage == "train"):
             return model
         key = (attr, layout.dp, layout.tp)
         if key not in self._replicas:

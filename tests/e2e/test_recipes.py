@@ -1,5 +1,9 @@
-"""Every recipe is parsed and smoke-run for 2 steps through the real `earl` CLI code path."""
+"""Every recipe is parsed and smoke-run for 2 steps through the real `earl` CLI code path
+(in-process for single-process recipes; multi-process ones through the `earl` command, since
+Lightning launches the other ranks by re-running the command line). vLLM recipes run in tests/vllm."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +12,16 @@ import yaml
 from earl_lightning.cli import main
 
 RECIPES = sorted(p for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml") if "vllm" not in p.name)
+
+
+def run_recipe(recipe: Path, args: list[str]) -> None:
+    devices = yaml.safe_load(recipe.read_text())["trainer"].get("devices", 1)
+    if devices == 1:
+        main(args)
+        return
+    earl = Path(sys.executable).with_name("earl")
+    proc = subprocess.run([str(earl), *args], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def smoke_args(recipe: Path, root: Path) -> list[str]:
@@ -27,7 +41,7 @@ def smoke_args(recipe: Path, root: Path) -> list[str]:
 def test_recipe_smoke_runs_two_steps(recipe, tmp_path):
     cfg = yaml.safe_load(recipe.read_text())
     assert {"trainer", "model", "data"} <= set(cfg), f"{recipe.name} lacks a section"
-    main(smoke_args(recipe, tmp_path))
+    run_recipe(recipe, smoke_args(recipe, tmp_path))
     events = list(tmp_path.rglob("events.out.tfevents.*"))
     assert events, "no TensorBoard events written"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
