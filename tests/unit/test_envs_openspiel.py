@@ -221,7 +221,7 @@ def test_bad_seed_and_env_name_raise():
     with pytest.raises(ValueError, match=r"unknown `data.env` 'chess'"):
         check_env_name("chess", arg="data.env")
     with pytest.raises(ValueError, match=r"unknown argument\(s\) \['game'\] for env 'connect_four'; valid: "
-                                         r"\['invalid_reward', 'mcts_rollouts'"):
+                                         r"\['invalid_reward', 'legal_move_reward', 'mcts_rollouts'"):
         make_env("connect_four", game="chess")
     with pytest.raises(ValueError, match=r"unknown argument\(s\) \['opponnet'\] for env 'openspiel'; valid: "
                                          r"\['game', 'invalid_reward'"):
