@@ -175,3 +175,38 @@ def test_resumed_run_decides_the_same(tmp_path, monkeypatch):
 def test_state_version_error():
     with pytest.raises(ValueError, match=r"AdaptiveParallelism state must have version 1, got 7"):
         AdaptiveParallelism().load_state_dict({"version": 7})
+
+
+# ---- profiling ---------------------------------------------------------------------------------
+def test_profile_lookup_uses_the_nearest_measured_micro_batch():
+    t = ProfileTable("m", 1)
+    t.add("train", 64, 4, Layout(micro_batch_tokens=8192), 100.0)
+    t.add("train", 64, 4, Layout(micro_batch_tokens=512), 50.0)
+    assert t.lookup("train", Layout(micro_batch_tokens=4096), 64, 4) == 100.0
+    assert t.lookup("train", Layout(micro_batch_tokens=1024), 64, 4) == 50.0
+    assert t.lookup("train", Layout(micro_batch_tokens=4096, activation_checkpointing=True), 64, 4) is None
+
+
+def test_profiler_layout_errors():
+    from earl_lightning.parallel.profiler import ProfileGrid, profile_stages
+
+    with pytest.raises(ValueError, match=r"`layouts\[0\]` dp2xtp1 has dp\*tp = 2, but the world size is 1; "
+                                         r"valid layouts: \['dp1xtp1'\]"):
+        profile_stages(lambda: None, None, layouts=[Layout(dp=2)])
+    with pytest.raises(ValueError, match=r"`layouts` must be a non-empty list of Layout"):
+        profile_stages(lambda: None, None, layouts=[])
+    with pytest.raises(ValueError, match=r"unknown `stages` 'decode'; valid stages"):
+        ProfileGrid(stages=["decode"])
+    with pytest.raises(ValueError, match=r"`gen_len` must be a positive integer, got 0"):
+        ProfileGrid(gen_len=0)
+
+
+def test_profiles_at_fit_start_within_its_budget(tmp_path):
+    cb = AdaptiveParallelism(profile_budget_s=60, profile_contexts=[32, 96], profile_out=str(tmp_path / "prof"),
+                             memory_budget_gb=1, micro_batch_tokens=[1024])
+    trainer(tmp_path, [cb], steps=1).fit(module(), datamodule())
+    assert cb.table.stages() == ["rollout", "experience", "train"]
+    assert cb.table.contexts("train") == [32, 96] and cb.table.layouts("train") == ["dp1xtp1-mbt1024"]
+    assert ProfileTable.load(tmp_path / "prof" / "profile.json") == cb.table
+    assert all((tmp_path / "prof" / f"profile_{s}.png").is_file() for s in cb.table.stages())
+    assert all(h["predicted_tokens_per_s"] for h in cb.history)  # every decision used the measured table
