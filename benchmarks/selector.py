@@ -1,4 +1,4 @@
-"""Adaptive layouts vs every static layout on a run whose context grows from ~256 to ~4.4K tokens.
+"""Adaptive layouts vs every static layout on a run whose context grows from ~0.5K to ~4.8K tokens.
 
 A real RL run (AgenticRLModule, GRPO, EarlStrategy, 2 gloo processes) on the ``recall`` env, whose
 observations grow each phase (more turns, longer filler lines): 4 episodes (2 GRPO groups) per
@@ -8,15 +8,17 @@ budget.
 The budget: a CPU process has no device memory limit, so each stage's memory is *measured*
 (peak RSS of the stage over the RSS at its start: Linux ``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``, with glibc told to give every block of 256 KiB or more back to the OS
-when freed, so that RSS follows live tensor memory) and a stage whose peak exceeds the budget on any rank counts as failed.
+when freed, so that RSS follows live tensor memory) and a stage whose peak exceeds the budget on
+any rank counts as failed.
 Static layouts record the failure and go on (so later phases are still measured); under
 AdaptiveParallelism the over-budget stage raises ``MemoryError`` -- the same path as a real
 allocation failure -- and the callback's OOM recovery retries it under the next layout.
 
-Policies: static ``dp2xtp1`` and ``dp1xtp2`` (rollout and experience placements; the train stage
-always keeps the optimizer's dp2xtp1 placement), each with a 16384-token micro-batch budget (one
-forward per rank) and a 1024-token one (about one sequence per forward), and ``adaptive`` (AdaptiveParallelism with a profile measured first, in this script,
-at 256 / 1024 / 4096 tokens -- not at the phases' own lengths).
+Policies: static ``dp2xtp1`` and ``dp1xtp2`` (rollout and experience placements; the train
+stage always keeps the optimizer's dp2xtp1 placement), each with a 16384-token micro-batch budget
+(one forward per rank) and a 1024-token one (about one sequence per forward), and ``adaptive``
+(AdaptiveParallelism with a profile measured first, in this script, at 256 / 1024 / 4096 tokens --
+not at the phases' own lengths).
 
     python benchmarks/selector.py --quick         # 2 processes, 2 steps per phase, < 5 min
     python benchmarks/selector.py                 # 3 steps per phase
@@ -158,8 +160,8 @@ def policy_strategy(policy: str, budget: int, peaks: list):
     place, mbt = policy.split("-mbt")
     dp, tp = (int(x) for x in place[2:].split("xtp"))
     lay = {"dp": dp, "tp": tp, "micro_batch_tokens": int(mbt)}
-    return cls(train_layout={"dp": 2, "tp": 1}, layouts={"rollout": lay, "experience": lay,
-                                                         "train": {**Layout(2, 1).__dict__, "micro_batch_tokens": int(mbt)}})
+    train = {**Layout(2, 1).__dict__, "micro_batch_tokens": int(mbt)}
+    return cls(train_layout={"dp": 2, "tp": 1}, layouts={"rollout": lay, "experience": lay, "train": train})
 
 
 def fit_worker(rank, world, port, policy, budget, steps_per_phase, profile, queue):
@@ -207,7 +209,7 @@ def fit_worker(rank, world, port, policy, budget, steps_per_phase, profile, queu
             dist.destroy_process_group()
 
 
-def profile_worker(rank, world, port, out, queue):
+def profile_worker(rank, world, port, out, repeats, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -219,7 +221,7 @@ def profile_worker(rank, world, port, out, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         layouts = [Layout(2, 1, BIG), Layout(1, 2, BIG), Layout(2, 1, SMALL), Layout(1, 2, SMALL)]
-        grid = ProfileGrid(contexts=[256, 1024, 4096], num_seqs=[4], gen_len=1, repeats=1)
+        grid = ProfileGrid(contexts=[256, 1024, 4096], num_seqs=[4], gen_len=1, repeats=repeats)
         run = profile_stages(lambda: load_model("earl-tiny"), load_tokenizer("earl-tiny"), layouts=layouts,
                              grid=grid, model_name="earl-tiny", log=print)
         if rank == 0:
@@ -369,9 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     profile = str(out / "selector_profile.json")
     if not (args.reuse_profile and Path(profile).is_file()):
-        spawn(profile_worker, 2, profile)
+        spawn(profile_worker, 2, profile, 1 if args.quick else 3)
     print(f"profiled in {time.perf_counter() - t0:.0f}s -> {profile}")
-    policies = args.policies or [f"dp{d}xtp{t}-mbt{m}" for d, t in ((2, 1), (1, 2)) for m in (BIG, SMALL)] + ["adaptive"]
+    statics = [f"dp{d}xtp{t}-mbt{m}" for d, t in ((2, 1), (1, 2)) for m in (BIG, SMALL)]
+    policies = args.policies or statics + ["adaptive"]
     rows, mem = [], []
     for pol in policies:
         t = time.perf_counter()
@@ -379,14 +382,14 @@ def main(argv: list[str] | None = None) -> None:
             res = spawn(fit_worker, 2, pol, budget, steps, profile)
         except RuntimeError as err:  # the whole run failed (e.g. no layout fits): every phase failed
             print(f"{pol}: run failed: {str(err).strip().splitlines()[-1]}")
-            rows += [dict(phase=p + 1, context_mean=0, policy=pol, stage=st, layout="-", tokens_per_s=0.0, failed=True)
-                     for p in range(len(PHASES)) for st in (*STAGES, "step")]
+            rows += [dict(phase=p + 1, context_mean=0, policy=pol, stage=st, layout="-", tokens_per_s=0.0,
+                          failed=True) for p in range(len(PHASES)) for st in (*STAGES, "step")]
             continue
         r, m = phase_rows(pol, res, steps)
         rows += r
         mem += m
-        print(f"{pol}: {time.perf_counter() - t:.0f}s" + (f"; OOM recoveries {[(o['stage'], o['layout']) for o in res['ooms']]}"
-                                                          if res["ooms"] else ""))
+        ooms = [(o["stage"], o["layout"]) for o in res["ooms"]]
+        print(f"{pol}: {time.perf_counter() - t:.0f}s" + (f"; OOM recoveries {ooms}" if ooms else ""))
     write_csv(out / "selector.csv", rows)
     write_csv(out / "selector_memory.csv", mem)
     plot(rows, out / "selector.png")

@@ -64,7 +64,8 @@ def synthetic_table(world: int = 1, model: str = "synthetic") -> ProfileTable:
     (dict(profile=3), r"`profile` must be a path to a profile JSON file, got 3"),
     (dict(memory_budget_gb=-1), r"`memory_budget_gb` must be a positive number of GiB per device, got -1"),
     (dict(memory_budget_gb=1, memory_budget_bytes=10), r"give the memory budget once"),
-    (dict(memory_budget_bytes="8G"), r"`memory_budget_bytes` must be a positive number of bytes per device, got '8G'"),
+    (dict(memory_budget_bytes="8G"),
+     r"`memory_budget_bytes` must be a positive number of bytes per device, got '8G'"),
     (dict(micro_batch_tokens=[512, 0]), r"`micro_batch_tokens` must be a non-empty list of positive integers, "
                                         r"got \[512, 0\]"),
     (dict(candidates="all"), r"`candidates` must be 'auto' or a non-empty list of layouts, got 'all'"),
@@ -78,8 +79,9 @@ def test_argument_errors(kw, match):
 
 def test_needs_earl_strategy(tmp_path):
     t = trainer(tmp_path, [AdaptiveParallelism(memory_budget_gb=1)], strategy="auto")
-    with pytest.raises(ValueError, match=r"AdaptiveParallelism chooses layouts through EarlStrategy; the Trainer's "
-                                         r"strategy is SingleDeviceStrategy. Use `Trainer\(strategy=EarlStrategy\(\)\)`"):
+    with pytest.raises(ValueError, match=r"AdaptiveParallelism chooses layouts through EarlStrategy; the "
+                                         r"Trainer's strategy is SingleDeviceStrategy. Use "
+                                         r"`Trainer\(strategy=EarlStrategy\(\)\)`"):
         t.fit(module(), datamodule())
 
 
