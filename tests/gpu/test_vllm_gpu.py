@@ -4,6 +4,9 @@ Same checks as tests/vllm/test_vllm_backend.py: TP 1 and TP 2 engines colocated 
 processes (one GPU each), log-probs equal to the HF recompute after a weight sync, stale weights
 detected, a TP switch mid-run. The training copy and the recompute stay on CPU; the engine runs
 on the GPU, so the sync also covers the host-to-device path. On GPU vLLM's sleep mode is real.
+Then the vLLM recipe for 2 steps on 2 GPUs through `earl fit`, like tests/vllm/test_vllm_recipe.py.
+Not yet run on real GPUs (none were available while these were written); on CPU the same code
+paths run in CI.
 """
 
 from __future__ import annotations
@@ -38,3 +41,12 @@ def test_gpu_generation_sync_stale_and_switch(ranks):
         assert r["tp2_mismatch"] < TOL and r["tp1_back_mismatch"] < TOL
         assert r["stop"]["finish"] == "stop"
     assert r0["tp2_tokens"] == r1["tp2_tokens"]
+
+
+def test_gpu_vllm_recipe_two_steps(tmp_path):
+    """recipes/connect4_grpo_vllm.yaml on 2 GPUs (NCCL, EarlStrategy), as tests/vllm runs it on CPU."""
+    from tests.vllm.test_vllm_recipe import run_recipe, values
+
+    s = run_recipe(tmp_path, "--trainer.accelerator", "gpu")
+    assert [step for step, _ in s["reward/mean"]] == [0, 1]
+    assert max(values(s, "logprob/mismatch")) < TOL

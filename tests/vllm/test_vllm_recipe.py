@@ -8,7 +8,6 @@ parallel state, none of which may leak into other tests. Skipped when vLLM is no
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +36,10 @@ def run_recipe(root: Path, *extra: str, timeout: float = 420.0) -> dict[str, lis
            "--trainer.devices", "2", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
            "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
            "--data.batch_size", "8", "--data.group_size", "4", "--data.eval_episodes", "4", *extra]
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+    from tests.vllm.conftest import subprocess_env
+
+    env = subprocess_env(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                         VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"earl fit failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
