@@ -165,13 +165,28 @@ class OpenSpielEnv:
             played.append(move)
         return played
 
+    def _legal_line(self) -> str:
+        legal = self._state.legal_actions()
+        n = self.game.num_distinct_actions()
+        return _aligned(legal, n) if n <= 10 else _join(legal)
+
     def _observation(self, played: list[int], outcome: str | None = None) -> str:
         head = f"You are {self._marks[self._agent]}."
         if played:
             head += f" Opponent played {_join(played)}."
         board = str(self._state).rstrip("\n")
-        tail = f"Result: {outcome}." if outcome else f"Legal: {_join(self._state.legal_actions())}"
+        tail = f"Result: {outcome}." if outcome else f"Legal: {self._legal_line()}"
         return f"{head}\n{board}\n{tail}"
+
+
+def _aligned(legal: Sequence[int], num_actions: int) -> str:
+    """``0 1 2 . 4 5 6``: every action id in its own slot, ``.`` where it is illegal.
+
+    A character-level model reads a fixed slot at a fixed distance from where it answers, so
+    "column 3 is full" is one position to look at rather than an absence to detect in a list.
+    """
+    keep = set(legal)
+    return " ".join(str(a) if a in keep else "." for a in range(num_actions))
 
 
 def _join(actions: Sequence[int]) -> str:
@@ -190,13 +205,13 @@ def _make_connect_four(**kwargs) -> Env:
 
 
 # ---- scripted baselines ------------------------------------------------------------------
-_LEGAL_LINE = re.compile(r"^Legal:((?: \d+)*)\s*$", re.MULTILINE)
+_LEGAL_LINE = re.compile(r"^Legal:((?: (?:\d+|\.))*)\s*$", re.MULTILINE)
 
 
 def legal_from_observation(observation: str) -> list[int]:
     """The legal action ids listed on the observation's ``Legal:`` line (empty if none)."""
     match = _LEGAL_LINE.search(observation)
-    return [int(a) for a in match.group(1).split()] if match else []
+    return [int(a) for a in match.group(1).split() if a.isdigit()] if match else []
 
 
 def uniform_policy(seed: int = 0) -> Callable[[str], str]:

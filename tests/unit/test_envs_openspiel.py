@@ -253,3 +253,19 @@ def test_legal_move_reward_shapes_every_legal_move_only():
     assert r.reward == pytest.approx(0.02) and not r.done
     bad = env.step("no move")
     assert bad.reward == -1.0 and bad.done and bad.info["invalid_action"]
+
+
+def test_full_column_keeps_its_slot_in_the_legal_line():
+    from earl_lightning.envs import make_env
+    from earl_lightning.envs.openspiel_env import legal_from_observation
+
+    env = make_env("connect_four", seat=0)
+    env.reset(0)
+    for _ in range(3):
+        assert env.step("3").observation.splitlines()[-1] == "Legal: 0 1 2 3 4 5 6"
+    obs = env.step("3").observation  # with seed 0 the random opponent also stacked column 3: it is full
+    assert obs.splitlines()[1][3] != "."
+    assert obs.splitlines()[-1] == "Legal: 0 1 2 . 4 5 6"
+    assert legal_from_observation(obs) == [0, 1, 2, 4, 5, 6]
+    last = env.step("3")
+    assert last.done and last.info["invalid_action"]
