@@ -35,7 +35,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -265,9 +265,39 @@ class EarlStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """DCP load; a checkpoint saved under another train layout is resharded by DCP itself."""
-        out = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if self._plain:
+            out = Strategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
+        else:
+            out = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self.mark_weights_updated(all_models=True)
         return out
+
+    # With one process nothing is sharded (the models hold plain tensors, no DTensors), and DCP's
+    # loader insists on a distributed model: checkpoints are then the ordinary single-file kind.
+    @property
+    def _plain(self) -> bool:
+        return self.world_size == 1
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return Strategy.lightning_module_state_dict(self) if self._plain else super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return Strategy.optimizer_state(self, optimizer) if self._plain else super().optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if self._plain:
+            return Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+        return super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._plain:
+            return Strategy.load_model_state_dict(self, checkpoint, strict=strict)
+        return super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._plain:
+            return Strategy.load_optimizer_state_dict(self, checkpoint)
+        return super().load_optimizer_state_dict(checkpoint)
 
     # ---- stages --------------------------------------------------------------------------------
     def register_selector(self, selector: LayoutSelector) -> None:

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -41,12 +42,14 @@ def last_state(root: Path) -> dict:
     return torch.load(ckpt, map_location="cpu", weights_only=False)
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("strategy", ["auto", "earl"])
+def test_resume_matches_uninterrupted_run(tmp_path, strategy):
     full, part = tmp_path / "full", tmp_path / "part"
     recipe = recipe_checkpointing_every_step(tmp_path)
-    main(args(recipe, full, 4))
-    main(args(recipe, part, 2))
-    main(args(recipe, part, 4, "--ckpt_path", "last"))
+    extra = ("--trainer.strategy", strategy)
+    main(args(recipe, full, 4, *extra))
+    main(args(recipe, part, 2, *extra))
+    main(args(recipe, part, 4, "--ckpt_path", "last", *extra))
     a, b = last_state(full), last_state(part)
     assert a["global_step"] == b["global_step"] == 4
     assert a["earl"]["rl_iteration"] == b["earl"]["rl_iteration"] == 4
