@@ -10,6 +10,8 @@ on them. Steps:
 3. Another training step without sync: the stale mismatch is measured and the warning checked.
 4. Switch to TP 2 (one engine over both ranks), sync, generate: mismatch, tokens equal on both
    ranks, switch seconds.
+5. An engine build that runs out of KV memory, then the retry at another TP degree through
+   ``prepare(layout)`` (rebuild + weight sync).
 """
 
 from __future__ import annotations
@@ -157,6 +159,25 @@ def main() -> None:
     sync_weights(train, backend)
     res["tp1_back_mismatch"] = mismatch(ref, reqs, backend.generate(reqs, sampling), 0.8)
     res["engines_built"] = backend.stats["engines_built"]
+
+    # An engine build that runs out of KV memory (what the selector's OOM retry catches) must not
+    # leave vLLM's parallel groups behind: the retry at another TP degree builds, gets the
+    # trainer's current weights (prepare syncs a fresh engine: the checkpoint on disk is stale by
+    # now) and generates correctly.
+    from earl_lightning.parallel.layout import Layout
+    from earl_lightning.parallel.oom import is_oom_error
+
+    backend.kv_cache_gib = 1 / 4096  # 256 tokens of KV, less than one max_model_len sequence
+    try:
+        backend.set_tp(2)
+        res["oom_build_error"] = None
+    except ValueError as err:
+        res["oom_build_error"], res["oom_is_oom"] = str(err)[:300], is_oom_error(err)
+    backend.kv_cache_gib = 0.0625
+    backend.weights_source = train
+    res["retry_switch_s"] = backend.prepare(Layout(dp=world, tp=1))
+    res["retry_mismatch"] = mismatch(ref, reqs, backend.generate(reqs, sampling), 0.8)
+    res["retry_tp"] = backend.tp
     backend.shutdown()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)

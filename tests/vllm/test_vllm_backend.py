@@ -80,6 +80,15 @@ def test_tp_switch_mid_run_keeps_generating_correctly(ranks):
     assert r0["tp2_tokens"] == r1["tp2_tokens"], "both ranks of one TP engine must see the same tokens"
 
 
+@needs_vllm
+@pytest.mark.distributed
+def test_failed_engine_build_leaves_nothing_behind_and_the_retry_syncs(ranks):
+    for r in ranks:
+        assert "KV cache is needed" in r["oom_build_error"] and r["oom_is_oom"]
+        assert r["retry_tp"] == 1 and r["retry_switch_s"] > 0
+        assert r["retry_mismatch"] < TOL  # the rebuilt engine got the trained weights, not the checkpoint's
+
+
 # ---- errors (run with or without vLLM) ------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny():

@@ -318,8 +318,18 @@ class VLLMBackend:
             # the longest prompt.
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
         kwargs.update(self.engine_kwargs)
-        with _preserve_rng():
-            llm = LLM(**kwargs)
+        try:
+            with _preserve_rng():
+                llm = LLM(**kwargs)
+        except BaseException:
+            # A failed build (e.g. a KV cache too small for one sequence, an OOM that the selector
+            # retries under another layout) leaves vLLM's process-wide parallel groups behind; an
+            # engine with another TP degree then fails "already initialized, of unexpected size".
+            from vllm.distributed.parallel_state import destroy_model_parallel
+
+            destroy_model_parallel()
+            gc.collect()
+            raise
         self.stats["engines_built"] += 1
         self._asleep = False
         return llm
