@@ -133,6 +133,12 @@ class AgenticRLModule(L.LightningModule):
         for arg, (value, valid) in choices.items():
             if value not in valid:
                 raise ValueError(f"unknown `--model.{arg}` {value!r}; valid: {valid}")
+        if backend == "vllm":
+            from earl_lightning.rollout.backends.vllm import vllm_available, vllm_install_hint
+
+            if not vllm_available():
+                raise ImportError(f"`--model.backend vllm` needs vLLM, which is not installed; install it with: "
+                                  f"{vllm_install_hint()}")
         get_loss_aggregation(loss_agg, "--model.loss_agg")
         get_kl_estimator(kl_estimator, "--model.kl_estimator")
         resolve_dtype(dtype, "--model.dtype")

@@ -57,3 +57,11 @@ def test_cli_reports_config_errors_in_one_line(capsys):
     err = capsys.readouterr().err
     assert "earl: error: `--data.batch_size` (10) must be a multiple of `--data.group_size` (4)" in err
     assert "Traceback" not in err
+
+
+def test_vllm_backend_without_vllm_names_the_extra(monkeypatch):
+    import earl_lightning.rollout.backends.vllm as vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)
+    with pytest.raises(ImportError, match=r"`--model.backend vllm` needs vLLM.*earl_lightning\[vllm"):
+        AgenticRLModule(backend="vllm")
