@@ -78,3 +78,15 @@ class GenerationBackend(Protocol):
     def generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]: ...
 
     def release(self, keys: list[int] | None = None) -> None: ...
+
+
+def check_requests(requests: list[GenRequest]) -> None:
+    """What every backend needs of a generate call: unique keys (they name KV/prefix state) and
+    non-empty prompts."""
+    keys = [r.key for r in requests]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"`requests` keys must be unique within one generate call; duplicated: {dup[:8]}")
+    for r in requests:
+        if not r.prompt_ids:
+            raise ValueError(f"`requests` key {r.key}: `prompt_ids` is empty; it must hold at least one token")

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
-from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig
+from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig, check_requests
 from earl_lightning.rollout.backends.kv import EpisodeKV, additive_mask, build_cache, gqa_attention
 from earl_lightning.rollout.backends.sampling import draw_uniforms, row_seed, sample_tokens
 
@@ -87,7 +87,7 @@ class HFBackend:
 
     def generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
         """One assistant turn for every request, batched; outputs in request order."""
-        _check_requests(requests)
+        check_requests(requests)
         if not requests:
             return []
         with _eval_mode(self.model), gqa_attention(self.model), torch.inference_mode():
@@ -218,16 +218,6 @@ class HFBackend:
             if cols.numel() != len(ids):  # cannot happen unless the layout logic is broken
                 raise RuntimeError(f"KV cache of key {req.key}: {cols.numel()} columns for {len(ids)} ids")
             self._cache[req.key] = EpisodeKV(ids, [layer.extract(i, cols) for layer in cache.layers])
-
-
-def _check_requests(requests: list[GenRequest]) -> None:
-    keys = [r.key for r in requests]
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise ValueError(f"`requests` keys must be unique within one generate call; duplicated: {dup[:8]}")
-    for r in requests:
-        if not r.prompt_ids:
-            raise ValueError(f"`requests` key {r.key}: `prompt_ids` is empty; it must hold at least one token")
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig
+from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig, check_requests
 from earl_lightning.rollout.backends.sampling import row_seed
 
 _INSTALL_HINT = {
@@ -541,13 +541,8 @@ def _check_positive_int(value: Any, arg: str) -> None:
 
 
 def _check_requests(requests: list[GenRequest], max_model_len: int) -> None:
-    keys = [r.key for r in requests]
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise ValueError(f"`requests` keys must be unique within one generate call; duplicated: {dup[:8]}")
+    check_requests(requests)
     for r in requests:
-        if not r.prompt_ids:
-            raise ValueError(f"`requests` key {r.key}: `prompt_ids` is empty; it must hold at least one token")
         if len(r.prompt_ids) >= max_model_len:
             raise ValueError(f"`requests` key {r.key}: prompt of {len(r.prompt_ids)} tokens leaves no room to "
                              f"generate under `max_model_len`={max_model_len}; raise it or shorten the context")
