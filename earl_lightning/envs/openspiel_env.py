@@ -180,13 +180,15 @@ class OpenSpielEnv:
 
 
 def _aligned(legal: Sequence[int], num_actions: int) -> str:
-    """``0 1 2 . 4 5 6``: every action id in its own slot, ``.`` where it is illegal.
+    """``0 1 2 # 4 5 6``: every action id in its own slot, ``#`` where it is illegal.
 
     A character-level model reads a fixed slot at a fixed distance from where it answers, so
-    "column 3 is full" is one position to look at rather than an absence to detect in a list.
+    "column 3 is full" is one position to look at rather than an absence to detect in a list;
+    ``#`` appears nowhere else in an observation (boards use ``.``), so its mere presence is a
+    content feature too.
     """
     keep = set(legal)
-    return " ".join(str(a) if a in keep else "." for a in range(num_actions))
+    return " ".join(str(a) if a in keep else "#" for a in range(num_actions))
 
 
 def _join(actions: Sequence[int]) -> str:
@@ -205,7 +207,7 @@ def _make_connect_four(**kwargs) -> Env:
 
 
 # ---- scripted baselines ------------------------------------------------------------------
-_LEGAL_LINE = re.compile(r"^Legal:((?: (?:\d+|\.))*)\s*$", re.MULTILINE)
+_LEGAL_LINE = re.compile(r"^Legal:((?: (?:\d+|#))*)\s*$", re.MULTILINE)
 
 
 def legal_from_observation(observation: str) -> list[int]:

@@ -265,7 +265,7 @@ def test_full_column_keeps_its_slot_in_the_legal_line():
         assert env.step("3").observation.splitlines()[-1] == "Legal: 0 1 2 3 4 5 6"
     obs = env.step("3").observation  # with seed 0 the random opponent also stacked column 3: it is full
     assert obs.splitlines()[1][3] != "."
-    assert obs.splitlines()[-1] == "Legal: 0 1 2 . 4 5 6"
+    assert obs.splitlines()[-1] == "Legal: 0 1 2 # 4 5 6"
     assert legal_from_observation(obs) == [0, 1, 2, 4, 5, 6]
     last = env.step("3")
     assert last.done and last.info["invalid_action"]
