@@ -58,14 +58,7 @@ def _check_args(profile, profile_budget_s, memory_budget_gb, memory_budget_bytes
 
 
 def _to_layout(value: Any, arg: str) -> Layout:
-    if isinstance(value, Layout):
-        return value
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(Layout.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"`{arg}` has unknown keys {unknown}; valid keys: {list(Layout.__dataclass_fields__)}")
-        return Layout(**value)
-    raise ValueError(f"`{arg}` must be a Layout or a dict like {{'dp': 2, 'tp': 1}}, got {value!r}")
+    return Layout.coerce(dict(value) if isinstance(value, Mapping) else value, arg)
 
 
 class AdaptiveParallelism(L.Callback):

@@ -72,6 +72,22 @@ class Layout:
         return self
 
     @staticmethod
+    def coerce(value, arg: str, *, allow_auto: bool = False) -> "Layout | None":
+        """A Layout from a Layout or a dict of its fields (config files); ``"auto"`` gives None
+        when ``allow_auto``. Errors name ``arg`` as the user wrote it."""
+        if isinstance(value, Layout):
+            return value
+        if allow_auto and value == "auto":
+            return None
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(Layout.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"`{arg}` has unknown keys {unknown}; valid keys: {list(Layout.__dataclass_fields__)}")
+            return Layout(**value)
+        also = " or 'auto'" if allow_auto else ""
+        raise ValueError(f"`{arg}` must be a Layout or a dict like {{'dp': 2, 'tp': 1}}{also}, got {value!r}")
+
+    @staticmethod
     def factorizations(world_size: int, num_heads: int | None = None, num_kv_heads: int | None = None,
                        **knobs) -> list["Layout"]:
         """Every dp x tp == world_size whose tp divides the heads (when given)."""

@@ -54,16 +54,7 @@ class LayoutSelector(Protocol):
 
 def to_layout(value: LayoutArg, arg: str) -> Optional[Layout]:
     """A Layout from a Layout, a dict of its fields, or ``"auto"`` (returned as None)."""
-    if isinstance(value, Layout):
-        return value
-    if value == "auto":
-        return None
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(Layout.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"`{arg}` has unknown keys {unknown}; valid keys: {list(Layout.__dataclass_fields__)}")
-        return Layout(**value)
-    raise ValueError(f"`{arg}` must be a Layout, a dict like {{'dp': 2, 'tp': 1}} or 'auto', got {value!r}")
+    return Layout.coerce(dict(value) if isinstance(value, Mapping) else value, arg, allow_auto=True)
 
 
 def _parse_layouts(layouts: Any) -> tuple[dict[str, Layout], Optional[list[Layout]], bool]:
