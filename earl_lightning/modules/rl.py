@@ -118,7 +118,8 @@ class AgenticRLModule(L.LightningModule):
         self.ref_policy = None
         self.value_head = None
         self.rl_iteration = 0  # RL iterations done (checkpointed; the data stream resumes here)
-        self._backend = self._backend_model = self._dispatcher = None
+        self._backend = self._dispatcher = None
+        self._backend_model_id: int | None = None  # an id, not the model: no second copy in the state dict
         self._dispatch_stats: dict[str, float] = {}
         self.oom_recoveries = 0
         self.max_oom_retries = 3
@@ -239,7 +240,7 @@ class AgenticRLModule(L.LightningModule):
     # ---- rollout --------------------------------------------------------------------------
     def backend(self, model):
         """The generation backend bound to ``model`` (a stage may hand out another placement)."""
-        if self._backend is None or self._backend_model is not model:
+        if self._backend is None or self._backend_model_id != id(model):
             if self.hparams.backend == "hf":
                 from earl_lightning.rollout.backends.hf import HFBackend
 
@@ -253,7 +254,7 @@ class AgenticRLModule(L.LightningModule):
                     self._backend.weights_source = model
                 else:
                     self._backend = VLLMBackend.for_module(self, model)
-            self._backend_model = model
+            self._backend_model_id = id(model)
         return self._backend
 
     def _rollout(self, specs: list[EpisodeSpec], sampling: SamplingConfig, layout: Layout):

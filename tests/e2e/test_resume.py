@@ -59,3 +59,14 @@ def test_resume_matches_uninterrupted_run(tmp_path, strategy):
     assert set(ra) == set(rb) and len(ra) == 4
     for step in ra:
         assert ra[step] == rb[step], f"reward/mean differs at step {step}"
+
+
+def test_checkpoint_holds_each_weight_once_and_validates(tmp_path):
+    """`earl validate --ckpt_path` loads a training checkpoint (no stray copies of the policy)."""
+    recipe = recipe_checkpointing_every_step(tmp_path)
+    main(args(recipe, tmp_path / "run", 1))
+    state = last_state(tmp_path / "run")
+    assert all(k.startswith("policy.") for k in state["state_dict"]), sorted(state["state_dict"])[:5]
+    ckpt = max((tmp_path / "run").rglob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
+    main(["validate", "--config", str(recipe), "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
+          str(tmp_path / "val"), "--trainer.enable_progress_bar", "false", "--data.eval_episodes", "4"])
