@@ -99,14 +99,20 @@ class ExperienceBatch:
     def select(self, indices) -> "ExperienceBatch":
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         lens = self.seq_lens[idx]
-        starts = self.cu_seqlens[:-1][idx]
         cu = torch.zeros(idx.numel() + 1, dtype=torch.long)
         cu[1:] = torch.cumsum(lens, 0)
-        # token positions: for each chosen sequence, start + arange(len)
-        offs = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lens)
-        pos = torch.repeat_interleave(starts, lens) + offs
+        pos = self.token_positions(idx)
         return ExperienceBatch(cu, {k: v[pos] for k, v in self.tokens.items()},
                                {k: v[idx] for k, v in self.seqs.items()})
+
+    def token_positions(self, indices) -> torch.Tensor:
+        """[n] positions in the packed token fields of the tokens of sequences ``indices``, in order."""
+        idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        lens = self.seq_lens[idx]
+        starts = self.cu_seqlens[:-1][idx]
+        first = torch.cumsum(lens, 0) - lens  # where each chosen sequence starts in the output
+        offs = torch.arange(int(lens.sum())) - torch.repeat_interleave(first, lens)
+        return torch.repeat_interleave(starts, lens) + offs
 
     @staticmethod
     def concat(batches: list["ExperienceBatch"]) -> "ExperienceBatch":
@@ -128,24 +134,25 @@ class ExperienceBatch:
             {k: torch.cat([b.seqs[k] for b in batches]) for k in batches[0].seqs},
         )
 
-    def split_by_tokens(self, max_tokens: int) -> list["ExperienceBatch"]:
-        """Consecutive micro-batches whose padded size (rows x longest row) stays within
-        ``max_tokens``. Sequences are sorted by length first so padding stays small; a sequence
-        longer than the budget gets a micro-batch of its own."""
+    def micro_batch_indices(self, max_tokens: int) -> list[list[int]]:
+        """Sequence indices of consecutive micro-batches whose padded size (rows x longest row)
+        stays within ``max_tokens``. Sequences are sorted by length first so padding stays small;
+        a sequence longer than the budget gets a micro-batch of its own."""
         if max_tokens < 1:
             raise ValueError(f"`micro_batch_tokens` must be >= 1, got {max_tokens}")
         order = torch.argsort(self.seq_lens, descending=True, stable=True).tolist()
         lens = self.seq_lens.tolist()
         out, cur = [], []
         for i in order:
-            longest = lens[cur[0]] if cur else lens[i]
-            if cur and (len(cur) + 1) * longest > max_tokens:
-                out.append(self.select(cur))
+            if cur and (len(cur) + 1) * lens[cur[0]] > max_tokens:
+                out.append(cur)
                 cur = []
             cur.append(i)
-        if cur:
-            out.append(self.select(cur))
-        return out
+        return out + ([cur] if cur else [])
+
+    def split_by_tokens(self, max_tokens: int) -> list["ExperienceBatch"]:
+        """The micro-batches of :meth:`micro_batch_indices` as batches."""
+        return [self.select(idx) for idx in self.micro_batch_indices(max_tokens)]
 
     # ---- model input ---------------------------------------------------------------------
     def padded(self, name: str, pad_value=0) -> torch.Tensor:

@@ -69,33 +69,16 @@ def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: floa
     out = {name: torch.zeros(batch.num_tokens)}
     if value_head is not None:
         out["values"] = torch.zeros(batch.num_tokens)
-    for idx in _micro_batch_indices(batch, micro_batch_tokens):
+    for idx in batch.micro_batch_indices(micro_batch_tokens):
         mb = batch.select(idx)
         res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head)
-        pos = _token_positions(batch, idx)
+        pos = batch.token_positions(idx)
         out[name][pos] = res["logprobs"].cpu()
         if value_head is not None:
             out["values"][pos] = res["values"].cpu()
     tokens = dict(batch.tokens)
     tokens.update(out)
     return ExperienceBatch(batch.cu_seqlens, tokens, dict(batch.seqs))
-
-
-def _micro_batch_indices(batch: ExperienceBatch, max_tokens: int) -> list[list[int]]:
-    order = torch.argsort(batch.seq_lens, descending=True, stable=True).tolist()
-    lens = batch.seq_lens.tolist()
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lens[cur[0]] > max_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    return out + ([cur] if cur else [])
-
-
-def _token_positions(batch: ExperienceBatch, idx: list[int]) -> torch.Tensor:
-    return torch.cat([torch.arange(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])) for i in idx]) \
-        if idx else torch.zeros(0, dtype=torch.long)
 
 
 def compute_advantages(batch: ExperienceBatch, *, estimator: str, num_groups: int, grpo_scale: str,

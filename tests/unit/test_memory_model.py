@@ -96,7 +96,6 @@ def test_train_activations_follow_micro_batch_tokens():
 
 def test_micro_batches_mirror_the_modules_batching():
     from earl_lightning.data.experience import ExperienceBatch
-    from earl_lightning.modules.experience_ops import _micro_batch_indices
 
     lens = [512, 300, 511, 100, 480, 512, 64, 200, 512, 128]
     batch = ExperienceBatch.from_sequences(
@@ -106,7 +105,7 @@ def test_micro_batches_mirror_the_modules_batching():
          "episode_ids": torch.arange(len(lens))})
     mm = MemoryModel(QWEN_05B)
     for mbt in (100, 512, 1500, 2048, 100_000):
-        groups = _micro_batch_indices(batch, mbt)
+        groups = batch.micro_batch_indices(mbt)
         largest = max(len(g) * max(lens[i] for i in g) for g in groups)
         st = dict(num_seqs=len(lens), context_mean=sum(lens) / len(lens), context_max=512, context_p95=512, gen_len=0)
         tokens, n = mm.micro_batches(Layout(micro_batch_tokens=mbt), st)
