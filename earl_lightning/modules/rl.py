@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 from typing import Any, Literal
 
 import lightning as L
@@ -432,19 +431,16 @@ class AgenticRLModule(L.LightningModule):
             M.log_transcripts(self.loggers, sample_episodes, step)
 
     def _mismatch(self, exp: ExperienceBatch) -> float:
-        mask = exp.tokens["action_mask"] > 0
-        local = (exp.tokens["rollout_logprobs"] - exp.tokens["old_logprobs"]).abs()[mask]
-        value = local.max() if local.numel() else torch.zeros(())
+        """Max |rollout - recomputed| log-prob over generated tokens of all ranks; warns over the threshold."""
+        from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
+
+        t = exp.tokens
+        value = logprob_mismatch(t["rollout_logprobs"], t["old_logprobs"], t["action_mask"])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        value = float(value)
-        if value > self.hparams.logprob_mismatch_warn:
-            warnings.warn(
-                f"rollout log-probs differ from the trainer's recomputed log-probs by {value:.3g} "
-                f"(> logprob_mismatch_warn={self.hparams.logprob_mismatch_warn}): the generation weights are "
-                f"probably stale or the sampling settings differ", RuntimeWarning, stacklevel=2)
-        return value
+        check_logprob_mismatch(value, self.hparams.logprob_mismatch_warn)
+        return float(value)
 
     # ---- evaluation -----------------------------------------------------------------------
     def evaluate(self, specs: list[EpisodeSpec]) -> dict[str, float]:
