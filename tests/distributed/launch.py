@@ -16,6 +16,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# Set by an in-process Lightning run earlier in the session (its MASTER_PORT may still be bound by
+# this pytest process) or by an outer launcher; a child launcher must pick its own.
+_LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                  "NODE_RANK", "GROUP_RANK", "ROLE_RANK")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment minus distributed-launcher variables, plus ``extra``: what a
+    test passes to a child that launches its own process group (``earl fit --trainer.devices 2``)."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    env.update(extra)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

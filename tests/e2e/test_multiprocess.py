@@ -6,6 +6,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.distributed.launch import subprocess_env
+
 RECIPE = Path(__file__).parents[2] / "recipes" / "connect4_grpo.yaml"
 
 
@@ -21,7 +23,7 @@ def test_default_recipe_on_two_processes_with_earl_strategy(tmp_path):
            "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.default_root_dir",
            str(tmp_path), "--trainer.enable_progress_bar", "false", "--data.batch_size", "16",
            "--data.eval_episodes", "8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = scalars(tmp_path)
     assert s["layout/train/dp"] == [2.0, 2.0] and s["layout/rollout/tp"] == [1.0, 1.0]

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from earl_lightning.cli import main
+from tests.distributed.launch import subprocess_env
 
 RECIPES = sorted(p for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml") if "vllm" not in p.name)
 
@@ -20,7 +21,7 @@ def run_recipe(recipe: Path, args: list[str]) -> None:
         main(args)
         return
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run([str(earl), *args], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([str(earl), *args], env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

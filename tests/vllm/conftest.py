@@ -10,20 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.launch import subprocess_env  # noqa: F401 - re-exported for the vLLM tests
+
 SCENARIO = Path(__file__).with_name("scenario.py")
-
-
-# Set by an in-process Lightning run earlier in the session (its MASTER_PORT may still be bound by
-# this pytest process) or by an outer launcher; a child launcher must pick its own.
-_LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                  "NODE_RANK", "GROUP_RANK", "ROLE_RANK")
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """This process's environment minus distributed-launcher variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
-    env.update(extra)
-    return env
 
 
 def run_scenario(out_dir: Path, nproc: int = 2, device: str = "cpu", timeout: float = 540.0) -> list[dict]:
