@@ -101,7 +101,8 @@ class OpenSpielEnv:
 
     def __init__(self, game: str = "connect_four", opponent: Literal["random", "mcts"] = "random",
                  mcts_simulations: int = 50, mcts_rollouts: int = 1, seat: Seat = "alternate",
-                 invalid_reward: float = -1.0, legal_move_reward: float = 0.0) -> None:
+                 invalid_reward: float = -1.0, legal_move_reward: float = 0.0,
+                 legal_format: Literal["slots", "list"] = "slots", random_opening: int = 0) -> None:
         self.game_name = game
         self.game = load_two_player_game(game)
         self.opponent = check_choice(opponent, "opponent", ("random", "mcts"))
@@ -110,6 +111,11 @@ class OpenSpielEnv:
         self.seat = check_seat(seat)
         self.invalid_reward = check_finite(invalid_reward, "invalid_reward")
         self.legal_move_reward = check_finite(legal_move_reward, "legal_move_reward")
+        self.legal_format = check_choice(legal_format, "legal_format", ("slots", "list"))
+        if isinstance(random_opening, bool) or not isinstance(random_opening, int) or random_opening < 0:
+            raise ValueError(f"`random_opening` must be an integer >= 0 (plies of random moves before the "
+                             f"agent's first turn), got {random_opening!r}")
+        self.random_opening = random_opening
         self._marks = _MARKS.get(self.game.get_type().short_name, ("player 0", "player 1"))
         # Placeholders until reset(); `_done` makes step() refuse to run before it.
         self._state = self.game.new_initial_state()
@@ -124,6 +130,7 @@ class OpenSpielEnv:
         self._agent = agent_player(self.seat, seed)
         self._opponent_move = self._make_opponent(seed)
         self._done = False
+        self._play_opening(seed)
         return self._observation(self._play_opponent())
 
     def step(self, action: str) -> StepResult:
@@ -156,6 +163,19 @@ class OpenSpielEnv:
         bot = mcts.MCTSBot(self.game, _UCT_C, self.mcts_simulations, evaluator, random_state=rs)
         return bot.step
 
+    def _play_opening(self, seed: int) -> None:
+        """Up to ``random_opening`` uniformly random plies (their number drawn from the seed too),
+        never one that ends the game, so the agent also trains on mid-game positions."""
+        if not self.random_opening:
+            return
+        rng = random.Random(f"opening-{seed}")
+        for _ in range(rng.randint(0, self.random_opening)):
+            nxt = self._state.clone()
+            nxt.apply_action(rng.choice(nxt.legal_actions()))
+            if nxt.is_terminal():
+                break
+            self._state = nxt
+
     def _play_opponent(self) -> list[int]:
         """Let the opponent move until it is the agent's turn (some games grant extra moves)."""
         played: list[int] = []
@@ -168,7 +188,7 @@ class OpenSpielEnv:
     def _legal_line(self) -> str:
         legal = self._state.legal_actions()
         n = self.game.num_distinct_actions()
-        return _aligned(legal, n) if n <= 10 else _join(legal)
+        return _aligned(legal, n) if n <= 10 and self.legal_format == "slots" else _join(legal)
 
     def _observation(self, played: list[int], outcome: str | None = None) -> str:
         head = f"You are {self._marks[self._agent]}."

@@ -37,6 +37,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         hidden_size=128, intermediate_size=384, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2,
     ),
+    "earl-tiny-local": dict(
+        hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=128,
+    ),
     "earl-tiny-100m": dict(
         hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=4,
@@ -96,6 +100,12 @@ def tiny_config(vocab_size: int, seed: int = 0, **overrides: Any):
 
     kw: dict[str, Any] = dict(PRESETS["earl-tiny"])
     kw.update(overrides)
+    window = kw.pop("sliding_window", None)
+    if window is not None:  # every layer attends to the last `window` tokens only (Mistral-style)
+        kw.update(use_sliding_window=True, sliding_window=int(window), max_window_layers=0,
+                  layer_types=["sliding_attention"] * kw["num_hidden_layers"])
+    else:
+        kw.update(use_sliding_window=False)
     return Qwen2Config(
         vocab_size=vocab_size,
         max_position_embeddings=8192,
@@ -104,7 +114,6 @@ def tiny_config(vocab_size: int, seed: int = 0, **overrides: Any):
         pad_token_id=0,
         eos_token_id=2,
         bos_token_id=None,
-        use_sliding_window=False,
         **kw,
     )
 

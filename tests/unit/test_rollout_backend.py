@@ -247,3 +247,43 @@ def test_backend_errors(lm):
     with pytest.raises(ValueError, match=r"`prefill_chunk_elems` must be >= 1, got 0"):
         HFBackend(model, tok, prefill_chunk_elems=0)
     assert backend.generate([], SamplingConfig()) == []
+
+
+@pytest.fixture(scope="module")
+def local_lm():
+    """A sliding-window model whose window (8) is far shorter than the test contexts."""
+    path = make_tiny_model("earl-tiny-local", hidden_size=64, intermediate_size=128, sliding_window=8)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert model.config.layer_types == ["sliding_attention"] * 2 and model.config.sliding_window == 8
+    return model, load_tokenizer(str(path))
+
+
+def test_sliding_window_kv_reuse_matches_full_forward_and_reprefill(local_lm):
+    model, tok = local_lm
+    sampling = SamplingConfig(max_new_tokens=6, seed=5, temperature=0.7)
+    kv_log = _play(HFBackend(model, tok), sampling)
+    ref_log = _play(HFBackend(model, tok, reuse_kv=False), sampling)
+    for (reqs, a), (_, b) in zip(kv_log, ref_log):
+        for r, x, y in zip(reqs, a, b):
+            assert x.token_ids == y.token_ids
+            # transformers' own sliding-window mask on the unpadded sequence is the reference
+            ref = _full_logprobs(model, r.prompt_ids, x.token_ids, 0.7)
+            assert max(abs(u - v) for u, v in zip(ref, x.logprobs)) < 1e-4
+
+
+def test_sliding_window_changes_what_the_model_sees(local_lm):
+    """The window is real: tokens further back than it do not change the next-token logits."""
+    model, tok = local_lm
+    a, b = _prompts([40], seed=1)[0], _prompts([40], seed=2)[0]
+    tail = _prompts([20], seed=3)[0]
+    backend = HFBackend(model, tok, reuse_kv=False)
+    sampling = SamplingConfig(max_new_tokens=1, seed=0)
+    # two layers of window 8 see at most 14 tokens back: a different far prefix changes nothing
+    x = backend.generate([GenRequest(0, a + tail)], sampling)[0]
+    y = backend.generate([GenRequest(0, b + tail)], sampling)[0]  # same key and length: same draw
+    assert x.token_ids == y.token_ids and abs(x.logprobs[0] - y.logprobs[0]) < 1e-5
+    full = HFBackend(AutoModelForCausalLM.from_pretrained(make_tiny_model(
+        "earl-tiny", hidden_size=64, intermediate_size=128)).eval(), tok, reuse_kv=False)
+    u = full.generate([GenRequest(0, a + tail)], sampling)[0]
+    v = full.generate([GenRequest(0, b + tail)], sampling)[0]
+    assert abs(u.logprobs[0] - v.logprobs[0]) > 1e-4  # a full-attention model does see the prefix

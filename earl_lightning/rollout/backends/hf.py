@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig, check_requests
-from earl_lightning.rollout.backends.kv import EpisodeKV, additive_mask, build_cache, gqa_attention
+from earl_lightning.rollout.backends.kv import EpisodeKV, attention_masks, attention_windows, build_cache, gqa_attention
 from earl_lightning.rollout.backends.sampling import draw_uniforms, row_seed, sample_tokens
 
 
@@ -47,7 +47,8 @@ class HFBackend:
     """Batched multi-turn generation with a transformers causal LM on the model's device.
 
     Args:
-        model: a decoder-only ``AutoModelForCausalLM`` with full attention (Qwen2, Llama, ...).
+        model: a decoder-only ``AutoModelForCausalLM`` (Qwen2, Llama, ...) with full and/or sliding-window
+            attention layers.
         tokenizer: its tokenizer (eos, pad, stop-string decoding, and the decodable vocabulary).
         reuse_kv: keep each episode's KV cache between calls and prefill only the new suffix;
             ``False`` re-encodes the whole context every call (the reference path).
@@ -66,6 +67,7 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.vocab_limit = len(tokenizer)
         self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.windows = attention_windows(model.config)
         self._cache: dict[int, EpisodeKV] = {}
         # Cumulative counters; tests use them to check that turn t re-encodes nothing old.
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0, "forwards": 0}
@@ -156,7 +158,7 @@ class HFBackend:
         for q0 in range(0, width, chunk):
             q1 = min(width, q0 + chunk)
             cols = torch.arange(batch.prefix_cols + q0, batch.prefix_cols + q1, device=batch.valid.device)
-            mask = additive_mask(batch.valid[:, : batch.prefix_cols + q1], cols, dtype)
+            mask = attention_masks(batch.valid[:, : batch.prefix_cols + q1], cols, dtype, self.windows)
             logits = self._forward(batch.suffix_ids[:, q0:q1], batch.suffix_pos[:, q0:q1], mask, cache)
         return logits
 
@@ -186,7 +188,7 @@ class HFBackend:
                 break
             col = batch.decode_start + j
             batch.valid[:, col] = active  # a finished row's last token is never attended to
-            mask = additive_mask(batch.valid[:, : col + 1], torch.tensor([col], device=dev), dtype)
+            mask = attention_masks(batch.valid[:, : col + 1], torch.tensor([col], device=dev), dtype, self.windows)
             logits = self._forward(tokens[:, j: j + 1], (batch.next_pos + j).unsqueeze(1), mask, cache)
         return tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
 

@@ -95,22 +95,58 @@ def build_cache(num_layers: int, capacity: int, prefix_cols: int, entries: list[
     return Cache(layers=layers)
 
 
-def additive_mask(valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.dtype,
+                  window: int | None = None) -> torch.Tensor:
     """[B, 1, Q, K] additive attention mask from ``valid`` [B, K] and the query columns [Q].
 
-    Query ``q`` may attend column ``k`` iff ``k`` holds a real token and ``k <= query_cols[q]``.
-    Every query also attends its own column: a padding query then never has an empty row
-    (which would make SDPA return NaN), and real rows are unaffected since a real query's own
-    column is valid anyway.
+    Query ``q`` may attend column ``k`` iff ``k`` holds a real token and ``k <= query_cols[q]``;
+    with a sliding ``window`` also only if the two tokens are fewer than ``window`` positions
+    apart (transformers' rule: ``pos_q - pos_k < window``). A row's real tokens are its
+    consecutive positions in column order, so a token's position is the count of real columns
+    before it. Every query also attends its own column: a padding query then never has an
+    empty row (which would make SDPA return NaN), and real rows are unaffected since a real
+    query's own column is valid anyway.
     """
     k = valid.shape[1]
     cols = torch.arange(k, device=valid.device)
     causal = cols[None, :] <= query_cols[:, None]  # [Q, K]
     allowed = valid[:, None, :] & causal[None]  # [B, Q, K]
+    if window is not None:
+        pos = valid.long().cumsum(-1)  # [B, K]: 1 + position of each real column
+        near = (pos[:, query_cols][:, :, None] - pos[:, None, :]) < window  # [B, Q, K]
+        allowed = allowed & near
     allowed = allowed | (cols[None, :] == query_cols[:, None])[None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask.unsqueeze(1)
+
+
+def attention_windows(config: Any) -> dict[str, int | None]:
+    """The attention kinds a transformers config's layers use, each with its window (None =
+    full causal attention): ``{"full_attention": None}`` for an ordinary model,
+    ``{"sliding_attention": 128}`` when every layer attends to the last 128 tokens only."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    kinds = getattr(config, "layer_types", None) or ["full_attention"]
+    out: dict[str, int | None] = {}
+    for kind in kinds:
+        if kind == "full_attention":
+            out[kind] = None
+        elif kind == "sliding_attention" and window:
+            out[kind] = int(window)
+        else:
+            raise ValueError(f"layer type {kind!r} (sliding_window={window!r}) is not supported by the "
+                             f"KV-reusing HF backend; supported: full_attention, sliding_attention")
+    return out
+
+
+def attention_masks(valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.dtype,
+                    windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """:func:`additive_mask` per attention kind: one tensor for an all-full-attention model, else
+    the ``{layer_type: mask}`` mapping transformers' decoder models accept as ``attention_mask``."""
+    if set(windows) == {"full_attention"}:
+        return additive_mask(valid, query_cols, dtype)
+    return {kind: additive_mask(valid, query_cols, dtype, w) for kind, w in windows.items()}
 
 
 def _sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
