@@ -207,6 +207,9 @@ def test_registry_builds_connect_four_and_openspiel():
     ({"mcts_simulations": 0}, r"`mcts_simulations` must be a positive int, got 0"),
     ({"mcts_rollouts": 1.5}, r"`mcts_rollouts` must be a positive int, got 1.5"),
     ({"invalid_reward": float("nan")}, r"`invalid_reward` must be a finite number, got nan"),
+    ({"legal_format": "aligned"}, r"`legal_format` must be one of \['slots', 'list'\], got 'aligned'"),
+    ({"random_opening": -1}, r"`random_opening` must be an integer >= 0 \(plies of random moves .*got -1"),
+    ({"random_opening": 2.5}, r"`random_opening` must be an integer >= 0 .*got 2.5"),
 ])
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -221,7 +224,7 @@ def test_bad_seed_and_env_name_raise():
     with pytest.raises(ValueError, match=r"unknown `data.env` 'chess'"):
         check_env_name("chess", arg="data.env")
     with pytest.raises(ValueError, match=r"unknown argument\(s\) \['game'\] for env 'connect_four'; valid: "
-                                         r"\['invalid_reward', 'legal_move_reward', 'mcts_rollouts'"):
+                                         r"\['invalid_reward', 'legal_format', 'legal_move_reward', 'mcts_rollouts'"):
         make_env("connect_four", game="chess")
     with pytest.raises(ValueError, match=r"unknown argument\(s\) \['opponnet'\] for env 'openspiel'; valid: "
                                          r"\['game', 'invalid_reward'"):
@@ -269,3 +272,27 @@ def test_full_column_keeps_its_slot_in_the_legal_line():
     assert legal_from_observation(obs) == [0, 1, 2, 4, 5, 6]
     last = env.step("3")
     assert last.done and last.info["invalid_action"]
+
+
+def test_list_format_names_only_the_legal_moves():
+    env = make_env("connect_four", seat=0, legal_format="list")
+    env.reset(0)
+    for _ in range(3):
+        env.step("3")
+    obs = env.step("3").observation  # seed 0: column 3 is full now (see the test above)
+    assert obs.splitlines()[-1] == "Legal: 0 1 2 4 5 6"
+    assert legal_from_observation(obs) == [0, 1, 2, 4, 5, 6]
+
+
+def test_random_opening_starts_mid_game_deterministically_and_never_ended():
+    env = OpenSpielEnv(random_opening=10)
+    starts = [env.reset(seed) for seed in range(60)]
+    assert starts == [OpenSpielEnv(random_opening=10).reset(seed) for seed in range(60)]
+    pieces = [sum(row.count("x") + row.count("o") for row in obs.splitlines()[1:7]) for obs in starts]
+    assert max(pieces) >= 9 and min(pieces) <= 1  # 0..10 random plies (+ the opponent's reply)
+    for seed, obs in enumerate(starts):
+        # the agent is still the seat the seed gives and it is its turn in an unfinished game
+        assert obs.startswith(f"You are {'xo'[seed % 2]}.") and obs.splitlines()[-1].startswith("Legal:")
+        assert env.reset(seed) == obs
+        assert not env._state.is_terminal() and env._state.current_player() == seed % 2
+    assert OpenSpielEnv(random_opening=0).reset(4) == OpenSpielEnv().reset(4)
