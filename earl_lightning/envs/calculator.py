@@ -16,7 +16,8 @@ from fractions import Fraction
 from typing import Callable, Literal
 
 from earl_lightning.envs.base import StepResult, register_env
-from earl_lightning.envs.parsing import build_env, check_choice, check_finite, check_seed, find_call
+from earl_lightning.envs.parsing import (build_env, check_choice, check_finite, check_non_negative_int, check_seed,
+                                         find_call)
 
 MAX_EXPR_CHARS = 200
 MAX_EXPONENT = 16
@@ -125,9 +126,7 @@ class CalculatorEnv:
                  difficulty: Literal["easy", "medium", "hard"] = "easy",
                  correct_reward: float = 1.0, wrong_reward: float = 0.0,
                  invalid_reward: float = -1.0) -> None:
-        if type(max_tool_calls) is not int or max_tool_calls < 0:
-            raise ValueError(f"`max_tool_calls` must be a non-negative int, got {max_tool_calls!r}")
-        self.max_tool_calls = max_tool_calls
+        self.max_tool_calls = check_non_negative_int(max_tool_calls, "max_tool_calls")
         self.difficulty = check_choice(difficulty, "difficulty", tuple(_TEMPLATES))
         self.correct_reward = check_finite(correct_reward, "correct_reward")
         self.wrong_reward = check_finite(wrong_reward, "wrong_reward")

@@ -25,7 +25,8 @@ from open_spiel.python.algorithms import mcts
 
 from earl_lightning.envs.base import Env, StepResult, register_env
 from earl_lightning.envs.parsing import (Seat, agent_player, build_env, check_choice, check_finite,
-                                         check_positive_int, check_seat, check_seed, first_int)
+                                         check_non_negative_int, check_positive_int, check_seat, check_seed,
+                                         first_int)
 
 # Marks as OpenSpiel prints them for player 0 / player 1; other games say "player 0".
 _MARKS = {"connect_four": ("x", "o"), "tic_tac_toe": ("x", "o")}
@@ -97,6 +98,11 @@ class OpenSpielEnv:
             A random-weight model almost never completes a game, so without it every episode ends
             in an illegal move with the same -1 and GRPO sees no signal; a small value (0.02 over
             at most 21 moves stays well below a win's +1) rewards learning the move format first.
+        legal_format: ``"slots"`` (games with at most 10 actions keep a slot per action on the
+            ``Legal:`` line, ``#`` where illegal) or ``"list"`` (only the legal action ids).
+        random_opening: up to this many uniformly random plies (their number drawn from the
+            seed) before the agent's first turn, never one that ends the game: training on
+            mid-game positions. 0 (default) starts from the initial position.
     """
 
     def __init__(self, game: str = "connect_four", opponent: Literal["random", "mcts"] = "random",
@@ -112,10 +118,7 @@ class OpenSpielEnv:
         self.invalid_reward = check_finite(invalid_reward, "invalid_reward")
         self.legal_move_reward = check_finite(legal_move_reward, "legal_move_reward")
         self.legal_format = check_choice(legal_format, "legal_format", ("slots", "list"))
-        if isinstance(random_opening, bool) or not isinstance(random_opening, int) or random_opening < 0:
-            raise ValueError(f"`random_opening` must be an integer >= 0 (plies of random moves before the "
-                             f"agent's first turn), got {random_opening!r}")
-        self.random_opening = random_opening
+        self.random_opening = check_non_negative_int(random_opening, "random_opening")
         self._marks = _MARKS.get(self.game.get_type().short_name, ("player 0", "player 1"))
         # Placeholders until reset(); `_done` makes step() refuse to run before it.
         self._state = self.game.new_initial_state()

@@ -70,9 +70,13 @@ def agent_player(seat: Seat, seed: int) -> int:
 
 def check_seed(seed: object, arg: str = "seed") -> int:
     """Episode seeds are non-negative ints (they seed NumPy and ``random`` generators)."""
-    if type(seed) is not int or seed < 0:
-        raise ValueError(f"`{arg}` must be a non-negative int, got {seed!r}")
-    return seed
+    return check_non_negative_int(seed, arg)
+
+
+def check_non_negative_int(value: object, arg: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"`{arg}` must be a non-negative int, got {value!r}")
+    return value
 
 
 def check_positive_int(value: object, arg: str) -> int:
