@@ -81,6 +81,10 @@ class AdaptiveParallelism(L.Callback):
         micro_batch_tokens: micro-batch budgets to choose from, per placement (default: the
             module's ``micro_batch_tokens`` and its half and quarter). The train stage keeps the
             strategy's train placement and only chooses among these.
+        activation_checkpointing: for the train stage, whether to recompute activations in
+            backward: ``[False, True]`` lets the selector choose per step (recompute costs about
+            one extra forward, and saves most activation memory at long contexts); default: the
+            train layout's own setting.
         amortize_steps: steps over which one layout switch is expected to pay off.
     """
 
@@ -89,9 +93,17 @@ class AdaptiveParallelism(L.Callback):
                  memory_budget_gb: float | None = None, memory_budget_bytes: int | None = None,
                  safety_margin: float = 0.1, hysteresis: float = 0.1,
                  candidates: Union[Literal["auto"], list[LayoutLike]] = "auto",
-                 micro_batch_tokens: list[int] | None = None, amortize_steps: int = 1) -> None:
+                 micro_batch_tokens: list[int] | None = None, activation_checkpointing: list[bool] | None = None,
+                 amortize_steps: int = 1) -> None:
         super().__init__()
         _check_args(profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens)
+        if activation_checkpointing is not None and (
+                isinstance(activation_checkpointing, (str, bytes)) or not isinstance(activation_checkpointing, Sequence)
+                or not activation_checkpointing or any(not isinstance(a, bool) for a in activation_checkpointing)):
+            raise ValueError(f"`activation_checkpointing` must be a non-empty list of booleans such as [False, True], "
+                             f"got {activation_checkpointing!r}")
+        self.activation_checkpointing = (None if activation_checkpointing is None
+                                         else sorted(set(activation_checkpointing)))
         if candidates != "auto":
             if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or not candidates:
                 raise ValueError(f"`candidates` must be 'auto' or a non-empty list of layouts, got {candidates!r}")
@@ -120,6 +132,9 @@ class AdaptiveParallelism(L.Callback):
                              f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=EarlStrategy())` "
                              f"(or `trainer.strategy: earl` in a recipe)")
         self._trainer = trainer
+        train = trainer.strategy.train_layout
+        if any(a != train.activation_checkpointing for a in self.activation_checkpointing or ()):
+            trainer.strategy.checkpoint_switchable = True  # wrap the layers once, recompute per choice
         if self.profile is not None:  # a corrupt or mismatched file fails before any model is built
             self.table = ProfileTable.load(self.profile, world_size=trainer.world_size)
 
@@ -235,6 +250,8 @@ class AdaptiveParallelism(L.Callback):
         if isinstance(metrics, dict):
             metrics[f"layout/{stage}/predicted_mib"] = d.predicted_bytes / 2**20
             metrics[f"layout/{stage}/micro_batch_tokens"] = float(d.layout.micro_batch_tokens)
+            if stage == "train":
+                metrics["layout/train/activation_checkpointing"] = float(d.layout.activation_checkpointing)
             metrics[f"layout/{stage}/switched"] = float(d.switched)
             if d.predicted_tokens_per_s is not None:
                 metrics[f"layout/{stage}/predicted_tokens_per_s"] = float(d.predicted_tokens_per_s)
@@ -288,7 +305,9 @@ class AdaptiveParallelism(L.Callback):
         unique = list({(p.dp, p.tp, p.activation_checkpointing): p for p in places}.values())
         inference = [lay for p in unique for lay in knobs(p)]
         train = strategy.train_layout
-        return {"rollout": inference, "experience": inference, "train": knobs(train)}
+        ckpts = self.activation_checkpointing or [train.activation_checkpointing]
+        train_options = [Layout(train.dp, train.tp, m, a) for a in ckpts for m in mbts]
+        return {"rollout": inference, "experience": inference, "train": train_options}
 
     def _profile(self, trainer, pl_module, model, per_stage, hp) -> ProfileTable:
         from transformers import AutoModelForCausalLM
@@ -324,7 +343,7 @@ class _StageSelector:
 def _describe(d: Decision) -> str:
     tps = f"{d.predicted_tokens_per_s:.0f} tok/s" if d.predicted_tokens_per_s else "no profile"
     return (f"**{layout_key(d.layout)}** (dp={d.layout.dp}, tp={d.layout.tp}, micro_batch_tokens="
-            f"{d.layout.micro_batch_tokens}); predicted {d.predicted_bytes / 2**20:.1f} MiB, {tps}; "
+            f"{d.layout.micro_batch_tokens}, activation_checkpointing={d.layout.activation_checkpointing}); predicted {d.predicted_bytes / 2**20:.1f} MiB, {tps}; "
             f"bucket context<={d.bucket.context}, num_seqs<={d.bucket.num_seqs}. {d.reason}")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 
 from earl_lightning.parallel.layout import Layout
@@ -79,13 +80,43 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer in backward: memory ∝ one layer's activations, +1 forward."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+class SwitchableCheckpointWrapper(CheckpointWrapper):
+    """torch's checkpoint wrapper (same parameter and state-dict names) that recomputes only while
+    ``enabled`` and autograd records; otherwise a plain call of the layer. A run can so switch
+    checkpointing per step without re-wrapping a sharded model."""
 
+    enabled: bool = True
+
+    def forward(self, *args, **kwargs):
+        if self.enabled and torch.is_grad_enabled():
+            return super().forward(*args, **kwargs)
+        return self._checkpoint_wrapped_module(*args, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, enabled: bool = True) -> None:
+    """Recompute each decoder layer in backward: memory ∝ one layer's activations, +1 forward.
+    ``enabled=False`` wraps the layers but leaves recomputation off until
+    :func:`set_activation_checkpointing` turns it on."""
     layers = _decoder_layers(model)
     for i, layer in enumerate(layers):
-        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        layers[i] = SwitchableCheckpointWrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                preserve_rng_state=False)
+        layers[i].enabled = enabled
+
+
+def is_checkpoint_switchable(model: nn.Module) -> bool:
+    """Whether ``model``'s decoder layers carry switchable checkpoint wrappers."""
+    return any(isinstance(m, SwitchableCheckpointWrapper) for m in model.modules())
+
+
+def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
+    """Turn recomputation of the wrapped decoder layers on or off (see :func:`apply_activation_checkpointing`)."""
+    if not is_checkpoint_switchable(model):
+        raise ValueError("the model's layers are not wrapped for activation checkpointing; parallelize it with "
+                         "`checkpoint_switchable=True` (or a layout with activation_checkpointing=True)")
+    for m in model.modules():
+        if isinstance(m, SwitchableCheckpointWrapper):
+            m.enabled = bool(enabled)
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True) -> None:
@@ -110,7 +141,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
 
 
 def parallelize_model(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layout,
-                      reshard_after_forward: bool = True, fsdp: bool = True) -> nn.Module:
+                      reshard_after_forward: bool = True, fsdp: bool = True,
+                      checkpoint_switchable: bool = False) -> nn.Module:
     """Shard ``model`` in place for ``layout`` on ``mesh`` (dims ``("dp", "tp")``) and return it.
 
     Order: tensor parallel first, because TP replaces ``nn.Linear`` weights by DTensors that FSDP2
@@ -118,6 +150,9 @@ def parallelize_model(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layo
     composition FSDP2 supports, the reverse is not. Activation checkpointing wraps the decoder layers
     after TP (so recomputation replays TP's collectives too) and before FSDP (so FSDP's per-layer
     groups contain the checkpoint wrappers and their all-gathers are re-issued in recomputation).
+
+    ``checkpoint_switchable=True`` wraps the layers for checkpointing even when the layout does not
+    ask for it (recomputation off), so :func:`set_activation_checkpointing` can switch it per step.
 
     ``fsdp=False`` keeps parameters replicated across dp (inference replicas for rollout). With
     ``layout.world_size == 1`` the model is returned unchanged (the single-process trainer).
@@ -128,16 +163,17 @@ def parallelize_model(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layo
     reject_fsdp1(model)
     heads, kv_heads = model_heads(model)
     layout.check_heads(heads, kv_heads)
+    wrap = layout.activation_checkpointing or checkpoint_switchable
     if layout.world_size == 1:
-        if layout.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        if wrap:
+            apply_activation_checkpointing(model, enabled=layout.activation_checkpointing)
         return model
     if mesh is None or tuple(mesh.mesh_dim_names or ()) != ("dp", "tp") or tuple(mesh.shape) != (layout.dp, layout.tp):
         raise ValueError(f"`mesh` must be a ('dp', 'tp') DeviceMesh of shape ({layout.dp}, {layout.tp}), got {mesh}")
     if layout.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])
-    if layout.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    if wrap:
+        apply_activation_checkpointing(model, enabled=layout.activation_checkpointing)
     if fsdp and layout.dp_enabled:
         apply_fsdp(model, mesh["dp"], reshard_after_forward=reshard_after_forward)
     return model

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -36,7 +36,7 @@ from torch import nn
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.modules.experience_ops import fill_logprobs, forward_micro_batch
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
-from earl_lightning.parallel.parallelize import model_heads, parallelize_model
+from earl_lightning.parallel.parallelize import model_heads, parallelize_model, set_activation_checkpointing
 from earl_lightning.parallel.profile import ProfileTable, layout_key
 from earl_lightning.rollout.backends.base import GenRequest, SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
@@ -139,7 +139,9 @@ class _Placements:
             torch.manual_seed(0)  # every rank builds the same weights, so sharding them needs no broadcast
             model = self.factory().to(self.device)
             placement = Layout(dp=layout.dp, tp=layout.tp)
-            parallelize_model(model, mesh=self.mesh(placement), layout=placement, fsdp=train)
+            # Train copies are wrapped for checkpointing once; run() switches recomputation per layout.
+            parallelize_model(model, mesh=self.mesh(placement), layout=placement, fsdp=train,
+                              checkpoint_switchable=train)
             if train:
                 model.train()
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
@@ -183,6 +185,8 @@ class StageProfiler:
         n = _local_count(num_seqs, layout, rank)
         gen = torch.Generator().manual_seed(self.seed * 7919 + context * 31 + num_seqs + layout.coords(rank)[0])
         model, opt = self.placements.get(layout, train=stage == "train")
+        if stage == "train":
+            set_activation_checkpointing(model, layout.activation_checkpointing)
         vocab = model.config.vocab_size
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -260,9 +264,11 @@ def profile_stages(model_factory: Callable[[], nn.Module], tokenizer: Any, *, la
     prof = StageProfiler(model_factory, tokenizer, device, seed)
     start = time.perf_counter()
     for stage in grid.stages:
-        for layout in layouts:  # warm-up: first calls pay for lazy initialization, not throughput
+        # Checkpointing changes only the train stage (the others run without autograd).
+        stage_layouts = [lay for lay in layouts if stage == "train" or not lay.activation_checkpointing]
+        for layout in stage_layouts:  # warm-up: first calls pay for lazy initialization, not throughput
             prof.run(stage, layout, grid.contexts[0], grid.num_seqs[0], 1)
-        for (ctx, nseq), layout in _schedule(grid, layouts):
+        for (ctx, nseq), layout in _schedule(grid, stage_layouts):
             if not _agree(budget_s is None or time.perf_counter() - start < budget_s):
                 run.skipped.append((stage, ctx, nseq, layout_key(layout)))
                 continue
@@ -358,6 +364,9 @@ def profile_recipe(config: str, *, out: str | None = None, budget_s: float = 600
     factory = lambda: copy.deepcopy(base)  # noqa: E731 - the same weights on every call and rank
     heads, kv = model_heads(base)
     layouts = Layout.factorizations(world, heads, kv, micro_batch_tokens=s["micro_batch_tokens"])
+    # The train stage is also measured with activation checkpointing (AdaptiveParallelism's
+    # `activation_checkpointing=[False, True]` chooses between them); the others skip those.
+    layouts += [replace(lay, activation_checkpointing=True) for lay in layouts]
     run = profile_stages(factory, tokenizer, layouts=layouts, grid=grid, model_name=s["model"], budget_s=budget_s,
                          device=device, log=log)
     target = Path(out or Path("profiles") / s["name"])

@@ -286,9 +286,11 @@ class Selector:
         if not known:
             if inc is not None and inc.usable:
                 return incumbent, f"keep {incumbent}: no profile data for stage {stage!r}"
-            # Without throughput data prefer the least tensor parallelism: the fewest collectives.
-            pick = min(usable, key=lambda k: (_tp_of(k), -_mbt_of(k), reports[k].predicted_bytes))
-            return pick, f"{pick}: no profile data for stage {stage!r}; least tensor parallelism that fits"
+            # Without throughput data prefer the least tensor parallelism (the fewest collectives),
+            # then no recomputation, then the largest micro-batch.
+            pick = min(usable, key=lambda k: (_tp_of(k), _ckpt_of(k), -_mbt_of(k), reports[k].predicted_bytes))
+            return pick, (f"{pick}: no profile data for stage {stage!r}; least tensor parallelism and "
+                          f"recomputation that fits")
         # Ties (micro-batch variants of one dp x tp share its profile row): the larger micro-batch,
         # since fewer forward calls are never slower, then the smaller memory.
         best = min(known, key=lambda k: (reports[k].score, -_mbt_of(k), reports[k].predicted_bytes))
@@ -356,6 +358,10 @@ class Selector:
 
 def _tp_of(key: str) -> int:
     return int(key.split("xtp")[1].split("-")[0])
+
+
+def _ckpt_of(key: str) -> bool:
+    return key.endswith("-ckpt")
 
 
 def _mbt_of(key: str) -> int:

@@ -41,7 +41,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
-from earl_lightning.parallel.parallelize import build_replica, model_heads, parallelize_model, reject_fsdp1
+from earl_lightning.parallel.parallelize import (
+    build_replica,
+    is_checkpoint_switchable,
+    model_heads,
+    parallelize_model,
+    reject_fsdp1,
+    set_activation_checkpointing,
+)
 from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
 
 LayoutArg = Union[Layout, dict, str]
@@ -143,6 +150,9 @@ class EarlStrategy(ModelParallelStrategy):
         self._synced: dict[tuple[str, int, int], int] = {}
         self._current: Optional[Layout] = None
         self.current_stage: Optional[str] = None
+        # Set (before setup) by a selector that may switch the train stage's activation
+        # checkpointing per step: the layers are then wrapped once and recompute only when asked.
+        self.checkpoint_switchable = False
 
     # ---- construction checks -------------------------------------------------------------------
     def _resolve_train_arg(self, train: Optional[Layout]) -> Optional[Layout]:
@@ -251,7 +261,11 @@ class EarlStrategy(ModelParallelStrategy):
                 continue
             reject_fsdp1(model, arg=attr)
             self._check_heads(model, attr)
-            parallelize_model(model, mesh=self.mesh_for(self._train), layout=self._train)
+            fixed = self._fixed.get("train")
+            switchable = self.checkpoint_switchable or (
+                fixed is not None and fixed.activation_checkpointing != self._train.activation_checkpointing)
+            parallelize_model(model, mesh=self.mesh_for(self._train), layout=self._train,
+                              checkpoint_switchable=switchable)
             self._version[attr] = 0
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -306,6 +320,8 @@ class EarlStrategy(ModelParallelStrategy):
         self.stage_metrics[f"layout/{name}/dp"] = float(layout.dp)
         self.stage_metrics[f"layout/{name}/tp"] = float(layout.tp)
         try:
+            if name == "train":
+                self._set_checkpointing(layout)
             for attr in self.stage_models.get(name, ()):
                 if getattr(self.lightning_module, attr, None) is not None:
                     self.stage_model(attr)
@@ -314,6 +330,20 @@ class EarlStrategy(ModelParallelStrategy):
             self._current, self.current_stage = None, None
             if name == "train":
                 self.mark_weights_updated()
+
+    def _set_checkpointing(self, layout: Layout) -> None:
+        for attr in self.model_attrs:
+            model = getattr(self.lightning_module, attr, None)
+            if model is None:
+                continue
+            if is_checkpoint_switchable(model):
+                set_activation_checkpointing(model, layout.activation_checkpointing)
+            elif layout.activation_checkpointing != self.train_layout.activation_checkpointing:
+                raise ValueError(
+                    f"stage 'train' asks for activation_checkpointing={layout.activation_checkpointing}, but `{attr}` "
+                    f"was sharded with activation_checkpointing={self.train_layout.activation_checkpointing} and "
+                    "cannot switch; set `strategy.checkpoint_switchable = True` before fit (AdaptiveParallelism "
+                    "does when its `activation_checkpointing` lists both)")
 
     def _select(self, name: str, stats: Optional[Mapping[str, Any]]) -> Layout:
         if self._selector is None:
@@ -331,7 +361,7 @@ class EarlStrategy(ModelParallelStrategy):
                              f"candidate `layouts` {[c.name for c in self._candidates]}")
         if name == "train" and not _same_placement(layout, self.train_layout):
             raise ValueError(f"the layout selector chose {layout.name} for stage 'train', but the optimizer lives in "
-                             f"the train layout {self.train_layout.name}; only its micro-batch knobs may change")
+                             f"the train layout {self.train_layout.name}; only its micro-batch and checkpointing knobs may change")
         return layout
 
     def stage_model(self, attr: str = "policy") -> nn.Module:

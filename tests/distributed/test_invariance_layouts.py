@@ -83,26 +83,27 @@ def sharded_update(path: str, layout: Layout) -> tuple[float, dict[str, torch.Te
     opt.step()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    params = {n.replace("_checkpoint_wrapped_module.", ""): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+              for n, p in model.named_parameters()}
     return total.item() / layout.tp, params
 
 
-def _worker(rank: int, world: int, path: str, layouts: list[tuple[int, int]]):
+def _worker(rank: int, world: int, path: str, layouts: list[tuple[int, int, bool]]):
     out = {}
-    for dp, tp in layouts:
-        loss, params = sharded_update(path, Layout(dp=dp, tp=tp))
+    for dp, tp, ckpt in layouts:
+        loss, params = sharded_update(path, Layout(dp=dp, tp=tp, activation_checkpointing=ckpt))
         # numpy pickles by value; torch tensors would travel as shared memory of an exiting process
-        out[(dp, tp)] = (loss, {n: p.numpy() for n, p in params.items()} if rank == 0 else None)
+        out[(dp, tp, ckpt)] = (loss, {n: p.numpy() for n, p in params.items()} if rank == 0 else None)
     return out
 
 
 def _check(reference, results) -> None:
     ref_loss, ref_params = reference
-    for (dp, tp), (loss, params) in results[0].items():
-        assert loss == pytest.approx(ref_loss, rel=1e-4), f"dp={dp} tp={tp}"
+    for (dp, tp, ckpt), (loss, params) in results[0].items():
+        assert loss == pytest.approx(ref_loss, rel=1e-4), f"dp={dp} tp={tp} ckpt={ckpt}"
         assert params.keys() == ref_params.keys()
         for name, value in params.items():
-            torch.testing.assert_close(torch.from_numpy(value), ref_params[name], rtol=1e-4, atol=1e-6, msg=f"{name} dp={dp} tp={tp}")
+            torch.testing.assert_close(torch.from_numpy(value), ref_params[name], rtol=1e-4, atol=1e-6, msg=f"{name} dp={dp} tp={tp} ckpt={ckpt}")
         moved = sum((torch.from_numpy(params[n]) - p0).abs().sum().item() for n, p0 in initial_params().items())
         assert moved > 0, "the update must change the parameters"
 
@@ -114,10 +115,12 @@ def initial_params() -> dict[str, torch.Tensor]:
 
 
 def test_update_invariant_on_2_processes():
+    """Also with activation checkpointing (recomputation replays FSDP's all-gathers and TP's all-reduces)."""
     path = tiny_path()
-    _check(reference_update(path), run_distributed(_worker, 2, path, [(2, 1), (1, 2)]))
+    layouts = [(2, 1, False), (1, 2, False), (2, 1, True), (1, 2, True)]
+    _check(reference_update(path), run_distributed(_worker, 2, path, layouts))
 
 
 def test_update_invariant_on_4_processes():
     path = tiny_path()
-    _check(reference_update(path), run_distributed(_worker, 4, path, [(2, 2)]))
+    _check(reference_update(path), run_distributed(_worker, 4, path, [(2, 2, False)]))

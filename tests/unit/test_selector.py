@@ -208,7 +208,7 @@ def test_without_a_profile_keeps_what_fits():
     s = selector(table=None)
     d = s.decide("train", stats(1024))
     assert d.layout == TP1 and d.predicted_tokens_per_s is None
-    assert "no profile data for stage 'train'; least tensor parallelism that fits" in d.reason
+    assert "no profile data for stage 'train'; least tensor parallelism and recomputation that fits" in d.reason
     assert s.decide("train", stats(1024), current=TP2).reason.startswith("keep dp4xtp1: no profile data")
     # an unprofiled stage behaves the same with a table
     assert selector().decide("experience", stats(512), current=TP2).layout == TP2
