@@ -1,27 +1,31 @@
-"""Adaptive layouts vs every static layout on a run whose context grows from ~0.5K to ~4.8K tokens.
+"""Adaptive layouts vs every static layout on a run whose context grows from ~0.5K to ~5.9K tokens.
 
-A real RL run (AgenticRLModule, GRPO, EarlStrategy, 2 gloo processes) on the ``recall`` env, whose
-observations grow each phase (more turns, longer filler lines): 4 episodes (2 GRPO groups) per
-step, ~0.4K tokens each in phase 1 and ~4.8K in phase 4. Every stage runs under a per-rank memory
-budget.
+A real RL run (AgenticRLModule, GRPO with 2 PPO epochs, EarlStrategy, 2 gloo processes) on the
+``recall`` env, whose observations grow each phase (more turns, longer filler lines): 4 episodes
+(2 GRPO groups) per step, ~0.5K tokens each in phase 1 and ~5.9K in phase 4. Every stage runs
+under a per-rank memory budget.
 
 The budget: a CPU process has no device memory limit, so each stage's memory is *measured*
 (peak RSS of the stage over the RSS at its start: Linux ``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``, with glibc told to give every block of 256 KiB or more back to the OS
 when freed, so that RSS follows live tensor memory) and a stage whose peak exceeds the budget on
-any rank counts as failed.
-Static layouts record the failure and go on (so later phases are still measured); under
-AdaptiveParallelism the over-budget stage raises ``MemoryError`` -- the same path as a real
-allocation failure -- and the callback's OOM recovery retries it under the next layout.
+any rank counts as failed. Static layouts record the failure and go on (so later phases are still
+measured); under AdaptiveParallelism the over-budget stage raises ``MemoryError`` -- the same path
+as a real allocation failure -- and the callback's OOM recovery retries it under the next layout.
 
-Policies: static ``dp2xtp1`` and ``dp1xtp2`` (rollout and experience placements; the train
-stage always keeps the optimizer's dp2xtp1 placement), each with a 16384-token micro-batch budget
-(one forward per rank) and a 1024-token one (about one sequence per forward), and ``adaptive``
-(AdaptiveParallelism with a profile measured first, in this script, at 256 / 1024 / 4096 tokens --
-not at the phases' own lengths).
+Static layouts (every candidate AdaptiveParallelism chooses from): placement ``dp2xtp1`` or
+``dp1xtp2`` for rollout and experience (the train stage keeps the optimizer's dp2xtp1 placement),
+micro-batch budget 16384 tokens (one forward per rank) or 1024 (one sequence at a time), and
+activation checkpointing of the train stage off or on. ``adaptive``: AdaptiveParallelism with a
+profile measured first, in this script, at 256 / 1024 / 4096 tokens (not at the phases' lengths),
+choosing all three knobs per stage and step.
 
-    python benchmarks/selector.py --quick         # 2 processes, 2 steps per phase, < 5 min
-    python benchmarks/selector.py                 # 3 steps per phase
+Noise: both processes stay up for the whole benchmark (no start-up cost in any policy), every
+policy runs in each round (order reversed every other round), and each figure is the median over
+the phase's steps of all rounds; step 0 warms up and is not measured.
+
+    python benchmarks/selector.py --quick         # 1 step per phase, 1 round, < 5 min
+    python benchmarks/selector.py                 # 2 steps per phase, 3 rounds (~14 min)
 
 Writes benchmarks/results/selector.csv (phase,context_mean,policy,stage,layout,tokens_per_s,failed),
 selector_memory.csv (measured peaks), selector.png, the profile (selector_profile*.{json,png}) and
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import socket
 import statistics
 import sys
@@ -45,6 +50,9 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from earl_lightning.parallel.layout import Layout  # noqa: E402
+from earl_lightning.parallel.profile import layout_key  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 STAGES = ("rollout", "experience", "train")
@@ -59,8 +67,9 @@ class Phase:
     group: int = 2
 
 
-PHASES = (Phase(4, 40, 4), Phase(6, 150, 4), Phase(8, 230, 4), Phase(8, 520, 4))
+PHASES = (Phase(4, 40, 4), Phase(6, 150, 4), Phase(8, 300, 4), Phase(8, 650, 4))
 BIG, SMALL = 16384, 1024  # micro-batch token budgets: one forward per rank vs one sequence at a time
+BUDGET_MIB = 130.0  # per rank and stage
 
 
 # ---- measured memory ---------------------------------------------------------------------------
@@ -110,7 +119,7 @@ def make_budgeted_strategy(budget_bytes: int, enforce: bool, peaks: list):
                 used = torch.tensor([peak_since_reset() - base], dtype=torch.float64)
                 dist.all_reduce(used, op=dist.ReduceOp.MAX)  # a stage fails if any rank runs out
                 over = float(used) > budget_bytes
-                peaks.append(dict(stage=name, layout=f"{layout.name}-mbt{layout.micro_batch_tokens}",
+                peaks.append(dict(stage=name, layout=layout_key(layout),
                                   peak=float(used), over=over))
                 if over and enforce:
                     raise MemoryError(f"stage {name!r} under {layout.name} peaked at {float(used) / MIB:.0f} MiB "
@@ -120,12 +129,18 @@ def make_budgeted_strategy(budget_bytes: int, enforce: bool, peaks: list):
 
 
 # ---- the run ------------------------------------------------------------------------------------
+def phase_of(step: int, steps_per_phase: int) -> int:
+    """Step 0 warms the processes up (lazy initialization) on phase 1's workload and is not
+    measured; phase p (0-based) then runs steps 1 + p * steps_per_phase ..."""
+    return 0 if step == 0 else min((step - 1) // steps_per_phase, len(PHASES) - 1)
+
+
 def make_datamodule(steps_per_phase: int):
     from earl_lightning.data.datamodule import EpisodeDataModule, EpisodeStream
 
     class CurriculumStream(EpisodeStream):
         def batch(self, step):
-            ph = PHASES[min(step // steps_per_phase, len(PHASES) - 1)]
+            ph = PHASES[phase_of(step, steps_per_phase)]
             self.env_kwargs = {"num_turns": ph.turns, "padding_chars": ph.padding, "lag": 1}
             self.batch_size, self.group_size = ph.batch, ph.group
             return super().batch(step)
@@ -147,60 +162,95 @@ def make_datamodule(steps_per_phase: int):
 def make_module():
     from earl_lightning.modules import AgenticRLModule
 
-    return AgenticRLModule(model="earl-tiny", max_turns=8, max_new_tokens=1, max_context_tokens=6144,
-                           micro_batch_tokens=BIG, lr=1e-4, transcript_every_n_steps=0, seed=0)
+    return AgenticRLModule(model="earl-tiny", max_turns=8, max_new_tokens=1, max_context_tokens=7168,
+                           micro_batch_tokens=BIG, lr=1e-4, ppo_epochs=2, transcript_every_n_steps=0, seed=0)
+
+
+def parse_policy(policy: str) -> Layout:
+    """``dp2xtp1-mbt1024-ckpt`` -> its Layout (checkpointing applies to the train stage only)."""
+    m = re.fullmatch(r"dp(\d+)xtp(\d+)-mbt(\d+)(-ckpt)?", policy)
+    if m is None:
+        raise ValueError(f"unknown policy {policy!r}; valid: 'adaptive' or like 'dp2xtp1-mbt1024-ckpt'")
+    return Layout(int(m[1]), int(m[2]), int(m[3]), bool(m[4]))
+
+
+def static_policies() -> list[str]:
+    return [layout_key(Layout(d, t, m, c)) for d, t in ((2, 1), (1, 2)) for m in (BIG, SMALL) for c in (False, True)]
 
 
 def policy_strategy(policy: str, budget: int, peaks: list):
-    from earl_lightning.parallel.layout import Layout
-
     cls = make_budgeted_strategy(budget, enforce=policy == "adaptive", peaks=peaks)
     if policy == "adaptive":
         return cls(layouts="auto")
-    place, mbt = policy.split("-mbt")
-    dp, tp = (int(x) for x in place[2:].split("xtp"))
-    lay = {"dp": dp, "tp": tp, "micro_batch_tokens": int(mbt)}
-    train = {**Layout(2, 1).__dict__, "micro_batch_tokens": int(mbt)}
-    return cls(train_layout={"dp": 2, "tp": 1}, layouts={"rollout": lay, "experience": lay, "train": train})
+    lay = parse_policy(policy)
+    # The optimizer's copy stays dp2xtp1 (FSDP over both ranks); the policy's placement serves
+    # rollout and experience, its micro-batch budget every stage, its checkpointing the train stage.
+    train = Layout(2, 1, lay.micro_batch_tokens, lay.activation_checkpointing)
+    return cls(train_layout=train, layouts={"rollout": lay, "experience": lay, "train": train})
 
 
-def fit_worker(rank, world, port, policy, budget, steps_per_phase, profile, queue):
+def fit_once(rank, world, port, policy, budget, steps_per_phase, profile) -> dict:
+    import gc
+
+    import lightning as L
+
+    from earl_lightning.callbacks import AdaptiveParallelism
+
+    # Lightning's teardown removes some of these; every fit joins the same process group again.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), TOKENIZERS_PARALLELISM="false")
+    peaks, steps = [], []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            m = {k: float(v) for k, v in trainer.callback_metrics.items()}
+            steps.append(dict(step=trainer.global_step - 1, metrics=m, peaks=list(peaks)))
+            peaks.clear()
+
+    callbacks = [Record()]
+    adaptive = None
+    if policy == "adaptive":
+        adaptive = AdaptiveParallelism(profile=profile, memory_budget_bytes=budget, micro_batch_tokens=[BIG, SMALL],
+                                       activation_checkpointing=[False, True])
+        callbacks.insert(0, adaptive)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=policy_strategy(policy, budget, peaks),
+                        callbacks=callbacks, max_steps=1 + steps_per_phase * len(PHASES), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, log_every_n_steps=1, default_root_dir=f"/tmp/earl_sel_{policy}")
+    trainer.fit(make_module(), make_datamodule(steps_per_phase))
+    out = dict(steps=steps, history=adaptive.history if adaptive else [], ooms=adaptive.oom_events if adaptive else [])
+    del trainer
+    gc.collect()
+    return out
+
+
+def bench_worker(rank, world, port, policies, rounds, budget, steps_per_phase, profile, do_profile, repeats, queue):
+    """One pair of processes for everything: the profile, then every policy in every round
+    (alternating order: A B C ... C B A ...), so that slow drifts of a shared machine hit all
+    policies alike and no policy pays for process start-up."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), TOKENIZERS_PARALLELISM="false")
     torch.set_num_threads(1)
     exact_rss_allocator()
     import warnings
 
-    import lightning as L
     import torch.distributed as dist
-
-    from earl_lightning.callbacks import AdaptiveParallelism
 
     warnings.filterwarnings("ignore")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        peaks, steps = [], []
-
-        class Record(L.Callback):
-            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-                m = {k: float(v) for k, v in trainer.callback_metrics.items()}
-                steps.append(dict(step=trainer.global_step - 1, metrics=m, peaks=list(peaks)))
-                peaks.clear()
-
-        callbacks = [Record()]
-        adaptive = None
-        if policy == "adaptive":
-            adaptive = AdaptiveParallelism(profile=profile, memory_budget_bytes=budget,
-                                           micro_batch_tokens=[BIG, SMALL])
-            callbacks.insert(0, adaptive)
-        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=policy_strategy(policy, budget, peaks),
-                            callbacks=callbacks, max_steps=steps_per_phase * len(PHASES), logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, log_every_n_steps=1, default_root_dir=f"/tmp/earl_sel_{policy}")
-        trainer.fit(make_module(), make_datamodule(steps_per_phase))
-        queue.put((rank, dict(steps=steps, history=adaptive.history if adaptive else [],
-                              ooms=adaptive.oom_events if adaptive else [])))
-    except BaseException as e:  # noqa: BLE001 - surface the failure to the parent
+        if do_profile:
+            run_profile(rank, profile, repeats)
+            dist.barrier()
+        results: dict[str, list] = {p: [] for p in policies}
+        for r in range(rounds):
+            for pol in (policies if r % 2 == 0 else policies[::-1]):
+                t = time.perf_counter()
+                results[pol].append(fit_once(rank, world, port, pol, budget, steps_per_phase, profile))
+                if rank == 0:
+                    print(f"round {r + 1}/{rounds} {pol}: {time.perf_counter() - t:.0f}s", flush=True)
+        queue.put((rank, results))
+    except BaseException:  # noqa: BLE001 - surface the failure to the parent
         import traceback
 
         queue.put((rank, traceback.format_exc()))
@@ -209,32 +259,20 @@ def fit_worker(rank, world, port, policy, budget, steps_per_phase, profile, queu
             dist.destroy_process_group()
 
 
-def profile_worker(rank, world, port, out, repeats, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
+def run_profile(rank, out, repeats):
     from earl_lightning.models import load_model, load_tokenizer
-    from earl_lightning.parallel.layout import Layout
     from earl_lightning.parallel.profiler import ProfileGrid, profile_stages
 
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        layouts = [Layout(2, 1, BIG), Layout(1, 2, BIG), Layout(2, 1, SMALL), Layout(1, 2, SMALL)]
-        grid = ProfileGrid(contexts=[256, 1024, 4096], num_seqs=[4], gen_len=1, repeats=repeats)
-        run = profile_stages(lambda: load_model("earl-tiny"), load_tokenizer("earl-tiny"), layouts=layouts,
-                             grid=grid, model_name="earl-tiny", log=print)
-        if rank == 0:
-            run.table.save(out)
-            run.table.heatmaps(Path(out).parent, prefix="selector_profile")
-        queue.put((rank, run.seconds))
-    except BaseException:  # noqa: BLE001
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    placements = [Layout(d, t, m) for d, t in ((2, 1), (1, 2)) for m in (BIG, SMALL)]
+    layouts = placements + [Layout(2, 1, m, True) for m in (BIG, SMALL)]  # checkpointing: train stage only
+    grid = ProfileGrid(contexts=[256, 1024, 4096], num_seqs=[4], gen_len=1, repeats=repeats)
+    t = time.perf_counter()
+    run = profile_stages(lambda: load_model("earl-tiny"), load_tokenizer("earl-tiny"), layouts=layouts,
+                         grid=grid, model_name="earl-tiny", log=print)
+    if rank == 0:
+        run.table.save(out)
+        run.table.heatmaps(Path(out).parent, prefix="selector_profile")
+        print(f"profiled {run.measured} cells in {time.perf_counter() - t:.0f}s -> {out}", flush=True)
 
 
 def spawn(target, world: int, *args):
@@ -251,27 +289,23 @@ def spawn(target, world: int, *args):
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
-    if isinstance(results[0], str):
-        raise RuntimeError(f"worker failed:\n{results[0]}")
+    for r in range(world):
+        if isinstance(results[r], str):
+            raise RuntimeError(f"rank {r} failed:\n{results[r]}")
     return results[0]
 
 
 # ---- aggregation and report ---------------------------------------------------------------------
-def phase_rows(policy: str, result: dict, steps_per_phase: int) -> tuple[list[dict], list[dict]]:
-    """One row per (phase, stage) and one ``step`` row (all tokens / all stage seconds); step 0
-    (lazy initialization of the processes) is left out."""
+def phase_rows(policy: str, rounds: list[dict], steps_per_phase: int) -> tuple[list[dict], list[dict]]:
+    """One row per (phase, stage) and one ``step`` row (all tokens / all stage seconds), each the
+    median over the phase's steps of every round; the warm-up step 0 is left out."""
     rows, mem = [], []
     for p in range(len(PHASES)):
-        steps = [s for s in result["steps"] if s["step"] // steps_per_phase == p and s["step"] > 0]
+        steps = [s for res in rounds for s in res["steps"] if s["step"] > 0 and phase_of(s["step"], steps_per_phase) == p]
         ctx = statistics.mean(s["metrics"].get("context/mean", 0.0) for s in steps)
-        secs_total, tokens = 0.0, 0.0
         failed_any = False
         for stage in STAGES:
-            tps = statistics.mean(s["metrics"][f"stage/{stage}/tokens_per_s"] for s in steps)
-            secs = statistics.mean(s["metrics"][f"stage/{stage}/seconds"] for s in steps)
-            secs_total += secs
-            if stage == "experience":
-                tokens = tps * secs
+            tps = statistics.median(s["metrics"][f"stage/{stage}/tokens_per_s"] for s in steps)
             finals, failed = [], False
             for s in steps:
                 recs = [r for r in s["peaks"] if r["stage"] == stage]
@@ -283,8 +317,13 @@ def phase_rows(policy: str, result: dict, steps_per_phase: int) -> tuple[list[di
             failed_any |= failed
             rows.append(dict(phase=p + 1, context_mean=round(ctx), policy=policy, stage=stage,
                              layout="+".join(dict.fromkeys(finals)), tokens_per_s=round(tps, 1), failed=failed))
+        per_step = []
+        for s in steps:
+            m = s["metrics"]
+            secs = sum(m[f"stage/{st}/seconds"] for st in STAGES)
+            per_step.append(m["stage/experience/tokens_per_s"] * m["stage/experience/seconds"] / max(secs, 1e-9))
         rows.append(dict(phase=p + 1, context_mean=round(ctx), policy=policy, stage="step",
-                         layout=rows[-2]["layout"], tokens_per_s=round(tokens / max(secs_total, 1e-9), 1),
+                         layout=rows[-1]["layout"], tokens_per_s=round(statistics.median(per_step), 1),
                          failed=failed_any))
     return rows, mem
 
@@ -357,47 +396,44 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 steps per phase (under 5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="1 step per phase, 1 round, profile once (under 5 minutes)")
     ap.add_argument("--steps-per-phase", type=int, default=None)
-    ap.add_argument("--budget-mib", type=float, default=160.0, help="per-rank memory budget of one stage")
+    ap.add_argument("--rounds", type=int, default=None, help="passes over all policies, alternating order")
+    ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="per-rank memory budget of one stage")
     ap.add_argument("--policies", nargs="+", default=None)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--reuse-profile", action="store_true", help="use the profile already in --out")
     args = ap.parse_args(argv)
-    steps = args.steps_per_phase or (2 if args.quick else 3)
+    steps = args.steps_per_phase or (1 if args.quick else 2)
+    rounds = args.rounds or (1 if args.quick else 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = int(args.budget_mib * MIB)
+    policies = args.policies or static_policies() + ["adaptive"]
+    for pol in policies:
+        if pol != "adaptive":
+            parse_policy(pol)
     t0 = time.perf_counter()
     profile = str(out / "selector_profile.json")
-    if not (args.reuse_profile and Path(profile).is_file()):
-        spawn(profile_worker, 2, profile, 1 if args.quick else 3)
-    print(f"profiled in {time.perf_counter() - t0:.0f}s -> {profile}")
-    statics = [f"dp{d}xtp{t}-mbt{m}" for d, t in ((2, 1), (1, 2)) for m in (BIG, SMALL)]
-    policies = args.policies or statics + ["adaptive"]
+    do_profile = not (args.reuse_profile and Path(profile).is_file())
+    results = spawn(bench_worker, 2, policies, rounds, budget, steps, profile, do_profile, 1 if args.quick else 3)
     rows, mem = [], []
     for pol in policies:
-        t = time.perf_counter()
-        try:
-            res = spawn(fit_worker, 2, pol, budget, steps, profile)
-        except RuntimeError as err:  # the whole run failed (e.g. no layout fits): every phase failed
-            print(f"{pol}: run failed: {str(err).strip().splitlines()[-1]}")
-            rows += [dict(phase=p + 1, context_mean=0, policy=pol, stage=st, layout="-", tokens_per_s=0.0,
-                          failed=True) for p in range(len(PHASES)) for st in (*STAGES, "step")]
-            continue
-        r, m = phase_rows(pol, res, steps)
+        r, m = phase_rows(pol, results[pol], steps)
         rows += r
         mem += m
-        ooms = [(o["stage"], o["layout"]) for o in res["ooms"]]
-        print(f"{pol}: {time.perf_counter() - t:.0f}s" + (f"; OOM recoveries {ooms}" if ooms else ""))
+        ooms = [(o["stage"], o["layout"]) for res in results[pol] for o in res["ooms"]]
+        if ooms:
+            print(f"{pol}: OOM recoveries {ooms}")
     write_csv(out / "selector.csv", rows)
     write_csv(out / "selector_memory.csv", mem)
     plot(rows, out / "selector.png")
-    print(f"\n{'phase':>5} {'ctx':>5} {'policy':18s} {'stage':10s} {'layout':36s} {'tok/s':>9} failed")
+    print(f"\n{'phase':>5} {'ctx':>5} {'policy':24s} {'stage':10s} {'layout':44s} {'tok/s':>9} failed")
     for r in rows:
-        print(f"{r['phase']:>5} {r['context_mean']:>5} {r['policy']:18s} {r['stage']:10s} {r['layout']:36s} "
+        print(f"{r['phase']:>5} {r['context_mean']:>5} {r['policy']:24s} {r['stage']:10s} {r['layout']:44s} "
               f"{r['tokens_per_s']:>9.0f} {'FAILED' if r['failed'] else ''}")
-    print("\nbudget {:.0f} MiB per rank and stage; total {:.0f}s".format(args.budget_mib, time.perf_counter() - t0))
+    print(f"\nbudget {args.budget_mib:.0f} MiB per rank and stage; {steps} step(s) per phase, {rounds} round(s); "
+          f"total {time.perf_counter() - t0:.0f}s")
     print("\n".join(verdicts(rows)))
 
 

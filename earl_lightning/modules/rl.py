@@ -328,23 +328,46 @@ class AgenticRLModule(L.LightningModule):
     def _run_stage(self, name: str, stats: dict, fn, timer):
         """Run ``fn(layout)`` under the stage's layout. On an out-of-memory error, callbacks with
         ``on_stage_oom`` (AdaptiveParallelism) may mark that layout infeasible and ask for a retry:
-        the stage then runs again under the next layout the selector picks; the step is not lost."""
+        the stage then runs again under the next layout the selector picks; the step is not lost.
+
+        With several processes, every rank reports after the stage whether it ran out of memory
+        (one all-reduce), so that an OOM on one rank is retried by all: safe when the other ranks
+        finish the stage without a collective that waits for the failed one (the rollout on
+        data-parallel replicas, where the KV cache grows); an OOM before a collective that peers
+        are already inside (FSDP's all-gathers in the train stage) still blocks them until the
+        process group's timeout."""
+        from earl_lightning.parallel.oom import is_oom_error
+
         retries = 0
         while True:
+            err = None
             try:
                 with self._stage(name, stats) as layout, timer(name):
-                    return fn(layout)
-            except Exception as err:  # noqa: BLE001 - filtered right below
-                from earl_lightning.parallel.oom import is_oom_error
+                    out = fn(layout)
+            except Exception as e:  # noqa: BLE001 - filtered right below
+                if not is_oom_error(e):
+                    raise
+                err = e
+            if self._any_rank(err is not None):
+                err = err or MemoryError(f"out of memory in stage {name!r} on another rank")
+            elif err is None:
+                return out
+            if retries >= self.max_oom_retries:
+                raise err
+            handlers = [cb for cb in self.trainer.callbacks if callable(getattr(cb, "on_stage_oom", None))]
+            if not any([cb.on_stage_oom(self.trainer, self, name, stats, err) for cb in handlers]):
+                raise err
+            retries += 1
+            self.oom_recoveries += 1
+            self._free_after_oom()
 
-                if not is_oom_error(err) or retries >= self.max_oom_retries:
-                    raise
-                handlers = [cb for cb in self.trainer.callbacks if callable(getattr(cb, "on_stage_oom", None))]
-                if not any([cb.on_stage_oom(self.trainer, self, name, stats, err) for cb in handlers]):
-                    raise
-                retries += 1
-                self.oom_recoveries += 1
-                self._free_after_oom()
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (every rank must call this)."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
 
     def _free_after_oom(self) -> None:
         import gc

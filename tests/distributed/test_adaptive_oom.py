@@ -83,3 +83,48 @@ def test_each_stage_recovers_on_two_processes(tmp_path):
         assert r["seen"]["train"] == ["dp2xtp1-mbt1024", "dp2xtp1-mbt256", "dp2xtp1-mbt256"]
     assert r0["history"] == r1["history"]  # one decision for both ranks
     assert r0["recoveries"] == 5.0  # logged by rank 0
+
+
+def _fit_one_rank_oom(rank: int, world: int, root: str, profile_path: str) -> dict:
+    """Only rank 0 runs out of memory, in the rollout under dp2xtp1 (the replicas generate without
+    collectives, so rank 1 finishes the stage and learns of the failure afterwards)."""
+    import lightning as L
+
+    import earl_lightning.modules.rl as rl
+    from earl_lightning.callbacks import AdaptiveParallelism
+    from earl_lightning.strategies import EarlStrategy
+    from tests.unit.test_adaptive import datamodule, module
+
+    seen: list[str] = []
+    box: dict = {}
+    real = rl.AgenticRLModule._rollout
+
+    def rollout(self, *args, **kw):
+        lay = box["strategy"].current_layout
+        seen.append(lay.name)
+        if lay.tp == 1 and dist.get_rank() == 0:
+            raise CPU_OOM
+        return real(self, *args, **kw)
+
+    rl.AgenticRLModule._rollout = rollout
+    cb = AdaptiveParallelism(profile=profile_path, memory_budget_gb=1, micro_batch_tokens=[1024])
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=EarlStrategy(), callbacks=[cb], max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=root)
+    box["strategy"] = trainer.strategy
+    trainer.fit(module(), datamodule(batch_size=8, group_size=2))
+    return dict(global_step=trainer.global_step, seen=seen, oom=[(e["stage"], e["layout"]) for e in cb.oom_events],
+                errors=[e["error"].split(":")[0] for e in cb.oom_events],
+                history=[(h["step"], h["stage"], h["layout"]) for h in cb.history])
+
+
+def test_an_oom_on_one_rank_is_retried_by_all(tmp_path):
+    path = profile(str(tmp_path / "profile.json"))
+    r0, r1 = run_distributed(_fit_one_rank_oom, 2, str(tmp_path), path)
+    for r in (r0, r1):
+        assert r["global_step"] == 2
+        assert r["oom"] == [("rollout", "dp2xtp1-mbt1024")]
+        # both ranks ran the rollout under dp2xtp1, then both retried it under dp1xtp2 (kept at step 1)
+        assert r["seen"] == ["dp2xtp1", "dp1xtp2", "dp1xtp2"]
+    assert r0["errors"] == ["RuntimeError"] and r1["errors"] == ["MemoryError"]  # rank 1 learned it from rank 0
+    assert r0["history"] == r1["history"]

@@ -33,11 +33,12 @@ def test_profile_writes_table_and_heatmaps(tmp_path, capsys):
     assert table.stages() == ["rollout", "experience", "train"]
     for stage in table.stages():
         assert table.contexts(stage) == [32, 96] and table.num_seqs_buckets(stage) == [4]
-        assert table.layouts(stage) == ["dp1xtp1-mbt512"]  # one process: dp1xtp1 only
+        # one process: dp1xtp1 only; the train stage also with activation checkpointing
+        assert table.layouts(stage) == ["dp1xtp1-mbt512"] + (["dp1xtp1-mbt512-ckpt"] if stage == "train" else [])
         # the callback's other micro-batch variants resolve to the measured one
         assert table.lookup(stage, Layout(micro_batch_tokens=128), 64, 4) > 0
         assert (out / f"profile_{stage}.png").stat().st_size > 1000
-    assert "measured 6 cells" in capsys.readouterr().out
+    assert "measured 8 cells" in capsys.readouterr().out
 
 
 def test_spent_budget_skips_cells_and_still_writes_a_valid_table(tmp_path, capsys):
@@ -46,7 +47,7 @@ def test_spent_budget_skips_cells_and_still_writes_a_valid_table(tmp_path, capsy
           "--contexts", "32", "--repeats", "1"])
     # the warm-up alone spends 1 ms: every cell is skipped, and said so
     printed = capsys.readouterr().out
-    assert "measured 0 cells" in printed and "(3 skipped by the budget)" in printed
+    assert "measured 0 cells" in printed and "(4 skipped by the budget)" in printed
     table = ProfileTable.load(out / "profile.json", world_size=1)
     assert len(table) == 0
 
