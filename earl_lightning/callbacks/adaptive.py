@@ -70,7 +70,8 @@ class AdaptiveParallelism(L.Callback):
         profile_budget_s: instead, profile every candidate at fit start for at most this long.
         profile_contexts: context lengths to profile (default: powers of 4 from 256 up to the
             module's ``max_context_tokens``).
-        profile_out: directory where a profile measured at fit start is saved (JSON + heatmaps).
+        profile_out: directory where a profile measured at fit start is saved (JSON + heatmaps);
+            a relative path is taken under the Trainer's ``default_root_dir``.
         memory_budget_gb / memory_budget_bytes: memory per device the layouts must fit (default:
             the strategy's ``memory_budget_gb``, else the device's total memory: the GPU's, or the
             host's RAM divided by the processes on the node).
@@ -325,8 +326,10 @@ class AdaptiveParallelism(L.Callback):
                              layouts=layouts, grid=grid, model_name=getattr(config, "_name_or_path", "") or "model",
                              budget_s=self.profile_budget_s, device=trainer.strategy.root_device)
         if self.profile_out and trainer.global_rank == 0:
-            run.table.save(Path(self.profile_out) / "profile.json")
-            run.table.heatmaps(self.profile_out)
+            out = Path(self.profile_out)
+            out = out if out.is_absolute() else Path(trainer.default_root_dir) / out
+            run.table.save(out / "profile.json")
+            run.table.heatmaps(out)
         return run.table
 
 
