@@ -120,13 +120,17 @@ def ppo_update(module, batch: ExperienceBatch, cfg: UpdateConfig, layout: Layout
             tokens, seqs = _sum_all([float(mask_tok.sum()), seqs_with_actions], layout)
             denom = {"tokens": max(tokens, 1.0), "seqs": max(seqs, 1.0)}
             micro = mini.split_by_tokens(cfg.micro_batch_tokens) if mini.num_seqs else []
-            for mb in micro:
-                loss, stats = micro_batch_loss(module, mb, cfg, denom)
+            # Every rank runs as many forward/backward passes as the busiest one, in lockstep
+            # (FSDP and TP collectives inside each pass): agree on the count first, then pad with
+            # zero-loss passes.
+            for i in range(_max_all(len(micro))):
+                if i >= len(micro):
+                    module.manual_backward(_dummy_loss(module))
+                    continue
+                loss, stats = micro_batch_loss(module, micro[i], cfg, denom)
                 module.manual_backward(loss)
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
-            for _ in range(_max_all(len(micro)) - len(micro)):
-                module.manual_backward(_dummy_loss(module))
             _sync_replicated_grads(module, layout)
             grad_norms.append(_clip(module, cfg.max_grad_norm))
             last = len(grad_norms) == cfg.ppo_epochs * cfg.mini_batches

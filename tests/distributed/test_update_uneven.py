@@ -1,0 +1,110 @@
+"""The PPO update under FSDP when data-parallel ranks hold different numbers of micro-batches
+(rank 0: one short sequence, rank 1: three long ones, one per micro-batch): every rank runs as
+many forward/backward passes as the busiest one, in lockstep, so nothing hangs, and the update
+equals the single-process update over all four sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.modules.update import UpdateConfig, ppo_update
+from earl_lightning.parallel.layout import Layout
+from earl_lightning.parallel.parallelize import parallelize_model
+from tests.distributed.launch import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+LENGTHS = [(0, 10), (1, 40), (1, 36), (1, 44)]  # (rank, tokens)
+CFG = UpdateConfig(micro_batch_tokens=48, max_grad_norm=0.0)
+
+
+class _Opt:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+class Harness(torch.nn.Module):
+    """What ppo_update needs of the LightningModule."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy, self.value_head = policy, None
+        self._opt = _Opt(torch.optim.SGD(policy.parameters(), lr=0.5))
+
+    def optimizers(self):
+        return self._opt
+
+    def lr_schedulers(self):
+        return None
+
+    def manual_backward(self, loss):
+        loss.backward()
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+
+def batch(rows: list[int]) -> ExperienceBatch:
+    g = torch.Generator().manual_seed(7)
+    seqs = []
+    for _, n in LENGTHS:
+        ids = torch.randint(3, 100, (n,), generator=g)
+        mask = torch.zeros(n)
+        mask[n // 2:] = 1.0
+        seqs.append((ids, mask, 0.3 * torch.randn(n, generator=g), torch.randn(1, generator=g).expand(n).clone()))
+    pick = [seqs[i] for i in rows]
+    return ExperienceBatch.from_sequences(
+        {"input_ids": [s[0] for s in pick], "action_mask": [s[1] for s in pick],
+         "old_logprobs": [s[2] for s in pick], "advantages": [s[3] for s in pick]},
+        {"rewards": torch.zeros(len(pick))})
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank: int, world: int, path: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    layout = Layout(dp=2, tp=1)
+    parallelize_model(model, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")), layout=layout)
+    mine = [i for i, (r, _) in enumerate(LENGTHS) if r == dist.get_rank()]
+    ppo_update(Harness(model), batch(mine), CFG, layout=layout)
+    full = _params(model)  # a collective: every rank gathers
+    return {n: p.numpy() for n, p in full.items()} if rank == 0 else None
+
+
+def test_uneven_micro_batches_do_not_hang_and_match_one_process():
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.test_invariance_layouts import tiny_path
+
+    path = tiny_path()
+    assert [len(batch([i for i, (r, _) in enumerate(LENGTHS) if r == k]).split_by_tokens(CFG.micro_batch_tokens))
+            for k in (0, 1)] == [1, 3]
+    ref = AutoModelForCausalLM.from_pretrained(path)
+    before = _params(ref)
+    ppo_update(Harness(ref), batch(list(range(len(LENGTHS)))), CFG)
+    expected = _params(ref)
+    got = run_distributed(_worker, 2, path, timeout=120)[0]
+    assert sum((expected[n] - before[n]).abs().sum().item() for n in before) > 0
+    for name, value in expected.items():
+        torch.testing.assert_close(torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name)
