@@ -301,7 +301,8 @@ def phase_rows(policy: str, rounds: list[dict], steps_per_phase: int) -> tuple[l
     median over the phase's steps of every round; the warm-up step 0 is left out."""
     rows, mem = [], []
     for p in range(len(PHASES)):
-        steps = [s for res in rounds for s in res["steps"] if s["step"] > 0 and phase_of(s["step"], steps_per_phase) == p]
+        steps = [s for res in rounds for s in res["steps"]
+                 if s["step"] > 0 and phase_of(s["step"], steps_per_phase) == p]
         ctx = statistics.mean(s["metrics"].get("context/mean", 0.0) for s in steps)
         failed_any = False
         for stage in STAGES:

@@ -346,7 +346,8 @@ class _StageSelector:
 def _describe(d: Decision) -> str:
     tps = f"{d.predicted_tokens_per_s:.0f} tok/s" if d.predicted_tokens_per_s else "no profile"
     return (f"**{layout_key(d.layout)}** (dp={d.layout.dp}, tp={d.layout.tp}, micro_batch_tokens="
-            f"{d.layout.micro_batch_tokens}, activation_checkpointing={d.layout.activation_checkpointing}); predicted {d.predicted_bytes / 2**20:.1f} MiB, {tps}; "
+            f"{d.layout.micro_batch_tokens}, activation_checkpointing={d.layout.activation_checkpointing}); "
+            f"predicted {d.predicted_bytes / 2**20:.1f} MiB, {tps}; "
             f"bucket context<={d.bucket.context}, num_seqs<={d.bucket.num_seqs}. {d.reason}")
 
 

@@ -361,7 +361,8 @@ class EarlStrategy(ModelParallelStrategy):
                              f"candidate `layouts` {[c.name for c in self._candidates]}")
         if name == "train" and not _same_placement(layout, self.train_layout):
             raise ValueError(f"the layout selector chose {layout.name} for stage 'train', but the optimizer lives in "
-                             f"the train layout {self.train_layout.name}; only its micro-batch and checkpointing knobs may change")
+                             f"the train layout {self.train_layout.name}; only its micro-batch and checkpointing "
+                             "knobs may change")
         return layout
 
     def stage_model(self, attr: str = "policy") -> nn.Module:

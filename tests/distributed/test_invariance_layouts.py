@@ -83,8 +83,8 @@ def sharded_update(path: str, layout: Layout) -> tuple[float, dict[str, torch.Te
     opt.step()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    params = {n.replace("_checkpoint_wrapped_module.", ""): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-              for n, p in model.named_parameters()}
+    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
+    params = {n.replace("_checkpoint_wrapped_module.", ""): full(p).detach().clone() for n, p in model.named_parameters()}
     return total.item() / layout.tp, params
 
 
