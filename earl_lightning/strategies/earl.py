@@ -255,15 +255,15 @@ class EarlStrategy(ModelParallelStrategy):
     def parallelize_module_models(self) -> None:
         module = self.lightning_module
         reject_fsdp1(module, arg="LightningModule")
+        fixed = self._fixed.get("train")
+        switchable = self.checkpoint_switchable or (
+            fixed is not None and fixed.activation_checkpointing != self._train.activation_checkpointing)
         for attr in self.model_attrs:
             model = getattr(module, attr, None)
             if model is None:
                 continue
             reject_fsdp1(model, arg=attr)
             self._check_heads(model, attr)
-            fixed = self._fixed.get("train")
-            switchable = self.checkpoint_switchable or (
-                fixed is not None and fixed.activation_checkpointing != self._train.activation_checkpointing)
             parallelize_model(model, mesh=self.mesh_for(self._train), layout=self._train,
                               checkpoint_switchable=switchable)
             self._version[attr] = 0

@@ -29,13 +29,24 @@ def profile(path: str) -> str:
     return path
 
 
-def _fit(rank: int, world: int, root: str, profile_path: str) -> dict:
+def _fit_two_steps(world: int, root: str, cb, box: dict):
+    """Two RL steps on the world under EarlStrategy and ``cb``; ``box["strategy"]`` is set first."""
     import lightning as L
 
-    import earl_lightning.modules.rl as rl
-    from earl_lightning.callbacks import AdaptiveParallelism
     from earl_lightning.strategies import EarlStrategy
     from tests.unit.test_adaptive import datamodule, module
+
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=EarlStrategy(), callbacks=[cb], max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=root)
+    box["strategy"] = trainer.strategy
+    trainer.fit(module(), datamodule(batch_size=8, group_size=2))
+    return trainer
+
+
+def _fit(rank: int, world: int, root: str, profile_path: str) -> dict:
+    import earl_lightning.modules.rl as rl
+    from earl_lightning.callbacks import AdaptiveParallelism
 
     seen: dict[str, list[str]] = {"rollout": [], "experience": [], "train": []}
     box: dict = {}
@@ -56,11 +67,7 @@ def _fit(rank: int, world: int, root: str, profile_path: str) -> dict:
     inject("experience", rl, "fill_logprobs", CPU_OOM, lambda lay: lay.tp == 1)
     inject("train", rl, "ppo_update", CUDA_OOM, lambda lay: lay.micro_batch_tokens == 1024)
     cb = AdaptiveParallelism(profile=profile_path, memory_budget_gb=1, micro_batch_tokens=[1024, 256])
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=EarlStrategy(), callbacks=[cb], max_steps=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=root)
-    box["strategy"] = trainer.strategy
-    trainer.fit(module(), datamodule(batch_size=8, group_size=2))
+    trainer = _fit_two_steps(world, root, cb, box)
     return dict(global_step=trainer.global_step, seen=seen, oom=[(e["stage"], e["layout"]) for e in cb.oom_events],
                 history=[(h["step"], h["stage"], h["layout"]) for h in cb.history],
                 recoveries=float(trainer.logged_metrics.get("oom/recoveries", torch.tensor(-1.0))),
@@ -88,12 +95,8 @@ def test_each_stage_recovers_on_two_processes(tmp_path):
 def _fit_one_rank_oom(rank: int, world: int, root: str, profile_path: str) -> dict:
     """Only rank 0 runs out of memory, in the rollout under dp2xtp1 (the replicas generate without
     collectives, so rank 1 finishes the stage and learns of the failure afterwards)."""
-    import lightning as L
-
     import earl_lightning.modules.rl as rl
     from earl_lightning.callbacks import AdaptiveParallelism
-    from earl_lightning.strategies import EarlStrategy
-    from tests.unit.test_adaptive import datamodule, module
 
     seen: list[str] = []
     box: dict = {}
@@ -108,11 +111,7 @@ def _fit_one_rank_oom(rank: int, world: int, root: str, profile_path: str) -> di
 
     rl.AgenticRLModule._rollout = rollout
     cb = AdaptiveParallelism(profile=profile_path, memory_budget_gb=1, micro_batch_tokens=[1024])
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=EarlStrategy(), callbacks=[cb], max_steps=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=root)
-    box["strategy"] = trainer.strategy
-    trainer.fit(module(), datamodule(batch_size=8, group_size=2))
+    trainer = _fit_two_steps(world, root, cb, box)
     return dict(global_step=trainer.global_step, seen=seen, oom=[(e["stage"], e["layout"]) for e in cb.oom_events],
                 errors=[e["error"].split(":")[0] for e in cb.oom_events],
                 history=[(h["step"], h["stage"], h["layout"]) for h in cb.history])
