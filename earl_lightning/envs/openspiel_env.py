@@ -168,14 +168,16 @@ class OpenSpielEnv:
 
     def _play_opening(self, seed: int) -> None:
         """Up to ``random_opening`` uniformly random plies (their number drawn from the seed too),
-        never one that ends the game, so the agent also trains on mid-game positions."""
+        so the agent also trains on mid-game positions. The opening stops before a ply that ends
+        the game or after which the next move could end it: the opponent's reply to the opening
+        must not finish the game before the agent has moved."""
         if not self.random_opening:
             return
         rng = random.Random(f"opening-{seed}")
         for _ in range(rng.randint(0, self.random_opening)):
             nxt = self._state.clone()
             nxt.apply_action(rng.choice(nxt.legal_actions()))
-            if nxt.is_terminal():
+            if nxt.is_terminal() or any(nxt.child(a).is_terminal() for a in nxt.legal_actions()):
                 break
             self._state = nxt
 

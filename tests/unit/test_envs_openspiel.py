@@ -296,3 +296,13 @@ def test_random_opening_starts_mid_game_deterministically_and_never_ended():
         assert env.reset(seed) == obs
         assert not env._state.is_terminal() and env._state.current_player() == seed % 2
     assert OpenSpielEnv(random_opening=0).reset(4) == OpenSpielEnv().reset(4)
+
+
+def test_random_opening_never_hands_the_agent_a_game_the_opponent_already_won():
+    # Seed 167 with 12 opening plies used to end in a position where the opponent's reply won
+    # (bottom row "xxxx"), so reset() returned a finished game with "Legal: # # # # # # #".
+    env = OpenSpielEnv(random_opening=12)
+    for seed in range(400):
+        obs = env.reset(seed)
+        assert not env._state.is_terminal(), seed
+        assert legal_from_observation(obs), (seed, obs)
