@@ -16,9 +16,9 @@ and step count in every arm; only the learning signal differs:
 Observations come from scripted games (column 6 with p 0.6, else a uniform legal column, after up to
 12 random opening plies), so about a quarter of them have column 6 full. Reported every
 ``--eval-every`` steps on held-out games: how often the greedy column is legal where column 6 is
-full (0 for "always 6", the majority answer), and how much the answer varies across states at all (mean over the seven digits of the
-standard deviation across states of their log-probability among the digits; ~0 means the answer
-ignores the board).
+full (0 for "always 6", the majority answer), and how much the answer varies across states at all
+(mean over the seven digits of the standard deviation across states of their log-probability among
+the digits; ~0 means the answer ignores the board).
 
     python scripts/probe_reading.py --steps 200 --out docs/reading_probe.csv
 """
@@ -93,7 +93,8 @@ def run_arm(arm: str, train, test, tok, args) -> list[dict]:
     rng = random.Random(args.seed)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=((len(tok) + 7) // 8) * 8), dtype=torch.float32)
+    config = tiny_config(vocab_size=((len(tok) + 7) // 8) * 8)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     critic = torch.nn.Linear(model.config.hidden_size, 1)  # a value head on the shared trunk
     opt = torch.optim.AdamW([*model.parameters(), *critic.parameters()], lr=args.lr, weight_decay=0.0)
     digits = [tok.convert_tokens_to_ids(str(d)) for d in range(7)]
@@ -101,9 +102,10 @@ def run_arm(arm: str, train, test, tok, args) -> list[dict]:
     for step in range(args.steps + 1):
         if step % args.eval_every == 0:
             legal_rate, sensitivity = evaluate(model, test, digits)
+            seconds = round(time.perf_counter() - t0, 1)
             rows.append(dict(arm=arm, step=step, column6_full_greedy_legal=round(legal_rate, 3),
-                             answer_sensitivity=round(sensitivity, 5), seconds=round(time.perf_counter() - t0, 1)))
-            print(f"{arm:>16} {step:>5} {legal_rate:>10.3f} {sensitivity:>12.5f} {rows[-1]['seconds']:>8}", flush=True)
+                             answer_sensitivity=round(sensitivity, 5), seconds=seconds))
+            print(f"{arm:>16} {step:>5} {legal_rate:>10.3f} {sensitivity:>12.5f} {seconds:>8}", flush=True)
         if step == args.steps:
             break
         batch = rng.sample(train, args.batch)
@@ -120,7 +122,8 @@ def run_arm(arm: str, train, test, tok, args) -> list[dict]:
             baseline = value.detach() if critic_coef else reward.mean()
             loss = -((reward - baseline) * logp[torch.arange(len(batch)), action]).mean()
             loss = loss + critic_coef * F.mse_loss(value, reward)
-            loss = loss - args.entropy_coef * -(logp.exp() * logp).sum(-1).mean()
+            entropy = -(logp.exp() * logp).sum(-1).mean()
+            loss = loss - args.entropy_coef * entropy
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
