@@ -20,7 +20,7 @@ full (0 for "always 6", the majority answer), and how much the answer varies acr
 (mean over the seven digits of the standard deviation across states of their log-probability among
 the digits; ~0 means the answer ignores the board).
 
-    python scripts/probe_reading.py --steps 200 --out docs/reading_probe.csv
+    python scripts/probe_reading.py --steps 300 --out docs/reading_probe.csv
 """
 
 from __future__ import annotations
