@@ -2,21 +2,16 @@
 few games, writes what it prints, and compares its arms from one and the same starting model."""
 
 import csv
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "probe_reading.py"
+from tests.load import load_repo_file
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("probe_reading", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_repo_file("scripts/probe_reading.py", "probe_reading")
 
 
 def test_probe_writes_one_row_per_arm_and_evaluation(probe, tmp_path):
