@@ -79,13 +79,13 @@ def answer_logits(model, prompts: list[list[int]], hidden: bool = False):
 def evaluate(model, test, digits) -> tuple[float, float]:
     """(greedy-legal rate where column 6 is full, answer sensitivity to the state)."""
     model.eval()
-    probs = torch.cat([answer_logits(model, [p for p, _ in test[i:i + 128]]).softmax(-1)
-                       for i in range(0, len(test), 128)])
+    logp = torch.cat([answer_logits(model, [p for p, _ in test[i:i + 128]])[:, digits].log_softmax(-1)
+                      for i in range(0, len(test), 128)])  # over the seven columns
     model.train()
     full = [k for k, (_, legal) in enumerate(test) if 6 not in legal]
-    greedy = probs[:, digits].argmax(-1)
+    greedy = logp.argmax(-1)
     legal_rate = sum(int(greedy[k]) in test[k][1] for k in full) / max(len(full), 1)
-    return legal_rate, probs[:, digits].log().log_softmax(-1).std(0).mean().item()
+    return legal_rate, logp.std(0).mean().item()
 
 
 def run_arm(arm: str, train, test, tok, args) -> list[dict]:
