@@ -25,8 +25,12 @@ from earl_lightning.rollout.types import Episode
 
 def episodes_to_experience(episodes: list[Episode]) -> ExperienceBatch:
     """Pack episodes (no padding). Failed episodes (env exception) keep their tokens but get an
-    all-zero action mask: they are counted in the metrics and contribute nothing to the loss."""
-    tokens: dict[str, list[torch.Tensor]] = {"input_ids": [], "action_mask": [], "rollout_logprobs": []}
+    all-zero action mask: they are counted in the metrics and contribute nothing to the loss.
+
+    ``token_rewards`` holds each turn's reward on that turn's last generated token (see
+    :func:`turn_token_rewards`), what the token-level estimators (REINFORCE++, GAE) discount."""
+    tokens: dict[str, list[torch.Tensor]] = {"input_ids": [], "action_mask": [], "rollout_logprobs": [],
+                                             "token_rewards": []}
     for ep in episodes:
         mask = torch.tensor(ep.action_mask, dtype=torch.float32)
         if ep.error is not None:
@@ -34,6 +38,7 @@ def episodes_to_experience(episodes: list[Episode]) -> ExperienceBatch:
         tokens["input_ids"].append(torch.tensor(ep.token_ids, dtype=torch.long))
         tokens["action_mask"].append(mask)
         tokens["rollout_logprobs"].append(torch.tensor(ep.logprobs, dtype=torch.float32))
+        tokens["token_rewards"].append(turn_token_rewards(ep, mask))
     seqs = {
         "rewards": torch.tensor([ep.reward for ep in episodes], dtype=torch.float32),
         "group_ids": torch.tensor([ep.spec.group_id for ep in episodes], dtype=torch.long),
@@ -44,17 +49,43 @@ def episodes_to_experience(episodes: list[Episode]) -> ExperienceBatch:
     return ExperienceBatch.from_sequences(tokens, seqs)
 
 
+def turn_token_rewards(ep: Episode, mask: torch.Tensor) -> torch.Tensor:
+    """[len(ep.token_ids)]: the reward of turn ``k`` on the last generated token of turn ``k``.
+
+    A turn that generated nothing hands its reward to the last generated token before it; an
+    episode without per-turn rewards (or whose turn count does not match) gets its whole reward on
+    its last generated token. A row without generated tokens (a failed episode) stays all zero.
+    """
+    out = torch.zeros(len(ep.token_ids), dtype=torch.float32)
+    gen = mask.nonzero().squeeze(1)
+    if gen.numel() == 0:
+        return out
+    if len(ep.turn_rewards) != len(ep.turn_starts):
+        out[gen[-1]] = ep.reward
+        return out
+    ends = [*ep.turn_starts[1:], len(ep.token_ids)]
+    for end, r in zip(ends, ep.turn_rewards):
+        before = gen[gen < end]
+        if before.numel():
+            out[before[-1]] += r
+    return out
+
+
 def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value_head=None,
-                        with_entropy: bool = False) -> dict[str, torch.Tensor]:
-    """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N]."""
+                        with_entropy: bool = False, allowed: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N].
+
+    ``allowed``: the token ids the policy may generate (``--model.allowed_tokens``); log-probs and
+    entropy are then over that set, as the rollout sampled them."""
     input_ids = mb.padded("input_ids", 0)  # [S, L]
     attn = (torch.arange(input_ids.shape[1])[None, :] < mb.seq_lens[:, None]).to(input_ids.device)
     need_hidden = value_head is not None
     out = model(input_ids=input_ids, attention_mask=attn.long(), output_hidden_states=need_hidden, use_cache=False)
     logits = out.logits.float()  # [S, L, V]
-    res = {"logprobs": mb.unpad(shifted_logprobs(logits, input_ids, temperature=temperature))}
+    allowed_t = None if allowed is None else torch.as_tensor(allowed, dtype=torch.long, device=logits.device)
+    res = {"logprobs": mb.unpad(shifted_logprobs(logits, input_ids, temperature=temperature, allowed=allowed_t))}
     if with_entropy:
-        res["entropy"] = mb.unpad(shifted_entropy(logits, temperature=temperature))
+        res["entropy"] = mb.unpad(shifted_entropy(logits, temperature=temperature, allowed=allowed_t))
     if need_hidden:
         h = out.hidden_states[-1]  # [S, L, H]
         v = value_head(h.float()).squeeze(-1)  # [S, L]: value of the state after token t
@@ -64,14 +95,14 @@ def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value
 
 @torch.no_grad()
 def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: float, micro_batch_tokens: int,
-                  value_head=None) -> ExperienceBatch:
+                  value_head=None, allowed: list[int] | None = None) -> ExperienceBatch:
     """Add per-token ``name`` log-probs (and ``values`` when a value head is given) to the batch."""
     out = {name: torch.zeros(batch.num_tokens)}
     if value_head is not None:
         out["values"] = torch.zeros(batch.num_tokens)
     for idx in batch.micro_batch_indices(micro_batch_tokens):
         mb = batch.select(idx)
-        res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head)
+        res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head, allowed=allowed)
         pos = batch.token_positions(idx)
         out[name][pos] = res["logprobs"].cpu()
         if value_head is not None:
@@ -122,7 +153,12 @@ def compute_advantages(batch: ExperienceBatch, *, estimator: str, num_groups: in
 
 def token_rewards_padded(batch: ExperienceBatch, mask: torch.Tensor, kl: torch.Tensor | None,
                          kl_coef: float) -> torch.Tensor:
-    r = outcome_to_token_rewards(batch.seqs["rewards"], mask)
+    """[B, T] per-token rewards: the per-turn ``token_rewards`` when the batch has them, else each
+    sequence's reward on its last generated token; minus the KL penalty when it is in the reward."""
+    if "token_rewards" in batch.tokens:
+        r = batch.padded("token_rewards", 0.0) * mask
+    else:
+        r = outcome_to_token_rewards(batch.seqs["rewards"], mask)
     if kl is not None and kl_coef:
         r = r - kl_coef * kl * mask
     return r

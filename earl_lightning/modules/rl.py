@@ -33,6 +33,27 @@ Algorithm = Literal["grpo", "reinforce_pp", "ppo"]
 _ESTIMATOR = {"grpo": "grpo", "reinforce_pp": "reinforce_pp", "ppo": "gae"}
 
 
+def allowed_token_ids(tokenizer, tokens: list[str] | None, arg: str) -> list[int] | None:
+    """The token ids of ``tokens`` (each string must be exactly one token of ``tokenizer``)."""
+    if tokens is None:
+        return None
+    if isinstance(tokens, str) or not isinstance(tokens, (list, tuple)) or not tokens or \
+            not all(isinstance(t, str) and t for t in tokens):
+        raise ValueError(f"`{arg}` must be a non-empty list of non-empty strings such as ['0', '1', '2'], "
+                         f"got {tokens!r}")
+    ids = []
+    for t in tokens:
+        enc = tokenizer.encode(t, add_special_tokens=False)
+        if len(enc) != 1:
+            raise ValueError(f"`{arg}` entry {t!r} is {len(enc)} tokens {enc} for this tokenizer; each entry must "
+                             f"be exactly one token")
+        ids.append(int(enc[0]))
+    dup = sorted({t for t, i in zip(tokens, ids) if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"`{arg}` entries {dup} map to the same token; list each token once")
+    return ids
+
+
 class AgenticRLModule(L.LightningModule):
     """Multi-turn agentic RL of a causal LM.
 
@@ -46,6 +67,10 @@ class AgenticRLModule(L.LightningModule):
         max_turns: turns per episode before it is truncated.
         max_context_tokens: an episode ends (truncated) when its next turn would exceed this.
         max_new_tokens, temperature, top_p, top_k, stop: sampling per turn.
+        allowed_tokens: restrict every generated token to these strings, each exactly one token of
+            the tokenizer (e.g. the digits of a board game's columns). The policy is then the
+            softmax over those tokens' logits, in the rollout (hf and vLLM) and in the trainer's
+            log-probs, entropy and KL alike. None (default) allows the whole vocabulary.
         system_prompt: optional system message before the first observation.
         lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (per optimizer step).
         max_grad_norm: gradient clipping (0 disables).
@@ -79,6 +104,7 @@ class AgenticRLModule(L.LightningModule):
         top_p: float = 1.0,
         top_k: int = 0,
         stop: list[str] | None = None,
+        allowed_tokens: list[str] | None = None,
         system_prompt: str | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
@@ -111,8 +137,9 @@ class AgenticRLModule(L.LightningModule):
                        ppo_epochs, mini_batches, micro_batch_tokens, lr_schedule, dtype)
         self.save_hyperparameters()
         self.tokenizer = load_tokenizer(model, "--model.model")
+        self.allowed_token_ids = allowed_token_ids(self.tokenizer, allowed_tokens, "--model.allowed_tokens")
         self.sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, stop=list(stop or []))
+                                       top_k=top_k, stop=list(stop or []), allowed_token_ids=self.allowed_token_ids)
         self.policy = None
         self.ref_policy = None
         self.value_head = None
@@ -290,10 +317,10 @@ class AgenticRLModule(L.LightningModule):
             mbt = self._micro_batch_tokens(layout)
             out = self._exchange(exp, src=rollout_layout, to=layout)
             out = fill_logprobs(self._stage_model("policy"), out, name="old_logprobs", temperature=hp.temperature,
-                                micro_batch_tokens=mbt, value_head=self.value_head)
+                                micro_batch_tokens=mbt, value_head=self.value_head, allowed=self.allowed_token_ids)
             if self.ref_policy is not None:
                 out = fill_logprobs(self._stage_model("ref_policy"), out, name="ref_logprobs",
-                                    temperature=hp.temperature, micro_batch_tokens=mbt)
+                                    temperature=hp.temperature, micro_batch_tokens=mbt, allowed=self.allowed_token_ids)
             return self._advantages(out, num_groups, layout), layout
 
         exp, layout = self._run_stage("experience", self._batch_stats(exp, rollout_layout), experience_stage, timer)
@@ -428,7 +455,7 @@ class AgenticRLModule(L.LightningModule):
             norm_constant=hp.loss_norm_constant or float(hp.max_context_tokens),
             kl_coef=0.0 if hp.kl_in_reward else hp.kl_coef, kl_estimator=hp.kl_estimator,
             entropy_coef=hp.entropy_coef, value_coef=hp.value_coef, value_clip=hp.value_clip,
-            max_grad_norm=hp.max_grad_norm,
+            max_grad_norm=hp.max_grad_norm, allowed_token_ids=self.allowed_token_ids,
         )
 
     def _log_iteration(self, sample_episodes, counts, exp, update, timer, step, layout: Layout) -> None:

@@ -34,6 +34,7 @@ class UpdateConfig:
     value_coef: float = 0.5
     value_clip: float = 0.2
     max_grad_norm: float = 1.0
+    allowed_token_ids: list[int] | None = None
 
 
 def _world() -> int:
@@ -69,7 +70,7 @@ def micro_batch_loss(module, mb: ExperienceBatch, cfg: UpdateConfig, denom: dict
     mini-batch loss. Returns the loss and un-normalized stat sums."""
     value_head = getattr(module, "value_head", None)
     res = forward_micro_batch(module.policy, mb, temperature=cfg.temperature, value_head=value_head,
-                              with_entropy=True)
+                              with_entropy=True, allowed=cfg.allowed_token_ids)
     mask = mb.padded("action_mask", 0.0)
     logp, old = mb.pad(res["logprobs"], 0.0), mb.padded("old_logprobs", 0.0)
     adv = mb.padded("advantages", 0.0)

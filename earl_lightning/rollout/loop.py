@@ -29,6 +29,7 @@ class _Live:
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turn_starts: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
     truncated: bool = False
@@ -47,13 +48,14 @@ class _Live:
 
     def fail(self, exc: BaseException) -> None:
         self.error, self.done, self.reward = repr(exc), True, 0.0
+        self.turn_rewards = [0.0] * len(self.turn_starts)
 
     def to_episode(self) -> Episode:
         return Episode(
             spec=self.spec, token_ids=self.token_ids, action_mask=self.action_mask, logprobs=self.logprobs,
             reward=self.reward, num_turns=len(self.turn_starts), done=self.done, truncated=self.truncated,
             invalid_action=self.invalid_action, outcome=self.outcome, error=self.error,
-            turn_starts=self.turn_starts, messages=self.messages,
+            turn_starts=self.turn_starts, messages=self.messages, turn_rewards=self.turn_rewards,
         )
 
 
@@ -152,6 +154,7 @@ def _play_turn(st: _Live, out: GenOutput, chat: ChatDeltas, tokenizer: Any, *, l
         st.fail(exc)
         return
     st.reward += float(result.reward)
+    st.turn_rewards.append(float(result.reward))
     st.invalid_action |= bool(result.info.get("invalid_action", False))
     st.outcome = result.info.get("outcome", st.outcome)
     if result.done:

@@ -46,6 +46,7 @@ class Episode:
     error: str | None
     turn_starts: list[int]
     messages: list[dict[str, str]]
+    turn_rewards: list[float] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:

@@ -120,3 +120,46 @@ def test_pack_unpack_round_trip_is_exact_for_every_dtype():
     assert token_bytes == 1 + 8 + 4 + 2 + 2 and seq_bytes == 8 + 8 + 8 + 1 + LENGTHS.width * 8
     assert sum(buf.numel() * buf.element_size() for buf, _ in packed.values()) == sum(
         r * seq_bytes + t * token_bytes for r, t in zip(rows, toks))
+
+
+def _episode(token_ids, mask, turn_starts, turn_rewards, reward, error=None):
+    from earl_lightning.rollout.types import Episode, EpisodeSpec
+
+    return Episode(spec=EpisodeSpec("recall", 0, 0, 0), token_ids=token_ids, action_mask=mask,
+                   logprobs=[0.0] * len(token_ids), reward=reward, num_turns=len(turn_starts), done=True,
+                   truncated=False, invalid_action=False, outcome=None, error=error, turn_starts=turn_starts,
+                   messages=[], turn_rewards=turn_rewards)
+
+
+def test_turn_token_rewards_by_hand():
+    from earl_lightning.modules.experience_ops import turn_token_rewards
+
+    # prompt 0-1, turn 0 = tokens 2-3, observation 4, turn 1 = token 5, observation 6-7, turn 2 = 8-9
+    mask = [0, 0, 1, 1, 0, 1, 0, 0, 1, 1]
+    ep = _episode(list(range(10)), mask, [2, 5, 8], [0.5, -1.0, 2.0], 1.5)
+    assert turn_token_rewards(ep, torch.tensor(mask, dtype=torch.float32)).tolist() == \
+        [0, 0, 0, 0.5, 0, -1.0, 0, 0, 0, 2.0]
+    # no per-turn rewards (an Episode built by hand): the whole reward on the last generated token
+    legacy = _episode(list(range(10)), mask, [2, 5, 8], [], 1.5)
+    assert turn_token_rewards(legacy, torch.tensor(mask, dtype=torch.float32)).tolist() == [0] * 9 + [1.5]
+    # a failed episode's mask is zeroed by episodes_to_experience: nothing to put a reward on
+    assert turn_token_rewards(ep, torch.zeros(10)).tolist() == [0.0] * 10
+
+
+def test_gae_and_reinforce_pp_discount_per_turn_rewards_by_hand():
+    from earl_lightning.modules.experience_ops import compute_advantages, episodes_to_experience
+
+    mask = [0, 1, 0, 1, 0, 1]  # three one-token turns at 1, 3, 5
+    ep = _episode([0, 1, 2, 3, 4, 5], mask, [1, 3, 5], [0.1, 0.1, 1.0], 1.2)
+    exp = episodes_to_experience([ep])
+    values = torch.tensor([0.0, 0.2, 0.0, 0.4, 0.0, 0.6])
+    exp = type(exp)(exp.cu_seqlens, {**exp.tokens, "values": values}, exp.seqs)
+    kw = dict(num_groups=1, grpo_scale="group", gamma=0.5, lam=1.0, kl=None, kl_coef_in_reward=0.0)
+    got = compute_advantages(exp, estimator="gae", **kw)
+    g5, g3 = 1.0, 0.1 + 0.5 * 1.0
+    g1 = 0.1 + 0.5 * g3  # lambda 1: Monte-Carlo return-to-go minus the value
+    torch.testing.assert_close(got.tokens["returns"], torch.tensor([0, g1, 0, g3, 0, g5]))
+    torch.testing.assert_close(got.tokens["advantages"], torch.tensor([0, g1 - 0.2, 0, g3 - 0.4, 0, g5 - 0.6]))
+    rpp = compute_advantages(exp, estimator="reinforce_pp", **kw).tokens["advantages"]
+    g = torch.tensor([g1, g3, g5])
+    torch.testing.assert_close(rpp[[1, 3, 5]], (g - g.mean()) / torch.sqrt(g.var() + 1e-8))

@@ -203,3 +203,35 @@ def test_duplicate_episode_ids_and_unknown_env(lm):
         _run(lm, specs, SamplingConfig())
     with pytest.raises(ValueError, match=r"unknown `env` 'nope'; valid environments: \[.*'recall'"):
         _run(lm, [EpisodeSpec("nope", 0, 0, 0)], SamplingConfig())
+
+
+def test_turn_rewards_are_each_steps_reward_and_sit_on_each_turns_last_generated_token(lm):
+    from earl_lightning.modules.experience_ops import episodes_to_experience
+
+    _, tok = lm
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]  # so that some answers are right
+    sampling = SamplingConfig(max_new_tokens=1, seed=7, temperature=2.0, allowed_token_ids=digits)
+    episodes = _run(lm, _specs(8, num_turns=4, lag=0), sampling)
+    exp = episodes_to_experience(episodes)
+    for i, ep in enumerate(episodes):
+        assert len(ep.turn_rewards) == ep.num_turns == 4
+        assert sum(ep.turn_rewards) == pytest.approx(ep.reward)
+        shown = [int(m["content"].split("Digit: ")[1][0]) for m in ep.messages if m["role"] == "user"]
+        answers = [m["content"] for m in ep.messages if m["role"] == "assistant"]
+        for r, d, a in zip(ep.turn_rewards, shown, answers):
+            digits = [c for c in a if c.isdigit()]
+            assert r == (0.25 if digits and digits[0] == str(d) else 0.0)
+        row = exp.tokens["token_rewards"][exp.cu_seqlens[i]: exp.cu_seqlens[i + 1]].tolist()
+        ends = [*ep.turn_starts[1:], len(ep.token_ids)]
+        expected = [0.0] * len(ep.token_ids)
+        for start, end, r in zip(ep.turn_starts, ends, ep.turn_rewards):
+            last = max(t for t in range(start, end) if ep.action_mask[t])
+            expected[last] = r
+        assert row == pytest.approx(expected)
+    assert any(0 < sum(ep.turn_rewards) < 1 for ep in episodes)  # rewards of some turns, not all
+
+
+def test_failed_episode_has_zero_turn_rewards(lm):
+    specs = _specs(4, env="_test_flaky", fail_seed=102, fail_turn=2, lag=0)
+    bad = _run(lm, specs, SamplingConfig(max_new_tokens=3, seed=4))[2]
+    assert bad.error is not None and bad.turn_rewards == [0.0, 0.0, 0.0]

@@ -12,7 +12,10 @@ class SamplingConfig:
 
     ``stop`` strings end a turn as soon as the decoded generated text contains one (the tokens
     are kept, finish reason ``"stop"``); the eos token always stops. ``greedy`` takes the argmax
-    (temperature, top-k and top-p are then ignored). ``seed`` makes sampling reproducible: ranks
+    (temperature, top-k and top-p are then ignored). ``allowed_token_ids`` restricts every generated
+token to that set (vLLM's ``allowed_token_ids``): the policy becomes the softmax over those
+tokens' logits, and the returned log-probs are under it; eos ends a turn early only if it is in the
+set. ``seed`` makes sampling reproducible: ranks
     of one tensor-parallel group pass the same seed and draw the same tokens.
     """
 
@@ -23,6 +26,7 @@ class SamplingConfig:
     stop: list[str] = field(default_factory=list)
     greedy: bool = False
     seed: int | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -38,6 +42,11 @@ class SamplingConfig:
             raise ValueError(f"`sampling.top_k` must be an integer >= 0 (0 = no top-k), got {self.top_k!r}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"`sampling.stop` must be a list of non-empty strings, got {self.stop!r}")
+        ids = self.allowed_token_ids
+        if ids is not None and (isinstance(ids, (str, bytes)) or not ids or len(set(ids)) != len(ids) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            raise ValueError(f"`sampling.allowed_token_ids` must be None or a non-empty list of distinct token ids "
+                             f"(integers >= 0), got {ids!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"`sampling.seed` must be an integer or None, got {self.seed!r}")
 

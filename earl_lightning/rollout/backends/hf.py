@@ -175,7 +175,8 @@ class HFBackend:
         dtype = _float_dtype(self.model)
         for j in range(steps):
             tok, lp = sample_tokens(logits, uniforms[:, j], temperature=sampling.temperature, top_k=sampling.top_k,
-                                    top_p=sampling.top_p, greedy=sampling.greedy, vocab_limit=self.vocab_limit)
+                                    top_p=sampling.top_p, greedy=sampling.greedy, vocab_limit=self.vocab_limit,
+                                    allowed=sampling.allowed_token_ids)
             tokens[:, j] = torch.where(active, tok, self.pad_id)
             logps[:, j] = torch.where(active, lp, 0.0)
             lengths += active.long()

@@ -74,18 +74,25 @@ def sample_tokens(
     top_p: float = 1.0,
     greedy: bool = False,
     vocab_limit: int | None = None,
+    allowed: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
     Args:
         logits: [B, V] raw next-token logits.
         uniforms: [B] uniforms in [0, 1) (ignored when greedy).
+        allowed: token ids the policy may generate (None: all); every other token is masked
+            before anything else, so the policy is the softmax over the allowed logits.
 
     Returns:
-        tokens [B] int64 and their log-probs [B] float32 under softmax(logits / temperature),
-        before any filtering (zeros when greedy).
+        tokens [B] int64 and their log-probs [B] float32 under softmax(logits / temperature)
+        (over ``allowed`` when given), before top-k / top-p filtering (zeros when greedy).
     """
     logits = logits.float()
+    if allowed is not None:
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[torch.as_tensor(allowed, dtype=torch.long, device=logits.device)] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
     if greedy:
         tokens = filter_logits(logits, vocab_limit=vocab_limit).argmax(-1)
         return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)

@@ -433,6 +433,7 @@ class VLLMBackend:
             stop=list(sampling.stop), include_stop_str_in_output=True,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
             skip_special_tokens=False, detokenize=bool(sampling.stop),
+            allowed_token_ids=list(sampling.allowed_token_ids) if sampling.allowed_token_ids else None,
         )
 
     def _to_output(self, out: Any, sampling: SamplingConfig) -> GenOutput:
