@@ -26,21 +26,27 @@ import torch
 import torch.distributed as dist
 
 
-def hf_logprobs(model, prompt: list[int], gen: list[int], temperature: float) -> torch.Tensor:
-    """[len(gen)] log-probs of ``gen`` after ``prompt`` under softmax(logits / temperature)."""
+def hf_logprobs(model, prompt: list[int], gen: list[int], temperature: float,
+                allowed: list[int] | None = None) -> torch.Tensor:
+    """[len(gen)] log-probs of ``gen`` after ``prompt`` under softmax(logits / temperature), over
+    the ``allowed`` tokens only when given (the trainer's helper, the function under test's peer)."""
+    from earl_lightning.algorithms import logprobs_from_logits
+
     ids = torch.tensor([prompt + gen])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()  # [G, V]
+    if allowed is not None:
+        return logprobs_from_logits(logits, torch.tensor(gen), temperature, torch.tensor(allowed))
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(-1, torch.tensor(gen).unsqueeze(-1)).squeeze(-1)
 
 
-def mismatch(model, requests, outputs, temperature: float) -> float:
+def mismatch(model, requests, outputs, temperature: float, allowed: list[int] | None = None) -> float:
     from earl_lightning.rollout.weight_sync import logprob_mismatch
 
     worst = 0.0
     for req, out in zip(requests, outputs):
-        ref = hf_logprobs(model, req.prompt_ids, out.token_ids, temperature)
+        ref = hf_logprobs(model, req.prompt_ids, out.token_ids, temperature, allowed)
         got = torch.tensor(out.logprobs)
         worst = max(worst, float(logprob_mismatch(got, ref, torch.ones_like(got))))
     return worst
@@ -114,6 +120,12 @@ def main() -> None:
         g_ref = ref.generate(torch.tensor([reqs[0].prompt_ids]), max_new_tokens=6, do_sample=False)[0, len(reqs[0].prompt_ids):]
     res["greedy_equal_hf"] = greedy.token_ids == g_ref.tolist()[: len(greedy.token_ids)]
     res["greedy_logprobs"] = greedy.logprobs
+    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(7)]
+    restricted = backend.generate(reqs, SamplingConfig(max_new_tokens=6, temperature=0.8, seed=5,
+                                                       allowed_token_ids=digits))
+    res["allowed"] = {"tokens": [t for o in restricted for t in o.token_ids], "ids": digits,
+                      "mismatch": mismatch(ref, reqs, restricted, 0.8, digits),
+                      "unrestricted_mismatch": mismatch(ref, reqs, restricted, 0.8)}
     stop_text = tok.decode([first[0].token_ids[3]])
     stopped = backend.generate(reqs[:1], SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123, stop=[stop_text]))[0]
     res["stop"] = {"text": stop_text, "finish": stopped.finish_reason, "ids": stopped.token_ids,

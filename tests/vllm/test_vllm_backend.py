@@ -42,6 +42,16 @@ def test_tp1_generation_matches_hf_logprobs_over_two_turns(ranks):
 
 @needs_vllm
 @pytest.mark.distributed
+def test_allowed_token_ids_restrict_sampling_and_logprobs_are_over_the_set(ranks):
+    for r in ranks:
+        a = r["allowed"]
+        assert len(a["tokens"]) == 18 and set(a["tokens"]) <= set(a["ids"])
+        assert a["mismatch"] < TOL  # vLLM's processed log-probs are the restricted policy's
+        assert a["unrestricted_mismatch"] > 10 * TOL
+
+
+@needs_vllm
+@pytest.mark.distributed
 def test_stop_string_ends_the_turn_and_keeps_its_tokens(ranks):
     for r in ranks:
         stop = r["stop"]
