@@ -72,6 +72,12 @@ class AgenticRLModule(L.LightningModule):
             softmax over those tokens' logits, in the rollout (hf and vLLM) and in the trainer's
             log-probs, entropy and KL alike. None (default) allows the whole vocabulary.
         system_prompt: optional system message before the first observation.
+        history_turns: None (default): every turn is generated from the whole chat so far and the
+            episode is trained as one sequence. ``k >= 0``: each turn sees [system] + the last
+            ``k`` exchanges + the current observation (0: the observation alone), and the trainer
+            learns from one row per turn whose last token carries the turn's reward plus the
+            discounted return of the turns after it. Needs ``lam`` 1.0 with ``ppo`` and no
+            ``kl_in_reward`` (both would need values or penalties of later turn rows).
         lr, weight_decay, warmup_steps, lr_schedule: AdamW and its schedule (per optimizer step).
         max_grad_norm: gradient clipping (0 disables).
         ppo_epochs: passes over each RL batch; mini_batches: optimizer steps per pass.
@@ -106,6 +112,7 @@ class AgenticRLModule(L.LightningModule):
         stop: list[str] | None = None,
         allowed_tokens: list[str] | None = None,
         system_prompt: str | None = None,
+        history_turns: int | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -135,6 +142,7 @@ class AgenticRLModule(L.LightningModule):
         self.automatic_optimization = False
         self._validate(algorithm, backend, loss_agg, kl_estimator, grpo_scale, max_turns, max_context_tokens,
                        ppo_epochs, mini_batches, micro_batch_tokens, lr_schedule, dtype)
+        self._validate_history(history_turns, algorithm, lam, kl_coef, kl_in_reward)
         self.save_hyperparameters()
         self.tokenizer = load_tokenizer(model, "--model.model")
         self.allowed_token_ids = allowed_token_ids(self.tokenizer, allowed_tokens, "--model.allowed_tokens")
@@ -174,6 +182,22 @@ class AgenticRLModule(L.LightningModule):
                            ("micro_batch_tokens", micro_batch_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`--model.{arg}` must be a positive integer, got {value!r}")
+
+    @staticmethod
+    def _validate_history(history_turns, algorithm, lam, kl_coef, kl_in_reward) -> None:
+        from earl_lightning.rollout.loop import check_history_turns
+
+        check_history_turns(history_turns, "--model.history_turns")
+        if history_turns is None:
+            return
+        if algorithm == "ppo" and lam != 1.0:
+            raise ValueError(f"`--model.lam` must be 1.0 with `--model.history_turns` ({history_turns}), got {lam!r}: "
+                             f"each turn is its own row, and GAE with lam < 1 would need the value of the next "
+                             f"turn's row; leave `history_turns` unset (null) for lam < 1")
+        if kl_coef and kl_in_reward:
+            raise ValueError(f"`--model.kl_in_reward` true is not supported with `--model.history_turns` "
+                             f"({history_turns}): a later turn row's KL penalty would not reach the earlier rows' "
+                             f"returns; use the KL as a loss term (kl_in_reward false)")
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -290,7 +314,8 @@ class AgenticRLModule(L.LightningModule):
             backend.prepare(layout)
         try:
             return rollout(specs, backend, self.tokenizer, sampling, max_turns=hp.max_turns,
-                           max_context_tokens=hp.max_context_tokens, system_prompt=hp.system_prompt)
+                           max_context_tokens=hp.max_context_tokens, system_prompt=hp.system_prompt,
+                           history_turns=hp.history_turns)
         finally:
             backend.release(None)
 
@@ -311,7 +336,7 @@ class AgenticRLModule(L.LightningModule):
         episodes, rollout_layout = self._run_stage("rollout", M.spec_stats(specs, hp.max_new_tokens),
                                                    rollout_stage, timer)
         counts = self._all_reduce(M.episode_counts(episodes), rollout_layout)
-        exp = episodes_to_experience(episodes)
+        exp = episodes_to_experience(episodes, gamma=hp.gamma)
 
         def experience_stage(layout):
             mbt = self._micro_batch_tokens(layout)

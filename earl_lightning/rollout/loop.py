@@ -5,6 +5,12 @@ for its transcript: [system] user(obs_0) <gen prompt> assistant(gen_1) <end> use
 prompt> assistant(gen_2) <end> ... Generated tokens carry mask 1 and their sampled log-probs;
 everything else (observations, chat scaffolding, and the end-of-turn text the loop appends when a
 turn stopped without eos) carries mask 0.
+
+With ``history_turns=k`` the policy sees a bounded window instead of the whole chat: each turn is
+generated from [system] + the last ``k`` exchanges + the current observation (verl-agent's
+``history_length``; ``k = 0``: the current observation only). The episode's sequence is still the
+whole chat (for transcripts and metrics), and ``Episode.turn_prompts`` records the prompt each turn
+was generated from: the trainer then learns from one row per turn (modules/experience_ops.py).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class _Live:
     logprobs: list[float] = field(default_factory=list)
     turn_starts: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
+    turn_prompts: list[list[int]] | None = None
+    next_prompt: list[int] | None = None  # the windowed prompt of the next turn (history_turns only)
     reward: float = 0.0
     done: bool = False
     truncated: bool = False
@@ -56,7 +64,12 @@ class _Live:
             reward=self.reward, num_turns=len(self.turn_starts), done=self.done, truncated=self.truncated,
             invalid_action=self.invalid_action, outcome=self.outcome, error=self.error,
             turn_starts=self.turn_starts, messages=self.messages, turn_rewards=self.turn_rewards,
+            turn_prompts=self.turn_prompts,
         )
+
+    def prompt(self) -> list[int]:
+        """What the next turn is generated from: the whole chat, or its windowed prompt."""
+        return self.token_ids if self.next_prompt is None else self.next_prompt
 
 
 def rollout(
@@ -68,34 +81,37 @@ def rollout(
     max_turns: int,
     max_context_tokens: int,
     system_prompt: str | None = None,
+    history_turns: int | None = None,
 ) -> list[Episode]:
     """Play every episode of ``specs`` to the end, in lock-step turns; episodes in spec order.
 
     An episode ends when its env says done, after ``max_turns`` turns (``truncated``), or when
     the next turn would not fit: ``len(context + next observation) + max_new_tokens >
-    max_context_tokens`` (``truncated``). An exception from ``env.reset`` / ``env.step`` ends
+    max_context_tokens`` (``truncated``; with ``history_turns``, when the next windowed prompt +
+    ``max_new_tokens`` would not fit). An exception from ``env.reset`` / ``env.step`` ends
     only that episode: ``error = repr(exc)``, ``done``, reward 0.0.
 
     Raises:
-        ValueError: bad ``max_turns`` / ``max_context_tokens`` / duplicate episode ids, or a first
-            observation that does not fit in ``max_context_tokens``.
+        ValueError: bad ``max_turns`` / ``max_context_tokens`` / ``history_turns`` / duplicate
+            episode ids, or a first observation that does not fit in ``max_context_tokens``.
     """
     _check_args(specs, max_turns, max_context_tokens)
+    check_history_turns(history_turns, "history_turns")
     chat = ChatDeltas(tokenizer)
     keys = [s.episode_id for s in specs]
     backend.release(keys)  # a stale cache from an earlier rollout (older weights) must not be reused
     try:
-        states = [_start(spec, chat, system_prompt) for spec in specs]
+        states = [_start(spec, chat, system_prompt, history_turns) for spec in specs]
         for st in states:
             _check_first_fit(st, sampling.max_new_tokens, max_context_tokens)
         for turn in range(max_turns):
             live = [st for st in states if not st.finished]
             if not live:
                 break
-            outputs = backend.generate([GenRequest(st.spec.episode_id, st.token_ids) for st in live], sampling)
+            outputs = backend.generate([GenRequest(st.spec.episode_id, st.prompt()) for st in live], sampling)
             for st, out in zip(live, outputs):
                 _play_turn(st, out, chat, tokenizer, last_turn=turn == max_turns - 1,
-                           budget=max_context_tokens - sampling.max_new_tokens)
+                           budget=max_context_tokens - sampling.max_new_tokens, history_turns=history_turns)
             backend.release([st.spec.episode_id for st in live if st.finished])
         return [st.to_episode() for st in states]
     finally:
@@ -113,10 +129,24 @@ def _check_args(specs: list[EpisodeSpec], max_turns: int, max_context_tokens: in
         raise ValueError(f"`specs` must have unique `episode_id`s (they key the KV cache); duplicated: {dup[:8]}")
 
 
-def _start(spec: EpisodeSpec, chat: ChatDeltas, system_prompt: str | None) -> _Live:
+def check_history_turns(value: int | None, arg: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"`{arg}` must be None (the whole chat) or an integer >= 0 (past exchanges kept in each "
+                         f"turn's prompt), got {value!r}")
+
+
+def _window(messages: Messages, history_turns: int) -> Messages:
+    """[system] + the last ``history_turns`` (user, assistant) exchanges + the last (user) message."""
+    head = messages[:1] if messages and messages[0]["role"] == "system" else []
+    return head + messages[len(head):][-(2 * history_turns + 1):]
+
+
+def _start(spec: EpisodeSpec, chat: ChatDeltas, system_prompt: str | None, history_turns: int | None) -> _Live:
     """Build the env, reset it and encode the first prompt; a reset that raises fails the episode."""
     env = make_env(spec.env, **spec.env_kwargs)
     st = _Live(spec, env, [{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+    if history_turns is not None:
+        st.turn_prompts = []
     try:
         observation = env.reset(spec.seed)
     except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
@@ -125,6 +155,8 @@ def _start(spec: EpisodeSpec, chat: ChatDeltas, system_prompt: str | None) -> _L
         return st
     st.messages.append({"role": "user", "content": observation})
     st.append(chat.encode(chat.prompt(st.messages)), 0)
+    if history_turns is not None:
+        st.next_prompt = list(st.token_ids)  # nothing to window yet
     return st
 
 
@@ -140,10 +172,13 @@ def _check_first_fit(st: _Live, max_new_tokens: int, max_context_tokens: int) ->
         )
 
 
-def _play_turn(st: _Live, out: GenOutput, chat: ChatDeltas, tokenizer: Any, *, last_turn: bool, budget: int) -> None:
+def _play_turn(st: _Live, out: GenOutput, chat: ChatDeltas, tokenizer: Any, *, last_turn: bool, budget: int,
+               history_turns: int | None = None) -> None:
     """Append one assistant turn, step the env, then either close the episode or append the next
     observation. ``budget`` is the longest context a next turn may start from."""
     content, closing = _assistant_text(st.messages, out, chat, tokenizer)
+    if st.turn_prompts is not None:
+        st.turn_prompts.append(st.prompt())
     st.turn_starts.append(len(st.token_ids))
     st.append(list(out.token_ids), 1, [float(x) for x in out.logprobs])
     st.append(chat.encode(closing), 0)
@@ -164,10 +199,18 @@ def _play_turn(st: _Live, out: GenOutput, chat: ChatDeltas, tokenizer: Any, *, l
         st.truncated = True
         return
     nxt = chat.encode(chat.next_user(st.messages, result.observation))
-    if len(st.token_ids) + len(nxt) > budget:
-        st.truncated = True
-        return
-    st.messages.append({"role": "user", "content": result.observation})
+    user = {"role": "user", "content": result.observation}
+    if history_turns is None:
+        if len(st.token_ids) + len(nxt) > budget:
+            st.truncated = True
+            return
+    else:
+        prompt = chat.encode(chat.prompt(_window([*st.messages, user], history_turns)))
+        if len(prompt) > budget:
+            st.truncated = True
+            return
+        st.next_prompt = prompt
+    st.messages.append(user)
     st.append(nxt, 0)
 
 

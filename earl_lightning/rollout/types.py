@@ -47,6 +47,7 @@ class Episode:
     turn_starts: list[int]
     messages: list[dict[str, str]]
     turn_rewards: list[float] = field(default_factory=list)
+    turn_prompts: list[list[int]] | None = None
 
     @property
     def num_generated(self) -> int:
