@@ -166,10 +166,23 @@ def _sync_replicated_grads(module, layout: Layout | None) -> None:
 
 
 def _clip(module, max_norm: float) -> float:
+    """Clip all gradients by their global 2-norm; returns that norm.
+
+    Sharded (DTensor) gradients of the FSDP/TP policy and plain ones (PPO's value head, replicated)
+    cannot go through one ``clip_grad_norm_`` call (torch refuses to mix them), so each kind's norm
+    is taken on its own and the two are combined; with one kind this is ``clip_grad_norm_``."""
     params = [p for p in module.parameters() if p.grad is not None]
     if not params:
         return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    groups = [[p for p in params if hasattr(p.grad, "device_mesh")],
+              [p for p in params if not hasattr(p.grad, "device_mesh")]]
+    groups = [g for g in groups if g]
+    norms = []
+    for g in groups:
+        n = torch.nn.utils.get_total_norm([p.grad for p in g], 2.0)
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    total = norms[0] if len(norms) == 1 else torch.stack([n.float().cpu() for n in norms]).norm()
+    if max_norm > 0:
+        for g, n in zip(groups, norms):
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm, total.to(n.device) if len(norms) > 1 else n)
+    return float(total)

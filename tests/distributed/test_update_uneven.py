@@ -39,10 +39,10 @@ class _Opt:
 class Harness(torch.nn.Module):
     """What ppo_update needs of the LightningModule."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, value_head=None):
         super().__init__()
-        self.policy, self.value_head = policy, None
-        self._opt = _Opt(torch.optim.SGD(policy.parameters(), lr=0.5))
+        self.policy, self.value_head = policy, value_head
+        self._opt = _Opt(torch.optim.SGD(self.parameters(), lr=0.5))
 
     def optimizers(self):
         return self._opt
@@ -65,11 +65,13 @@ def batch(rows: list[int]) -> ExperienceBatch:
         ids = torch.randint(3, 100, (n,), generator=g)
         mask = torch.zeros(n)
         mask[n // 2:] = 1.0
-        seqs.append((ids, mask, 0.3 * torch.randn(n, generator=g), torch.randn(1, generator=g).expand(n).clone()))
+        seqs.append((ids, mask, 0.3 * torch.randn(n, generator=g), torch.randn(1, generator=g).expand(n).clone(),
+                     0.1 * torch.randn(n, generator=g), torch.randn(n, generator=g)))
     pick = [seqs[i] for i in rows]
     return ExperienceBatch.from_sequences(
         {"input_ids": [s[0] for s in pick], "action_mask": [s[1] for s in pick],
-         "old_logprobs": [s[2] for s in pick], "advantages": [s[3] for s in pick]},
+         "old_logprobs": [s[2] for s in pick], "advantages": [s[3] for s in pick],
+         "values": [s[4] for s in pick], "returns": [s[5] for s in pick]},
         {"rewards": torch.zeros(len(pick))})
 
 
@@ -79,7 +81,12 @@ def _params(model) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, path: str):
+def value_head() -> torch.nn.Linear:
+    torch.manual_seed(3)
+    return torch.nn.Linear(64, 1)
+
+
+def _worker(rank: int, world: int, path: str, with_value: bool = False, cfg: UpdateConfig = CFG):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
@@ -87,9 +94,10 @@ def _worker(rank: int, world: int, path: str):
     layout = Layout(dp=2, tp=1)
     parallelize_model(model, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")), layout=layout)
     mine = [i for i, (r, _) in enumerate(LENGTHS) if r == dist.get_rank()]
-    ppo_update(Harness(model), batch(mine), CFG, layout=layout)
-    full = _params(model)  # a collective: every rank gathers
-    return {n: p.numpy() for n, p in full.items()} if rank == 0 else None
+    harness = Harness(model, value_head() if with_value else None)
+    out = ppo_update(harness, batch(mine), cfg, layout=layout)
+    full = _params(harness)  # a collective: every rank gathers
+    return ({n: p.numpy() for n, p in full.items()}, out["grad_norm"]) if rank == 0 else None
 
 
 def test_uneven_micro_batches_do_not_hang_and_match_one_process():
@@ -100,11 +108,31 @@ def test_uneven_micro_batches_do_not_hang_and_match_one_process():
     path = tiny_path()
     assert [len(batch([i for i, (r, _) in enumerate(LENGTHS) if r == k]).split_by_tokens(CFG.micro_batch_tokens))
             for k in (0, 1)] == [1, 3]
-    ref = AutoModelForCausalLM.from_pretrained(path)
+    ref = Harness(AutoModelForCausalLM.from_pretrained(path))
     before = _params(ref)
-    ppo_update(Harness(ref), batch(list(range(len(LENGTHS)))), CFG)
+    ppo_update(ref, batch(list(range(len(LENGTHS)))), CFG)
     expected = _params(ref)
-    got = run_distributed(_worker, 2, path, timeout=120)[0]
+    got = run_distributed(_worker, 2, path, timeout=120)[0][0]
     assert sum((expected[n] - before[n]).abs().sum().item() for n in before) > 0
+    for name, value in expected.items():
+        torch.testing.assert_close(torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_value_head_and_gradient_clipping_under_fsdp_match_one_process():
+    """PPO's value head is a plain replicated module beside the FSDP-sharded policy: clipping by the
+    global norm must combine both kinds of gradient (torch refuses to mix them in one call)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.test_invariance_layouts import tiny_path
+
+    path = tiny_path()
+    cfg = UpdateConfig(micro_batch_tokens=48, max_grad_norm=0.05, value_coef=1.0)
+    ref = Harness(AutoModelForCausalLM.from_pretrained(path), value_head())
+    out = ppo_update(ref, batch(list(range(len(LENGTHS)))), cfg)
+    expected = _params(ref)
+    assert out["grad_norm"] > 0.05  # the clip is active
+    got, norm = run_distributed(_worker, 2, path, True, cfg, timeout=120)[0]
+    assert norm == pytest.approx(out["grad_norm"], rel=1e-4)
+    assert {"value_head.weight", "value_head.bias"} <= set(got)
     for name, value in expected.items():
         torch.testing.assert_close(torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name)
