@@ -1,0 +1,62 @@
+"""Turn rows (``history_turns``) on 2 processes: the rows of one episode split across ranks, the
+module's advantage path (``compute_advantages`` with all-reduced moments) equals one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from earl_lightning.modules.experience_ops import compute_advantages, episodes_to_experience
+from earl_lightning.rollout.types import Episode, EpisodeSpec
+from tests.distributed.launch import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def episodes() -> list[Episode]:
+    """12 hand-made episodes in 3 groups, 1-5 turns each, 1-2 generated tokens per turn."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for e in range(12):
+        turns = 1 + e % 5
+        ids, mask, prompts, starts, rewards = [1], [0], [], [], []
+        for t in range(turns):
+            n = 1 + (e + t) % 2
+            prompts.append([2, 3 + t])
+            starts.append(len(ids))
+            ids += [5 + t] * n + [4]
+            mask += [1] * n + [0]
+            rewards.append(float(torch.randn(1, generator=g)))
+        out.append(Episode(spec=EpisodeSpec("recall", 0, e // 4, e), token_ids=ids, action_mask=mask,
+                           logprobs=[-0.1 if m else 0.0 for m in mask], reward=sum(rewards), num_turns=turns,
+                           done=True, truncated=False, invalid_action=False, outcome=None, error=None,
+                           turn_starts=starts, messages=[], turn_rewards=rewards, turn_prompts=prompts))
+    return out
+
+
+KW = dict(num_groups=3, grpo_scale="group", gamma=0.9, lam=1.0, kl=None, kl_coef_in_reward=0.0)
+
+
+def _worker(rank: int, world: int) -> dict[str, list[float]]:
+    from earl_lightning.data.dist_advantages import all_reduce_moments
+
+    exp = episodes_to_experience(episodes(), gamma=0.9)
+    # Alternate rows between the ranks: every multi-turn episode has rows on both.
+    local = exp.select([i for i in range(exp.num_seqs) if i % world == rank])
+    out = {}
+    for est in ("grpo", "reinforce_pp"):
+        res = compute_advantages(local, estimator=est, moments_fn=lambda kind, m: all_reduce_moments([m])[0], **KW)
+        out[est] = res.tokens["advantages"].tolist()
+    return out
+
+
+def test_turn_row_advantages_split_across_ranks_equal_one_process():
+    exp = episodes_to_experience(episodes(), gamma=0.9)
+    assert exp.num_seqs == sum(1 + e % 5 for e in range(12))
+    results = run_distributed(_worker, 2)
+    for est in ("grpo", "reinforce_pp"):
+        single = compute_advantages(exp, estimator=est, **KW).tokens["advantages"]
+        for rank, res in enumerate(results):
+            rows = [i for i in range(exp.num_seqs) if i % 2 == rank]
+            expected = single[exp.token_positions(rows)]
+            torch.testing.assert_close(torch.tensor(res[est]), expected, rtol=1e-6, atol=1e-6, msg=f"{est} {rank}")
