@@ -1,14 +1,17 @@
-"""The default recipe on 2 gloo processes under EarlStrategy, through the `earl` command."""
+"""The Connect Four recipes on 2 gloo processes under EarlStrategy, through the `earl` command: the
+default (actor-critic: value head, one row per turn, allowed tokens) and the GRPO one."""
 
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.distributed.launch import subprocess_env
 
-RECIPE = Path(__file__).parents[2] / "recipes" / "connect4_grpo.yaml"
+RECIPES = Path(__file__).parents[2] / "recipes"
 
 
 def scalars(root: Path) -> dict[str, list[float]]:
@@ -17,9 +20,10 @@ def scalars(root: Path) -> dict[str, list[float]]:
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
-def test_default_recipe_on_two_processes_with_earl_strategy(tmp_path):
+@pytest.mark.parametrize("name", ["connect4_ppo", "connect4_grpo"])
+def test_recipe_on_two_processes_with_earl_strategy(tmp_path, name):
     earl = Path(sys.executable).with_name("earl")
-    cmd = [str(earl), "fit", "--config", str(RECIPE), "--trainer.devices", "2", "--trainer.strategy", "earl",
+    cmd = [str(earl), "fit", "--config", str(RECIPES / f"{name}.yaml"), "--trainer.devices", "2", "--trainer.strategy", "earl",
            "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.default_root_dir",
            str(tmp_path), "--trainer.enable_progress_bar", "false", "--data.batch_size", "16",
            "--data.eval_episodes", "8"]

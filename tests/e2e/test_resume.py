@@ -9,11 +9,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from earl_lightning.cli import main
 
-RECIPE = Path(__file__).parents[2] / "recipes" / "connect4_grpo.yaml"
+RECIPES = Path(__file__).parents[2] / "recipes"
+RECIPE = RECIPES / "connect4_ppo.yaml"  # the default: value head, turn rows, allowed tokens
 
 
-def recipe_checkpointing_every_step(tmp_path: Path) -> Path:
-    cfg = yaml.safe_load(RECIPE.read_text())
+def recipe_checkpointing_every_step(tmp_path: Path, recipe: Path = RECIPE) -> Path:
+    cfg = yaml.safe_load(recipe.read_text())
     cfg["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                                     "init_args": {"save_last": True, "every_n_train_steps": 1}}]
     out = tmp_path / "recipe.yaml"
@@ -42,10 +43,11 @@ def last_state(root: Path) -> dict:
     return torch.load(ckpt, map_location="cpu", weights_only=False)
 
 
-@pytest.mark.parametrize("strategy", ["auto", "earl"])
-def test_resume_matches_uninterrupted_run(tmp_path, strategy):
+@pytest.mark.parametrize("name, strategy", [("connect4_ppo", "auto"), ("connect4_ppo", "earl"),
+                                            ("connect4_grpo", "auto")])
+def test_resume_matches_uninterrupted_run(tmp_path, name, strategy):
     full, part = tmp_path / "full", tmp_path / "part"
-    recipe = recipe_checkpointing_every_step(tmp_path)
+    recipe = recipe_checkpointing_every_step(tmp_path, RECIPES / f"{name}.yaml")
     extra = ("--trainer.strategy", strategy)
     main(args(recipe, full, 4, *extra))
     main(args(recipe, part, 2, *extra))
@@ -66,7 +68,9 @@ def test_checkpoint_holds_each_weight_once_and_validates(tmp_path):
     recipe = recipe_checkpointing_every_step(tmp_path)
     main(args(recipe, tmp_path / "run", 1))
     state = last_state(tmp_path / "run")
-    assert all(k.startswith("policy.") for k in state["state_dict"]), sorted(state["state_dict"])[:5]
+    keys = sorted(state["state_dict"])
+    assert all(k.startswith(("policy.", "value_head.")) for k in keys), keys[:5]
+    assert {"value_head.weight", "value_head.bias"} <= set(keys)
     ckpt = max((tmp_path / "run").rglob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
     main(["validate", "--config", str(recipe), "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
           str(tmp_path / "val"), "--trainer.enable_progress_bar", "false", "--data.eval_episodes", "4"])
