@@ -24,6 +24,17 @@ def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags}
 
 
+def default_title(logdir: Path) -> str:
+    """'earl_lightning: <ALGORITHM> (<model>)' from the run's saved hyperparameters, when present."""
+    import yaml
+
+    hp_file = logdir / "hparams.yaml"
+    hp = (yaml.safe_load(hp_file.read_text()) or {}) if hp_file.exists() else {}
+    if not hp.get("algorithm"):
+        return "earl_lightning learning curve"
+    return f"earl_lightning: {str(hp['algorithm']).upper()} ({hp.get('model', '?')})"
+
+
 def plot(scalars: dict, out: Path, title: str) -> None:
     import matplotlib
 
@@ -41,6 +52,7 @@ def plot(scalars: dict, out: Path, title: str) -> None:
             steps, values = zip(*sorted(scalars[tag]))
             b.plot(steps, values, marker="o", label=tag)
     b.axhline(0.65, color="grey", ls="--", lw=0.8, label="target win rate 0.65")
+    b.axhline(0.05, color="grey", ls=":", lw=0.8, label="target invalid rate 0.05")
     b.set_xlabel("RL step"); b.set_ylim(-0.02, 1.02); b.set_title("greedy eval, 128 fixed seeds"); b.legend(); b.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
@@ -52,11 +64,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("logdir", help="a TensorBoard run directory (lightning_logs/version_N)")
     p.add_argument("--out", default="docs/learning_curve.png")
-    p.add_argument("--title", default="earl_lightning: GRPO on Connect Four vs random opponent")
+    p.add_argument("--title", default=None, help="default: the run's algorithm and model (from hparams.yaml)")
     args = p.parse_args()
     scalars = read_scalars(args.logdir)
     out = Path(args.out)
-    plot(scalars, out, args.title)
+    plot(scalars, out, args.title or default_title(Path(args.logdir)))
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["tag", "step", "value"])
