@@ -1,7 +1,7 @@
 """``earl`` command line: LightningCLI over :class:`AgenticRLModule` and :class:`EpisodeDataModule`.
 
-    earl fit --config recipes/connect4_grpo.yaml --trainer.max_steps 5
-    earl validate --config recipes/connect4_grpo.yaml --ckpt_path last
+    earl fit --config recipes/connect4_ppo.yaml --trainer.max_steps 5
+    earl validate --config recipes/connect4_ppo.yaml --ckpt_path last
     earl profile --config recipes/connect4_grpo.yaml --out profiles/connect4 --budget-s 300
 
 ``profile`` is not a LightningCLI subcommand: it measures the recipe's model per stage and layout

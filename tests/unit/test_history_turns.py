@@ -13,25 +13,14 @@ from earl_lightning.modules import AgenticRLModule
 from earl_lightning.modules.experience_ops import compute_advantages, episodes_to_experience, fill_logprobs
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.rollout.types import Episode
+from tests.unit.test_rollout_loop import _run, _specs
 
-SYSTEM = "Answer with one digit."
 
 
 @pytest.fixture(scope="module")
 def lm():
     path = make_tiny_model("earl-tiny", hidden_size=64, intermediate_size=128)
     return AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(str(path))
-
-
-def _specs(n: int, env: str = "recall", **kw) -> list[EpisodeSpec]:
-    kw = dict(num_turns=4, padding_chars=12) | kw if env == "recall" else kw
-    return [EpisodeSpec(env, seed=300 + i, group_id=i // 2, episode_id=i, env_kwargs=kw) for i in range(n)]
-
-
-def _run(lm, specs, sampling, **kw):
-    model, tok = lm
-    kw = dict(max_turns=6, max_context_tokens=4096, system_prompt=SYSTEM) | kw
-    return rollout(specs, HFBackend(model, tok), tok, sampling, **kw)
 
 
 def _template(tok, messages):
