@@ -66,8 +66,9 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
 
 
 def _turn_rows(ep: Episode, gamma: float) -> list[tuple[torch.Tensor, ...]]:
-    """One (input_ids, action_mask, rollout_logprobs, token_rewards) row per turn, last turn first
-    computed so that each row's final reward includes the discounted return of the turns after it."""
+    """One (input_ids, action_mask, rollout_logprobs, token_rewards) row per turn, in turn order.
+    Built from the last turn backwards, so that each row's final reward can include the discounted
+    return of the turns after it."""
     ends = [*ep.turn_starts[1:], len(ep.token_ids)]
     spans = []
     for start, end in zip(ep.turn_starts, ends):

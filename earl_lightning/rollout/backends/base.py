@@ -12,11 +12,11 @@ class SamplingConfig:
 
     ``stop`` strings end a turn as soon as the decoded generated text contains one (the tokens
     are kept, finish reason ``"stop"``); the eos token always stops. ``greedy`` takes the argmax
-    (temperature, top-k and top-p are then ignored). ``allowed_token_ids`` restricts every generated
-token to that set (vLLM's ``allowed_token_ids``): the policy becomes the softmax over those
-tokens' logits, and the returned log-probs are under it; eos ends a turn early only if it is in the
-set. ``seed`` makes sampling reproducible: ranks
-    of one tensor-parallel group pass the same seed and draw the same tokens.
+    (temperature, top-k and top-p are then ignored). ``allowed_token_ids`` restricts every
+    generated token to that set (vLLM's ``allowed_token_ids``): the policy becomes the softmax over
+    those tokens' logits, and the returned log-probs are under it; eos ends a turn early only if it
+    is in the set. ``seed`` makes sampling reproducible: ranks of one tensor-parallel group pass the
+    same seed and draw the same tokens.
     """
 
     max_new_tokens: int = 8
