@@ -76,7 +76,7 @@ def _turn_rows(ep: Episode, gamma: float) -> list[tuple[torch.Tensor, ...]]:
         while start + n < end and ep.action_mask[start + n]:
             n += 1
         spans.append((start, n))
-    rewards = ep.turn_rewards if len(ep.turn_rewards) == len(spans) else [0.0] * (len(spans) - 1) + [ep.reward]
+    rewards = _rewards_per_turn(ep)
     out: list[tuple[torch.Tensor, ...]] = []
     after = 0.0  # return at the first generated token of the next turn
     for k in reversed(range(len(spans))):
@@ -96,6 +96,14 @@ def _turn_rows(ep: Episode, gamma: float) -> list[tuple[torch.Tensor, ...]]:
     return out[::-1]
 
 
+def _rewards_per_turn(ep: Episode) -> list[float]:
+    """``ep.turn_rewards``; for an episode without them (or whose turn count does not match), its
+    whole reward on the last turn."""
+    if len(ep.turn_rewards) == len(ep.turn_starts):
+        return list(ep.turn_rewards)
+    return [0.0] * max(len(ep.turn_starts) - 1, 0) + [ep.reward]
+
+
 def turn_token_rewards(ep: Episode, mask: torch.Tensor) -> torch.Tensor:
     """[len(ep.token_ids)]: the reward of turn ``k`` on the last generated token of turn ``k``.
 
@@ -107,11 +115,8 @@ def turn_token_rewards(ep: Episode, mask: torch.Tensor) -> torch.Tensor:
     gen = mask.nonzero().squeeze(1)
     if gen.numel() == 0:
         return out
-    if len(ep.turn_rewards) != len(ep.turn_starts):
-        out[gen[-1]] = ep.reward
-        return out
     ends = [*ep.turn_starts[1:], len(ep.token_ids)]
-    for end, r in zip(ends, ep.turn_rewards):
+    for end, r in zip(ends, _rewards_per_turn(ep)):
         before = gen[gen < end]
         if before.numel():
             out[before[-1]] += r

@@ -184,5 +184,5 @@ def _clip(module, max_norm: float) -> float:
     total = norms[0] if len(norms) == 1 else torch.stack([n.float().cpu() for n in norms]).norm()
     if max_norm > 0:
         for g, n in zip(groups, norms):
-            torch.nn.utils.clip_grads_with_norm_(g, max_norm, total.to(n.device) if len(norms) > 1 else n)
+            torch.nn.utils.clip_grads_with_norm_(g, max_norm, total.to(n.device))
     return float(total)
