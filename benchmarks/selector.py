@@ -113,9 +113,10 @@ def make_budgeted_strategy(budget_bytes: int, enforce: bool, peaks: list):
     class BudgetedEarlStrategy(EarlStrategy):
         @contextmanager
         def stage(self, name, stats=None):
-            with super().stage(name, stats) as layout:
+            with super().stage(name, stats) as ctx:
+                layout = ctx.layout
                 base = reset_peak()
-                yield layout
+                yield ctx
                 used = torch.tensor([peak_since_reset() - base], dtype=torch.float64)
                 dist.all_reduce(used, op=dist.ReduceOp.MAX)  # a stage fails if any rank runs out
                 over = float(used) > budget_bytes
@@ -162,8 +163,10 @@ def make_datamodule(steps_per_phase: int):
 def make_module():
     from earl_lightning.modules import AgenticRLModule
 
-    return AgenticRLModule(model="earl-tiny", max_turns=8, max_new_tokens=1, max_context_tokens=7168,
-                           micro_batch_tokens=BIG, lr=1e-4, ppo_epochs=2, transcript_every_n_steps=0, seed=0)
+    return AgenticRLModule(model="earl-tiny", rollout=dict(max_turns=8, max_context_tokens=7168,
+                                                           sampling=dict(max_new_tokens=1)),
+                           optim=dict(micro_batch_tokens=BIG, lr=1e-4, ppo_epochs=2), transcript_every_n_steps=0,
+                           seed=0)
 
 
 def parse_policy(policy: str) -> Layout:
@@ -261,7 +264,7 @@ def bench_worker(rank, world, port, policies, rounds, budget, steps_per_phase, p
 
 def run_profile(rank, out, repeats):
     from earl_lightning.models import load_model, load_tokenizer
-    from earl_lightning.parallel.profiler import ProfileGrid, profile_stages
+    from earl_lightning.profiling.stages import ProfileGrid, profile_stages
 
     placements = [Layout(d, t, m) for d, t in ((2, 1), (1, 2)) for m in (BIG, SMALL)]
     layouts = placements + [Layout(2, 1, m, True) for m in (BIG, SMALL)]  # checkpointing: train stage only

@@ -5,7 +5,7 @@
     earl profile --config recipes/connect4_grpo.yaml --out profiles/connect4 --budget-s 300
 
 ``profile`` is not a LightningCLI subcommand: it measures the recipe's model per stage and layout
-(:mod:`earl_lightning.parallel.profiler`) for ``AdaptiveParallelism(profile=...)``.
+(:mod:`earl_lightning.profiling.stages`) for ``AdaptiveParallelism(profile=...)``.
 
 The omegaconf parser mode lets recipes interpolate (``${model.max_new_tokens}``).
 """
@@ -15,10 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from earl_lightning.callbacks import StepProgressBar
 from earl_lightning.data.datamodule import EpisodeDataModule
 from earl_lightning.modules.rl import AgenticRLModule
+from earl_lightning.warnings_filter import install_warning_filters
 
 # Imported for its side effect: registers "earl" in Lightning's StrategyRegistry, so a recipe's
 # `trainer.strategy: earl` resolves. Optional while the strategy is being built.
@@ -37,12 +41,23 @@ class EarlCLI(LightningCLI):
             print(f"earl: error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
 
+    def instantiate_trainer(self, **kwargs) -> Trainer:
+        # The step-counting bar is the default, added here rather than through `trainer_defaults`
+        # (which LightningCLI appends to every run): a recipe's own progress bar wins, and
+        # `--trainer.enable_progress_bar false` still means no bar.
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs.setdefault("callbacks", [*callbacks, StepProgressBar()])
+        return super().instantiate_trainer(**kwargs)
+
 
 def profile_command(argv: list[str]) -> None:
-    """``earl profile``: argument parsing; the work is :func:`earl_lightning.parallel.profiler.profile_recipe`."""
+    """``earl profile``: argument parsing; the work is :func:`earl_lightning.profiling.stages.profile_recipe`."""
     import argparse
 
-    from earl_lightning.parallel.profiler import profile_recipe
+    from earl_lightning.profiling.stages import profile_recipe
 
     parser = argparse.ArgumentParser(prog="earl profile", description=(
         "Measure each RL stage's tokens/s per context length x number of sequences x layout for a recipe's "
@@ -67,6 +82,7 @@ def profile_command(argv: list[str]) -> None:
 
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    install_warning_filters()  # again at each call: a caller's warnings.catch_warnings() may have reset them
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["profile"]:
         profile_command(argv[1:])

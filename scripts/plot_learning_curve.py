@@ -25,14 +25,16 @@ def read_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def default_title(logdir: Path) -> str:
-    """'earl_lightning: <ALGORITHM> (<model>)' from the run's saved hyperparameters, when present."""
+    """'earl_lightning: <estimator> + <loss> (<model>)' from the run's saved hyperparameters, when present."""
     import yaml
 
     hp_file = logdir / "hparams.yaml"
     hp = (yaml.safe_load(hp_file.read_text()) or {}) if hp_file.exists() else {}
-    if not hp.get("algorithm"):
+    algo = hp.get("algorithm")
+    if not isinstance(algo, dict) or "advantage" not in algo:
         return "earl_lightning learning curve"
-    return f"earl_lightning: {str(hp['algorithm']).upper()} ({hp.get('model', '?')})"
+    loss = (algo.get("loss") or {}).get("name", "ppo_clip")
+    return f"earl_lightning: {algo['advantage']['name']} + {loss} ({hp.get('model', '?')})"
 
 
 def plot(scalars: dict, out: Path, title: str) -> None:

@@ -5,11 +5,9 @@ name; the ``get_*`` lookups raise a ValueError listing the valid names, for conf
 """
 
 from earl_lightning.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
     GRPO_SCALES,
     discounted_returns,
     gae_advantages,
-    get_advantage_estimator,
     grpo_advantages,
     outcome_to_token_rewards,
     reinforce_pp_advantages,
@@ -17,6 +15,14 @@ from earl_lightning.algorithms.advantages import (
     whiten,
 )
 from earl_lightning.algorithms.aggregation import LOSS_AGGREGATIONS, aggregate, get_loss_aggregation, local_counts
+from earl_lightning.algorithms.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    AdvantageInputs,
+    AdvantageOutput,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
 from earl_lightning.algorithms.kl import (
     KL_ESTIMATORS,
     get_kl_estimator,
@@ -39,6 +45,7 @@ from earl_lightning.algorithms.losses import (
     check_clip_args,
     get_policy_loss,
     gspo_loss,
+    register_policy_loss,
     ppo_clip_loss,
     value_loss,
 )
@@ -47,11 +54,11 @@ from earl_lightning.algorithms.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "GRPO_SCALES", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "POLICY_LOSSES",
-    "Moments", "PolicyLossStats", "Registry",
+    "AdvantageEstimator", "AdvantageInputs", "AdvantageOutput", "Moments", "PolicyLossStats", "Registry",
     "aggregate", "check_clip_args", "discounted_returns", "entropy", "entropy_bonus", "gae_advantages",
     "get_advantage_estimator", "get_kl_estimator", "get_loss_aggregation", "get_policy_loss",
     "grouped_moments", "grpo_advantages", "gspo_loss", "kl_divergence", "kl_k1", "kl_k2", "kl_k3",
     "kl_penalized_rewards", "local_counts", "logprobs_from_logits", "moments", "outcome_to_token_rewards",
-    "ppo_clip_loss", "reinforce_pp_advantages", "rloo_advantages", "shifted_entropy",
+    "ppo_clip_loss", "register_advantage_estimator", "register_policy_loss", "reinforce_pp_advantages", "rloo_advantages", "shifted_entropy",
     "shifted_logprobs", "value_loss", "whiten",
 ]

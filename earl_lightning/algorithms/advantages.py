@@ -4,6 +4,7 @@ Shapes: ``S`` sequences (episodes), ``B`` rows of a padded batch, ``T`` padded w
 follow data/experience.py: ``mask[b, t] = 1`` iff the policy generated token ``t``; everything else
 (prompt, environment observations, padding) is not a step of the policy and gets advantage 0.
 
+The registered, uniform estimators built on these functions live in :mod:`.estimators`.
 Estimators that normalize over a set spread across ranks (a group, the batch) take optional
 :class:`Moments`. The local call computes local moments and then runs the very same code, so a
 distributed caller that all-reduces the local moments gets the single-process answer.
@@ -11,7 +12,7 @@ distributed caller that all-reduces the local moments gets the single-process an
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -25,20 +26,11 @@ from earl_lightning.algorithms._checks import (
     check_unit_interval,
 )
 from earl_lightning.algorithms.moments import STAT_DTYPE, Moments, check_group_ids, grouped_moments, moments
-from earl_lightning.algorithms.registry import Registry
-
-ADVANTAGE_ESTIMATORS: Registry[Callable[..., object]] = Registry("advantage estimators")
 GRPO_SCALES = ("group", "batch", "none")
 GrpoScale = Literal["group", "batch", "none"]
 
 
-def get_advantage_estimator(name: str, arg: str = "advantage_estimator") -> Callable[..., object]:
-    """The estimator registered as ``name``; an unknown name lists the valid ones."""
-    return ADVANTAGE_ESTIMATORS.get(name, arg)
-
-
 # ---- outcome-level (one reward per sequence) ----------------------------------------------------
-@ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo_advantages(
     rewards: Tensor,
     group_ids: Tensor,
@@ -79,7 +71,6 @@ def _normalize_in_groups(
     return (centered / (std + eps)).to(rewards.dtype)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo_advantages(
     rewards: Tensor, group_ids: Tensor, *, num_groups: int, group: Moments | None = None
 ) -> Tensor:
@@ -160,7 +151,6 @@ def whiten(x: Tensor, mask: Tensor, stats: Moments | None = None, *, eps: float 
     return torch.where(mask.bool(), out, torch.zeros_like(out)).to(x.dtype)
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
 def reinforce_pp_advantages(
     token_rewards: Tensor,
     mask: Tensor,
@@ -180,7 +170,6 @@ def reinforce_pp_advantages(
     return whiten(returns, mask, batch, eps=eps)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
 def gae_advantages(
     token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[Tensor, Tensor]:

@@ -3,12 +3,18 @@
 Every loss returns per-token values [B, T] (0 where ``mask`` is 0) plus detached statistics over the
 masked tokens; turning them into a scalar is :func:`aggregation.aggregate`'s job, so one loss works
 with every aggregation mode and with micro-batching.
+
+The policy-loss contract (what ``algorithm.loss.name`` selects): ``fn(logprobs, old_logprobs,
+advantages, mask, **params) -> (per-token losses [B, T], stats)``, where ``stats`` is a
+:class:`PolicyLossStats` or a mapping of name -> scalar tensor, each a mean over the masked tokens
+(logged as ``policy/<name>``). Register one with ``@register_policy_loss("name")``, or name an
+unregistered function by import path.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -33,9 +39,33 @@ class PolicyLossStats:
     def as_dict(self, prefix: str = "policy/") -> dict[str, Tensor]:
         return {prefix + k: v for k, v in asdict(self).items()}
 
+    def token_means(self) -> dict[str, Tensor]:
+        """The statistics that are means over the masked tokens (``ratio_max`` is not)."""
+        return {"clip_frac": self.clip_frac, "dual_clip_frac": self.dual_clip_frac, "approx_kl": self.approx_kl,
+                "ratio_mean": self.ratio_mean}
 
-PolicyLossFn = Callable[..., tuple[Tensor, PolicyLossStats]]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy losses")
+
+PolicyLossFn = Callable[..., tuple[Tensor, "PolicyLossStats | Mapping[str, Tensor]"]]
+
+
+def _adapt(obj: object, arg: str) -> PolicyLossFn:
+    if not callable(obj):
+        raise ValueError(f"`{arg}` names {obj!r}, which is not a function; a policy loss is "
+                         f"`fn(logprobs, old_logprobs, advantages, mask, **params) -> (losses, stats)`")
+    return obj
+
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy losses", adapt=_adapt)
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy loss (module docstring) as ``name``."""
+    return POLICY_LOSSES.register(name)
+
+
+def loss_stat_means(stats: "PolicyLossStats | Mapping[str, Tensor]") -> dict[str, Tensor]:
+    """A loss's statistics as token means (the contract allows either form)."""
+    return stats.token_means() if isinstance(stats, PolicyLossStats) else dict(stats)
 
 
 def get_policy_loss(name: str, arg: str = "policy_loss") -> PolicyLossFn:
@@ -56,7 +86,7 @@ def check_clip_args(clip_low: float, clip_high: float, dual_clip: float | None) 
         raise ValueError(f"`dual_clip` must be None or a number > 1, got {dual_clip!r}")
 
 
-@POLICY_LOSSES.register("ppo_clip")
+@register_policy_loss("ppo_clip")
 def ppo_clip_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -79,7 +109,7 @@ def ppo_clip_loss(
     return _clipped_surrogate(log_ratio, log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
 
 
-@POLICY_LOSSES.register("gspo")
+@register_policy_loss("gspo")
 def gspo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,

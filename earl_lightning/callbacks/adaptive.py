@@ -18,10 +18,12 @@ from typing import Any, Literal, Mapping, Sequence, Union
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from earl_lightning.callbacks.base import StageOOMHandler, WorkloadSource
 from earl_lightning.parallel.layout import STAGES, Layout
-from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel
+from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel, Workload
 from earl_lightning.parallel.profile import ProfileTable, layout_key
 from earl_lightning.parallel.selector import Decision, Selector, bucket_of
 
@@ -61,7 +63,7 @@ def _to_layout(value: Any, arg: str) -> Layout:
     return Layout.coerce(dict(value) if isinstance(value, Mapping) else value, arg)
 
 
-class AdaptiveParallelism(L.Callback):
+class AdaptiveParallelism(StageOOMHandler):
     """Choose every RL stage's parallel layout at every step (needs ``EarlStrategy``).
 
     Args:
@@ -148,14 +150,13 @@ class AdaptiveParallelism(L.Callback):
     def build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Selector:
         """Build the memory model and the selector and register them with the strategy."""
         strategy = trainer.strategy
-        model, hp = self._policy(pl_module, strategy), pl_module.hparams
+        model, work = self._policy(pl_module, strategy), self._workload(pl_module)
         memory = MemoryModel(model.config, str(next(model.parameters()).dtype), self._optimizer_name(trainer),
-                             rollout_backend=hp.get("backend", "hf"),
-                             reference_model=getattr(pl_module, "ref_policy", None) is not None)
-        self._default_context = float(hp.get("max_context_tokens", 1))
-        per_stage = self._candidates(strategy, memory, hp)
+                             rollout_backend=work.backend, reference_model=work.reference_model)
+        self._default_context = float(work.max_context_tokens)
+        per_stage = self._candidates(strategy, memory, work)
         if self.table is None and self.profile_budget_s is not None:
-            self.table = self._profile(trainer, pl_module, model, per_stage, hp)
+            self.table = self._profile(trainer, pl_module, model, per_stage, work)
         self.selector = Selector(per_stage, memory, self.table, self._budget_bytes(trainer),
                                  safety_margin=self.safety_margin, hysteresis=self.hysteresis,
                                  amortize_steps=self.amortize_steps)
@@ -174,10 +175,9 @@ class AdaptiveParallelism(L.Callback):
         if trainer.global_rank != 0 or not decisions:
             return
         for logger in trainer.loggers:
-            add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
-            if callable(add_text):
+            if isinstance(logger, TensorBoardLogger):
                 for stage, d in decisions.items():
-                    add_text(f"layout/{stage}", _describe(d), trainer.global_step)
+                    logger.experiment.add_text(f"layout/{stage}", _describe(d), trainer.global_step)
 
     def on_stage_oom(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str,
                      stats: Mapping[str, Any] | None, err: BaseException) -> bool:
@@ -247,8 +247,8 @@ class AdaptiveParallelism(L.Callback):
         self.history.append(dict(step=step, stage=stage, layout=layout_key(d.layout), switched=d.switched,
                                  predicted_bytes=d.predicted_bytes, predicted_tokens_per_s=d.predicted_tokens_per_s,
                                  reason=d.reason, context_mean=full["context_mean"], num_seqs=full["num_seqs"]))
-        metrics = getattr(getattr(self._trainer, "strategy", None), "stage_metrics", None)
-        if isinstance(metrics, dict):
+        if self._trainer is not None:  # the strategy logs these with the stage's layout
+            metrics = self._trainer.strategy.stage_metrics
             metrics[f"layout/{stage}/predicted_mib"] = d.predicted_bytes / 2**20
             metrics[f"layout/{stage}/micro_batch_tokens"] = float(d.layout.micro_batch_tokens)
             if stage == "train":
@@ -260,10 +260,19 @@ class AdaptiveParallelism(L.Callback):
 
     # ---- construction helpers ----------------------------------------------------------------
     @staticmethod
+    def _workload(pl_module: L.LightningModule) -> Workload:
+        if not isinstance(pl_module, WorkloadSource):
+            raise ValueError(f"AdaptiveParallelism sizes layouts from the module's declared `workload` and "
+                             f"`tokenizer` (AgenticRLModule has both); {type(pl_module).__name__} lacks them")
+        return pl_module.workload
+
+    @staticmethod
     def _policy(pl_module: L.LightningModule, strategy: Any) -> torch.nn.Module:
+        from transformers import PreTrainedModel
+
         for attr in strategy.model_attrs:
             model = getattr(pl_module, attr, None)
-            if model is not None and hasattr(model, "config"):
+            if isinstance(model, PreTrainedModel):
                 return model
         raise ValueError(f"AdaptiveParallelism sizes layouts from the module's HF model; none of the strategy's "
                          f"`model_attrs` {list(strategy.model_attrs)} holds one on {type(pl_module).__name__}")
@@ -277,7 +286,7 @@ class AdaptiveParallelism(L.Callback):
     def _budget_bytes(self, trainer: L.Trainer) -> int:
         if self.memory_budget_bytes is not None:
             return int(self.memory_budget_bytes)
-        gb = self.memory_budget_gb or getattr(trainer.strategy, "memory_budget_gb", None)
+        gb = self.memory_budget_gb or trainer.strategy.memory_budget_gb
         if gb:
             return int(gb * GIB)
         device = trainer.strategy.root_device
@@ -286,13 +295,13 @@ class AdaptiveParallelism(L.Callback):
         per_node = max(1, trainer.world_size // max(1, trainer.num_nodes))
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node)
 
-    def _mbt_options(self, hp: Any) -> list[int]:
+    def _mbt_options(self, work: Workload) -> list[int]:
         if self.micro_batch_tokens is not None:
             return sorted(set(self.micro_batch_tokens), reverse=True)
-        base = int(hp.get("micro_batch_tokens", Layout().micro_batch_tokens))
+        base = int(work.micro_batch_tokens)
         return sorted({max(1, base // f) for f in (1, 2, 4)}, reverse=True)
 
-    def _candidates(self, strategy: Any, memory: MemoryModel, hp: Any) -> dict[str, list[Layout]]:
+    def _candidates(self, strategy: Any, memory: MemoryModel, work: Workload) -> dict[str, list[Layout]]:
         z, world = memory.sizes, strategy.world_size
         if self.candidates == "auto":
             places = Layout.factorizations(world, z.num_heads, z.num_kv_heads)
@@ -301,7 +310,7 @@ class AdaptiveParallelism(L.Callback):
                 places = [p for p in places if any((a.dp, a.tp) == (p.dp, p.tp) for a in allowed)]
         else:
             places = self.candidates
-        mbts = self._mbt_options(hp)
+        mbts = self._mbt_options(work)
         knobs = lambda p: [Layout(p.dp, p.tp, m, p.activation_checkpointing) for m in mbts]  # noqa: E731
         unique = list({(p.dp, p.tp, p.activation_checkpointing): p for p in places}.values())
         inference = [lay for p in unique for lay in knobs(p)]
@@ -310,17 +319,15 @@ class AdaptiveParallelism(L.Callback):
         train_options = [Layout(train.dp, train.tp, m, a) for a in ckpts for m in mbts]
         return {"rollout": inference, "experience": inference, "train": train_options}
 
-    def _profile(self, trainer, pl_module, model, per_stage, hp) -> ProfileTable:
+    def _profile(self, trainer, pl_module, model, per_stage, work: Workload) -> ProfileTable:
         from transformers import AutoModelForCausalLM
 
-        from earl_lightning.parallel.profiler import ProfileGrid, profile_stages
+        from earl_lightning.profiling.stages import ProfileGrid, profile_stages
 
         layouts = list({layout_key(c): c for s in STAGES for c in per_stage[s]}.values())
         top = int(self._default_context) if self._default_context > 1 else 4096
         contexts = self.profile_contexts or [c for c in (256, 1024, 4096, 16384, 65536) if c <= max(top, 256)]
-        dm = getattr(trainer, "datamodule", None)
-        grid = ProfileGrid(contexts=contexts, num_seqs=[int(getattr(dm, "batch_size", 8) or 8)],
-                           gen_len=int(hp.get("max_new_tokens", 8)))
+        grid = ProfileGrid(contexts=contexts, num_seqs=[_batch_size(trainer)], gen_len=int(work.max_new_tokens))
         dtype, config = next(model.parameters()).dtype, model.config
         run = profile_stages(lambda: AutoModelForCausalLM.from_config(config).to(dtype), pl_module.tokenizer,
                              layouts=layouts, grid=grid, model_name=getattr(config, "_name_or_path", "") or "model",
@@ -341,6 +348,14 @@ class _StageSelector:
 
     def select(self, stage: str, stats: Mapping[str, Any] | None, current: Layout) -> Layout:
         return self.callback.decide(stage, stats, current)
+
+
+def _batch_size(trainer: L.Trainer) -> int:
+    """Episodes per RL step of the trainer's EpisodeDataModule (8 without one)."""
+    from earl_lightning.data.datamodule import EpisodeDataModule
+
+    dm = trainer.datamodule
+    return int(dm.batch_size) if isinstance(dm, EpisodeDataModule) else 8
 
 
 def _describe(d: Decision) -> str:

@@ -20,10 +20,8 @@ import torch
 import torch.distributed as dist
 
 from earl_lightning.data.dispatcher import (
-    Dispatcher,
     check_layout,
     chunk_elements,
-    comm_device,
     dispatch_stats,
     gather_metadata,
     pack_chunks,
@@ -33,6 +31,7 @@ from earl_lightning.data.dispatcher import (
 )
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.planner import DispatchPlan, make_plan
+from earl_lightning.parallel.collectives import comm_device
 from earl_lightning.parallel.layout import Layout
 
 CENTRAL_METHODS = ("tensor", "object")
@@ -65,8 +64,6 @@ class CentralizedDispatcher:
         out, plan = run(batch, to, src, keep_groups)
         self.last_stats = dispatch_stats(plan, rank, time.perf_counter() - start, out)
         return out
-
-    metrics = Dispatcher.metrics
 
     # -- tensors through gather / scatter --------------------------------------------------------
     def _exchange_tensor(self, batch: ExperienceBatch, to: Layout, src: Layout, keep_groups: bool,

@@ -1,9 +1,11 @@
-"""The DataModule: a stream of episode specs, one global RL batch per training step.
+"""The DataModule: a stream of episode specs, one global RL batch per training step, and the
+exchanger that decides where episodes and experience rows live.
 
-Every rank sees the same global batch; the LightningModule takes its share according to the
-rollout layout of the moment (which can change between steps), so the data pipeline does not need
-to know about layouts. Batch ``k`` is a pure function of ``(seed, k)``: a resumed run picks up at
-the module's checkpointed iteration count and sees exactly the batches an uninterrupted run would have seen.
+Every rank sees the same global batch; the DataModule's :class:`~earl_lightning.data.exchange.Exchanger`
+gives each rank its share under the rollout layout of the moment (which can change between steps)
+and moves experience between stage layouts. Batch ``k`` is a pure function of ``(seed, k)``: a
+resumed run picks up at the trainer's restored step and sees exactly the batches an uninterrupted
+run would have seen.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, Iterator
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
+from earl_lightning.data.exchange import DispatchConfig, Exchanger
+from earl_lightning.groups import coerce, to_dict
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.rollout.types import EpisodeSpec
 
@@ -63,18 +67,20 @@ class EpisodeDataModule(L.LightningDataModule):
     """Episode specs for agentic RL.
 
     Args:
-        env: registered environment name (``connect_four``, ``openspiel``, ``calculator``, ``textarena``...).
+        env: registered environment name (``connect_four``, ``openspiel``, ``calculator``, ``textarena``,
+            ``recall``) or the import path of an Env class or factory (``my_package.envs.GuessGame``).
         env_kwargs: keyword arguments of the environment (e.g. ``{"opponent": "random"}``).
         batch_size: episodes per RL step, over all ranks.
         group_size: episodes per GRPO group; they share a seed. Must divide ``batch_size``.
         seed: base seed of the training episodes.
         eval_episodes: fixed evaluation seeds played greedily by ``validation_step`` (0 disables).
         eval_env_kwargs: overrides of ``env_kwargs`` for evaluation (e.g. another opponent).
+        dispatch: how experience moves between stage layouts (the exchanger's options).
     """
 
     def __init__(self, env: str = "connect_four", env_kwargs: dict[str, Any] | None = None, batch_size: int = 64,
                  group_size: int = 8, seed: int = 0, eval_episodes: int = 128,
-                 eval_env_kwargs: dict[str, Any] | None = None):
+                 eval_env_kwargs: dict[str, Any] | None = None, dispatch: DispatchConfig = DispatchConfig()):
         super().__init__()
         check_env_name(env, "--data.env")
         for name, v in (("batch_size", batch_size), ("group_size", group_size)):
@@ -93,15 +99,18 @@ class EpisodeDataModule(L.LightningDataModule):
         make_env(env, "--data.env", **self.env_kwargs)  # bad env kwargs fail now, not at step 1
         self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
         self.eval_episodes = eval_episodes
-        self.save_hyperparameters()
+        dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
+        self.exchanger = Exchanger(dispatch)
+        self.save_hyperparameters(ignore=["dispatch"])
+        self.hparams["dispatch"] = to_dict(dispatch)
 
     def first_spec(self) -> EpisodeSpec:
         return EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed).batch(0)[0]
 
     def train_dataloader(self) -> DataLoader:
-        # the module checkpoints how many RL iterations it has done; a resumed run continues there
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        start = getattr(module, "rl_iteration", 0) if module is not None else 0
+        # One RL iteration is one optimizer step of the trainer: a resumed run has its global step
+        # restored before this is called, and continues the stream there.
+        start = self.trainer.global_step if self.trainer is not None else 0
         stream = EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, start)
         return DataLoader(stream, batch_size=1, collate_fn=_identity, num_workers=0)
 

@@ -29,6 +29,7 @@ from earl_lightning.data.experience import (
     schema_fingerprint,
 )
 from earl_lightning.data.planner import TP_MODES, DispatchPlan, TpMode, broadcast_chain, make_plan
+from earl_lightning.parallel.collectives import comm_device
 from earl_lightning.parallel.layout import Layout
 
 # Sequence lengths travel with the data so the receiver rebuilds cu_seqlens from what it received.
@@ -116,13 +117,6 @@ def unpack_chunks(buffers: dict[torch.dtype, torch.Tensor], batch_schema: tuple[
 
 
 # ---- metadata (shared with the centralized baseline) --------------------------------------------
-def comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where collective buffers must live: the current CUDA device under NCCL, else the host."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def gather_metadata(batch: ExperienceBatch, group: dist.ProcessGroup | None, keep_groups: bool,
                     ) -> tuple[ExperienceBatch, list[list[int]], list[list[int]]]:
     """All-gather every rank's per-sequence token counts and group ids (small int64 tensors only).
@@ -279,11 +273,6 @@ class Dispatcher:
             dist.broadcast(buffer, group=pg, group_src=members.index(root))
             out[dtype] = buffer
         return out, root
-
-    def metrics(self, prefix: str = "dispatch/") -> dict[str, float]:
-        """The last exchange's ``bytes``, ``seconds`` and ``imbalance`` under ``prefix``, for
-        ``LightningModule.log_dict``; empty before the first exchange."""
-        return {prefix + k: self.last_stats[k] for k in ("bytes", "seconds", "imbalance") if k in self.last_stats}
 
     def _subgroup(self, ranks: list[int]) -> dist.ProcessGroup:
         key = tuple(ranks)

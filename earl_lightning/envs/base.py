@@ -1,9 +1,16 @@
-"""The environment protocol and the registry that builds environments by name."""
+"""The environment protocol and the registry that builds environments by name or import path.
+
+This module imports nothing from ``earl_lightning.envs``: the built-in envs import it to register
+themselves, and ``earl_lightning/envs/__init__.py`` imports them, so they are registered whenever
+any part of the package is imported.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
+
+from earl_lightning.registry import Registry
 
 
 @dataclass
@@ -29,37 +36,55 @@ class Env(Protocol):
     def step(self, action: str) -> StepResult: ...
 
 
-_REGISTRY: dict[str, Callable[..., Env]] = {}
+class _NotCallable(ValueError):
+    """Raised by the registry's ``adapt``, which is handed the object but not the path the user
+    wrote; :func:`_factory` re-raises it with the path."""
+
+    def __init__(self, arg: str, obj: Any, path: str = "") -> None:
+        self.obj = obj
+        where = f" {path!r}" if path else ""
+        super().__init__(f"`{arg}`{where} is {obj!r:.80} (type {type(obj).__name__}), which is not "
+                         f"callable; an environment import path must name an Env class or a function "
+                         f"that returns an Env")
 
 
-def register_env(name: str) -> Callable[[Callable[..., Env]], Callable[..., Env]]:
-    def deco(factory: Callable[..., Env]) -> Callable[..., Env]:
-        _REGISTRY[name] = factory
-        return factory
+def _as_factory(obj: Any, arg: str) -> Callable[..., Env]:
+    """``adapt`` for objects reached by import path: an Env class or a factory is used as is."""
+    if not callable(obj):
+        raise _NotCallable(arg, obj)
+    return obj
 
-    return deco
+
+ENVS: Registry[Callable[..., Env]] = Registry("environments", adapt=_as_factory)
+
+
+def register_env(name: str) -> Callable[[Any], Any]:
+    """Decorator registering an Env class or factory as ``name`` (usable as ``--data.env name``)."""
+    return ENVS.register(name)
 
 
 def env_names() -> list[str]:
-    _import_builtins()
-    return sorted(_REGISTRY)
+    return ENVS.names()
 
 
 def make_env(name: str, arg: str = "env", **kwargs: Any) -> Env:
-    """Build a registered environment; an unknown name lists the valid ones."""
-    _import_builtins()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown `{arg}` {name!r}; valid environments: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
+    """Build the environment registered as ``name``, or the Env class / factory at the import path
+    ``name`` (``my_package.envs.GuessGame``), with ``kwargs``. ``arg`` is the config argument the
+    name came from; every error names it."""
+    env = _factory(name, arg)(**kwargs)
+    if not isinstance(env, Env):
+        raise ValueError(f"`{arg}` {name!r} built a {type(env).__name__}, which does not implement the Env "
+                         f"protocol (reset(seed) -> str, step(action) -> StepResult)")
+    return env
 
 
 def check_env_name(name: str, arg: str = "env") -> None:
-    """Config-time check, so a typo fails before the first step."""
-    _import_builtins()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown `{arg}` {name!r}; valid environments: {sorted(_REGISTRY)}")
+    """Config-time check, so a typo or a bad import path fails before the first step."""
+    _factory(name, arg)
 
 
-def _import_builtins() -> None:
-    # Imported lazily so that `envs.base` stays importable without OpenSpiel or TextArena.
-    from earl_lightning.envs import builtin  # noqa: F401
+def _factory(name: str, arg: str) -> Callable[..., Env]:
+    try:
+        return ENVS.get(name, arg)
+    except _NotCallable as err:
+        raise _NotCallable(arg, err.obj, name) from None

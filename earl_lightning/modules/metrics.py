@@ -1,63 +1,146 @@
-"""Metrics of an RL iteration: episode outcomes, context lengths, stage timings, transcripts.
+"""The run's metrics as torchmetrics: episode outcomes, context lengths, generated tokens, stage
+timings, and episode transcripts for TensorBoard.
 
-Counts are summed over ranks by the caller (one all-reduce of a small tensor), so every rate is
-over the whole batch, not rank 0's share.
+Every metric synchronizes its states across ranks (sums, maxima), so a multi-process run logs
+global values. Ranks of one tensor-parallel group play the same episodes: only TP rank 0 updates
+with its episodes (the others update with zeros), so nothing is counted twice. Training-step
+values are synchronized on each step (``dist_sync_on_step``); validation metrics are logged as
+metric objects, which Lightning computes (and synchronizes) at the end of the validation run.
+A rate whose numerator never occurs for the environment (a win rate where episodes have no
+outcome) is not shown.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any, Iterator, Sequence
 
 import torch
+from torch import nn
+from torchmetrics import Metric
+from torchmetrics.aggregation import MaxMetric, SumMetric
 
 from earl_lightning.data.experience import ExperienceBatch
 
 # order of the entries of the count vector
-_COUNT_KEYS = ("episodes", "reward_sum", "wins", "draws", "losses", "invalid", "errors", "truncated", "turns")
+COUNT_KEYS = ("episodes", "reward_sum", "wins", "draws", "losses", "outcomes", "invalid", "errors", "truncated",
+              "turns")
+# metric name -> (numerator, denominator) in COUNT_KEYS
+RATES = {
+    "reward/mean": ("reward_sum", "episodes"), "env/win_rate": ("wins", "episodes"),
+    "env/draw_rate": ("draws", "episodes"), "env/loss_rate": ("losses", "episodes"),
+    "env/invalid_rate": ("invalid", "episodes"), "env/truncated_rate": ("truncated", "episodes"),
+    "env/turns": ("turns", "episodes"),
+}
+OUTCOME_RATES = ("env/win_rate", "env/draw_rate", "env/loss_rate")
 
 
-def spec_stats(specs, gen_len: int) -> dict:
-    return {"num_seqs": len(specs), "gen_len": gen_len}
+class Rate(Metric):
+    """``sum(numerator) / sum(denominator)`` over updates and ranks (0 before any denominator)."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("num", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("den", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, num: float, den: float) -> None:
+        self.num += num
+        self.den += den
+
+    def compute(self) -> torch.Tensor:
+        return (self.num / self.den).float() if self.den > 0 else torch.zeros(())
 
 
-def episode_counts(episodes) -> torch.Tensor:
-    c = dict.fromkeys(_COUNT_KEYS, 0.0)
+def episode_counts(episodes: Sequence[Any]) -> dict[str, float]:
+    c = dict.fromkeys(COUNT_KEYS, 0.0)
     for ep in episodes:
         c["episodes"] += 1
         c["reward_sum"] += ep.reward
         c["wins"] += ep.outcome == "win"
         c["draws"] += ep.outcome == "draw"
         c["losses"] += ep.outcome == "loss"
+        c["outcomes"] += ep.outcome is not None
         c["invalid"] += bool(ep.invalid_action)
         c["errors"] += ep.error is not None
         c["truncated"] += bool(ep.truncated)
         c["turns"] += ep.num_turns
-    return torch.tensor([c[k] for k in _COUNT_KEYS], dtype=torch.float64)
+    return c
 
 
-def episode_metrics(counts: torch.Tensor) -> dict[str, float]:
-    c = dict(zip(_COUNT_KEYS, counts.tolist()))
-    n = max(c["episodes"], 1.0)
-    return {
-        "reward/mean": c["reward_sum"] / n,
-        "env/win_rate": c["wins"] / n,
-        "env/draw_rate": c["draws"] / n,
-        "env/loss_rate": c["losses"] / n,
-        "env/invalid_rate": c["invalid"] / n,
-        "env/errors": c["errors"],
-        "env/truncated_rate": c["truncated"] / n,
-        "env/turns": c["turns"] / n,
-    }
+def _episode_metrics(sync_on_step: bool) -> nn.ModuleDict:
+    metrics = {name: Rate(dist_sync_on_step=sync_on_step) for name in RATES}
+    metrics["env/errors"] = SumMetric(dist_sync_on_step=sync_on_step)
+    metrics["outcomes"] = SumMetric(dist_sync_on_step=sync_on_step)  # decides whether outcome rates apply
+    return nn.ModuleDict({_key(n): m for n, m in metrics.items()})
 
 
-def context_metrics(exp: ExperienceBatch, all_reduce) -> dict[str, float]:
-    lens = exp.seq_lens.double()
-    s = all_reduce(torch.tensor([float(lens.sum()), float(lens.numel())], dtype=torch.float64))
-    mx = torch.tensor([float(lens.max()) if lens.numel() else 0.0], dtype=torch.float64)
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(mx, op=torch.distributed.ReduceOp.MAX)
-    return {"context/mean": float(s[0] / max(s[1], 1.0)), "context/max": float(mx[0])}
+def _key(name: str) -> str:
+    return name.replace("/", "__")  # ModuleDict keys cannot contain dots; slashes read badly as attributes
+
+
+class RunMetrics(nn.Module):
+    """The metric objects of a run (children of the LightningModule, so they follow its device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_episodes = _episode_metrics(sync_on_step=True)
+        self.val_episodes = _episode_metrics(sync_on_step=False)
+        self.context_mean = Rate(dist_sync_on_step=True)
+        self.context_max = MaxMetric(dist_sync_on_step=True)
+        self.generated = SumMetric(dist_sync_on_step=True)
+        self.tokens = SumMetric(dist_sync_on_step=True)
+
+    def step(self, episodes: Sequence[Any], episodes_counted: bool, exp: ExperienceBatch,
+             rows_counted: bool) -> dict[str, float]:
+        """This training step's global episode and context figures (every rank must call it).
+        ``*_counted``: whether this rank's episodes (rollout layout) and experience rows (train
+        layout) count, i.e. it is TP rank 0 of its group there."""
+        c = episode_counts(episodes if episodes_counted else [])
+        out = {name: float(m(c[RATES[name][0]], c[RATES[name][1]])) for name, m in self._named(self.train_episodes)
+               if name in RATES}
+        out["env/errors"] = float(self.train_episodes[_key("env/errors")](c["errors"]))
+        outcomes = float(self.train_episodes["outcomes"](c["outcomes"]))  # the step's global count
+        lens = exp.seq_lens.double()
+        w = 1.0 if rows_counted else 0.0
+        out["context/mean"] = float(self.context_mean(w * float(lens.sum()), w * float(lens.numel())))
+        out["context/max"] = float(self.context_max(float(lens.max()) if lens.numel() else 0.0))
+        out["tokens/generated"] = float(self.generated(w * float(exp.tokens["action_mask"].sum())))
+        out["tokens/total"] = float(self.tokens(w * float(exp.num_tokens)))
+        return _applicable(out, outcomes)
+
+    def update_val(self, episodes: Sequence[Any], counted: bool) -> None:
+        c = episode_counts(episodes if counted else [])
+        for name, m in self._named(self.val_episodes):
+            if name in RATES:
+                m.update(c[RATES[name][0]], c[RATES[name][1]])
+        self.val_episodes[_key("env/errors")].update(c["errors"])
+        self.val_episodes["outcomes"].update(c["outcomes"])
+
+    def val_objects(self, has_outcomes: bool) -> dict[str, Metric]:
+        """The validation metrics to log (Lightning computes, syncs and resets them)."""
+        named = {"val/" + name.split("/", 1)[1]: m for name, m in self._named(self.val_episodes)
+                 if name != "outcomes" and (has_outcomes or name not in OUTCOME_RATES)}
+        named["val/reward"] = named.pop("val/mean")
+        return named
+
+    def compute_val(self, has_outcomes: bool) -> dict[str, float]:
+        """The validation values now (synced), then reset: the evaluation before the first update."""
+        out = {name: float(m.compute()) for name, m in self.val_objects(has_outcomes).items()}
+        for m in self.val_episodes.values():
+            m.reset()
+        return out
+
+    @staticmethod
+    def _named(metrics: nn.ModuleDict) -> Iterator[tuple[str, Metric]]:
+        for key, m in metrics.items():
+            yield key.replace("__", "/"), m
+
+
+def _applicable(values: dict[str, float], outcomes: float) -> dict[str, float]:
+    return {k: v for k, v in values.items() if outcomes > 0 or k not in OUTCOME_RATES}
 
 
 class StageTimer:
@@ -67,35 +150,35 @@ class StageTimer:
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
-    def metrics(self, exp: ExperienceBatch, all_reduce) -> dict[str, float]:
-        gen = float(exp.tokens["action_mask"].sum())
-        tot = float(exp.num_tokens)
-        gen, tot = all_reduce(torch.tensor([gen, tot], dtype=torch.float64)).tolist()
+    def metrics(self, generated: float, total: float) -> dict[str, float]:
+        """``generated`` / ``total``: the iteration's tokens over all ranks."""
         out = {}
         for name, sec in self.seconds.items():
             out[f"stage/{name}/seconds"] = sec
             # rollout throughput counts generated tokens; the other stages process every token
-            out[f"stage/{name}/tokens_per_s"] = (gen if name == "rollout" else tot) / max(sec, 1e-9)
+            out[f"stage/{name}/tokens_per_s"] = (generated if name == "rollout" else total) / max(sec, 1e-9)
         return out
 
 
-def format_transcript(ep) -> str:
+def format_transcript(ep: Any) -> str:
     head = (f"**env** {ep.spec.env} **seed** {ep.spec.seed} **reward** {ep.reward:+.2f} "
             f"**outcome** {ep.outcome} **turns** {ep.num_turns} **invalid** {ep.invalid_action}")
     body = "\n\n".join(f"**{m['role']}**:\n\n    " + m["content"].replace("\n", "\n    ") for m in ep.messages)
     return head + "\n\n" + body
 
 
-def log_transcripts(loggers, episodes, step: int) -> None:
+def log_transcripts(loggers: Sequence[Any], episodes: Sequence[Any], step: int) -> None:
+    """Episode transcripts as TensorBoard text (loggers that are not TensorBoard's are skipped)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
     for logger in loggers:
-        writer = getattr(logger, "experiment", None)
-        if hasattr(writer, "add_text"):
+        if isinstance(logger, TensorBoardLogger):
             for i, ep in enumerate(episodes):
-                writer.add_text(f"transcripts/episode_{i}", format_transcript(ep), global_step=step)
+                logger.experiment.add_text(f"transcripts/episode_{i}", format_transcript(ep), global_step=step)

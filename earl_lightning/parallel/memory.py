@@ -6,7 +6,7 @@ statistics (``stats``: ``num_seqs``, ``context_mean``, ``context_max``, ``contex
 rollout, the whole sequence in experience and train).
 
 The per-token coefficients below were measured on the project's own code paths (the padded
-micro-batch forward of ``modules/experience_ops.py`` and the HF generation backend) with
+micro-batch forward of ``data/forward.py`` and the HF generation backend) with
 ``torch.autograd.graph.saved_tensors_hooks`` and peak RSS; ``tests/unit/test_memory_model_measured.py``
 checks the resulting estimates against measured peaks. Pure arithmetic: no torch.distributed.
 """
@@ -183,6 +183,19 @@ class MemoryEstimate:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3f}GiB" if n >= 2**30 else f"{n / 2**20:.1f}MiB"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What an RL run declares for sizing its stages: the rollout engine, the longest context,
+    tokens generated per turn, the micro-batch budget, and whether a frozen reference model
+    runs in the experience stage."""
+
+    backend: RolloutBackend = "hf"
+    max_context_tokens: int = 4096
+    max_new_tokens: int = 8
+    micro_batch_tokens: int = 16384
+    reference_model: bool = False
 
 
 class MemoryModel:

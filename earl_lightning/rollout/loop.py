@@ -10,7 +10,7 @@ With ``history_turns=k`` the policy sees a bounded window instead of the whole c
 generated from [system] + the last ``k`` exchanges + the current observation (verl-agent's
 ``history_length``; ``k = 0``: the current observation only). The episode's sequence is still the
 whole chat (for transcripts and metrics), and ``Episode.turn_prompts`` records the prompt each turn
-was generated from: the trainer then learns from one row per turn (modules/experience_ops.py).
+was generated from: the trainer then learns from one row per turn (data/episodes.py).
 """
 
 from __future__ import annotations

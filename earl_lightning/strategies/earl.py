@@ -8,13 +8,13 @@ Hook contract with the LightningModule (modules stay free of parallel code):
 - In ``setup`` (after ``configure_model``, before ``configure_optimizers``) the strategy shards each
   of them for the train layout with :func:`parallelize_model` (TP, activation checkpointing, FSDP2),
   so the optimizer is built over the sharded parameters.
-- ``with strategy.stage(name, stats):`` picks the stage's layout (registered selector, else the
-  fixed per-stage layout), and syncs the stage's models into it. Inside, the module gets the model
-  placed for the current layout with ``strategy.stage_model("policy")`` (the train copy itself when
-  the layout's dp x tp equals the train layout's, else a cached replica: TP-sharded, dp-replicated,
-  weights refreshed by a layout-aware reshard whenever the train copy changed), and its share of
-  the episodes with ``strategy.layout_coords()`` -> (dp_rank, tp_rank): ranks of one TP group
-  process the same episodes with the same sampling seed.
+- ``with strategy.stage(name, stats) as ctx:`` (the :class:`StageStrategy` contract) picks the
+  stage's layout (registered selector, else the fixed per-stage layout), and syncs the stage's
+  models into it. ``ctx.model("policy")`` is the model placed for the stage's layout (the train
+  copy itself when the layout's dp x tp equals the train layout's, else a cached replica:
+  TP-sharded, dp-replicated, weights refreshed by a layout-aware reshard whenever the train copy
+  changed); ``ctx.reduce`` reduces over the layout with TP replicas counted once. Ranks of one
+  TP group process the same episodes with the same sampling seed.
 - Losses are normalized by the GLOBAL token count (all dp ranks): FSDP sums dp gradients.
 - Leaving ``stage("train")`` marks the trainable models as changed; call
   ``strategy.mark_weights_updated()`` if weights change elsewhere (e.g. an optimizer step outside
@@ -25,13 +25,11 @@ Hook contract with the LightningModule (modules stay free of parallel code):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal, Optional, Protocol, Union, runtime_checkable
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -40,6 +38,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from earl_lightning.parallel.collectives import Reducer, broadcast_object
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 from earl_lightning.parallel.parallelize import (
     build_replica,
@@ -50,6 +49,7 @@ from earl_lightning.parallel.parallelize import (
     set_activation_checkpointing,
 )
 from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
+from earl_lightning.strategies.stage import StageContext, StageStrategy
 
 LayoutArg = Union[Layout, dict, str]
 
@@ -92,7 +92,7 @@ def _same_placement(a: Layout, b: Layout) -> bool:
     return (a.dp, a.tp) == (b.dp, b.tp)
 
 
-class EarlStrategy(ModelParallelStrategy):
+class EarlStrategy(ModelParallelStrategy, StageStrategy):
     """FSDP2 x tensor parallel with a layout per RL stage.
 
     Arguments:
@@ -307,13 +307,14 @@ class EarlStrategy(ModelParallelStrategy):
     # ---- stages --------------------------------------------------------------------------------
     def register_selector(self, selector: LayoutSelector) -> None:
         """Let ``selector.select(stage, stats, current) -> Layout`` choose every stage's layout."""
-        if not callable(getattr(selector, "select", None)):
+        if not isinstance(selector, LayoutSelector):
             raise TypeError(f"a layout selector needs a `select(stage, stats, current)` method; got {selector!r}")
         self._selector = selector
 
     @contextmanager
-    def stage(self, name: str, stats: Optional[Mapping[str, Any]] = None) -> Iterator[Layout]:
-        """Run a stage under its layout (yielded); the train layout is current again afterwards."""
+    def stage(self, name: str, stats: Optional[Mapping[str, Any]] = None) -> Iterator[StageContext]:
+        """Run a stage under its layout; yields the :class:`StageContext` (layout, the stage's
+        models, a reducer over the layout). The train layout is current again afterwards."""
         check_stage(name, arg="stage")
         layout = self._select(name, stats)
         self._current, self.current_stage = layout, name
@@ -325,7 +326,7 @@ class EarlStrategy(ModelParallelStrategy):
             for attr in self.stage_models.get(name, ()):
                 if getattr(self.lightning_module, attr, None) is not None:
                     self.stage_model(attr)
-            yield layout
+            yield StageContext(name, layout, Reducer(layout), layout.micro_batch_tokens, self.stage_model)
         finally:
             self._current, self.current_stage = None, None
             if name == "train":
@@ -349,10 +350,7 @@ class EarlStrategy(ModelParallelStrategy):
         if self._selector is None:
             return self._fixed.get(name, self.train_layout)
         layout = self._selector.select(name, stats, self.current_layout)
-        if self.world_size > 1:  # one decision for all ranks, even if the selector's inputs differ
-            box = [layout]
-            torch.distributed.broadcast_object_list(box, src=0)
-            layout = box[0]
+        layout = broadcast_object(layout)  # one decision for all ranks, even if the selector's inputs differ
         if not isinstance(layout, Layout):
             raise TypeError(f"the layout selector returned {layout!r} for stage {name!r}; expected a Layout")
         layout.check_world(self.world_size, arg=f"selected layout for stage {name!r}")

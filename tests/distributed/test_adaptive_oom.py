@@ -63,7 +63,7 @@ def _fit(rank: int, world: int, root: str, profile_path: str) -> dict:
 
         setattr(owner, name, wrapped)
 
-    inject("rollout", rl.AgenticRLModule, "_rollout", VLLM_OOM, lambda lay: lay.tp == 1)
+    inject("rollout", rl.AgenticRLModule, "_play", VLLM_OOM, lambda lay: lay.tp == 1)
     inject("experience", rl, "fill_logprobs", CPU_OOM, lambda lay: lay.tp == 1)
     inject("train", rl, "ppo_update", CUDA_OOM, lambda lay: lay.micro_batch_tokens == 1024)
     cb = AdaptiveParallelism(profile=profile_path, memory_budget_gb=1, micro_batch_tokens=[1024, 256])
@@ -100,7 +100,7 @@ def _fit_one_rank_oom(rank: int, world: int, root: str, profile_path: str) -> di
 
     seen: list[str] = []
     box: dict = {}
-    real = rl.AgenticRLModule._rollout
+    real = rl.AgenticRLModule._play
 
     def rollout(self, *args, **kw):
         lay = box["strategy"].current_layout
@@ -109,7 +109,7 @@ def _fit_one_rank_oom(rank: int, world: int, root: str, profile_path: str) -> di
             raise CPU_OOM
         return real(self, *args, **kw)
 
-    rl.AgenticRLModule._rollout = rollout
+    rl.AgenticRLModule._play = rollout
     cb = AdaptiveParallelism(profile=profile_path, memory_budget_gb=1, micro_batch_tokens=[1024])
     trainer = _fit_two_steps(world, root, cb, box)
     return dict(global_step=trainer.global_step, seen=seen, oom=[(e["stage"], e["layout"]) for e in cb.oom_events],

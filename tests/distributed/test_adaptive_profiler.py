@@ -16,7 +16,7 @@ def _profile(rank: int, world: int, path: str) -> dict:
 
     from earl_lightning.models import load_tokenizer
     from earl_lightning.parallel.layout import Layout
-    from earl_lightning.parallel.profiler import ProfileGrid, profile_stages
+    from earl_lightning.profiling.stages import ProfileGrid, profile_stages
 
     layouts = [Layout(2, 1, 256), Layout(1, 2, 256)]
     run = profile_stages(lambda: AutoModelForCausalLM.from_pretrained(path), load_tokenizer("earl-tiny"),

@@ -62,12 +62,11 @@ def check_errors(rank: int, world: int) -> str:
     # The dispatcher still works after all those errors, and an empty rank built without fields
     # adopts the others' fields.
     batch = small_batch(rank, n=4) if rank == 0 else ExperienceBatch(torch.zeros(1, dtype=torch.long))
-    assert d.metrics() == {}
     out = d.exchange(batch, Layout(dp=2, tp=1))
     assert out.schema() == small_batch(0).schema()
-    logged = d.metrics()
-    assert set(logged) == {"dispatch/bytes", "dispatch/seconds", "dispatch/imbalance"}
-    assert logged["dispatch/imbalance"] == 1.0 and logged["dispatch/bytes"] > 0
+    stats = d.last_stats
+    assert {"bytes", "seconds", "imbalance", "total_bytes"} <= set(stats)
+    assert stats["imbalance"] == 1.0 and stats["bytes"] > 0
     return sorted(out.seqs["episode_ids"].tolist())
 
 

@@ -1,7 +1,8 @@
-"""Distributed GRPO and REINFORCE++ advantages equal the single-process ones (2 and 4 processes).
+"""Every registered advantage estimator on 2 and 4 processes equals one process.
 
-Rewards stay on their rank; only [3, G+1] float64 moments are all-reduced. GRPO groups are split
-across ranks on purpose, one rank holds nothing, and a TP layout's replicas are not double counted.
+Rewards stay on their rank; only float64 moments are all-reduced (``Reducer.sum_moments``). GRPO
+groups are split across ranks on purpose, one rank holds nothing, and a TP layout's replicas are
+not double counted.
 """
 
 from __future__ import annotations
@@ -9,26 +10,37 @@ from __future__ import annotations
 import pytest
 import torch
 
-from earl_lightning.algorithms.advantages import grpo_advantages, reinforce_pp_advantages
-from earl_lightning.data.dist_advantages import dist_grpo_advantages, dist_num_groups, dist_reinforce_pp_advantages
+from earl_lightning.algorithms.estimators import AdvantageInputs, get_advantage_estimator
+from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.layout import Layout
 from tests.distributed.launch import run_distributed
 
 NUM_SEQS, NUM_GROUPS, WIDTH = 37, 7, 23
+CASES = [("grpo", dict(scale="group")), ("grpo", dict(scale="batch")), ("grpo", dict(scale="none")),
+         ("rloo", {}), ("reinforce_pp", dict(gamma=1.0)), ("reinforce_pp", dict(gamma=0.9)),
+         ("gae", dict(gamma=0.9, lam=0.95))]
 
 pytestmark = pytest.mark.distributed
 
 
-def global_data():
+def global_inputs() -> AdvantageInputs:
     g = torch.Generator().manual_seed(0)
     rewards = torch.randn(NUM_SEQS, generator=g) * 3 + 1
     group_ids = torch.randint(0, NUM_GROUPS, (NUM_SEQS,), generator=g)
-    token_rewards = torch.randn(NUM_SEQS, WIDTH, generator=g)
-    mask = (torch.rand(NUM_SEQS, WIDTH, generator=g) > 0.4).long()
-    return rewards, group_ids, token_rewards, mask
+    mask = (torch.rand(NUM_SEQS, WIDTH, generator=g) > 0.4).float()
+    return AdvantageInputs(rewards=rewards, group_ids=group_ids, num_groups=NUM_GROUPS,
+                           episode_rows=torch.ones(NUM_SEQS, dtype=torch.bool),
+                           token_rewards=torch.randn(NUM_SEQS, WIDTH, generator=g) * mask, mask=mask,
+                           values=torch.randn(NUM_SEQS, WIDTH, generator=g))
 
 
-def shard(world: int, dp_rank: int, dp: int) -> torch.Tensor:
+def rows_of(inputs: AdvantageInputs, rows: torch.Tensor) -> AdvantageInputs:
+    return AdvantageInputs(rewards=inputs.rewards[rows], group_ids=inputs.group_ids[rows], num_groups=NUM_GROUPS,
+                           episode_rows=inputs.episode_rows[rows], token_rewards=inputs.token_rewards[rows],
+                           mask=inputs.mask[rows], values=inputs.values[rows])
+
+
+def shard(dp_rank: int, dp: int) -> torch.Tensor:
     """Uneven contiguous shards; the last dp rank gets nothing when there are several."""
     cuts = [0, 5, 20, NUM_SEQS, NUM_SEQS] if dp == 4 else [0, 11, NUM_SEQS]
     return torch.arange(cuts[dp_rank], cuts[dp_rank + 1])
@@ -36,23 +48,18 @@ def shard(world: int, dp_rank: int, dp: int) -> torch.Tensor:
 
 def compare(rank: int, world: int, tp: int) -> int:
     layout = Layout(dp=world // tp, tp=tp)
-    rewards, group_ids, token_rewards, mask = global_data()
-    rows = shard(world, layout.coords(rank)[0], layout.dp)
-    num_groups = dist_num_groups(group_ids[rows])
-    assert num_groups == NUM_GROUPS
-    for scale in ("group", "batch", "none"):
-        local = dist_grpo_advantages(rewards[rows], group_ids[rows], num_groups=num_groups, scale=scale,
-                                     layout=layout)
-        single = grpo_advantages(rewards, group_ids, num_groups=NUM_GROUPS, scale=scale)[rows]
-        torch.testing.assert_close(local, single, rtol=1e-6, atol=1e-6)
-    for gamma in (1.0, 0.9):
-        local = dist_reinforce_pp_advantages(token_rewards[rows], mask[rows], gamma=gamma, layout=layout)
-        single = reinforce_pp_advantages(token_rewards, mask, gamma=gamma)[rows]
-        torch.testing.assert_close(local, single, rtol=1e-6, atol=1e-6)
+    reducer = Reducer(layout)
+    full = global_inputs()
+    rows = shard(layout.coords(rank)[0], layout.dp)
+    for name, params in CASES:
+        est = get_advantage_estimator(name)
+        local = est(rows_of(full, rows), reducer.sum_moments, **params)
+        single = est(full, **params)
+        torch.testing.assert_close(local.advantages, single.advantages[rows], rtol=1e-6, atol=1e-6, msg=name)
     with pytest.raises(ValueError, match=r"`scale` must be one of \['group', 'batch', 'none'\], got 'rank'"):
-        dist_grpo_advantages(rewards[rows], group_ids[rows], num_groups=num_groups, scale="rank")
+        get_advantage_estimator("grpo")(rows_of(full, rows), reducer.sum_moments, scale="rank")
     with pytest.raises(ValueError, match=r"`layout` dp3xtp1 has dp\*tp = 3, but the world size is"):
-        dist_grpo_advantages(rewards[rows], group_ids[rows], num_groups=num_groups, layout=Layout(3, 1))
+        Reducer(Layout(3, 1))
     return int(rows.numel())
 
 

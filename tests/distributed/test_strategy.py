@@ -37,13 +37,14 @@ class TinyRL(L.LightningModule):
     def training_step(self, batch, batch_idx):
         strategy = self.trainer.strategy
         ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(batch_idx))
-        with strategy.stage("rollout", {"num_seqs": 2}) as layout:
+        with strategy.stage("rollout", {"num_seqs": 2}) as ctx:
             with torch.no_grad():
-                rollout_logits = strategy.stage_model("policy")(ids).logits
-            coords = strategy.layout_coords()
-        with strategy.stage("experience"):
+                rollout_logits = ctx.model("policy")(ids).logits
+            coords, layout = strategy.layout_coords(), ctx.layout
+            assert coords == ctx.layout.coords(self.global_rank)
+        with strategy.stage("experience") as ctx:
             with torch.no_grad():
-                ref_logits = strategy.stage_model("ref_policy")(ids).logits
+                ref_logits = ctx.model("ref_policy")(ids).logits
         with strategy.stage("train"):
             logits = self.policy(ids).logits
             opt = self.optimizers()
@@ -188,8 +189,9 @@ def test_selector_drives_stage_layout_and_metrics():
     strategy._resolve_layouts(1)  # what setup_environment does once the world size is known
     selector = FixedSelector(Layout(dp=1, tp=1, micro_batch_tokens=256))
     strategy.register_selector(selector)
-    with strategy.stage("rollout", {"num_seqs": 4}) as layout:
-        assert strategy.current_layout.micro_batch_tokens == 256 and layout is strategy.current_layout
+    with strategy.stage("rollout", {"num_seqs": 4}) as ctx:
+        assert strategy.current_layout.micro_batch_tokens == 256 and ctx.layout is strategy.current_layout
+        assert ctx.name == "rollout" and ctx.micro_batch_tokens == 256 and ctx.budget(1024) == 256
         assert strategy.layout_coords() == (0, 0) and strategy.current_stage == "rollout"
     assert strategy.current_layout == strategy.train_layout and strategy.current_stage is None
     assert selector.calls == [("rollout", {"num_seqs": 4}, "dp1xtp1")]

@@ -1,12 +1,15 @@
 """Turn rows (``history_turns``) on 2 processes: the rows of one episode split across ranks, the
-module's advantage path (``compute_advantages`` with all-reduced moments) equals one process."""
+module's advantage path (``estimate_advantages`` with all-reduced moments) equals one process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from earl_lightning.modules.experience_ops import compute_advantages, episodes_to_experience
+from earl_lightning.algorithms.estimators import get_advantage_estimator
+from earl_lightning.data.advantages import estimate_advantages
+from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 from tests.distributed.launch import run_distributed
 
@@ -34,18 +37,20 @@ def episodes() -> list[Episode]:
     return out
 
 
-KW = dict(num_groups=3, grpo_scale="group", gamma=0.9, lam=1.0, kl=None, kl_coef_in_reward=0.0)
+PARAMS = {"grpo": dict(scale="group"), "reinforce_pp": dict(gamma=0.9)}
+
+
+def advantages(batch, name: str, **kw):
+    return estimate_advantages(batch, get_advantage_estimator(name), PARAMS[name], num_groups=3, **kw)
 
 
 def _worker(rank: int, world: int) -> dict[str, list[float]]:
-    from earl_lightning.data.dist_advantages import all_reduce_moments
-
     exp = episodes_to_experience(episodes(), gamma=0.9)
     # Alternate rows between the ranks: every multi-turn episode has rows on both.
     local = exp.select([i for i in range(exp.num_seqs) if i % world == rank])
     out = {}
     for est in ("grpo", "reinforce_pp"):
-        res = compute_advantages(local, estimator=est, moments_fn=lambda kind, m: all_reduce_moments([m])[0], **KW)
+        res = advantages(local, est, reduce=Reducer().sum_moments)
         out[est] = res.tokens["advantages"].tolist()
     return out
 
@@ -55,7 +60,7 @@ def test_turn_row_advantages_split_across_ranks_equal_one_process():
     assert exp.num_seqs == sum(1 + e % 5 for e in range(12))
     results = run_distributed(_worker, 2)
     for est in ("grpo", "reinforce_pp"):
-        single = compute_advantages(exp, estimator=est, **KW).tokens["advantages"]
+        single = advantages(exp, est).tokens["advantages"]
         for rank, res in enumerate(results):
             rows = [i for i in range(exp.num_seqs) if i % 2 == rank]
             expected = single[exp.token_positions(rows)]

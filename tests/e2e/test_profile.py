@@ -18,7 +18,8 @@ RECIPE = Path(__file__).parents[2] / "recipes" / "connect4_grpo.yaml"
 
 def small_recipe(tmp_path: Path) -> Path:
     cfg = yaml.safe_load(RECIPE.read_text())
-    cfg["model"].update(max_context_tokens=128, micro_batch_tokens=512, max_new_tokens=2)
+    cfg["model"]["rollout"].update(max_context_tokens=128, sampling={"max_new_tokens": 2})
+    cfg["model"]["optim"]["micro_batch_tokens"] = 512
     cfg["data"]["batch_size"] = 4
     out = tmp_path / "small.yaml"
     out.write_text(yaml.safe_dump(cfg))

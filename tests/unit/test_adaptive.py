@@ -27,8 +27,8 @@ def tiny_path() -> str:
 
 
 def module(**kw) -> AgenticRLModule:
-    args = dict(model=tiny_path(), max_turns=3, max_new_tokens=1, max_context_tokens=512, micro_batch_tokens=1024,
-                transcript_every_n_steps=0, seed=0)
+    args = dict(model=tiny_path(), rollout=dict(max_turns=3, max_context_tokens=512, sampling=dict(max_new_tokens=1)),
+                optim=dict(micro_batch_tokens=1024), transcript_every_n_steps=0, seed=0)
     args.update(kw)
     return AgenticRLModule(**args)
 
@@ -134,28 +134,28 @@ def test_decisions_follow_the_profile_and_are_logged(tmp_path):
 
 def test_resumed_run_decides_the_same(tmp_path, monkeypatch):
     """An OOM at step 0 marks the 1024-token train micro-batch infeasible. The callback state saved
-    in the step-2 checkpoint, restored into a new callback that continues at RL iteration 2, makes
-    the uninterrupted run's step-2 decisions again (the recall contexts are the same each step).
+    in the step-2 checkpoint, restored into a new callback, makes the uninterrupted run's step-2
+    decisions again (the recall contexts are the same each step, so the fresh run's first step
+    stands for step 2).
     (Lightning's own restore of a single-process EarlStrategy checkpoint is not used: its model
     load needs DTensors, which one process does not have.)"""
     import earl_lightning.modules.rl as rl
 
     real = rl.ppo_update
 
-    def ooming_update(mod, batch, cfg, layout=None):
-        if mod.trainer.strategy.current_layout.micro_batch_tokens == 1024:
+    def ooming_update(models, optimizer, scheduler, batch, cfg, *args):
+        if cfg.micro_batch_tokens == 1024:  # the stage's layout budget
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(mod, batch, cfg, layout=layout)
+        return real(models, optimizer, scheduler, batch, cfg, *args)
 
     monkeypatch.setattr(rl, "ppo_update", ooming_update)
 
-    def run(root: Path, steps: int, state=None, start: int = 0) -> AdaptiveParallelism:
+    def run(root: Path, steps: int, state=None) -> AdaptiveParallelism:
         cb = AdaptiveParallelism(memory_budget_gb=1, micro_batch_tokens=[1024, 256])
         if state is not None:
             cb.load_state_dict(state)
         save = ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True, every_n_train_steps=1)
         mod = module()
-        mod.rl_iteration = start  # the data stream continues where the checkpoint left off
         strategy = EarlStrategy(save_distributed_checkpoint=False)
         trainer(root, [cb, save], steps=steps, strategy=strategy).fit(mod, datamodule())
         return cb
@@ -165,7 +165,7 @@ def test_resumed_run_decides_the_same(tmp_path, monkeypatch):
     ckpt = torch.load(tmp_path / "part" / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("AdaptiveParallelism"))
     assert state == part.state_dict()
-    resumed = run(tmp_path / "resumed", 1, state=state, start=2)
+    resumed = run(tmp_path / "resumed", 1, state=state)
     assert len(full.oom_events) == len(part.oom_events) == 1 and not resumed.oom_events
     keys = ("stage", "layout", "reason", "predicted_bytes", "context_mean", "switched")
     last = [{k: h[k] for k in keys} for h in full.history if h["step"] == 2]
@@ -190,7 +190,7 @@ def test_profile_lookup_uses_the_nearest_measured_micro_batch():
 
 
 def test_profiler_layout_errors():
-    from earl_lightning.parallel.profiler import ProfileGrid, profile_stages
+    from earl_lightning.profiling.stages import ProfileGrid, profile_stages
 
     with pytest.raises(ValueError, match=r"`layouts\[0\]` dp2xtp1 has dp\*tp = 2, but the world size is 1; "
                                          r"valid layouts: \['dp1xtp1'\]"):

@@ -27,7 +27,7 @@ VLLM_OOM = ValueError("To serve at least one request with the model's max seq le
 def inject(monkeypatch, stage: str, err: BaseException) -> list[str]:
     """Make ``stage``'s own function raise ``err`` under the BAD micro-batch; returns the layouts it ran under."""
     seen: list[str] = []
-    target = {"rollout": (rl.AgenticRLModule, "_rollout"), "experience": (rl, "fill_logprobs"),
+    target = {"rollout": (rl.AgenticRLModule, "_play"), "experience": (rl, "fill_logprobs"),
               "train": (rl, "ppo_update")}[stage]
     real = getattr(*target)
 

@@ -1,4 +1,4 @@
-"""A policy restricted to a set of tokens (``--model.allowed_tokens``): the sampler masks every other
+"""A policy restricted to a set of tokens (``--model.rollout.sampling.allowed_tokens``): the sampler masks every other
 token, and the trainer's log-probs, entropy and KL are over the same set, so the rollout's sampled
 log-probs still equal the trainer's recompute."""
 
@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from earl_lightning.algorithms import entropy, logprobs_from_logits, shifted_entropy, shifted_logprobs
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules import AgenticRLModule
-from earl_lightning.modules.experience_ops import episodes_to_experience, fill_logprobs, forward_micro_batch
+from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.data.forward import fill_logprobs, forward_micro_batch
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.rollout.backends.sampling import sample_tokens
 
@@ -115,22 +116,30 @@ def test_rollout_samples_only_allowed_tokens_and_logprobs_equal_the_trainer_reco
 
 
 def test_module_resolves_allowed_tokens_and_rejects_bad_ones():
-    module = AgenticRLModule(allowed_tokens=DIGITS)
+    from earl_lightning.parallel.collectives import Reducer
+    from earl_lightning.parallel.layout import Layout
+    from earl_lightning.strategies.stage import StageContext
+
+    module = AgenticRLModule(rollout={"sampling": {"allowed_tokens": DIGITS}})
     tok = module.tokenizer
     assert module.allowed_token_ids == [tok.convert_tokens_to_ids(d) for d in DIGITS]
     assert module.sampling.allowed_token_ids == module.allowed_token_ids
-    assert module._update_config(1024).allowed_token_ids == module.allowed_token_ids
+    ctx = StageContext("train", Layout(), Reducer(), None, lambda attr: getattr(module, attr))
+    assert module._update_config(ctx).allowed_token_ids == module.allowed_token_ids
     assert AgenticRLModule().allowed_token_ids is None
 
 
 @pytest.mark.parametrize("value, match", [
-    (["1", "12"], r"`--model.allowed_tokens` entry '12' is 2 tokens \[\d+, \d+\] for this tokenizer; each entry "
-                  r"must be exactly one token"),
-    ([], r"`--model.allowed_tokens` must be a non-empty list of non-empty strings such as \['0', '1', '2'\], got \[\]"),
-    ("0123", r"`--model.allowed_tokens` must be a non-empty list of non-empty strings .*got '0123'"),
-    (["0", ""], r"`--model.allowed_tokens` must be a non-empty list of non-empty strings .*got \['0', ''\]"),
-    (["3", "3"], r"`--model.allowed_tokens` entries \['3'\] map to the same token; list each token once"),
+    (["1", "12"], r"`--model.rollout.sampling.allowed_tokens` entry '12' is 2 tokens \[\d+, \d+\] for this "
+                  r"tokenizer; each entry must be exactly one token"),
+    ([], r"`--model.rollout.sampling.allowed_tokens` must be a non-empty list of non-empty strings such as "
+         r"\['0', '1', '2'\], got \[\]"),
+    ("0123", r"`--model.rollout.sampling.allowed_tokens` must be a non-empty list of non-empty strings .*got '0123'"),
+    (["0", ""], r"`--model.rollout.sampling.allowed_tokens` must be a non-empty list of non-empty strings "
+                r".*got \['0', ''\]"),
+    (["3", "3"], r"`--model.rollout.sampling.allowed_tokens` entries \['3'\] map to the same token; list each "
+                 r"token once"),
 ])
 def test_bad_allowed_tokens_are_rejected_at_configuration(value, match):
     with pytest.raises(ValueError, match=match):
-        AgenticRLModule(allowed_tokens=value)
+        AgenticRLModule(rollout={"sampling": {"allowed_tokens": value}})

@@ -22,19 +22,26 @@ def test_batch_size_not_multiple_of_group_size():
         EpisodeDataModule(batch_size=10, group_size=4)
 
 
-def test_unknown_algorithm():
-    with pytest.raises(ValueError, match=r"unknown `--model.algorithm` 'gpro'; valid: \['grpo', 'reinforce_pp', 'ppo'\]"):
-        AgenticRLModule(algorithm="gpro")
+def test_unknown_advantage_estimator():
+    with pytest.raises(ValueError, match=r"unknown `--model.algorithm.advantage.name` 'gpro'; valid advantage "
+                                         r"estimators: \['gae', 'grpo', 'reinforce_pp', 'rloo'\]"):
+        AgenticRLModule(algorithm={"advantage": {"name": "gpro"}})
+
+
+def test_unknown_policy_loss():
+    with pytest.raises(ValueError, match=r"unknown `--model.algorithm.loss.name` 'ppo'; valid policy losses: "
+                                         r"\['gspo', 'ppo_clip'\]"):
+        AgenticRLModule(algorithm={"loss": {"name": "ppo"}})
 
 
 def test_unknown_loss_aggregation():
-    with pytest.raises(ValueError, match=r"--model.loss_agg.*'token_avg'.*token_mean"):
-        AgenticRLModule(loss_agg="token_avg")
+    with pytest.raises(ValueError, match=r"--model.algorithm.loss.aggregation.*'token_avg'.*token_mean"):
+        AgenticRLModule(algorithm={"loss": {"aggregation": "token_avg"}})
 
 
 def test_unknown_kl_estimator():
-    with pytest.raises(ValueError, match=r"--model.kl_estimator.*'k9'.*k3"):
-        AgenticRLModule(kl_estimator="k9")
+    with pytest.raises(ValueError, match=r"--model.algorithm.kl.estimator.*'k9'.*k3"):
+        AgenticRLModule(algorithm={"kl": {"estimator": "k9"}})
 
 
 def test_model_path_that_does_not_exist(tmp_path):
@@ -44,10 +51,13 @@ def test_model_path_that_does_not_exist(tmp_path):
 
 
 def test_max_context_tokens_smaller_than_first_observation():
-    module = AgenticRLModule(max_context_tokens=20)
+    from earl_lightning.modules.config import check_first_observation
+
+    module = AgenticRLModule(rollout={"max_context_tokens": 20})
     dm = EpisodeDataModule()
-    with pytest.raises(ValueError, match=r"`--model.max_context_tokens` \(20\) is smaller than the first observation"):
-        module._check_first_observation(dm.first_spec())
+    with pytest.raises(ValueError, match=r"`--model.rollout.max_context_tokens` \(20\) is smaller than the first "
+                                         r"observation"):
+        check_first_observation(module.rollout_config, module.tokenizer, dm.first_spec())
 
 
 def test_cli_reports_config_errors_in_one_line(capsys):
@@ -63,5 +73,5 @@ def test_vllm_backend_without_vllm_names_the_extra(monkeypatch):
     import earl_lightning.rollout.backends.vllm as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)
-    with pytest.raises(ImportError, match=r"`--model.backend vllm` needs vLLM.*earl_lightning\[vllm"):
-        AgenticRLModule(backend="vllm")
+    with pytest.raises(ImportError, match=r"`--model.rollout.backend vllm` needs vLLM.*earl_lightning\[vllm"):
+        AgenticRLModule(rollout={"backend": "vllm"})

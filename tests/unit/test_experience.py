@@ -132,7 +132,7 @@ def _episode(token_ids, mask, turn_starts, turn_rewards, reward, error=None):
 
 
 def test_turn_token_rewards_by_hand():
-    from earl_lightning.modules.experience_ops import turn_token_rewards
+    from earl_lightning.data.episodes import turn_token_rewards
 
     # prompt 0-1, turn 0 = tokens 2-3, observation 4, turn 1 = token 5, observation 6-7, turn 2 = 8-9
     mask = [0, 0, 1, 1, 0, 1, 0, 0, 1, 1]
@@ -147,19 +147,21 @@ def test_turn_token_rewards_by_hand():
 
 
 def test_gae_and_reinforce_pp_discount_per_turn_rewards_by_hand():
-    from earl_lightning.modules.experience_ops import compute_advantages, episodes_to_experience
+    from earl_lightning.algorithms.estimators import get_advantage_estimator
+    from earl_lightning.data.advantages import estimate_advantages
+    from earl_lightning.data.episodes import episodes_to_experience
 
     mask = [0, 1, 0, 1, 0, 1]  # three one-token turns at 1, 3, 5
     ep = _episode([0, 1, 2, 3, 4, 5], mask, [1, 3, 5], [0.1, 0.1, 1.0], 1.2)
     exp = episodes_to_experience([ep])
     values = torch.tensor([0.0, 0.2, 0.0, 0.4, 0.0, 0.6])
     exp = type(exp)(exp.cu_seqlens, {**exp.tokens, "values": values}, exp.seqs)
-    kw = dict(num_groups=1, grpo_scale="group", gamma=0.5, lam=1.0, kl=None, kl_coef_in_reward=0.0)
-    got = compute_advantages(exp, estimator="gae", **kw)
+    got = estimate_advantages(exp, get_advantage_estimator("gae"), dict(gamma=0.5, lam=1.0), num_groups=1)
     g5, g3 = 1.0, 0.1 + 0.5 * 1.0
     g1 = 0.1 + 0.5 * g3  # lambda 1: Monte-Carlo return-to-go minus the value
     torch.testing.assert_close(got.tokens["returns"], torch.tensor([0, g1, 0, g3, 0, g5]))
     torch.testing.assert_close(got.tokens["advantages"], torch.tensor([0, g1 - 0.2, 0, g3 - 0.4, 0, g5 - 0.6]))
-    rpp = compute_advantages(exp, estimator="reinforce_pp", **kw).tokens["advantages"]
+    rpp = estimate_advantages(exp, get_advantage_estimator("reinforce_pp"), dict(gamma=0.5), num_groups=1)
+    rpp = rpp.tokens["advantages"]
     g = torch.tensor([g1, g3, g5])
     torch.testing.assert_close(rpp[[1, 3, 5]], (g - g.mean()) / torch.sqrt(g.var() + 1e-8))

@@ -10,7 +10,10 @@ from transformers import AutoModelForCausalLM
 from earl_lightning.algorithms import discounted_returns
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules import AgenticRLModule
-from earl_lightning.modules.experience_ops import compute_advantages, episodes_to_experience, fill_logprobs
+from earl_lightning.algorithms.estimators import get_advantage_estimator
+from earl_lightning.data.advantages import estimate_advantages
+from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.rollout.types import Episode
 from tests.unit.test_rollout_loop import _run, _specs
@@ -103,8 +106,7 @@ def test_grpo_statistics_count_each_episode_once_however_many_turn_rows():
     short = _episode([[1]], [[10]], [-1.0])
     short.spec.episode_id = 8
     exp = episodes_to_experience([long, short])
-    kw = dict(estimator="grpo", num_groups=1, gamma=1.0, lam=1.0, kl=None, kl_coef_in_reward=0.0)
-    adv = compute_advantages(exp, grpo_scale="group", **kw).tokens["advantages"]
+    adv = estimate_advantages(exp, get_advantage_estimator("grpo"), {"scale": "group"}, num_groups=1).tokens["advantages"]
     # two episodes, rewards 1 and -1: mean 0, unbiased std sqrt(2) -> +-0.7071 on every generated token
     got = adv[exp.tokens["action_mask"].bool()]
     assert got.tolist() == pytest.approx([2 ** -0.5] * 5 + [-(2 ** -0.5)], abs=1e-5)
@@ -129,13 +131,13 @@ def test_window_keeps_long_games_under_max_context_tokens(lm):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(history_turns=-1), r"`--model.history_turns` must be None \(the whole chat\) or an integer >= 0 "
-                             r"\(past exchanges kept in each turn's prompt\), got -1"),
-    (dict(history_turns="2"), r"`--model.history_turns` must be None .*got '2'"),
-    (dict(history_turns=0, algorithm="ppo", lam=0.9), r"`--model.lam` must be 1.0 with `--model.history_turns` "
-                                                       r"\(0\), got 0.9"),
-    (dict(history_turns=1, kl_coef=0.1, kl_in_reward=True), r"`--model.kl_in_reward` true is not supported with "
-                                                            r"`--model.history_turns` \(1\)"),
+    (dict(rollout=dict(history_turns=-1)), r"`--model.rollout.history_turns` must be None \(the whole chat\) or an "
+                                           r"integer >= 0 \(past exchanges kept in each turn's prompt\), got -1"),
+    (dict(rollout=dict(history_turns="2")), r"`--model.rollout.history_turns` must be None .*got '2'"),
+    (dict(rollout=dict(history_turns=0), algorithm=dict(advantage=dict(name="gae", lam=0.9))),
+     r"`--model.algorithm.advantage.lam` must be 1.0 with `--model.rollout.history_turns` \(0\), got 0.9"),
+    (dict(rollout=dict(history_turns=1), algorithm=dict(kl=dict(coef=0.1, in_reward=True))),
+     r"`--model.algorithm.kl.in_reward` true is not supported with `--model.rollout.history_turns` \(1\)"),
 ])
 def test_bad_history_settings_are_rejected_at_configuration(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -1,5 +1,5 @@
 """The memory model against measured peaks: the project's real train step (padded micro-batch
-forward of ``modules/experience_ops``, backward, AdamW step) and real rollout (the HF generation
+forward of ``data/forward``, backward, AdamW step) and real rollout (the HF generation
 backend) on the tiny model and the ~100M-parameter preset, each group in a fresh subprocess.
 
 On CPU the peak is the rise of the peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``)
@@ -78,7 +78,7 @@ def _batch(spec: dict, device: str):
 def _run_train(spec: dict, device: str) -> None:
     import torch
 
-    from earl_lightning.modules.experience_ops import forward_micro_batch
+    from earl_lightning.data.forward import forward_micro_batch
 
     model = _model(spec, device)
     if spec.get("ckpt"):
@@ -99,7 +99,7 @@ def _run_train(spec: dict, device: str) -> None:
 def _run_experience(spec: dict, device: str) -> None:
     import torch
 
-    from earl_lightning.modules.experience_ops import forward_micro_batch
+    from earl_lightning.data.forward import forward_micro_batch
 
     model = _model(spec, device).eval()
     with torch.no_grad():

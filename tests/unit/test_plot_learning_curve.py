@@ -19,9 +19,10 @@ def test_scalars_become_a_png_and_a_csv_with_the_runs_title(tmp_path, monkeypatc
         for step, (win, inv) in enumerate([(0.6, 0.3), (0.9, 0.01)]):
             w.add_scalar("val/win_rate", win, 20 * step)
             w.add_scalar("val/invalid_rate", inv, 20 * step)
-    (logdir / "hparams.yaml").write_text("algorithm: ppo\nmodel: earl-tiny\n")
+    (logdir / "hparams.yaml").write_text("algorithm:\n  advantage: {name: gae}\n  loss: {name: ppo_clip}\n"
+                                         "model: earl-tiny\n")
     plot = load_repo_file("scripts/plot_learning_curve.py", "plot_learning_curve")
-    assert plot.default_title(logdir) == "earl_lightning: PPO (earl-tiny)"
+    assert plot.default_title(logdir) == "earl_lightning: gae + ppo_clip (earl-tiny)"
     out = tmp_path / "curve.png"
     monkeypatch.setattr(sys, "argv", ["plot", str(logdir), "--out", str(out)])
     plot.main()

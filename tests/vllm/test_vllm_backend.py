@@ -125,7 +125,7 @@ def test_tp_not_dividing_heads_is_rejected(tiny):
     (dict(tp=0), r"`tp` must be a positive integer, got 0"),
     (dict(dtype="fp8"), r"`dtype` must be one of .*got 'fp8'"),
     (dict(kv_cache_gib=-1), r"`kv_cache_gib` must be a positive number"),
-    (dict(keep_engines=True), r"`keep_engines`=True is not supported"),
+    (dict(gpu_memory_utilization=0), r"`gpu_memory_utilization` must be in \(0, 1\], got 0"),
 ])
 def test_bad_arguments_are_rejected(tiny, kwargs, match):
     from earl_lightning.rollout.backends.vllm import VLLMBackend
@@ -167,15 +167,19 @@ def test_kv_cache_budget_holds_full_length_sequences():
 
 
 @needs_vllm
-def test_for_module_builds_from_the_module_hparams_without_an_engine(tiny):
+def test_from_spec_builds_the_trainers_backend_without_an_engine(tiny):
     import torch
 
+    from earl_lightning.models import resolve_model_path
     from earl_lightning.modules.rl import AgenticRLModule
+    from earl_lightning.rollout.backends.base import BackendSpec
     from earl_lightning.rollout.backends.vllm import VLLMBackend, kv_cache_gib_for
 
-    module = AgenticRLModule(model="earl-tiny", backend="vllm", max_context_tokens=512, seed=7, dtype="bfloat16")
+    module = AgenticRLModule(model="earl-tiny", rollout={"backend": "vllm", "max_context_tokens": 512}, seed=7,
+                             dtype="bfloat16")
     source = torch.nn.Linear(1, 1)
-    backend = VLLMBackend.for_module(module, source, enforce_eager=False)
+    spec = BackendSpec(model_path=resolve_model_path("earl-tiny"), dtype="bfloat16", seed=7, max_context_tokens=512)
+    backend = VLLMBackend.from_spec(source, module.tokenizer, spec, enforce_eager=False)
     assert backend.model == tiny[0] and backend.tokenizer is module.tokenizer
     assert (backend.max_model_len, backend.seed, backend.dtype) == (512 + 16, 7, "bfloat16")
     assert backend.kv_cache_gib == pytest.approx(kv_cache_gib_for(backend.config, 528, "bfloat16"))

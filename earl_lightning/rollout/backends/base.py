@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from earl_lightning.registry import Registry
 
 
 @dataclass
@@ -29,19 +31,8 @@ class SamplingConfig:
     allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"`sampling.max_new_tokens` must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.greedy and not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
-            raise ValueError(
-                f"`sampling.temperature` must be > 0 (or set `sampling.greedy` for argmax decoding), "
-                f"got {self.temperature!r}"
-            )
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"`sampling.top_p` must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"`sampling.top_k` must be an integer >= 0 (0 = no top-k), got {self.top_k!r}")
-        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"`sampling.stop` must be a list of non-empty strings, got {self.stop!r}")
+        temperature = 1.0 if self.greedy else self.temperature  # greedy decoding ignores the temperature
+        check_sampling(self.max_new_tokens, temperature, self.top_p, self.top_k, self.stop)
         ids = self.allowed_token_ids
         if ids is not None and (isinstance(ids, (str, bytes)) or not ids or len(set(ids)) != len(ids) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
@@ -49,6 +40,22 @@ class SamplingConfig:
                              f"(integers >= 0), got {ids!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"`sampling.seed` must be an integer or None, got {self.seed!r}")
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop: list[str], *,
+                   arg: str = "sampling") -> None:
+    """The sampling settings a user writes; errors name them as ``{arg}.<setting>``."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"`{arg}.max_new_tokens` must be an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"`{arg}.temperature` must be > 0 (or set `sampling.greedy` for argmax decoding), "
+                         f"got {temperature!r}")
+    if isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"`{arg}.top_p` must be in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"`{arg}.top_k` must be an integer >= 0 (0 = no top-k), got {top_k!r}")
+    if isinstance(stop, str) or not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"`{arg}.stop` must be a list of non-empty strings, got {stop!r}")
 
 
 @dataclass
@@ -76,17 +83,58 @@ class GenOutput:
 
 @runtime_checkable
 class GenerationBackend(Protocol):
-    """Generates one assistant turn for a batch of episodes.
+    """Generates one assistant turn for a batch of episodes, for the trainer's current weights.
 
     A backend may reuse any state it cached for a request key whose previous context is a prefix
     of the new ``prompt_ids`` (HF: the KV cache; vLLM: prefix caching). ``release`` drops cached
-    state (``None`` = all keys); callers release keys when an episode ends and whenever the model
-    weights change.
+    state (``None`` = all keys); the rollout loop releases keys when an episode ends.
+
+    The trainer drives it through one RL iteration: ``prepare(layout, model)`` before a rollout
+    (bind the stage's model placed for ``layout``; vLLM: an engine of ``layout.tp``, awake, with
+    current weights; returns the seconds spent switching), ``generate`` / ``release`` during it,
+    ``after_update(model)`` after the optimizer step (the weights changed: drop caches, push
+    weights, sleep), and ``metrics()`` for the step's log.
     """
 
     def generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]: ...
 
     def release(self, keys: list[int] | None = None) -> None: ...
+
+    def prepare(self, layout: Any, model: Any) -> float: ...
+
+    def after_update(self, model: Any) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend factory needs besides the model and tokenizer: the model's path (an engine
+    loads it), dtype, seed, longest context, and the HF backend's KV reuse."""
+
+    model_path: str
+    dtype: str = "float32"
+    seed: int = 0
+    max_context_tokens: int = 4096
+    reuse_kv: bool = True
+
+
+BackendFactory = Callable[[Any, Any, BackendSpec], GenerationBackend]
+GENERATION_BACKENDS: Registry[BackendFactory] = Registry("generation backends")
+
+
+@GENERATION_BACKENDS.register("hf")
+def _hf_backend(model: Any, tokenizer: Any, spec: BackendSpec) -> GenerationBackend:
+    from earl_lightning.rollout.backends.hf import HFBackend  # transformers, on first use
+
+    return HFBackend(model, tokenizer, reuse_kv=spec.reuse_kv)
+
+
+@GENERATION_BACKENDS.register("vllm")
+def _vllm_backend(model: Any, tokenizer: Any, spec: BackendSpec) -> GenerationBackend:
+    from earl_lightning.rollout.backends.vllm import VLLMBackend  # vLLM, on first use
+
+    return VLLMBackend.from_spec(model, tokenizer, spec)
 
 
 def check_requests(requests: list[GenRequest]) -> None:

@@ -84,6 +84,21 @@ class HFBackend:
             for k in keys:
                 self._cache.pop(k, None)
 
+    def prepare(self, layout: Any, model: Any) -> float:
+        """Bind the stage's model (the placement for ``layout``); KV cached under another model is
+        dropped. Nothing to switch: returns 0.0."""
+        if model is not self.model:
+            self.model = model
+            self._cache.clear()
+        return 0.0
+
+    def after_update(self, model: Any) -> None:
+        """The weights changed: every cached KV was computed by the old ones."""
+        self._cache.clear()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def cached_keys(self) -> list[int]:
         return sorted(self._cache)
 

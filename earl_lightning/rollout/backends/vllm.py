@@ -166,7 +166,8 @@ def _ensure_process_group() -> None:
 
 
 class VLLMBackend:
-    """Multi-turn generation with a colocated vLLM engine, one engine per TP degree in use.
+    """Multi-turn generation with a colocated vLLM engine, rebuilt when the TP degree changes (vLLM
+    0.32 keeps its parallel groups in process-wide globals: one engine per process at a time).
 
     Args:
         model: a local model directory or hub id (the weights the engine starts from; the trainer
@@ -182,9 +183,6 @@ class VLLMBackend:
         max_model_len: longest context (prompt + generation) the engine accepts.
         dtype: ``"float32"`` | ``"bfloat16"`` | ``"float16"``; must match the training copy for
             log-probs to agree.
-        keep_engines: on a TP switch keep the old engine (asleep) instead of tearing it down. vLLM
-            0.32 holds its parallel groups in process-wide globals, so only one engine can exist
-            at a time; this is False and True raises until that changes.
         enforce_eager: skip torch.compile / CUDA graphs (compiling the tiny model costs ~30 s per
             engine on CPU and buys nothing at that size).
         engine_kwargs: extra keyword arguments for ``vllm.LLM``.
@@ -192,7 +190,7 @@ class VLLMBackend:
 
     def __init__(self, model: str, tokenizer: Any, *, tp: int = 1, seed: int = 0, kv_cache_gib: float | None = 1.0,
                  gpu_memory_utilization: float = 0.5, enable_sleep: bool = True, max_model_len: int = 4096,
-                 dtype: str = "float32", keep_engines: bool = False, enforce_eager: bool = True,
+                 dtype: str = "float32", enforce_eager: bool = True,
                  engine_kwargs: dict[str, Any] | None = None):
         _check_positive_int(tp, "tp")
         _check_positive_int(max_model_len, "max_model_len")
@@ -202,12 +200,6 @@ class VLLMBackend:
             raise ValueError(f"`kv_cache_gib` must be a positive number of GiB or None, got {kv_cache_gib!r}")
         if not (0 < gpu_memory_utilization <= 1):
             raise ValueError(f"`gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization!r}")
-        if keep_engines:
-            raise ValueError(
-                "`keep_engines`=True is not supported with vLLM 0.32: its tensor-parallel groups are process-wide "
-                "globals, so a second engine cannot coexist with the first; use keep_engines=False (tear down and "
-                "rebuild on a TP switch)"
-            )
         self.model, self.tokenizer, self.seed = str(model), tokenizer, seed
         self.config = _read_config(self.model, "model")
         check_tp_heads(self.config, tp)
@@ -226,36 +218,32 @@ class VLLMBackend:
         self.weights_source: torch.nn.Module | None = None
 
     @classmethod
-    def for_module(cls, module: Any, model: torch.nn.Module, **overrides: Any) -> "VLLMBackend":
-        """The backend of an :class:`~earl_lightning.modules.rl.AgenticRLModule`, from its hparams.
-
-        Model path (``--model.model``), dtype and seed come from the module, the tokenizer is the
-        module's, ``max_model_len`` is ``max_context_tokens`` plus a small margin, and the KV cache
-        holds :data:`KV_CACHE_SEQUENCES` full-length sequences per rank (on CPU,
+    def from_spec(cls, model: torch.nn.Module, tokenizer: Any, spec: Any, **overrides: Any) -> "VLLMBackend":
+        """The trainer's backend: the engine loads ``spec.model_path`` (dtype and seed from
+        ``spec``), ``max_model_len`` is ``spec.max_context_tokens`` plus a small margin, and the KV
+        cache holds :data:`KV_CACHE_SEQUENCES` full-length sequences per rank (on CPU,
         ``VLLM_CPU_KVCACHE_SPACE`` in GiB overrides it). ``overrides`` go to the constructor. The
         engine itself is built by the first :meth:`prepare`, under the rollout layout's TP degree,
-        and then receives ``model``'s weights.
-        """
-        from earl_lightning.models import resolve_model_path
-
-        hp = module.hparams
-        path = resolve_model_path(hp.model, "--model.model")
-        max_model_len = int(hp.max_context_tokens) + _MODEL_LEN_MARGIN
+        and then receives ``model``'s weights."""
+        max_model_len = int(spec.max_context_tokens) + _MODEL_LEN_MARGIN
         kwargs: dict[str, Any] = dict(
-            tp=1, seed=int(hp.seed), dtype=hp.dtype, max_model_len=max_model_len,
-            kv_cache_gib=kv_cache_gib_for(_read_config(path, "--model.model"), max_model_len, hp.dtype),
+            tp=1, seed=int(spec.seed), dtype=spec.dtype, max_model_len=max_model_len,
+            kv_cache_gib=kv_cache_gib_for(_read_config(spec.model_path, "--model.model"), max_model_len, spec.dtype),
         )
         kwargs.update(overrides)
-        backend = cls(path, module.tokenizer, **kwargs)
+        backend = cls(spec.model_path, tokenizer, **kwargs)
         backend.weights_source = model
         return backend
 
     # ---- trainer hooks (called by the module on any backend that has them) ----------------
-    def prepare(self, layout: Any) -> float:
-        """At the start of a rollout: build the engine for ``layout.tp`` if it is missing or has
+    def prepare(self, layout: Any, model: torch.nn.Module | None = None) -> float:
+        """At the start of a rollout: remember ``model`` (the stage's placement) as the weights a
+        rebuilt engine must receive, build the engine for ``layout.tp`` if it is missing or has
         another TP degree (tear down, rebuild, then push :attr:`weights_source`'s weights), and
         wake it up. Returns the seconds spent switching (0.0 when nothing changed), also kept in
         :attr:`switch_seconds` for the ``rollout/switch_seconds`` metric. Every rank must call it."""
+        if model is not None:
+            self.weights_source = model
         if self._llm is not None and layout.tp == self._tp:
             self.switch_seconds = 0.0
             self.wake_up()
@@ -280,6 +268,9 @@ class VLLMBackend:
 
             sync_weights(model, self)
             self.sleep()
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/switch_seconds": float(self.switch_seconds)}
 
     # ---- engine life cycle ---------------------------------------------------------------
     @property

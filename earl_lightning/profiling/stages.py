@@ -26,15 +26,15 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.modules.experience_ops import fill_logprobs, forward_micro_batch
+from earl_lightning.data.forward import fill_logprobs, forward_micro_batch
+from earl_lightning.parallel.collectives import Reducer, broadcast_object, global_rank, world_size
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 from earl_lightning.parallel.parallelize import model_heads, parallelize_model, set_activation_checkpointing
 from earl_lightning.parallel.profile import ProfileTable, layout_key
@@ -92,26 +92,16 @@ class ProfileRun:
 
 
 def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return global_rank(), world_size()
 
 
 def _max_over_ranks(x: float) -> float:
-    if _rank_world()[1] == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return float(Reducer().max(torch.tensor([x], dtype=torch.float64))[0])
 
 
 def _agree(flag: bool) -> bool:
     """Rank 0's decision for everyone (each rank's clock differs slightly)."""
-    if _rank_world()[1] == 1:
-        return flag
-    box = [flag]
-    dist.broadcast_object_list(box, src=0)
-    return bool(box[0])
+    return bool(broadcast_object(flag))
 
 
 class _Placements:
@@ -220,12 +210,7 @@ class StageProfiler:
         # FSDP / TP need every rank in every forward: pad the micro-batch count with empty passes.
         batch = _synthetic_batch(max(n, 1), context, vocab, gen).to(self.device)
         micro = batch.split_by_tokens(layout.micro_batch_tokens) if n else []
-        count = len(micro)
-        if _rank_world()[1] > 1:
-            t = torch.tensor([count])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            count = int(t)
-        for i in range(count):
+        for i in range(Reducer().agree_count(len(micro))):
             mb = micro[i] if i < len(micro) else batch.select([0])
             res = forward_micro_batch(model, mb, temperature=1.0)
             adv, mask = mb.tokens["advantages"], mb.tokens["action_mask"]
@@ -237,13 +222,8 @@ class StageProfiler:
 
 
 def _sum_work(work: float, layout: Layout) -> float:
-    """Global work: TP peers did the same sequences, so only TP rank 0 of each group counts."""
-    rank, world = _rank_world()
-    if world == 1:
-        return work
-    t = torch.tensor([work if layout.coords(rank)[1] == 0 else 0.0], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t)
+    """Global work: TP peers did the same sequences, so each TP group counts once."""
+    return Reducer(layout).sum_floats([work])[0]
 
 
 def profile_stages(model_factory: Callable[[], nn.Module], tokenizer: Any, *, layouts: Sequence[Layout],
@@ -310,70 +290,3 @@ def _describe(device: torch.device, world: int) -> str:
     if device.type == "cuda":
         return f"{world} x {torch.cuda.get_device_name(device)}"
     return f"{world} CPU process(es), {torch.get_num_threads()} thread(s) each"
-
-
-# ---- `earl profile --config <recipe>` --------------------------------------------------------------
-def _recipe_settings(config: str) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    path = __import__("pathlib").Path(config)
-    if not path.is_file():
-        raise FileNotFoundError(f"`--config` {config!r} is not a file")
-    try:
-        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
-    except Exception as err:  # noqa: BLE001 - YAML and interpolation errors alike
-        raise ValueError(f"`--config` {config!r} is not a readable recipe: {err}") from None
-    model, data = dict(cfg.get("model") or {}), dict(cfg.get("data") or {})
-    return dict(name=path.stem, model=str(model.get("model", "earl-tiny")), dtype=str(model.get("dtype", "float32")),
-                gen_len=int(model.get("max_new_tokens", 4)), max_context=int(model.get("max_context_tokens", 4096)),
-                micro_batch_tokens=int(model.get("micro_batch_tokens", 16384)),
-                batch_size=int(data.get("batch_size", 64)))
-
-
-def _init_world() -> torch.device:
-    """Join the processes ``torchrun`` started (if any); the device this rank measures on."""
-    import os
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return device
-
-
-def profile_recipe(config: str, *, out: str | None = None, budget_s: float = 600.0,
-                   contexts: Sequence[int] | None = None, num_seqs: Sequence[int] | None = None,
-                   repeats: int = 3, log: Callable[[str], None] | None = None) -> ProfileRun:
-    """Profile a recipe's model on the world this process runs in; save JSON + heatmaps under ``out``."""
-    from pathlib import Path
-
-    from earl_lightning.models import load_model, load_tokenizer
-
-    s = _recipe_settings(config)
-    device = _init_world()
-    rank, world = _rank_world()
-    if contexts is None:
-        contexts = [c for c in (256, 1024, 4096, 16384, 65536, 262144) if c <= max(256, s["max_context"])]
-    grid = ProfileGrid(contexts=list(contexts), num_seqs=list(num_seqs or [s["batch_size"]]), gen_len=s["gen_len"],
-                       repeats=repeats)
-    tokenizer = load_tokenizer(s["model"], "model.model")
-    base = load_model(s["model"], s["dtype"], "model.model")
-    factory = lambda: copy.deepcopy(base)  # noqa: E731 - the same weights on every call and rank
-    heads, kv = model_heads(base)
-    layouts = Layout.factorizations(world, heads, kv, micro_batch_tokens=s["micro_batch_tokens"])
-    # The train stage is also measured with activation checkpointing (AdaptiveParallelism's
-    # `activation_checkpointing=[False, True]` chooses between them); the others skip those.
-    layouts += [replace(lay, activation_checkpointing=True) for lay in layouts]
-    run = profile_stages(factory, tokenizer, layouts=layouts, grid=grid, model_name=s["model"], budget_s=budget_s,
-                         device=device, log=log)
-    target = Path(out or Path("profiles") / s["name"])
-    if rank == 0:
-        path = run.table.save(target / "profile.json")
-        pngs = run.table.heatmaps(target)
-        if log is not None:
-            log(f"measured {run.measured} cells in {run.seconds:.0f}s ({len(run.skipped)} skipped by the budget); "
-                f"wrote {path} and {', '.join(str(p) for p in pngs)}")
-    return run

@@ -1,0 +1,143 @@
+"""Advantage estimators behind one contract, registered by name.
+
+An estimator is a function ``fn(inputs: AdvantageInputs, reduce: MomentsReduce, **params) ->
+AdvantageOutput``. ``reduce`` sums :class:`Moments` over every rank that holds part of the batch
+(the identity in one process), so an estimator that normalizes over a group or the batch gets the
+single-process answer without ever moving a reward. Register one with::
+
+    @register_advantage_estimator("my_adv", needs_values=False)
+    def my_adv(inputs, reduce, *, my_param: float = 1.0) -> AdvantageOutput: ...
+
+and select it with ``algorithm.advantage.name: my_adv`` (after importing its module) or by import
+path ``my_package.module.my_adv``. ``needs_values`` asks the trainer for a value head and
+``inputs.values``. Keyword parameters come from the config (``algorithm.advantage.gamma``, ...,
+and ``kwargs``); a parameter the estimator does not take is a config-time error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from torch import Tensor
+
+from earl_lightning.algorithms.advantages import (
+    GrpoScale,
+    discounted_returns,
+    gae_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from earl_lightning.algorithms.moments import Moments, grouped_moments, moments
+from earl_lightning.registry import Registry
+
+MomentsReduce = Callable[[Sequence[Moments]], Sequence[Moments]]
+
+
+def local_moments(parts: Sequence[Moments]) -> Sequence[Moments]:
+    """The one-process ``reduce``: the local batch is the whole batch."""
+    return parts
+
+
+@dataclass
+class AdvantageInputs:
+    """The padded batch an estimator sees: ``B`` rows of width ``T``.
+
+    ``episode_rows`` [B] bool marks the rows that stand for their episode in per-episode
+    statistics (an episode trained as one row per turn has several rows and one reward).
+    ``token_rewards`` [B, T] hold each turn's reward on its last generated token, minus the KL
+    penalty when it is part of the reward. ``values`` [B, T] only for estimators that need them.
+    """
+
+    rewards: Tensor  # [B] the episode's reward, per row
+    group_ids: Tensor  # [B] int64 in [0, num_groups)
+    num_groups: int
+    episode_rows: Tensor  # [B] bool
+    token_rewards: Tensor  # [B, T]
+    mask: Tensor  # [B, T] 1 on generated tokens
+    values: Tensor | None = None  # [B, T]
+
+
+@dataclass
+class AdvantageOutput:
+    advantages: Tensor  # [B, T], 0 off the mask
+    returns: Tensor | None = None  # [B, T] value targets (estimators with a value baseline)
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator: its function and what it needs from the trainer."""
+
+    fn: Callable[..., AdvantageOutput]
+    needs_values: bool = False
+
+    def __call__(self, inputs: AdvantageInputs, reduce: MomentsReduce = local_moments,
+                 **params: Any) -> AdvantageOutput:
+        return self.fn(inputs, reduce, **params)
+
+
+def _adapt(obj: Any, arg: str) -> AdvantageEstimator:
+    """An unregistered function named by import path: an estimator that needs no values."""
+    if isinstance(obj, AdvantageEstimator):
+        return obj
+    if not callable(obj):
+        raise ValueError(f"`{arg}` names {obj!r}, which is not a function; an advantage estimator is "
+                         f"`fn(inputs, reduce, **params) -> AdvantageOutput`")
+    return AdvantageEstimator(obj)
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimators", adapt=_adapt)
+
+
+def register_advantage_estimator(name: str, *, needs_values: bool = False) -> Callable[[Any], Any]:
+    """Decorator registering ``fn(inputs, reduce, **params) -> AdvantageOutput`` as ``name``."""
+    return ADVANTAGE_ESTIMATORS.register(name, entry=lambda fn: AdvantageEstimator(fn, needs_values))
+
+
+def get_advantage_estimator(name: str, arg: str = "advantage_estimator") -> AdvantageEstimator:
+    """The estimator registered as ``name`` (or at that import path); an unknown name lists the valid ones."""
+    return ADVANTAGE_ESTIMATORS.get(name, arg)
+
+
+def _per_row(adv: Tensor, mask: Tensor) -> Tensor:
+    return adv[:, None].to(mask.dtype) * mask  # [B] -> [B, T] on the generated tokens
+
+
+@register_advantage_estimator("grpo")
+def grpo(inputs: AdvantageInputs, reduce: MomentsReduce, *, scale: GrpoScale = "group",
+         eps: float = 1e-6) -> AdvantageOutput:
+    """GRPO: each episode's reward normalized within its group (one reward per episode)."""
+    r, g, first = inputs.rewards, inputs.group_ids, inputs.episode_rows
+    group, whole = reduce([grouped_moments(r[first], g[first], inputs.num_groups), moments(r[first])])
+    adv = grpo_advantages(r, g, num_groups=inputs.num_groups, scale=scale, eps=eps, group=group, batch=whole)
+    return AdvantageOutput(_per_row(adv, inputs.mask))
+
+
+@register_advantage_estimator("rloo")
+def rloo(inputs: AdvantageInputs, reduce: MomentsReduce) -> AdvantageOutput:
+    """RLOO: each episode's reward minus the mean of the other rewards of its group."""
+    r, g, first = inputs.rewards, inputs.group_ids, inputs.episode_rows
+    (group,) = reduce([grouped_moments(r[first], g[first], inputs.num_groups)])
+    adv = rloo_advantages(r, g, num_groups=inputs.num_groups, group=group)
+    return AdvantageOutput(_per_row(adv, inputs.mask))
+
+
+@register_advantage_estimator("reinforce_pp")
+def reinforce_pp(inputs: AdvantageInputs, reduce: MomentsReduce, *, gamma: float = 1.0,
+                 eps: float = 1e-8) -> AdvantageOutput:
+    """REINFORCE++: discounted returns-to-go whitened over every generated token of the batch."""
+    returns = discounted_returns(inputs.token_rewards, inputs.mask, gamma=gamma)
+    (whole,) = reduce([moments(returns, inputs.mask)])
+    adv = reinforce_pp_advantages(inputs.token_rewards, inputs.mask, gamma=gamma, eps=eps, batch=whole)
+    return AdvantageOutput(adv)
+
+
+@register_advantage_estimator("gae", needs_values=True)
+def gae(inputs: AdvantageInputs, reduce: MomentsReduce, *, gamma: float = 1.0,
+        lam: float = 1.0) -> AdvantageOutput:
+    """GAE over the generated tokens with the value head's estimates (PPO's actor-critic)."""
+    if inputs.values is None:
+        raise ValueError("the 'gae' estimator needs `values` (a value head); none were computed")
+    adv, ret = gae_advantages(inputs.token_rewards, inputs.values, inputs.mask, gamma=gamma, lam=lam)
+    return AdvantageOutput(adv, ret)

@@ -1,0 +1,112 @@
+"""Finished episodes -> a packed :class:`ExperienceBatch` (one row per episode, or per turn).
+
+No Lightning here: this is what the training step's experience is made of, and what the
+invariance tests call directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.rollout.types import Episode
+
+
+def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> ExperienceBatch:
+    """Pack episodes (no padding). Failed episodes (env exception) keep their tokens but get an
+    all-zero action mask: they are counted in the metrics and contribute nothing to the loss.
+
+    An episode whose turns saw the whole chat is one row; ``token_rewards`` holds each turn's
+    reward on that turn's last generated token (see :func:`turn_token_rewards`), what the
+    token-level estimators (REINFORCE++, GAE) discount. An episode played with a history window
+    (``Episode.turn_prompts``) becomes one row per turn: that turn's prompt (mask 0) and its
+    generated tokens (mask 1); its last generated token carries the turn's reward plus ``gamma``
+    times the return of the turns after it (the Monte-Carlo continuation, so returns within a row
+    are the episode's returns-to-go). Per-row fields: ``rewards`` (the episode's), ``group_ids``,
+    ``episode_ids``, ``truncated``, ``num_turns`` and ``turn_index`` (0 for a whole-episode row).
+    """
+    tokens: dict[str, list[torch.Tensor]] = {"input_ids": [], "action_mask": [], "rollout_logprobs": [],
+                                             "token_rewards": []}
+    rows: list[tuple[Episode, int]] = []
+    for ep in episodes:
+        if ep.turn_prompts and len(ep.turn_prompts) == len(ep.turn_starts):
+            for k, row in enumerate(_turn_rows(ep, gamma)):
+                for name, value in zip(("input_ids", "action_mask", "rollout_logprobs", "token_rewards"), row):
+                    tokens[name].append(value)
+                rows.append((ep, k))
+            continue
+        mask = torch.tensor(ep.action_mask, dtype=torch.float32)
+        if ep.error is not None:
+            mask.zero_()
+        tokens["input_ids"].append(torch.tensor(ep.token_ids, dtype=torch.long))
+        tokens["action_mask"].append(mask)
+        tokens["rollout_logprobs"].append(torch.tensor(ep.logprobs, dtype=torch.float32))
+        tokens["token_rewards"].append(turn_token_rewards(ep, mask))
+        rows.append((ep, 0))
+    seqs = {
+        "rewards": torch.tensor([ep.reward for ep, _ in rows], dtype=torch.float32),
+        "group_ids": torch.tensor([ep.spec.group_id for ep, _ in rows], dtype=torch.long),
+        "episode_ids": torch.tensor([ep.spec.episode_id for ep, _ in rows], dtype=torch.long),
+        "truncated": torch.tensor([ep.truncated for ep, _ in rows], dtype=torch.bool),
+        "num_turns": torch.tensor([ep.num_turns for ep, _ in rows], dtype=torch.long),
+        "turn_index": torch.tensor([k for _, k in rows], dtype=torch.long),
+    }
+    return ExperienceBatch.from_sequences(tokens, seqs)
+
+
+def _turn_rows(ep: Episode, gamma: float) -> list[tuple[torch.Tensor, ...]]:
+    """One (input_ids, action_mask, rollout_logprobs, token_rewards) row per turn, in turn order.
+    Built from the last turn backwards, so that each row's final reward can include the discounted
+    return of the turns after it."""
+    ends = [*ep.turn_starts[1:], len(ep.token_ids)]
+    spans = []
+    for start, end in zip(ep.turn_starts, ends):
+        n = 0
+        while start + n < end and ep.action_mask[start + n]:
+            n += 1
+        spans.append((start, n))
+    rewards = _rewards_per_turn(ep)
+    out: list[tuple[torch.Tensor, ...]] = []
+    after = 0.0  # return at the first generated token of the next turn
+    for k in reversed(range(len(spans))):
+        start, n = spans[k]
+        prompt = ep.turn_prompts[k]
+        ids = torch.tensor(prompt + ep.token_ids[start:start + n], dtype=torch.long)
+        mask = torch.zeros(len(ids), dtype=torch.float32)
+        lps = torch.zeros(len(ids), dtype=torch.float32)
+        rew = torch.zeros(len(ids), dtype=torch.float32)
+        last_return = rewards[k] + gamma * after
+        if n and ep.error is None:
+            mask[len(prompt):] = 1.0
+            lps[len(prompt):] = torch.tensor(ep.logprobs[start:start + n], dtype=torch.float32)
+            rew[-1] = last_return
+        after = last_return * gamma ** max(n - 1, 0)
+        out.append((ids, mask, lps, rew))
+    return out[::-1]
+
+
+def _rewards_per_turn(ep: Episode) -> list[float]:
+    """``ep.turn_rewards``; for an episode without them (or whose turn count does not match), its
+    whole reward on the last turn."""
+    if len(ep.turn_rewards) == len(ep.turn_starts):
+        return list(ep.turn_rewards)
+    return [0.0] * max(len(ep.turn_starts) - 1, 0) + [ep.reward]
+
+
+def turn_token_rewards(ep: Episode, mask: torch.Tensor) -> torch.Tensor:
+    """[len(ep.token_ids)]: the reward of turn ``k`` on the last generated token of turn ``k``.
+
+    A turn that generated nothing hands its reward to the last generated token before it; an
+    episode without per-turn rewards (or whose turn count does not match) gets its whole reward on
+    its last generated token. A row without generated tokens (a failed episode) stays all zero.
+    """
+    out = torch.zeros(len(ep.token_ids), dtype=torch.float32)
+    gen = mask.nonzero().squeeze(1)
+    if gen.numel() == 0:
+        return out
+    ends = [*ep.turn_starts[1:], len(ep.token_ids)]
+    for end, r in zip(ends, _rewards_per_turn(ep)):
+        before = gen[gen < end]
+        if before.numel():
+            out[before[-1]] += r
+    return out

@@ -1,0 +1,53 @@
+"""A causal LM's forward pass over an :class:`ExperienceBatch`: per-token log-probs, entropy and
+values of a micro-batch, and the no-grad pass that fills a batch's log-prob fields.
+
+No Lightning here; the caller hands in the model placed for the stage's layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from earl_lightning.algorithms import shifted_entropy, shifted_logprobs
+from earl_lightning.data.experience import ExperienceBatch
+
+
+def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value_head=None,
+                        with_entropy: bool = False, allowed: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N].
+
+    ``allowed``: the token ids the policy may generate (``--model.allowed_tokens``); log-probs and
+    entropy are then over that set, as the rollout sampled them."""
+    input_ids = mb.padded("input_ids", 0)  # [S, L]
+    attn = (torch.arange(input_ids.shape[1])[None, :] < mb.seq_lens[:, None]).to(input_ids.device)
+    need_hidden = value_head is not None
+    out = model(input_ids=input_ids, attention_mask=attn.long(), output_hidden_states=need_hidden, use_cache=False)
+    logits = out.logits.float()  # [S, L, V]
+    allowed_t = None if allowed is None else torch.as_tensor(allowed, dtype=torch.long, device=logits.device)
+    res = {"logprobs": mb.unpad(shifted_logprobs(logits, input_ids, temperature=temperature, allowed=allowed_t))}
+    if with_entropy:
+        res["entropy"] = mb.unpad(shifted_entropy(logits, temperature=temperature, allowed=allowed_t))
+    if need_hidden:
+        h = out.hidden_states[-1]  # [S, L, H]
+        v = value_head(h.float()).squeeze(-1)  # [S, L]: value of the state after token t
+        res["values"] = mb.unpad(torch.nn.functional.pad(v[:, :-1], (1, 0)))  # value before choosing token t
+    return res
+
+
+@torch.no_grad()
+def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: float, micro_batch_tokens: int,
+                  value_head=None, allowed: list[int] | None = None) -> ExperienceBatch:
+    """Add per-token ``name`` log-probs (and ``values`` when a value head is given) to the batch."""
+    out = {name: torch.zeros(batch.num_tokens)}
+    if value_head is not None:
+        out["values"] = torch.zeros(batch.num_tokens)
+    for idx in batch.micro_batch_indices(micro_batch_tokens):
+        mb = batch.select(idx)
+        res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head, allowed=allowed)
+        pos = batch.token_positions(idx)
+        out[name][pos] = res["logprobs"].cpu()
+        if value_head is not None:
+            out["values"][pos] = res["values"].cpu()
+    tokens = dict(batch.tokens)
+    tokens.update(out)
+    return ExperienceBatch(batch.cu_seqlens, tokens, dict(batch.seqs))

@@ -1,0 +1,396 @@
+"""The typed configuration groups of :class:`~earl_lightning.modules.rl.AgenticRLModule`.
+
+Each group is a frozen dataclass that validates itself on construction, with errors spelled the
+way a recipe or the command line writes the setting (``--model.algorithm.loss.clip_high``).
+LightningCLI reads the signatures and docstrings: every field is a nested flag
+(``--model.optim.lr 5e-4``) and ``--print_config`` shows the whole tree. A plain dict is accepted
+wherever a group is (Python users, checkpoints' saved hyperparameters).
+
+Estimators and losses are named by registry name or import path; their parameter fields default
+to None, meaning "the registered function's own default", and a parameter the chosen function
+does not take is a configuration error.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Literal, Mapping, Optional
+
+from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, get_policy_loss
+from earl_lightning.algorithms.estimators import AdvantageEstimator, get_advantage_estimator
+from earl_lightning.groups import coerce, to_dict
+from earl_lightning.registry import bind_params, param_default
+from earl_lightning.rollout.backends.base import check_sampling
+from earl_lightning.rollout.loop import check_history_turns
+
+A = "--model"
+
+
+def _coerce_nested(group: Any, arg: str) -> None:
+    """Nested groups given as dicts become their dataclasses (the group is frozen: set through object)."""
+    hints = typing.get_type_hints(type(group))
+    for f in fields(group):
+        kind = hints[f.name]
+        if is_dataclass(kind) and not isinstance(getattr(group, f.name), kind):
+            object.__setattr__(group, f.name, coerce(kind, getattr(group, f.name), f"{arg}.{f.name}"))
+
+
+def _number(arg: str, value: Any, *, low: float = 0.0, strict: bool = False, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (strict and value == low):
+        what = f"> {low:g}" if strict else f">= {low:g}"
+        raise ValueError(f"`{arg}` must be a number {what}{' or null' if optional else ''}, got {value!r}")
+
+
+def _count(arg: str, value: Any, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{arg}` must be {'a positive integer' if low == 1 else f'an integer >= {low}'}, "
+                         f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How every assistant turn is sampled.
+
+    Args:
+        max_new_tokens: tokens generated per turn at most.
+        temperature: softmax temperature (also applied to the trainer's recomputed log-probs).
+        top_p: nucleus sampling mass (1.0 disables).
+        top_k: keep the k most likely tokens (0 disables).
+        stop: strings that end a turn as soon as the generated text contains one.
+        allowed_tokens: restrict every generated token to these strings, each exactly one token
+            of the tokenizer (e.g. a board game's column digits). The policy is then the softmax
+            over those tokens' logits, in the rollout and in the trainer alike. null: the whole
+            vocabulary.
+    """
+
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+    allowed_tokens: Optional[list[str]] = None
+
+    def __post_init__(self) -> None:
+        arg = f"{A}.rollout.sampling"
+        check_sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.stop, arg=arg)
+        t = self.allowed_tokens
+        if t is not None and (isinstance(t, str) or not isinstance(t, (list, tuple)) or not t
+                              or not all(isinstance(x, str) and x for x in t)):
+            raise ValueError(f"`{arg}.allowed_tokens` must be a non-empty list of non-empty strings such as "
+                             f"['0', '1', '2'], got {t!r}")
+
+    def token_ids(self, tokenizer: Any) -> Optional[list[int]]:
+        """The ids of :attr:`allowed_tokens` under ``tokenizer`` (None when unset)."""
+        if self.allowed_tokens is None:
+            return None
+        arg = f"{A}.rollout.sampling.allowed_tokens"
+        ids = []
+        for t in self.allowed_tokens:
+            enc = tokenizer.encode(t, add_special_tokens=False)
+            if len(enc) != 1:
+                raise ValueError(f"`{arg}` entry {t!r} is {len(enc)} tokens {enc} for this tokenizer; each entry "
+                                 f"must be exactly one token")
+            ids.append(int(enc[0]))
+        dup = sorted({t for t, i in zip(self.allowed_tokens, ids) if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"`{arg}` entries {dup} map to the same token; list each token once")
+        return ids
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How episodes are played.
+
+    Args:
+        backend: generation backend: ``hf`` (transformers, KV cache reused across turns) or
+            ``vllm`` (a colocated vLLM engine).
+        reuse_kv: ``hf`` only; false re-encodes the whole context every turn (reference path).
+        max_turns: turns per episode before it is truncated.
+        max_context_tokens: an episode ends (truncated) when its next turn would exceed this.
+        history_turns: null: every turn sees the whole chat and the episode trains as one row.
+            ``k >= 0``: each turn sees [system] + the last ``k`` exchanges + the current
+            observation (0: the observation alone) and trains as its own row, whose last token
+            carries the turn's reward plus the discounted return of the turns after it.
+        system_prompt: optional system message before the first observation.
+        sampling: how each turn is sampled.
+    """
+
+    backend: Literal["hf", "vllm"] = "hf"
+    reuse_kv: bool = True
+    max_turns: int = 32
+    max_context_tokens: int = 4096
+    history_turns: Optional[int] = None
+    system_prompt: Optional[str] = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+    def __post_init__(self) -> None:
+        arg = f"{A}.rollout"
+        _coerce_nested(self, arg)
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"unknown `{arg}.backend` {self.backend!r}; valid: ['hf', 'vllm']")
+        if self.backend == "vllm":
+            from earl_lightning.rollout.backends.vllm import vllm_available, vllm_install_hint
+
+            if not vllm_available():
+                raise ImportError(f"`{arg}.backend vllm` needs vLLM, which is not installed; install it "
+                                  f"with: {vllm_install_hint()}")
+        _count(f"{arg}.max_turns", self.max_turns)
+        _count(f"{arg}.max_context_tokens", self.max_context_tokens)
+        check_history_turns(self.history_turns, f"{arg}.history_turns")
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """The advantage estimator.
+
+    Args:
+        name: registered name (``grpo``, ``rloo``, ``reinforce_pp``, ``gae``) or import path of
+            a function registered with ``register_advantage_estimator``. ``gae`` adds a value head.
+        gamma: discount over generated tokens (reinforce_pp, gae); null: the estimator's default.
+        lam: GAE lambda (gae); null: the estimator's default.
+        scale: GRPO's advantage scale: ``group`` std, ``batch`` std or ``none`` (Dr. GRPO).
+        kwargs: further keyword parameters of a user's estimator.
+    """
+
+    name: str = "grpo"
+    gamma: Optional[float] = None
+    lam: Optional[float] = None
+    scale: Optional[Literal["group", "batch", "none"]] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        arg = f"{A}.algorithm.advantage"
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+                raise ValueError(f"`{arg}.{name}` must be a number in [0, 1] or null, got {value!r}")
+        if self.scale not in (None, "group", "batch", "none"):
+            raise ValueError(f"`{arg}.scale` must be one of ['group', 'batch', 'none'] or null, got {self.scale!r}")
+        self.params  # noqa: B018 - resolves the estimator and binds its parameters now, at config time
+
+    @property
+    def estimator(self) -> AdvantageEstimator:
+        return get_advantage_estimator(self.name, f"{A}.algorithm.advantage.name")
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The keyword parameters the estimator is called with (checked against its signature)."""
+        given = {"gamma": self.gamma, "lam": self.lam, "scale": self.scale, **self.kwargs}
+        return bind_params(self.estimator.fn, given, what=f"advantage estimator {self.name!r}",
+                           arg=f"{A}.algorithm.advantage", skip=2)
+
+    def effective(self, name: str, fallback: Any) -> Any:
+        """The value the estimator sees for ``name`` (given, else its default, else ``fallback``)."""
+        return param_default(self.estimator.fn, name, self.params, fallback)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The policy loss and how per-token losses become one scalar.
+
+    Args:
+        name: registered name (``ppo_clip``, ``gspo``) or import path of a function registered
+            with ``register_policy_loss``.
+        clip_low: the ratio is clipped below at ``1 - clip_low``; null: the loss's default.
+        clip_high: the ratio is clipped above at ``1 + clip_high``; null: the loss's default.
+        dual_clip: cap of a negative-advantage token's loss at ``-A * dual_clip`` (> 1; null: off).
+        aggregation: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO) or
+            ``seq_mean_token_sum_norm`` (Dr. GRPO); also applied to the entropy and KL terms.
+        norm_constant: the constant of ``seq_mean_token_sum_norm`` (null: ``max_context_tokens``).
+        kwargs: further keyword parameters of a user's loss.
+    """
+
+    name: str = "ppo_clip"
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    aggregation: str = "token_mean"
+    norm_constant: Optional[float] = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        arg = f"{A}.algorithm.loss"
+        if self.clip_low is not None and not (isinstance(self.clip_low, (int, float)) and 0 <= self.clip_low < 1):
+            raise ValueError(f"`{arg}.clip_low` must be a number in [0, 1) (the ratio's lower bound is "
+                             f"1 - clip_low) or null, got {self.clip_low!r}")
+        _number(f"{arg}.clip_high", self.clip_high, optional=True)
+        _number(f"{arg}.dual_clip", self.dual_clip, low=1.0, strict=True, optional=True)
+        _number(f"{arg}.norm_constant", self.norm_constant, strict=True, optional=True)
+        get_loss_aggregation(self.aggregation, f"{arg}.aggregation")
+        self.params  # noqa: B018 - resolves the loss and binds its parameters now, at config time
+
+    @property
+    def fn(self):
+        return get_policy_loss(self.name, f"{A}.algorithm.loss.name")
+
+    @property
+    def params(self) -> dict[str, Any]:
+        given = {"clip_low": self.clip_low, "clip_high": self.clip_high, "dual_clip": self.dual_clip, **self.kwargs}
+        return bind_params(self.fn, given, what=f"policy loss {self.name!r}", arg=f"{A}.algorithm.loss", skip=4)
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    """KL to a frozen reference model (a copy of the starting weights).
+
+    Args:
+        coef: weight of the KL (0 disables it and the reference model).
+        estimator: ``k1``, ``k2`` or ``k3`` (Schulman's estimators), or an import path.
+        in_reward: subtract the KL from the token rewards instead of adding it to the loss.
+    """
+
+    coef: float = 0.0
+    estimator: str = "k3"
+    in_reward: bool = False
+
+    def __post_init__(self) -> None:
+        _number(f"{A}.algorithm.kl.coef", self.coef)
+        get_kl_estimator(self.estimator, f"{A}.algorithm.kl.estimator")
+
+
+@dataclass(frozen=True)
+class ValueConfig:
+    """The value head's loss (used when the estimator needs values, e.g. ``gae``).
+
+    Args:
+        coef: weight of the value loss ``0.5 * (V - G)^2``.
+        clip: PPO value clipping around the old values (null: plain squared error).
+    """
+
+    coef: float = 0.5
+    clip: Optional[float] = 0.2
+
+    def __post_init__(self) -> None:
+        _number(f"{A}.algorithm.value.coef", self.coef)
+        _number(f"{A}.algorithm.value.clip", self.clip, optional=True)
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The RL algorithm: advantages, policy loss, KL, entropy bonus, value head.
+
+    GRPO is ``advantage.name: grpo``; REINFORCE++ ``reinforce_pp``; PPO ``gae`` (with a value head).
+
+    Args:
+        advantage: the advantage estimator and its parameters.
+        loss: the policy loss, its parameters and the aggregation.
+        kl: KL to the reference model.
+        entropy_coef: entropy bonus weight.
+        value: the value head's loss.
+    """
+
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    entropy_coef: float = 0.0
+    value: ValueConfig = field(default_factory=ValueConfig)
+
+    def __post_init__(self) -> None:
+        _coerce_nested(self, f"{A}.algorithm")
+        _number(f"{A}.algorithm.entropy_coef", self.entropy_coef)
+
+    @property
+    def needs_values(self) -> bool:
+        return self.advantage.estimator.needs_values
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW, its schedule, and how each RL batch is cut into optimizer steps.
+
+    Args:
+        lr: learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up, in optimizer steps.
+        lr_schedule: after warm-up: ``constant``, ``cosine`` or ``linear`` decay to 0 at ``max_steps``.
+        max_grad_norm: clip the global gradient norm (0 disables).
+        ppo_epochs: passes over each RL batch.
+        mini_batches: optimizer steps per pass.
+        micro_batch_tokens: padded-token budget of one forward/backward (gradient accumulation).
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    max_grad_norm: float = 1.0
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batch_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        arg = f"{A}.optim"
+        _number(f"{arg}.lr", self.lr, strict=True)
+        _number(f"{arg}.weight_decay", self.weight_decay)
+        _number(f"{arg}.max_grad_norm", self.max_grad_norm)
+        _count(f"{arg}.warmup_steps", self.warmup_steps, low=0)
+        if self.lr_schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"unknown `{arg}.lr_schedule` {self.lr_schedule!r}; valid: ['constant', 'cosine', 'linear']")
+        for name in ("ppo_epochs", "mini_batches", "micro_batch_tokens"):
+            _count(f"{arg}.{name}", getattr(self, name))
+
+    def lr_factor(self, step: int, total: int) -> float:
+        """The learning rate's multiplier at optimizer step ``step`` of ``total``."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        frac = min(1.0, (step - self.warmup_steps) / max(1, total - self.warmup_steps))
+        if self.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * frac))
+        if self.lr_schedule == "linear":
+            return 1.0 - frac
+        return 1.0
+
+
+def check_combination(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:
+    """Settings that are valid alone but not together."""
+    h = rollout.history_turns
+    if h is None:
+        return
+    lam = algorithm.advantage.effective("lam", 1.0)
+    if lam != 1.0:
+        raise ValueError(f"`{A}.algorithm.advantage.lam` must be 1.0 with `{A}.rollout.history_turns` ({h}), got "
+                         f"{lam!r}: each turn is its own row, and GAE with lam < 1 would need the value of the next "
+                         f"turn's row; leave `history_turns` unset (null) for lam < 1")
+    if algorithm.kl.coef and algorithm.kl.in_reward:
+        raise ValueError(f"`{A}.algorithm.kl.in_reward` true is not supported with `{A}.rollout.history_turns` "
+                         f"({h}): a later turn row's KL penalty would not reach the earlier rows' returns; use the "
+                         f"KL as a loss term (in_reward false)")
+
+
+def check_module_args(dtype: str, seed: int, transcript_every_n_steps: int, logprob_mismatch_warn: float) -> None:
+    from earl_lightning.models import resolve_dtype
+
+    resolve_dtype(dtype, f"{A}.dtype")
+    _count(f"{A}.seed", seed, low=0)
+    _count(f"{A}.transcript_every_n_steps", transcript_every_n_steps, low=0)
+    _number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, strict=True)
+
+
+def module_hparams(model: str, dtype: str, rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig,
+                   seed: int, transcript_every_n_steps: int, logprob_mismatch_warn: float) -> dict[str, Any]:
+    """The module's arguments as plain data: what checkpoints store and TensorBoard shows, and what
+    ``load_from_checkpoint`` hands back to the constructor (which takes dicts for groups)."""
+    return {"model": model, "dtype": dtype, "rollout": to_dict(rollout), "algorithm": to_dict(algorithm),
+            "optim": to_dict(optim), "seed": seed, "transcript_every_n_steps": transcript_every_n_steps,
+            "logprob_mismatch_warn": logprob_mismatch_warn}
+
+
+def check_first_observation(rollout: RolloutConfig, tokenizer: Any, spec: Any) -> None:
+    """``max_context_tokens`` smaller than the first observation fails before any work is done."""
+    from earl_lightning.envs import make_env
+
+    obs = make_env(spec.env, **spec.env_kwargs).reset(spec.seed)
+    msgs = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
+    ids = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": obs}], add_generation_prompt=True,
+                                        tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5 returns a BatchEncoding
+    need = len(ids) + rollout.sampling.max_new_tokens
+    if need > rollout.max_context_tokens:
+        raise ValueError(f"`{A}.rollout.max_context_tokens` ({rollout.max_context_tokens}) is smaller than the first "
+                         f"observation of env {spec.env!r} plus one turn: {len(ids)} prompt tokens + "
+                         f"{rollout.sampling.max_new_tokens} new tokens = {need}; raise it to at least {need}")

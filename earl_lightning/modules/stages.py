@@ -1,0 +1,77 @@
+"""Running one RL stage under its layout, retried on an out-of-memory error.
+
+The strategy picks the stage's layout (:class:`~earl_lightning.strategies.stage.StageStrategy`);
+on an out-of-memory error, callbacks that are :class:`~earl_lightning.callbacks.base.StageOOMHandler`
+(AdaptiveParallelism) may mark that layout infeasible and ask for a retry: the stage then runs
+again under the next layout the selector picks, and the step is not lost.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+
+import torch
+
+from earl_lightning.callbacks.base import StageOOMHandler
+from earl_lightning.modules.metrics import StageTimer
+from earl_lightning.parallel.collectives import Reducer
+from earl_lightning.parallel.oom import is_oom_error
+from earl_lightning.strategies.stage import StageContext, StageStrategy
+
+T = TypeVar("T")
+
+
+class StageRunner:
+    """Runs stages through ``stages`` and asks ``handlers`` what to do on an out-of-memory error.
+
+    ``ask(handler, stage, stats, err)`` calls the handler's hook (the module passes its trainer
+    and itself); ``free()`` releases what a failed attempt left behind.
+    """
+
+    def __init__(self, stages: StageStrategy, handlers: Sequence[StageOOMHandler],
+                 ask: Callable[[StageOOMHandler, str, Optional[Mapping[str, Any]], BaseException], bool],
+                 free: Callable[[], None], timer: StageTimer, max_retries: int = 3) -> None:
+        self.stages, self.handlers, self.ask, self.free = stages, list(handlers), ask, free
+        self.timer, self.max_retries = timer, max_retries
+        self.recoveries = 0
+
+    def run(self, name: str, stats: Optional[Mapping[str, Any]], fn: Callable[[StageContext], T]) -> T:
+        """``fn(ctx)`` under stage ``name``'s layout, retried on an out-of-memory error.
+
+        With several processes, every rank reports after the stage whether it ran out of memory
+        (one all-reduce), so that an OOM on one rank is retried by all: safe when the other ranks
+        finish the stage without a collective that waits for the failed one (the rollout on
+        data-parallel replicas, where the KV cache grows); an OOM before a collective that peers
+        are already inside (FSDP's all-gathers in the train stage) still blocks them until the
+        process group's timeout."""
+        retries = 0
+        while True:
+            err = out = None
+            try:
+                with self.stages.stage(name, stats) as ctx, self.timer(name):
+                    out = fn(ctx)
+            except Exception as e:  # noqa: BLE001 - filtered right below
+                if not is_oom_error(e):
+                    raise
+                err = e
+            if Reducer().any(err is not None):
+                err = err or MemoryError(f"out of memory in stage {name!r} on another rank")
+            elif err is None:
+                return out
+            if retries >= self.max_retries or not any([self.ask(h, name, stats, err) for h in self.handlers]):
+                raise err
+            retries += 1
+            self.recoveries += 1
+            self.free()
+
+
+def free_memory(optimizers: Sequence[Any], backend: Any) -> None:
+    """After a failed attempt: drop gradients and cached generation state, return cached memory."""
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    if backend is not None:
+        backend.release(None)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,79 @@
+"""The layering of docs/design.md, read from the source: nothing imports upward, no package cycle,
+and ``modules/`` makes no raw ``torch.distributed`` call (collectives live in ``parallel/collectives.py``)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[2] / "earl_lightning"
+# tier of each top-level unit of the package; a unit may import its own tier or lower ones
+TIERS = {
+    "registry": 0, "groups": 0,
+    "algorithms": 1, "envs": 1, "models": 1,
+    "rollout": 2, "data": 2, "parallel": 2,
+    "strategies": 3, "callbacks": 3, "modules": 3, "profiling": 3, "profile_command": 3, "cli": 3, "warnings_filter": 3,
+    "__init__": 3,
+}
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports() -> list[tuple[str, str, int]]:
+    """(importing unit, imported unit, line) for every import of the package inside the package,
+    lazy (function-level) imports included."""
+    out = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        unit = unit_of(".".join(rel.parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for name in names:
+                if name == "earl_lightning" or name.startswith("earl_lightning."):
+                    out.append((f"{unit} ({rel})", unit_of(name), node.lineno))
+    return out
+
+
+def test_every_unit_has_a_tier():
+    units = {unit_of(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)) for p in PACKAGE.rglob("*.py")}
+    assert units <= set(TIERS), f"units without a tier: {sorted(units - set(TIERS))}"
+
+
+def test_nothing_imports_upward():
+    upward = [f"{src}:{line} imports {dst}" for src, dst, line in imports()
+              if TIERS[dst] > TIERS[src.split(" ")[0]]]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_cycle_between_units():
+    edges: dict[str, set[str]] = {}
+    for src, dst, _ in imports():
+        unit = src.split(" ")[0]
+        if unit != dst:
+            edges.setdefault(unit, set()).add(dst)
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in edges.get(a, ()))
+
+    cycles = sorted({(a, b) for a, bs in edges.items() for b in bs if reaches(b, a, {b})})
+    assert not cycles, f"units that import each other (directly or not): {cycles}"
+
+
+def test_modules_make_no_raw_distributed_call():
+    pattern = re.compile(r"torch\.distributed|dist\.(all_|broadcast|barrier)")
+    hits = [f"{p.name}:{i}: {line.strip()}" for p in (PACKAGE / "modules").rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not hits, "\n".join(hits)
+
+
+def test_the_graph_is_really_read():
+    found = {(src.split(" ")[0], dst) for src, dst, _ in imports()}
+    assert ("modules", "algorithms") in found and ("parallel", "algorithms") in found
