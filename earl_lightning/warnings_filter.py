@@ -16,8 +16,11 @@ LIBRARY_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     # the state after `optimizer.step()`. One training step here is one whole RL iteration (rollout,
     # experience, update), so that state is exactly the one wanted; Lightning has no option to say so
     # (its only way out is a module with test-only `saved_models` and `layer` attributes).
-    ("Using ModelCheckpoint with manual optimization and every_n_train_steps, but no pre-optimization state was"
-     " saved", UserWarning, "lightning.pytorch.callbacks.model_checkpoint"),
+    (
+        "Using ModelCheckpoint with manual optimization and every_n_train_steps, but no pre-optimization state was saved",
+        UserWarning,
+        "lightning.pytorch.callbacks.model_checkpoint",
+    ),
     # Lightning's own pytree copy builds torch's `LeafSpec`, which newer torch deprecates; raised from
     # inside Lightning whatever the caller passes.
     ("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "lightning.pytorch.utilities._pytree"),

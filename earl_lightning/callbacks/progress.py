@@ -30,15 +30,20 @@ class StepProgressBar(TQDMProgressBar):
     def train_description(self) -> str:
         return "step" if self.trainer.max_steps > 0 else super().train_description
 
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        if trainer.max_steps > 0:
+            bar = self.train_progress_bar
+            bar.reset(total=trainer.max_steps)
+            # A resumed run starts part way; `initial` keeps the it/s rate to this run's own steps.
+            bar.initial = bar.n = trainer.global_step
+            bar.refresh()
+
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        # A step bar spans epochs (and a run resumed mid-epoch gets no epoch start): it is set up once,
+        # in on_train_start.
         if trainer.max_steps <= 0:
             super().on_train_epoch_start(trainer, *args)
-            return
-        bar = self.train_progress_bar
-        bar.reset(total=trainer.max_steps)
-        # A resumed run starts part way; `initial` keeps the it/s rate to this run's own steps.
-        bar.initial = bar.n = trainer.global_step
-        bar.refresh()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
