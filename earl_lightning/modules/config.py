@@ -134,7 +134,7 @@ class RolloutConfig:
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"unknown `{arg}.backend` {self.backend!r}; valid: ['hf', 'vllm']")
         if self.backend == "vllm":
-            from earl_lightning.rollout.backends.vllm import vllm_available, vllm_install_hint
+            from earl_lightning.rollout.backends.vllm_support import vllm_available, vllm_install_hint
 
             if not vllm_available():
                 raise ImportError(f"`{arg}.backend vllm` needs vLLM, which is not installed; install it "

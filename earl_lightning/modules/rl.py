@@ -23,7 +23,7 @@ from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.exchange import Exchanger
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs
-from earl_lightning.models import load_model, load_tokenizer
+from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import RunMetrics, StageTimer, log_transcripts
 from earl_lightning.modules.stages import StageRunner, free_memory
@@ -147,7 +147,8 @@ class AgenticRLModule(L.LightningModule):
     def _play(self, specs: list, ctx: StageContext, seed: int, greedy: bool = False) -> list:
         """This rank's share of ``specs``, played with the stage's model (the backend is bound to it)."""
         if self._backend is None:
-            spec = BackendSpec(model_path=str(self.hparams.model), dtype=self.hparams.dtype, seed=self.hparams.seed,
+            spec = BackendSpec(model_path=resolve_model_path(self.hparams.model, "--model.model"),
+                               dtype=self.hparams.dtype, seed=self.hparams.seed,
                                max_context_tokens=self.rollout_config.max_context_tokens,
                                reuse_kv=self.rollout_config.reuse_kv)
             factory = GENERATION_BACKENDS.get(self.rollout_config.backend, "--model.rollout.backend")

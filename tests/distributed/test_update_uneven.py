@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.modules.update import UpdateConfig, ppo_update
+from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
+from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import parallelize_model
 from tests.distributed.launch import run_distributed
@@ -22,8 +23,11 @@ CFG = UpdateConfig(micro_batch_tokens=48, max_grad_norm=0.0)
 
 
 class _Opt:
+    """Lightning's optimizer wrapper, as far as ppo_update uses it (``step`` and the wrapped ``optimizer``)."""
+
     def __init__(self, optimizer):
         self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
 
     def step(self):
         self.optimizer.step()
@@ -31,31 +35,10 @@ class _Opt:
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
 
-
-class Harness(torch.nn.Module):
-    """What ppo_update needs of the LightningModule."""
-
-    def __init__(self, policy, value_head=None):
-        super().__init__()
-        self.policy, self.value_head = policy, value_head
-        self._opt = _Opt(torch.optim.SGD(self.parameters(), lr=0.5))
-
-    def optimizers(self):
-        return self._opt
-
-    def lr_schedulers(self):
-        return None
-
-    def manual_backward(self, loss):
-        loss.backward()
-
-    @property
-    def device(self):
-        return torch.device("cpu")
+def update(models: Models, batch: ExperienceBatch, cfg: UpdateConfig, reducer: Reducer) -> dict:
+    opt = _Opt(torch.optim.SGD(models.parameters(), lr=0.5))
+    return ppo_update(models, opt, None, batch, cfg, reducer, lambda loss: loss.backward())
 
 
 def batch(rows: list[int]) -> ExperienceBatch:
@@ -75,10 +58,13 @@ def batch(rows: list[int]) -> ExperienceBatch:
         {"rewards": torch.zeros(len(pick))})
 
 
-def _params(model) -> dict[str, torch.Tensor]:
+def _params(models: Models) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    named = [(f"policy.{n}", p) for n, p in models.policy.named_parameters()]
+    if models.value_head is not None:
+        named += [(f"value_head.{n}", p) for n, p in models.value_head.named_parameters()]
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named}
 
 
 def value_head() -> torch.nn.Linear:
@@ -94,9 +80,9 @@ def _worker(rank: int, world: int, path: str, with_value: bool = False, cfg: Upd
     layout = Layout(dp=2, tp=1)
     parallelize_model(model, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")), layout=layout)
     mine = [i for i, (r, _) in enumerate(LENGTHS) if r == dist.get_rank()]
-    harness = Harness(model, value_head() if with_value else None)
-    out = ppo_update(harness, batch(mine), cfg, layout=layout)
-    full = _params(harness)  # a collective: every rank gathers
+    models = Models(model, value_head() if with_value else None)
+    out = update(models, batch(mine), cfg, Reducer(layout))
+    full = _params(models)  # a collective: every rank gathers
     return ({n: p.numpy() for n, p in full.items()}, out["grad_norm"]) if rank == 0 else None
 
 
@@ -108,9 +94,9 @@ def test_uneven_micro_batches_do_not_hang_and_match_one_process():
     path = tiny_path()
     assert [len(batch([i for i, (r, _) in enumerate(LENGTHS) if r == k]).split_by_tokens(CFG.micro_batch_tokens))
             for k in (0, 1)] == [1, 3]
-    ref = Harness(AutoModelForCausalLM.from_pretrained(path))
+    ref = Models(AutoModelForCausalLM.from_pretrained(path))
     before = _params(ref)
-    ppo_update(ref, batch(list(range(len(LENGTHS)))), CFG)
+    update(ref, batch(list(range(len(LENGTHS)))), CFG, Reducer())
     expected = _params(ref)
     got = run_distributed(_worker, 2, path, timeout=120)[0][0]
     assert sum((expected[n] - before[n]).abs().sum().item() for n in before) > 0
@@ -127,8 +113,8 @@ def test_value_head_and_gradient_clipping_under_fsdp_match_one_process():
 
     path = tiny_path()
     cfg = UpdateConfig(micro_batch_tokens=48, max_grad_norm=0.05, value_coef=1.0)
-    ref = Harness(AutoModelForCausalLM.from_pretrained(path), value_head())
-    out = ppo_update(ref, batch(list(range(len(LENGTHS)))), cfg)
+    ref = Models(AutoModelForCausalLM.from_pretrained(path), value_head())
+    out = update(ref, batch(list(range(len(LENGTHS)))), cfg, Reducer())
     expected = _params(ref)
     assert out["grad_norm"] > 0.05  # the clip is active
     got, norm = run_distributed(_worker, 2, path, True, cfg, timeout=120)[0]

@@ -20,7 +20,7 @@ def small_recipe(tmp_path: Path) -> Path:
     cfg = yaml.safe_load(RECIPE.read_text())
     cfg["model"]["rollout"].update(max_context_tokens=128, sampling={"max_new_tokens": 2})
     cfg["model"]["optim"]["micro_batch_tokens"] = 512
-    cfg["data"]["batch_size"] = 4
+    cfg["data"].update(batch_size=4, group_size=2)
     out = tmp_path / "small.yaml"
     out.write_text(yaml.safe_dump(cfg))
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from earl_lightning.rollout.backends.vllm import vllm_available
+from earl_lightning.rollout.backends.vllm_support import vllm_available
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and vllm_available()),

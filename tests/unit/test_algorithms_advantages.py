@@ -7,6 +7,7 @@ import torch
 
 from earl_lightning.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
     Moments,
     discounted_returns,
     gae_advantages,
@@ -206,8 +207,17 @@ def test_gae_by_hand():
 
 
 def test_registry_lookup_and_unknown_name():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo", "reinforce_pp", "gae"}
-    assert get_advantage_estimator("gae") is gae_advantages
+    # the built-ins (tests may register more in the same process)
+    assert {"grpo", "rloo", "reinforce_pp", "gae"} <= set(ADVANTAGE_ESTIMATORS)
+    gae = get_advantage_estimator("gae")
+    assert gae.needs_values and not get_advantage_estimator("grpo").needs_values
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    out = gae(AdvantageInputs(rewards=torch.zeros(1), group_ids=torch.zeros(1, dtype=torch.long), num_groups=1,
+                              episode_rows=torch.ones(1, dtype=torch.bool), token_rewards=torch.tensor([[0, 0, 1.0]]),
+                              mask=mask, values=torch.tensor([[0, 0.5, 0.25]])), gamma=0.5, lam=1.0)
+    expected = gae_advantages(torch.tensor([[0, 0, 1.0]]), torch.tensor([[0, 0.5, 0.25]]), mask, gamma=0.5, lam=1.0)
+    torch.testing.assert_close(out.advantages, expected[0])
+    torch.testing.assert_close(out.returns, expected[1])
     with pytest.raises(ValueError, match=r"unknown `advantage_estimator` 'ppo'; "
                                          r"valid advantage estimators: \['gae', 'grpo'"):
         get_advantage_estimator("ppo")

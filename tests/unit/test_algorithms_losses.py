@@ -226,9 +226,9 @@ def test_value_loss_by_hand():
 
 # ---- registries and errors -----------------------------------------------------------------------
 def test_registries():
-    assert set(POLICY_LOSSES) == {"ppo_clip", "gspo"}
+    assert {"ppo_clip", "gspo"} <= set(POLICY_LOSSES)  # the built-ins (tests may register more)
     assert set(LOSS_AGGREGATIONS) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"}
-    with pytest.raises(ValueError, match=r"unknown `policy_loss` 'ppo'; valid policy losses: \['gspo', 'ppo_clip'\]"):
+    with pytest.raises(ValueError, match=r"unknown `policy_loss` 'ppo'; valid policy losses: \[.*'gspo', 'ppo_clip'"):
         get_policy_loss("ppo")
     with pytest.raises(ValueError, match=r"unknown `loss_aggregation` 'mean'; valid loss aggregations: "
                                          r"\['seq_mean_token_mean', 'seq_mean_token_sum_norm', 'token_mean'\]"):

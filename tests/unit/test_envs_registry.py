@@ -73,7 +73,7 @@ def test_check_env_name_accepts_names_and_import_paths():
 
 
 @pytest.mark.parametrize("name, match", [
-    ("guess_game", r"unknown `--data.env` 'guess_game'; valid environments: \['calculator', 'connect_four', "
+    ("guess_game", r"unknown `--data.env` 'guess_game'; valid environments: \[.*'calculator', 'connect_four', "
                    r".*'recall', 'textarena'.*\], or an import path"),
     ("no_such_pkg.envs.Game", r"`--data.env` 'no_such_pkg.envs.Game': cannot import module 'no_such_pkg.envs': "
                               r"ModuleNotFoundError: No module named 'no_such_pkg'"),

@@ -4,7 +4,6 @@ current observation, trained as one row per turn that carries the return of the 
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from earl_lightning.algorithms import discounted_returns

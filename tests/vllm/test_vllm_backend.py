@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from earl_lightning.models import load_tokenizer, make_tiny_model
-from earl_lightning.rollout.backends.vllm import vllm_available
+from earl_lightning.rollout.backends.vllm_support import vllm_available
 
 needs_vllm = pytest.mark.skipif(
     not vllm_available(),
@@ -157,7 +157,7 @@ def test_generate_rejects_prompt_longer_than_max_model_len(tiny):
 
 
 def test_kv_cache_budget_holds_full_length_sequences():
-    from earl_lightning.rollout.backends.vllm import kv_cache_gib_for
+    from earl_lightning.rollout.backends.vllm_support import kv_cache_gib_for
 
     cfg = json.loads((make_tiny_model("earl-tiny") / "config.json").read_text())
     # earl-tiny: 2 layers x 2 KV heads x head_dim 32 x (K, V) x 4 bytes = 1 KiB per token.
@@ -173,7 +173,8 @@ def test_from_spec_builds_the_trainers_backend_without_an_engine(tiny):
     from earl_lightning.models import resolve_model_path
     from earl_lightning.modules.rl import AgenticRLModule
     from earl_lightning.rollout.backends.base import BackendSpec
-    from earl_lightning.rollout.backends.vllm import VLLMBackend, kv_cache_gib_for
+    from earl_lightning.rollout.backends.vllm import VLLMBackend
+    from earl_lightning.rollout.backends.vllm_support import kv_cache_gib_for
 
     module = AgenticRLModule(model="earl-tiny", rollout={"backend": "vllm", "max_context_tokens": 512}, seed=7,
                              dtype="bfloat16")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from earl_lightning.rollout.backends.vllm import vllm_available
+from earl_lightning.rollout.backends.vllm_support import vllm_available
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "connect4_grpo_vllm.yaml"
