@@ -13,7 +13,6 @@ Per-sequence fields are 1-D tensors of length ``num_seqs``: ``rewards``, ``group
 
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Literal
@@ -206,15 +205,6 @@ class ExperienceBatch:
         tokens = {f.name: torch.zeros(0, dtype=f.dtype) for f in schema if f.kind == "token"}
         seqs = {f.name: torch.zeros(0, dtype=f.dtype) for f in schema if f.kind == "seq"}
         return cls(torch.zeros(1, dtype=torch.long), tokens, seqs)
-
-    def row_bytes(self) -> tuple[int, int]:
-        """(bytes per token summed over token fields, bytes per sequence summed over sequence fields)."""
-        return (sum(t.element_size() for t in self.tokens.values()),
-                sum(t.element_size() for t in self.seqs.values()))
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else math.inf
 
 
 # Dtypes every torch.distributed backend (gloo, NCCL) moves natively; anything else (int16, uint16,

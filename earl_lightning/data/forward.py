@@ -51,3 +51,15 @@ def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: floa
     tokens = dict(batch.tokens)
     tokens.update(out)
     return ExperienceBatch(batch.cu_seqlens, tokens, dict(batch.seqs))
+
+
+def zero_loss(model, value_head=None) -> torch.Tensor:
+    """A zero loss through every parameter, for ranks with fewer micro-batches than others:
+    collective-backed parameters (FSDP, TP) need every rank in every forward/backward."""
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    out = model(input_ids=ids, use_cache=False, output_hidden_states=value_head is not None)
+    loss = out.logits.sum() * 0.0
+    if value_head is not None:
+        loss = loss + value_head(out.hidden_states[-1].float()).sum() * 0.0
+    return loss

@@ -18,7 +18,7 @@ from torch import nn
 from earl_lightning.algorithms import aggregate, kl_divergence, ppo_clip_loss, value_loss
 from earl_lightning.algorithms.losses import PolicyLossFn, loss_stat_means
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.data.forward import forward_micro_batch
+from earl_lightning.data.forward import forward_micro_batch, zero_loss
 from earl_lightning.parallel.collectives import Reducer, clip_gradients
 
 
@@ -94,18 +94,6 @@ def micro_batch_loss(models: Models, mb: ExperienceBatch, cfg: UpdateConfig,
     return loss, stats
 
 
-def _dummy_loss(models: Models) -> torch.Tensor:
-    """A zero loss through every parameter, for ranks with fewer micro-batches than others:
-    collective-backed parameters (FSDP, TP) need every rank in every forward/backward."""
-    device = next(models.policy.parameters()).device
-    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    out = models.policy(input_ids=ids, use_cache=False, output_hidden_states=models.value_head is not None)
-    loss = out.logits.sum() * 0.0
-    if models.value_head is not None:
-        loss = loss + models.value_head(out.hidden_states[-1].float()).sum() * 0.0
-    return loss
-
-
 def ppo_update(models: Models, optimizer: Any, scheduler: Any, batch: ExperienceBatch, cfg: UpdateConfig,
                reduce: Reducer, backward: Callable[[torch.Tensor], None]) -> dict[str, float]:
     """``cfg.ppo_epochs`` passes of ``cfg.mini_batches`` optimizer steps over ``batch``.
@@ -146,7 +134,7 @@ def _accumulate(models: Models, mini: ExperienceBatch, cfg: UpdateConfig, reduce
     # collectives inside each pass): agree on the count first, then pad with zero-loss passes.
     for i in range(reduce.agree_count(len(micro))):
         if i >= len(micro):
-            backward(_dummy_loss(models))
+            backward(zero_loss(models.policy, models.value_head))
             continue
         loss, stats = micro_batch_loss(models, micro[i], cfg, denom)
         backward(loss)

@@ -51,9 +51,6 @@ class Layout:
     def tp_group_ranks(self, dp_rank: int) -> list[int]:
         return [self.rank_of(dp_rank, t) for t in range(self.tp)]
 
-    def dp_group_ranks(self, tp_rank: int) -> list[int]:
-        return [self.rank_of(d, tp_rank) for d in range(self.dp)]
-
     def check_world(self, world_size: int, arg: str = "layout") -> "Layout":
         if self.world_size != world_size:
             raise ValueError(

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.data.forward import fill_logprobs, forward_micro_batch
+from earl_lightning.data.forward import fill_logprobs, forward_micro_batch, zero_loss
 from earl_lightning.parallel.collectives import Reducer, broadcast_object, global_rank, world_size
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 from earl_lightning.parallel.parallelize import model_heads, parallelize_model, set_activation_checkpointing
@@ -207,15 +207,17 @@ class StageProfiler:
         return float(sum(len(o.token_ids) for o in outs))
 
     def _train(self, model, opt, n, context, vocab, gen, layout) -> float:
-        # FSDP / TP need every rank in every forward: pad the micro-batch count with empty passes.
+        # FSDP / TP need every rank in every forward: pad the micro-batch count with zero-loss
+        # passes, as the trainer's update does.
         batch = _synthetic_batch(max(n, 1), context, vocab, gen).to(self.device)
         micro = batch.split_by_tokens(layout.micro_batch_tokens) if n else []
         for i in range(Reducer().agree_count(len(micro))):
-            mb = micro[i] if i < len(micro) else batch.select([0])
-            res = forward_micro_batch(model, mb, temperature=1.0)
-            adv, mask = mb.tokens["advantages"], mb.tokens["action_mask"]
-            loss = -(res["logprobs"] * adv * mask).sum() / max(1.0, float(mask.sum()))
-            (loss * (1.0 if i < len(micro) else 0.0)).backward()
+            if i >= len(micro):
+                zero_loss(model).backward()
+                continue
+            res = forward_micro_batch(model, micro[i], temperature=1.0)
+            adv, mask = micro[i].tokens["advantages"], micro[i].tokens["action_mask"]
+            (-(res["logprobs"] * adv * mask).sum() / max(1.0, float(mask.sum()))).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(n * context)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -36,3 +37,34 @@ def test_recipe_on_two_processes_with_earl_strategy(tmp_path, name):
     assert s["grad_norm"][0] > 0  # the dp ranks trained on their shards (gradients summed by FSDP)
     for tag in ("dispatch/bytes", "dispatch/seconds", "dispatch/imbalance", "reshard/bytes"):
         assert tag in s, tag
+    # torchmetrics synchronize the run's metrics: Lightning has no epoch-level metric to warn about
+    assert "sync_dist" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_env_by_import_path_on_two_processes(tmp_path):
+    """A user's environment, defined in a test module and named by import path in the recipe, under
+    a plain (DDP-free) Lightning strategy on 2 processes: every rank builds it from the path, the
+    data-parallel stage context stands in, and the run trains and evaluates."""
+    recipe = tmp_path / "guess.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 2, "val_check_interval": 2,
+                    "check_val_every_n_epoch": None, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
+                    "enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")},
+        "model": {"model": "earl-tiny", "transcript_every_n_steps": 0,
+                  "rollout": {"max_turns": 3, "max_context_tokens": 512,
+                              "sampling": {"max_new_tokens": 1, "allowed_tokens": list("123456789")}},
+                  "algorithm": {"advantage": {"name": "grpo"}}},
+        "data": {"env": "tests.plugins.envs.GuessGame", "env_kwargs": {"low": 1, "high": 9, "max_guesses": 3},
+                 "batch_size": 16, "group_size": 4, "eval_episodes": 8},
+    }))
+    earl = Path(sys.executable).with_name("earl")
+    root = str(Path(__file__).parents[2])  # where `tests.plugins` is importable from
+    proc = subprocess.run([str(earl), "fit", "--config", str(recipe)], env=subprocess_env(PYTHONPATH=root),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = scalars(tmp_path / "run")
+    assert len(s["reward/mean"]) == 2 and len(s["val/win_rate"]) >= 1
+    for rate in s["env/win_rate"] + s["env/invalid_rate"]:  # over the 16 episodes of both ranks
+        assert abs(rate * 16 - round(rate * 16)) < 1e-5  # (tests/distributed/test_collectives.py: exactly)
+    assert "sync_dist" not in proc.stderr, proc.stderr[-4000:]
