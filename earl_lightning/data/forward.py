@@ -10,6 +10,7 @@ import torch
 
 from earl_lightning.algorithms import shifted_entropy, shifted_logprobs
 from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.models import eval_mode
 
 
 def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value_head=None,
@@ -43,7 +44,8 @@ def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: floa
         out["values"] = torch.zeros(batch.num_tokens)
     for idx in batch.micro_batch_indices(micro_batch_tokens):
         mb = batch.select(idx)
-        res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head, allowed=allowed)
+        with eval_mode(model):  # the distribution the rollout sampled from (no dropout)
+            res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head, allowed=allowed)
         pos = batch.token_positions(idx)
         out[name][pos] = res["logprobs"].cpu()
         if value_head is not None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 
@@ -68,3 +69,18 @@ def load_model(name_or_path: str, dtype: str = "float32", arg: str = "--model.na
     except OSError as err:
         raise FileNotFoundError(f"`{arg}`: cannot load a model from {name_or_path!r}: {err}") from None
     return model
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) for a forward that only reads it, then its mode again.
+
+    Generation and log-prob recomputation run like this, so the log-probs the trainer recomputes
+    are those of the distribution the rollout sampled from; a frozen reference model stays in
+    train mode between uses, as Lightning expects of every module at the start of training."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

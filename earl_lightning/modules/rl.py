@@ -93,7 +93,7 @@ class AgenticRLModule(L.LightningModule):
         self.policy.config.use_cache = False
         self.policy.train()
         if algo.kl.coef:
-            self.ref_policy = load_model(hp.model, hp.dtype, "--model.model").eval().requires_grad_(False)
+            self.ref_policy = load_model(hp.model, hp.dtype, "--model.model").requires_grad_(False)
         if algo.needs_values:
             torch.manual_seed(hp.seed)
             self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1)

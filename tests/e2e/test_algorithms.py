@@ -25,6 +25,7 @@ def recipe(algorithm: dict) -> dict:
     """A small task with rewards that differ from the first step: guess a number in [1, 9] in three
     tries (a user's env by import path), one digit per turn."""
     return {
+        "seed_everything": 0,
         "trainer": {"max_steps": 2, "limit_val_batches": 0, "enable_progress_bar": False,
                     "enable_checkpointing": False, "log_every_n_steps": 1},
         "model": {"model": "earl-tiny", "transcript_every_n_steps": 0, "algorithm": algorithm,

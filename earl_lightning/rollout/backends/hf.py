@@ -9,12 +9,12 @@ its whole context. Both draw identical tokens for a given seed.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from earl_lightning.models import eval_mode
 from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig, check_requests
 from earl_lightning.rollout.backends.kv import EpisodeKV, attention_masks, attention_windows, build_cache, gqa_attention
 from earl_lightning.rollout.backends.sampling import draw_uniforms, row_seed, sample_tokens
@@ -31,16 +31,6 @@ class _Batch:
     suffix_ids: torch.Tensor  # [B, S] left-padded new tokens
     suffix_pos: torch.Tensor  # [B, S] their true positions (0 under padding)
     next_pos: torch.Tensor  # [B] position of the first generated token (= prompt length)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class HFBackend:
@@ -107,7 +97,7 @@ class HFBackend:
         check_requests(requests)
         if not requests:
             return []
-        with _eval_mode(self.model), gqa_attention(self.model), torch.inference_mode():
+        with eval_mode(self.model), gqa_attention(self.model), torch.inference_mode():
             return self._generate(requests, sampling)
 
     # ---- one call ------------------------------------------------------------------------
