@@ -17,7 +17,7 @@ def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value
                         with_entropy: bool = False, allowed: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N].
 
-    ``allowed``: the token ids the policy may generate (``--model.allowed_tokens``); log-probs and
+    ``allowed``: the token ids the policy may generate (``--model.rollout.sampling.allowed_tokens``); log-probs and
     entropy are then over that set, as the rollout sampled them."""
     input_ids = mb.padded("input_ids", 0)  # [S, L]
     attn = (torch.arange(input_ids.shape[1])[None, :] < mb.seq_lens[:, None]).to(input_ids.device)
