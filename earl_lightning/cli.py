@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from earl_lightning.callbacks import StepProgressBar
 from earl_lightning.data.datamodule import EpisodeDataModule
+from earl_lightning.errors import EarlError
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.warnings_filter import install_warning_filters
 
@@ -59,13 +60,17 @@ def main(args: list[str] | None = None) -> None:
 
         profile_command(argv[1:])
         return
-    EarlCLI(
-        AgenticRLModule,
-        EpisodeDataModule,
-        parser_kwargs={"parser_mode": "omegaconf"},
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    try:
+        EarlCLI(
+            AgenticRLModule,
+            EpisodeDataModule,
+            parser_kwargs={"parser_mode": "omegaconf"},
+            save_config_kwargs={"overwrite": True},
+            args=args,
+        )
+    except EarlError as err:  # the user's to fix (an environment, a file): one line, no traceback
+        print(f"earl: error: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

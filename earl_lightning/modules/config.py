@@ -118,6 +118,10 @@ class RolloutConfig:
             carries the turn's reward plus the discounted return of the turns after it.
         system_prompt: optional system message before the first observation.
         sampling: how each turn is sampled.
+        env_timeout_s: a ``reset()`` or ``step()`` that takes longer ends its episode as failed
+            (``env/errors``); null: no limit.
+        max_failed_share: the run stops with a clear error when at least this share of one RL
+            step's episodes failed inside the environment (1.0: only when all of them did).
     """
 
     backend: Literal["hf", "vllm"] = "hf"
@@ -127,6 +131,8 @@ class RolloutConfig:
     history_turns: Optional[int] = None
     system_prompt: Optional[str] = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    env_timeout_s: Optional[float] = None
+    max_failed_share: float = 1.0
 
     def __post_init__(self) -> None:
         arg = f"{A}.rollout"
@@ -142,6 +148,10 @@ class RolloutConfig:
         _count(f"{arg}.max_turns", self.max_turns)
         _count(f"{arg}.max_context_tokens", self.max_context_tokens)
         check_history_turns(self.history_turns, f"{arg}.history_turns")
+        _number(f"{arg}.env_timeout_s", self.env_timeout_s, strict=True, optional=True)
+        ms = self.max_failed_share
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms <= 1:
+            raise ValueError(f"`{arg}.max_failed_share` must be a number in (0, 1], got {ms!r}")
 
 
 @dataclass(frozen=True)

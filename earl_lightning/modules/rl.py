@@ -26,7 +26,7 @@ from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import RunMetrics, StageTimer, log_transcripts
-from earl_lightning.modules.stages import StageRunner, free_memory
+from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import GENERATION_BACKENDS, BackendSpec, SamplingConfig
@@ -118,6 +118,7 @@ class AgenticRLModule(L.LightningModule):
         runner, exchanger = self._runner(StageTimer()), self._exchanger()
         episodes, rollout_ctx = runner.run("rollout", self._spec_stats(specs),
                                            lambda ctx: (self._play(specs, ctx, self._sampling_seed(step, ctx)), ctx))
+        check_env_failures(episodes, rollout_ctx.reduce, self.rollout_config.max_failed_share, step)
         exp = episodes_to_experience(episodes, gamma=self.algorithm_config.advantage.effective("gamma", 1.0))
         num_groups = max(s.group_id for s in specs) + 1
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 import torch
 
 from earl_lightning.callbacks.base import StageOOMHandler
+from earl_lightning.errors import EnvironmentFailure
 from earl_lightning.modules.metrics import StageTimer
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.oom import is_oom_error
@@ -75,3 +76,17 @@ def free_memory(optimizers: Sequence[Any], backend: Any) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def check_env_failures(episodes: Sequence[Any], reduce: Reducer, max_share: float, step: int) -> None:
+    """Stop the run when at least ``max_share`` of the step's episodes (over all ranks) failed
+    inside their environment. Every rank must call it (one small all-reduce)."""
+    failed = [ep for ep in episodes if ep.error is not None]
+    n_failed, total = reduce.sum_floats([float(len(failed)), float(len(episodes))])
+    if total and n_failed / total >= max_share:
+        first = (f"the first here: env {failed[0].spec.env!r}, seed {failed[0].spec.seed}: {failed[0].error}"
+                 if failed else "see another rank's log for the errors")
+        raise EnvironmentFailure(
+            f"{int(n_failed)} of {int(total)} episodes of RL step {step} failed inside the environment "
+            f"(`--model.rollout.max_failed_share` {max_share:g}); {first}. Fix the environment, or raise "
+            f"max_failed_share to train through failures")
