@@ -322,6 +322,10 @@ class OptimConfig:
         ppo_epochs: passes over each RL batch.
         mini_batches: optimizer steps per pass.
         micro_batch_tokens: padded-token budget of one forward/backward (gradient accumulation).
+        on_policy_shortcut: when the update is exactly on-policy (one epoch, one mini-batch, the
+            hf backend, no value head, no KL in the reward), skip the experience stage's forward for
+            the old log-probs and use the training forward's own, detached (the ratio is exactly 1,
+            as in TRL). False always recomputes them (the reference path).
     """
 
     lr: float = 1e-3
@@ -332,6 +336,7 @@ class OptimConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1
     micro_batch_tokens: int = 16384
+    on_policy_shortcut: bool = True
 
     def __post_init__(self) -> None:
         arg = f"{A}.optim"
@@ -354,6 +359,16 @@ class OptimConfig:
         if self.lr_schedule == "linear":
             return 1.0 - frac
         return 1.0
+
+
+def exactly_on_policy(rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig) -> bool:
+    """Whether the old log-probs may be the training forward's own (``optim.on_policy_shortcut``):
+    one optimizer step per batch (the weights the rollout sampled with are the ones the loss sees),
+    log-probs that the trainer computes itself (a vLLM engine's may differ by float noise), and
+    nothing else needs the experience forward before the update (values, a KL penalty in the reward)."""
+    return (optim.on_policy_shortcut and optim.ppo_epochs == 1 and optim.mini_batches == 1
+            and rollout.backend == "hf" and not algorithm.needs_values
+            and not (algorithm.kl.coef and algorithm.kl.in_reward))
 
 
 def check_combination(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:

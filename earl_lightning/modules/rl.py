@@ -79,6 +79,10 @@ class AgenticRLModule(L.LightningModule):
                               top_k=s.top_k, stop=list(s.stop), allowed_token_ids=self.allowed_token_ids)
 
     @property
+    def _on_policy(self) -> bool:
+        return C.exactly_on_policy(self.rollout_config, self.algorithm_config, self.optim_config)
+
+    @property
     def workload(self) -> Workload:
         r = self.rollout_config
         return Workload(backend=r.backend, max_context_tokens=r.max_context_tokens,
@@ -141,8 +145,8 @@ class AgenticRLModule(L.LightningModule):
         for more in (runner.timer.metrics(metrics["tokens/generated"], metrics["tokens/total"]), update,
                      self._stages().pop_stage_metrics(), exchanger.pop_metrics(), self._backend.metrics()):
             metrics.update(more)
-        metrics.update({"logprob/mismatch": self._mismatch(exp, train_ctx), "rl/iteration": float(self.rl_iteration),
-                        "oom/recoveries": float(self.oom_recoveries)})
+        metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
+        metrics.update({"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)})
         self._log_step(metrics, episodes[:2], step)
 
     def _play(self, specs: list, ctx: StageContext, seed: int, greedy: bool = False) -> list:
@@ -168,7 +172,8 @@ class AgenticRLModule(L.LightningModule):
         """Old log-probs (and values), and reference log-probs when there is a KL term."""
         kw = dict(temperature=self.rollout_config.sampling.temperature, allowed=self.allowed_token_ids,
                   micro_batch_tokens=ctx.budget(self.optim_config.micro_batch_tokens))
-        exp = fill_logprobs(ctx.model("policy"), exp, name="old_logprobs", value_head=self.value_head, **kw)
+        if not self._on_policy:  # else the training forward's own log-probs serve as the old ones
+            exp = fill_logprobs(ctx.model("policy"), exp, name="old_logprobs", value_head=self.value_head, **kw)
         if self.ref_policy is not None:
             exp = fill_logprobs(ctx.model("ref_policy"), exp, name="ref_logprobs", **kw)
         return exp
@@ -190,7 +195,7 @@ class AgenticRLModule(L.LightningModule):
             aggregation=loss.aggregation, norm_constant=loss.norm_constant or float(self.rollout_config.max_context_tokens),
             kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef, kl_estimator=algo.kl.estimator,
             entropy_coef=algo.entropy_coef, value_coef=algo.value.coef, value_clip=algo.value.clip,
-            max_grad_norm=opt.max_grad_norm, allowed_token_ids=self.allowed_token_ids)
+            max_grad_norm=opt.max_grad_norm, allowed_token_ids=self.allowed_token_ids, on_policy=self._on_policy)
 
     # ---- helpers of the step -------------------------------------------------------------------
     def _stages(self):
@@ -227,10 +232,12 @@ class AgenticRLModule(L.LightningModule):
         return {"num_seqs": int(n), "context_mean": total / max(n, 1), "context_max": float(top[0]),
                 "context_p95": float(top[1])}
 
-    def _mismatch(self, exp: ExperienceBatch, ctx: StageContext) -> float:
-        """Max |rollout - recomputed| log-prob over generated tokens of all ranks; warns over the threshold."""
+    def _mismatch(self, exp: ExperienceBatch, ctx: StageContext, update: dict[str, float]) -> float:
+        """Max |rollout - recomputed| log-prob over generated tokens of all ranks (on-policy: the
+        update measured it on its own forward); warns over the threshold."""
         t = exp.tokens
-        value = float(ctx.reduce.max(logprob_mismatch(t["rollout_logprobs"], t["old_logprobs"], t["action_mask"])))
+        value = update.pop("logprob/mismatch") if self._on_policy else \
+            float(ctx.reduce.max(logprob_mismatch(t["rollout_logprobs"], t["old_logprobs"], t["action_mask"])))
         check_logprob_mismatch(value, self.hparams.logprob_mismatch_warn)
         return value
 

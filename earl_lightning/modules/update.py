@@ -41,6 +41,7 @@ class UpdateConfig:
     value_clip: Optional[float] = 0.2
     max_grad_norm: float = 1.0
     allowed_token_ids: Optional[list[int]] = None
+    on_policy: bool = False  # old log-probs = this forward's, detached (modules.config.exactly_on_policy)
 
 
 @dataclass
@@ -54,6 +55,9 @@ class Models:
     def parameters(self) -> list[nn.Parameter]:
         params = list(self.policy.parameters())
         return params + (list(self.value_head.parameters()) if self.value_head is not None else [])
+
+
+MISMATCH = "logprob/mismatch"  # a maximum over micro-batches and ranks, where every other statistic is a sum
 
 
 def mini_batch_indices(batch: ExperienceBatch, n: int) -> list[list[int]]:
@@ -70,7 +74,8 @@ def micro_batch_loss(models: Models, mb: ExperienceBatch, cfg: UpdateConfig,
     res = forward_micro_batch(models.policy, mb, temperature=cfg.temperature, value_head=models.value_head,
                               with_entropy=True, allowed=cfg.allowed_token_ids)
     mask = mb.padded("action_mask", 0.0)  # [B, T]
-    logp, old = mb.pad(res["logprobs"], 0.0), mb.padded("old_logprobs", 0.0)  # [B, T]
+    logp = mb.pad(res["logprobs"], 0.0)  # [B, T]
+    old = logp.detach() if cfg.on_policy else mb.padded("old_logprobs", 0.0)  # [B, T]
     tok_loss, pstats = cfg.loss_fn(logp, old, mb.padded("advantages", 0.0), mask, **cfg.loss_params)
     agg = dict(num_tokens=denom["tokens"], num_seqs=denom["seqs"], norm_constant=cfg.norm_constant)
     loss = aggregate(tok_loss, mask, cfg.aggregation, **agg)
@@ -78,6 +83,8 @@ def micro_batch_loss(models: Models, mb: ExperienceBatch, cfg: UpdateConfig,
     share = float(mask.sum()) / denom["tokens"]  # this micro-batch's share of the mini-batch's tokens
     stats = {"loss/policy": float(loss.detach()), "policy/entropy": float((ent.detach() * mask).sum() / denom["tokens"])}
     stats.update({f"policy/{k}": float(v) * share for k, v in loss_stat_means(pstats).items()})
+    if cfg.on_policy and "rollout_logprobs" in mb.tokens:  # the rollout's log-probs vs the weights it sampled with
+        stats[MISMATCH] = float(((mb.padded("rollout_logprobs", 0.0) - old).abs() * mask).max()) if mask.numel() else 0.0
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.aggregation, **agg)
     if cfg.kl_coef and "ref_logprobs" in mb.tokens:
@@ -115,8 +122,11 @@ def ppo_update(models: Models, optimizer: Any, scheduler: Any, batch: Experience
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
+    mismatch = totals.pop(MISMATCH, 0.0)  # a rank without micro-batches still takes part below
     keys = sorted(totals)
     out = {k: v / len(grad_norms) for k, v in zip(keys, reduce.sum_floats([totals[k] for k in keys]))}
+    if cfg.on_policy:
+        out[MISMATCH] = float(reduce.max(torch.tensor([mismatch], dtype=torch.float64))[0])
     out["grad_norm"] = float(sum(grad_norms) / max(1, len(grad_norms)))
     out["lr"] = float(optimizer.param_groups[0]["lr"])
     return out
@@ -139,4 +149,4 @@ def _accumulate(models: Models, mini: ExperienceBatch, cfg: UpdateConfig, reduce
         loss, stats = micro_batch_loss(models, micro[i], cfg, denom)
         backward(loss)
         for k, v in stats.items():
-            totals[k] = totals.get(k, 0.0) + v
+            totals[k] = max(totals.get(k, 0.0), v) if k == MISMATCH else totals.get(k, 0.0) + v
