@@ -143,6 +143,18 @@ def _applicable(values: dict[str, float], outcomes: float) -> dict[str, float]:
     return {k: v for k, v in values.items() if outcomes > 0 or k not in OUTCOME_RATES}
 
 
+def batch_stats(exp: ExperienceBatch, reduce: Any) -> dict[str, float]:
+    """Context statistics of the GLOBAL batch, for the layout selector (which sizes a layout for all
+    of it, and every rank must decide alike): sums over dp ranks (TP peers once), maxima over all;
+    p95 is the largest rank's p95, an upper bound. ``reduce``: the stage's Reducer."""
+    local = exp.context_stats()
+    lens = exp.seq_lens.double()
+    total, n = reduce.sum_floats([float(lens.sum()), float(lens.numel())])
+    top = reduce.max(torch.tensor([local["context_max"], local["context_p95"]], dtype=torch.float64))
+    return {"num_seqs": int(n), "context_mean": total / max(n, 1), "context_max": float(top[0]),
+            "context_p95": float(top[1])}
+
+
 class StageTimer:
     """Wall time per stage, and tokens/s of each stage over the iteration's tokens."""
 

@@ -10,6 +10,7 @@ registries named in the typed configuration (:mod:`earl_lightning.modules.config
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Literal
 
 import lightning as L
@@ -25,8 +26,8 @@ from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.modules import config as C
-from earl_lightning.modules.metrics import RunMetrics, StageTimer, log_transcripts
-from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory
+from earl_lightning.modules.metrics import RunMetrics, StageTimer, batch_stats, log_transcripts
+from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory, lost_peer_error
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import GENERATION_BACKENDS, BackendSpec, SamplingConfig
@@ -130,7 +131,7 @@ class AgenticRLModule(L.LightningModule):
             out = self._fill(exchanger.exchange(exp, src=rollout_ctx.layout, to=ctx.layout), ctx)
             return self._advantages(out, num_groups, ctx), ctx
 
-        exp, exp_ctx = runner.run("experience", self._batch_stats(exp, rollout_ctx), experience)
+        exp, exp_ctx = runner.run("experience", batch_stats(exp, rollout_ctx.reduce), experience)
 
         def train(ctx: StageContext) -> tuple[ExperienceBatch, dict[str, float], StageContext]:
             out = exchanger.exchange(exp, src=exp_ctx.layout, to=ctx.layout)
@@ -139,7 +140,7 @@ class AgenticRLModule(L.LightningModule):
             self._backend.after_update(ctx.model("policy"))
             return out, update, ctx
 
-        exp, update, train_ctx = runner.run("train", self._batch_stats(exp, exp_ctx), train)
+        exp, update, train_ctx = runner.run("train", batch_stats(exp, exp_ctx.reduce), train)
         self.rl_iteration, self.oom_recoveries = step + 1, self.oom_recoveries + runner.recoveries
         metrics = self.run_metrics.step(episodes, rollout_ctx.reduce.counts_here, exp, train_ctx.reduce.counts_here)
         for more in (runner.timer.metrics(metrics["tokens/generated"], metrics["tokens/total"]), update,
@@ -155,7 +156,7 @@ class AgenticRLModule(L.LightningModule):
             spec = BackendSpec(model_path=resolve_model_path(self.hparams.model, "--model.model"),
                                dtype=self.hparams.dtype, seed=self.hparams.seed,
                                max_context_tokens=self.rollout_config.max_context_tokens,
-                               reuse_kv=self.rollout_config.reuse_kv)
+                               reuse_kv=self.rollout_config.reuse_kv, local_rank=self.local_rank)
             factory = GENERATION_BACKENDS.get(self.rollout_config.backend, "--model.rollout.backend")
             self._backend = factory(ctx.model("policy"), self.tokenizer, spec)
         self._backend.prepare(ctx.layout, ctx.model("policy"))
@@ -209,9 +210,13 @@ class AgenticRLModule(L.LightningModule):
         return dm.exchanger
 
     def _runner(self, timer: StageTimer) -> StageRunner:
-        handlers = [cb for cb in self.trainer.callbacks if isinstance(cb, StageOOMHandler)]
-        return StageRunner(self._stages(), handlers, lambda h, *a: h.on_stage_oom(self.trainer, self, *a),
-                           lambda: free_memory(self.trainer.optimizers, self._backend), timer)
+        t = self.trainer
+        handlers = [cb for cb in t.callbacks if isinstance(cb, StageOOMHandler)]
+        last = t.checkpoint_callback.last_model_path if t.checkpoint_callback is not None else ""
+        lost = partial(lost_peer_error, step=t.global_step, rank=t.global_rank, last_checkpoint=last,
+                       log_dir=t.default_root_dir)  # not t.log_dir: a collective
+        return StageRunner(self._stages(), handlers, lambda h, *a: h.on_stage_oom(t, self, *a),
+                           lambda: free_memory(t.optimizers, self._backend), timer, lost)
 
     def _spec_stats(self, specs: list) -> dict[str, float]:
         return {"num_seqs": len(specs), "gen_len": self.rollout_config.sampling.max_new_tokens}
@@ -219,18 +224,6 @@ class AgenticRLModule(L.LightningModule):
     def _sampling_seed(self, step: int, ctx: StageContext) -> int:
         dp_rank = ctx.layout.coords(self.global_rank)[0]
         return (self.hparams.seed * 1_000_003 + step * 131 + dp_rank) % (2**31 - 1)
-
-    @staticmethod
-    def _batch_stats(exp: ExperienceBatch, ctx: StageContext) -> dict[str, float]:
-        """Context statistics of the GLOBAL batch (the selector sizes a layout for all of it, and
-        every rank must decide alike): sums over dp ranks (TP peers once), maxima over all; p95 is
-        the largest rank's p95, an upper bound."""
-        local = exp.context_stats()
-        lens = exp.seq_lens.double()
-        total, n = ctx.reduce.sum_floats([float(lens.sum()), float(lens.numel())])
-        top = ctx.reduce.max(torch.tensor([local["context_max"], local["context_p95"]], dtype=torch.float64))
-        return {"num_seqs": int(n), "context_mean": total / max(n, 1), "context_max": float(top[0]),
-                "context_p95": float(top[1])}
 
     def _mismatch(self, exp: ExperienceBatch, ctx: StageContext, update: dict[str, float]) -> float:
         """Max |rollout - recomputed| log-prob over generated tokens of all ranks (on-policy: the

@@ -28,8 +28,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Optional, Protocol, Union, runtime_checkable
 
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -38,6 +40,19 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from earl_lightning.errors import CheckpointError
+from earl_lightning.models.loading import (
+    check_checkpoint_matches,
+    checkpoint_unreadable,
+    dcp_writers,
+    disk_full,
+    disk_full_error,
+    read_checkpoint_shapes,
+    read_dcp_shapes,
+    remove_path,
+    replace_dir,
+    save_file_atomically,
+)
 from earl_lightning.parallel.collectives import Reducer, broadcast_object
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 from earl_lightning.parallel.parallelize import (
@@ -107,6 +122,8 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         stage_models: which of them each stage syncs on entry; others sync on first ``stage_model``.
         reshard_method: ``"layout_aware"`` (all-to-all of the needed slices) or ``"naive"`` (reference).
         bucket_mb: size of one all-to-all bucket of the layout-aware reshard.
+        collective_timeout_s: how long a collective may wait for a peer before the run stops (a
+            dead or stuck rank); overrides ``timeout`` (Lightning's default: 30 minutes).
     """
 
     strategy_name = "earl"
@@ -123,7 +140,14 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         bucket_mb: float = 64.0,
         save_distributed_checkpoint: bool = True,
         timeout: Optional[timedelta] = default_pg_timeout,
+        collective_timeout_s: Optional[float] = None,
     ) -> None:
+        if collective_timeout_s is not None:
+            if isinstance(collective_timeout_s, bool) or not isinstance(collective_timeout_s, (int, float)) \
+                    or not collective_timeout_s > 0:
+                raise ValueError(f"`collective_timeout_s` must be a positive number of seconds or None, "
+                                 f"got {collective_timeout_s!r}")
+            timeout = timedelta(seconds=collective_timeout_s)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         if process_group_backend not in (None, "gloo", "nccl"):
@@ -269,11 +293,30 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
             self._version[attr] = 0
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """DCP load; a checkpoint saved under another train layout is resharded by DCP itself."""
-        if self._plain:
-            out = Strategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
-        else:
-            out = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """DCP load; a checkpoint saved under another train layout is resharded by DCP itself.
+
+        The checkpoint is checked before anything is loaded: a truncated or corrupt file or shard,
+        or parameters that do not fit this model, end the run with one CheckpointError line."""
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir() and self._plain:
+            raise CheckpointError(f"checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
+                                  f"{dcp_writers(path)} processes; one process reads single-file checkpoints only: load "
+                                  "it with --trainer.devices 2 or more and --trainer.strategy earl")
+        module = self.lightning_module
+        found = read_dcp_shapes(path) if path.is_dir() else read_checkpoint_shapes(path, weights_only)
+        state = module.state_dict() if self._plain else get_model_state_dict(module)
+        check_checkpoint_matches(path, found, {k: tuple(v.shape) for k, v in state.items()}, module.strict_loading)
+        try:
+            if self._plain:
+                out = Strategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
+            else:
+                out = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except CheckpointException as err:  # DCP gathers every rank's failure: name the first
+            exc = err.failures[min(err.failures)][0]
+            raise checkpoint_unreadable(path, exc) from None
         self.mark_weights_updated(all_models=True)
         return out
 
@@ -290,9 +333,44 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         return Strategy.optimizer_state(self, optimizer) if self._plain else super().optimizer_state(optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Save so that a crash or a full disk mid-save leaves the previous checkpoint at ``filepath``
+        whole: one process writes a file beside it and renames it over; several write the DCP
+        directory beside it (DCP overwrites shards in place) and rank 0 swaps it in once all are done.
+        A full disk ends the run with one DiskFullError line."""
+        path = Path(self.broadcast(str(filepath)))
         if self._plain:
-            return Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
-        return super().save_checkpoint(checkpoint, filepath, storage_options)
+            try:
+                if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(filepath):
+                    return save_file_atomically(checkpoint, path)
+                return Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+            except OSError as err:
+                full = disk_full(err)
+                if full is None:
+                    raise
+                raise disk_full_error(full, f"checkpoint {str(path)!r}") from None
+        partial = path.with_name(f".{path.name}.partial")  # not *.ckpt: `ckpt_path="last"` never picks it
+        if self.global_rank == 0:
+            remove_path(partial)  # what an earlier, interrupted save left
+        self.barrier()
+        failure = None
+        try:
+            super().save_checkpoint(checkpoint, partial, storage_options)
+        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            failure = err
+        # Rank 0 writes meta.pt after the shards, alone: every rank must learn of a failure on any.
+        if self.reduce_boolean_decision(failure is None, all=True):
+            if self.global_rank == 0:
+                replace_dir(partial, path)
+            self.barrier()
+            return
+        if self.global_rank == 0:
+            remove_path(partial)
+        full = disk_full(failure) if failure is not None else None
+        if full is not None:
+            raise disk_full_error(full, f"checkpoint {str(path)!r}") from None
+        if failure is None:
+            raise CheckpointError(f"saving checkpoint {str(path)!r} failed on another rank; the previous one is kept")
+        raise failure
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._plain:

@@ -110,13 +110,15 @@ class GenerationBackend(Protocol):
 @dataclass(frozen=True)
 class BackendSpec:
     """What a backend factory needs besides the model and tokenizer: the model's path (an engine
-    loads it), dtype, seed, longest context, and the HF backend's KV reuse."""
+    loads it), dtype, seed, longest context, the HF backend's KV reuse, and this process's rank on
+    its node (an engine's device)."""
 
     model_path: str
     dtype: str = "float32"
     seed: int = 0
     max_context_tokens: int = 4096
     reuse_kv: bool = True
+    local_rank: int = 0
 
 
 BackendFactory = Callable[[Any, Any, BackendSpec], GenerationBackend]

@@ -76,6 +76,7 @@ class VLLMBackend:
         self.kv_cache_gib, self.gpu_memory_utilization = kv_cache_gib, gpu_memory_utilization
         self.max_model_len, self.dtype, self.enforce_eager = max_model_len, dtype, enforce_eager
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.local_rank = 0  # this process's rank on its node (the trainer sets it; vLLM's device)
         self.enable_sleep = enable_sleep and sleep_supported()
         self._tp, self._llm, self._asleep = tp, None, False
         self.eos_id = tokenizer.eos_token_id
@@ -100,7 +101,7 @@ class VLLMBackend:
         )
         kwargs.update(overrides)
         backend = cls(spec.model_path, tokenizer, **kwargs)
-        backend.weights_source = model
+        backend.weights_source, backend.local_rank = model, int(spec.local_rank)
         return backend
 
     # ---- trainer hooks (called by the module on any backend that has them) ----------------
@@ -155,7 +156,7 @@ class VLLMBackend:
     def _build_engine(self) -> Any:
         from vllm import LLM
 
-        ensure_process_group()
+        ensure_process_group(self.local_rank)
         world = dist.get_world_size()
         if world % self._tp:
             raise ValueError(f"`tp`={self._tp} must divide the world size {world}; "

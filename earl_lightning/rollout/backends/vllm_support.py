@@ -126,13 +126,17 @@ def preserve_rng() -> Iterator[None]:
     np.random.set_state(npy)
 
 
-def ensure_process_group() -> None:
-    """external_launcher needs torch.distributed; a single process gets a 1-rank gloo group."""
+def ensure_process_group(local_rank: int = 0) -> None:
+    """external_launcher needs torch.distributed; a single process gets a 1-rank gloo group.
+
+    ``local_rank``: this process's rank on its node (the trainer's cluster environment knows it).
+    vLLM reads RANK / LOCAL_RANK from the environment and picks its device by LOCAL_RANK; torchrun
+    sets both, while Lightning's own launcher and SLURM leave them unset in some processes: the
+    global rank stands in for the rank, and the node-local rank (not the global one, which is
+    wrong on every node but the first) for LOCAL_RANK."""
     if dist.is_initialized():
-        # vLLM reads RANK / LOCAL_RANK from the environment (torchrun sets them); Lightning's own
-        # launcher passes the rank to init_process_group and sets no RANK.
         os.environ.setdefault("RANK", str(dist.get_rank()))
-        os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
         return
     import socket
 

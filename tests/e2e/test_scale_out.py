@@ -1,0 +1,138 @@
+"""Scale-out and faults under EarlStrategy with DCP checkpoints, on 2 gloo processes, with a rollout
+layout (tp=2) other than the train layout (dp=2) — `recipes/connect4_grpo_layouts.yaml`:
+
+- a 2-"node" job (two torchrun launches on 127.0.0.1, ``--nnodes 2``, one process each) equals the
+  same job on one node, bit for bit (parameters and per-step metrics);
+- a rank SIGKILLed mid-run under ``torchrun --max-restarts 1`` restarts, resumes from the last
+  checkpoint (``--ckpt_path last``) and ends bit-identical to the uninterrupted run;
+- without a restart, the surviving rank stops within the collective timeout + 30 s with one line
+  naming the stage and step and the checkpoint to resume from."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.distributed.launch import subprocess_env
+
+ROOT = Path(__file__).parents[2]
+RECIPE = ROOT / "recipes" / "connect4_grpo_layouts.yaml"
+STEPS = 5
+pytestmark = pytest.mark.distributed
+
+
+def overrides(run: Path) -> Path:
+    """Small batches, a checkpoint after every step in a fixed directory (a restarted run's new
+    logger version must find the last one)."""
+    path = run / "over.yaml"
+    run.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({
+        "trainer": {"max_steps": STEPS, "limit_val_batches": 0, "enable_progress_bar": False,
+                    "log_every_n_steps": 1, "default_root_dir": str(run),
+                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(run / "checkpoints"), "save_last": True,
+                                                 "every_n_train_steps": 1}}]},
+        "data": {"batch_size": 8, "group_size": 4, "eval_episodes": 0}}))
+    return path
+
+
+def torchrun(run: Path, *launch: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    cmd = [str(Path(sys.executable).with_name("torchrun")), *launch, "-m", "earl_lightning.cli", "fit",
+           "--config", str(RECIPE), "--config", str(overrides(run)), *extra]
+    log = run / f"launch{len(list(run.glob('launch*.log')))}.log"
+    proc = subprocess.Popen(cmd, env=subprocess_env(PYTHONPATH=str(ROOT)), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, cwd=ROOT)
+    proc.log = log
+    return proc
+
+
+def finish(*procs: subprocess.Popen, timeout: float = 600) -> None:
+    for p in procs:
+        assert p.wait(timeout=timeout) == 0, p.log.read_text()[-4000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def final_state(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, float]]]:
+    """Parameters of the last DCP checkpoint and every per-step scalar (a restarted run's later
+    logger version overrides the steps it repeated)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run / "checkpoints" / "last.ckpt", run / "last.pt")
+    params = torch.load(run / "last.pt", weights_only=False)["state_dict"]
+    scalars: dict[str, dict[int, float]] = {}
+    for version in sorted((run / "lightning_logs").glob("version_*")):
+        acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return params, scalars
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    pa, sa = final_state(a)
+    pb, sb = final_state(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        torch.testing.assert_close(pb[k], pa[k], rtol=0, atol=0, msg=f"parameter {k}")
+    for tag in ("reward/mean", "loss/policy", "grad_norm", "context/mean", "logprob/mismatch", "dispatch/bytes"):
+        assert sb[tag] == sa[tag] and len(sa[tag]) == STEPS, tag
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("one_node")
+    finish(torchrun(run, "--nproc-per-node", "2"))
+    return run
+
+
+def test_two_nodes_equal_one_node(one_node, tmp_path):
+    port = free_port()
+    nodes = [torchrun(tmp_path, "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
+                      "--master-addr", "127.0.0.1", "--master-port", str(port),
+                      extra=("--trainer.num_nodes", "2", "--trainer.devices", "1")) for r in (0, 1)]
+    finish(*nodes)
+    assert_same_run(one_node, tmp_path)
+
+
+def test_killed_rank_restarts_and_resumes_bit_identical(one_node, tmp_path):
+    marker = tmp_path / "killed.marker"
+    finish(torchrun(tmp_path, "--nproc-per-node", "2", "--max-restarts", "1",
+                    extra=("--ckpt_path", "last", "--trainer.callbacks+=tests.plugins.faults.KillRank",
+                           "--trainer.callbacks.step", "3", "--trainer.callbacks.marker", str(marker))))
+    assert marker.exists(), "the rank was not killed"
+    log = "".join(p.read_text() for p in tmp_path.glob("launch*.log"))
+    assert "Restored all states from the checkpoint" in log and "lost a peer during stage" in log
+    assert_same_run(one_node, tmp_path)
+
+
+def test_dead_rank_stops_the_survivor_with_one_line(tmp_path):
+    timeout_s = 20
+    marker = tmp_path / "killed.marker"
+    earl = Path(sys.executable).with_name("earl")
+    cmd = [str(earl), "fit", "--config", str(RECIPE), "--config", str(overrides(tmp_path)),
+           "--trainer.strategy.collective_timeout_s", str(timeout_s),
+           "--trainer.callbacks+=tests.plugins.faults.KillRank", "--trainer.callbacks.step", "3",
+           "--trainer.callbacks.marker", str(marker)]
+    proc = subprocess.run(cmd, env=subprocess_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    ended = time.time()
+    assert proc.returncode != 0 and marker.exists()
+    assert ended - marker.stat().st_mtime < timeout_s + 30
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("earl: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "rank 0 lost a peer during stage 'rollout' of RL step 3" in lines[0]
+    assert f"resume from {tmp_path / 'checkpoints' / 'last.ckpt'}" in lines[0]
+    assert "Traceback" not in proc.stderr and (tmp_path / "rank0_failure.log").is_file()
