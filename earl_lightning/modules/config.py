@@ -118,8 +118,8 @@ class RolloutConfig:
             carries the turn's reward plus the discounted return of the turns after it.
         system_prompt: optional system message before the first observation.
         sampling: how each turn is sampled.
-        env_timeout_s: a ``reset()`` or ``step()`` that takes longer ends its episode as failed
-            (``env/errors``); null: no limit.
+        env_timeout_s: building the env, ``reset()`` or ``step()`` taking longer ends that episode
+            as failed (``env/errors``; the env is abandoned); null: no limit (and no thread).
         max_failed_share: the run stops with a clear error when at least this share of one RL
             step's episodes failed inside the environment (1.0: only when all of them did).
     """
@@ -409,7 +409,10 @@ def check_first_observation(rollout: RolloutConfig, tokenizer: Any, spec: Any) -
     """``max_context_tokens`` smaller than the first observation fails before any work is done."""
     from earl_lightning.envs import make_env
 
-    obs = make_env(spec.env, **spec.env_kwargs).reset(spec.seed)
+    obs = make_env(spec.env, "--data.env", **spec.env_kwargs).reset(spec.seed)
+    if not isinstance(obs, str):
+        raise ValueError(f"`--data.env` {spec.env!r}: reset(seed) returned {type(obs).__name__}; an Env's reset must "
+                         f"return the first observation as a str (a gymnasium reset returns (observation, info))")
     msgs = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
     ids = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": obs}], add_generation_prompt=True,
                                         tokenize=True)

@@ -165,7 +165,7 @@ class AgenticRLModule(L.LightningModule):
         try:
             return rollout(self._exchanger().rollout_share(specs, ctx.layout, self.global_rank), self._backend,
                            self.tokenizer, sampling, max_turns=r.max_turns, max_context_tokens=r.max_context_tokens,
-                           system_prompt=r.system_prompt, history_turns=r.history_turns)
+                           system_prompt=r.system_prompt, history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
         finally:
             self._backend.release(None)
 

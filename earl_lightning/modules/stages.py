@@ -92,8 +92,7 @@ def check_env_failures(episodes: Sequence[Any], reduce: Reducer, max_share: floa
     failed = [ep for ep in episodes if ep.error is not None]
     n_failed, total = reduce.sum_floats([float(len(failed)), float(len(episodes))])
     if total and n_failed / total >= max_share:
-        first = (f"the first here: env {failed[0].spec.env!r}, seed {failed[0].spec.seed}: {failed[0].error}"
-                 if failed else "see another rank's log for the errors")
+        first = f"the first here: {failed[0].error}" if failed else "see another rank's log for the errors"
         raise EnvironmentFailure(
             f"{int(n_failed)} of {int(total)} episodes of RL step {step} failed inside the environment "
             f"(`--model.rollout.max_failed_share` {max_share:g}); {first}. Fix the environment, or raise "

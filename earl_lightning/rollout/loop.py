@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from earl_lightning.envs.base import Env, make_env
+from earl_lightning.envs.base import Env
 from earl_lightning.rollout.backends.base import GenerationBackend, GenOutput, GenRequest, SamplingConfig
 from earl_lightning.rollout.chat import ChatDeltas, Messages
+from earl_lightning.rollout.env_calls import EnvCalls, EnvFault
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 
 
@@ -54,8 +55,9 @@ class _Live:
         self.action_mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
-    def fail(self, exc: BaseException) -> None:
-        self.error, self.done, self.reward = repr(exc), True, 0.0
+    def fail(self, fault: EnvFault) -> None:
+        self.error, self.done, self.reward = str(fault), True, 0.0
+        self.env = None  # never called again (after a time-out, its call may still be running)
         self.turn_rewards = [0.0] * len(self.turn_starts)
 
     def to_episode(self) -> Episode:
@@ -82,14 +84,18 @@ def rollout(
     max_context_tokens: int,
     system_prompt: str | None = None,
     history_turns: int | None = None,
+    env_timeout_s: float | None = None,
 ) -> list[Episode]:
     """Play every episode of ``specs`` to the end, in lock-step turns; episodes in spec order.
 
     An episode ends when its env says done, after ``max_turns`` turns (``truncated``), or when
     the next turn would not fit: ``len(context + next observation) + max_new_tokens >
     max_context_tokens`` (``truncated``; with ``history_turns``, when the next windowed prompt +
-    ``max_new_tokens`` would not fit). An exception from ``env.reset`` / ``env.step`` ends
-    only that episode: ``error = repr(exc)``, ``done``, reward 0.0.
+    ``max_new_tokens`` would not fit). A fault in an environment call (building the env,
+    ``reset``, ``step``) ends only that episode: an exception, a return value of the wrong type,
+    or a call still running after ``env_timeout_s`` seconds (None: no limit, and no threads) sets
+    ``error`` (naming the env, seed, call and problem), ``done`` and reward 0.0; see
+    :mod:`earl_lightning.rollout.env_calls`.
 
     Raises:
         ValueError: bad ``max_turns`` / ``max_context_tokens`` / ``history_turns`` / duplicate
@@ -99,9 +105,10 @@ def rollout(
     check_history_turns(history_turns, "history_turns")
     chat = ChatDeltas(tokenizer)
     keys = [s.episode_id for s in specs]
+    calls = EnvCalls(env_timeout_s)
     backend.release(keys)  # a stale cache from an earlier rollout (older weights) must not be reused
     try:
-        states = [_start(spec, chat, system_prompt, history_turns) for spec in specs]
+        states = [_start(spec, calls, chat, system_prompt, history_turns) for spec in specs]
         for st in states:
             _check_first_fit(st, sampling.max_new_tokens, max_context_tokens)
         for turn in range(max_turns):
@@ -110,11 +117,12 @@ def rollout(
                 break
             outputs = backend.generate([GenRequest(st.spec.episode_id, st.prompt()) for st in live], sampling)
             for st, out in zip(live, outputs):
-                _play_turn(st, out, chat, tokenizer, last_turn=turn == max_turns - 1,
+                _play_turn(st, out, calls, chat, tokenizer, last_turn=turn == max_turns - 1,
                            budget=max_context_tokens - sampling.max_new_tokens, history_turns=history_turns)
             backend.release([st.spec.episode_id for st in live if st.finished])
         return [st.to_episode() for st in states]
     finally:
+        calls.close()
         backend.release(keys)
 
 
@@ -141,17 +149,17 @@ def _window(messages: Messages, history_turns: int) -> Messages:
     return head + messages[len(head):][-(2 * history_turns + 1):]
 
 
-def _start(spec: EpisodeSpec, chat: ChatDeltas, system_prompt: str | None, history_turns: int | None) -> _Live:
-    """Build the env, reset it and encode the first prompt; a reset that raises fails the episode."""
-    env = make_env(spec.env, **spec.env_kwargs)
-    st = _Live(spec, env, [{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+def _start(spec: EpisodeSpec, calls: EnvCalls, chat: ChatDeltas, system_prompt: str | None,
+           history_turns: int | None) -> _Live:
+    """Build the env, reset it and encode the first prompt; a fault there fails the episode."""
+    st = _Live(spec, None, [{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
     if history_turns is not None:
         st.turn_prompts = []
     try:
-        observation = env.reset(spec.seed)
-    except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
+        st.env, observation = calls.start(spec)
+    except EnvFault as fault:
         st.messages = []
-        st.fail(exc)
+        st.fail(fault)
         return st
     st.messages.append({"role": "user", "content": observation})
     st.append(chat.encode(chat.prompt(st.messages)), 0)
@@ -172,8 +180,8 @@ def _check_first_fit(st: _Live, max_new_tokens: int, max_context_tokens: int) ->
         )
 
 
-def _play_turn(st: _Live, out: GenOutput, chat: ChatDeltas, tokenizer: Any, *, last_turn: bool, budget: int,
-               history_turns: int | None = None) -> None:
+def _play_turn(st: _Live, out: GenOutput, calls: EnvCalls, chat: ChatDeltas, tokenizer: Any, *, last_turn: bool,
+               budget: int, history_turns: int | None = None) -> None:
     """Append one assistant turn, step the env, then either close the episode or append the next
     observation. ``budget`` is the longest context a next turn may start from."""
     content, closing = _assistant_text(st.messages, out, chat, tokenizer)
@@ -184,12 +192,12 @@ def _play_turn(st: _Live, out: GenOutput, chat: ChatDeltas, tokenizer: Any, *, l
     st.append(chat.encode(closing), 0)
     st.messages.append({"role": "assistant", "content": content})
     try:
-        result = st.env.step(content)
-    except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
-        st.fail(exc)
+        result = calls.step(st.spec, st.env, content)  # checked: reward a float, done a bool, info a dict
+    except EnvFault as fault:
+        st.fail(fault)
         return
-    st.reward += float(result.reward)
-    st.turn_rewards.append(float(result.reward))
+    st.reward += result.reward
+    st.turn_rewards.append(result.reward)
     st.invalid_action |= bool(result.info.get("invalid_action", False))
     st.outcome = result.info.get("outcome", st.outcome)
     if result.done:

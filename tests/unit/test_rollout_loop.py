@@ -144,7 +144,8 @@ def test_env_exception_fails_only_that_episode(lm):
     clean = _run(lm, _specs(4, env="_test_flaky"), sampling)
     episodes = _run(lm, specs, sampling)
     bad = episodes[2]
-    assert bad.error == repr(RuntimeError("boom")) and bad.done and bad.reward == 0.0
+    assert bad.error == "env '_test_flaky' (seed 102): step() raised RuntimeError('boom')"
+    assert bad.done and bad.reward == 0.0
     assert bad.num_turns == 3 and bad.token_ids == clean[2].token_ids[: len(bad.token_ids)]
     for ep, ref in zip(episodes, clean):
         if ep is not bad:
@@ -154,7 +155,8 @@ def test_env_exception_fails_only_that_episode(lm):
 def test_reset_exception_fails_only_that_episode(lm):
     specs = _specs(3, env="_test_flaky", fail_seed=101, fail_reset=True)
     episodes = _run(lm, specs, SamplingConfig(max_new_tokens=4, seed=0))
-    assert episodes[1].error == repr(OSError("reset broke")) and episodes[1].done
+    assert episodes[1].error == "env '_test_flaky' (seed 101): reset() raised OSError('reset broke')"
+    assert episodes[1].done
     assert episodes[1].token_ids == [] and episodes[1].num_turns == 0
     assert all(ep.error is None and ep.num_turns == 4 for ep in (episodes[0], episodes[2]))
 
