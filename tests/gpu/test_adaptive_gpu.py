@@ -23,7 +23,7 @@ def test_real_cuda_oom_in_train_stage_recovers(tmp_path, monkeypatch):
 
     real, box, errors = rl.ppo_update, {}, []
 
-    def hungry_update(mod, batch, cfg, layout=None):
+    def hungry_update(*args):
         if box["strategy"].current_layout.micro_batch_tokens == 1024:
             total = torch.cuda.get_device_properties(0).total_memory
             try:
@@ -31,7 +31,7 @@ def test_real_cuda_oom_in_train_stage_recovers(tmp_path, monkeypatch):
             except torch.OutOfMemoryError as err:
                 errors.append(err)
                 raise
-        return real(mod, batch, cfg, layout=layout)
+        return real(*args)
 
     monkeypatch.setattr(rl, "ppo_update", hungry_update)
     cb = AdaptiveParallelism(memory_budget_gb=8, micro_batch_tokens=[1024, 256])

@@ -1,0 +1,102 @@
+"""``benchmarks/vs_trl.py`` smoke-run: both sides (earl_lightning, TRL's GRPOTrainer) and both
+modes (single-turn, multi-turn through TRL's ``rollout_func``) for 2 RL steps each, in fresh
+processes, writing the CSVs. Timing is not asserted; the values must be sane. Plus the pieces the
+fairness of the comparison rests on: the TRL multi-turn path builds the chat exactly as the
+template renders it, and bad arguments fail with a clear message."""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BATCH, LENGTH, TURNS = 16, 8, 3
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vs_trl") / "vs_trl.csv"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--quick", "--runs", "1", "--steps", "2",
+           "--multi-steps", "2", "--warmup", "1", "--lengths", str(LENGTH), "--multi-length", str(LENGTH),
+           "--turns", str(TURNS), "--batch", str(BATCH), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    def read(path: Path) -> list[dict]:
+        with path.open() as f:
+            return list(csv.DictReader(f))
+
+    return read(out), read(out.with_name("vs_trl_runs.csv")), proc.stdout
+
+
+def test_csv_has_both_sides_and_modes_with_sane_values(smoke):
+    rows, runs, stdout = smoke
+    assert list(rows[0])[:7] == ["side", "mode", "completion_len", "turns", "seconds_per_step", "tokens_per_s",
+                                 "peak_rss_mib"]
+    assert sorted((r["side"], r["mode"]) for r in rows) == [("earl", "multi"), ("earl", "single"),
+                                                            ("trl", "multi"), ("trl", "single")]
+    assert len(runs) == 4
+    for r in rows:
+        turns = TURNS if r["mode"] == "multi" else 1
+        assert int(r["turns"]) == turns and int(r["completion_len"]) == LENGTH
+        assert float(r["seconds_per_step"]) > 0 and float(r["tokens_per_s"]) > 0
+        assert 100 < float(r["peak_rss_mib"]) < 64 * 1024
+        # every reply is at most LENGTH tokens; eos may end one early
+        assert 0.5 * BATCH * LENGTH * turns <= float(r["tokens_per_step"]) <= BATCH * LENGTH * turns
+        assert 0.0 <= float(r["reward_first"]) <= 1.0 and 0.0 <= float(r["reward_last"]) <= 1.0
+    assert all(0 < float(r["cpu_share"]) < 2 and float(r["guard_s"]) > 0 for r in runs)
+    assert "earl speed / TRL" in stdout and "machine-speed guard" in stdout
+
+
+def test_trl_turn_tokens_match_the_chat_template():
+    from benchmarks.vs_trl_sides import _trl_turn_text
+    from earl_lightning.models import load_tokenizer
+
+    tok = load_tokenizer("earl-tiny")
+    msgs = [{"role": "user", "content": "Request 01. Turn 1/3."}]
+    first = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    reply = "12a4"
+    whole = tok.apply_chat_template(msgs + [{"role": "assistant", "content": reply},
+                                            {"role": "user", "content": "3 digits."}],
+                                    add_generation_prompt=True, tokenize=False)
+    expected = tok.encode(whole[len(first) + len(reply):], add_special_tokens=False)
+    assert _trl_turn_text(tok, "3 digits.", ended_eos=False) == expected
+    assert _trl_turn_text(tok, "3 digits.", ended_eos=True) == expected[1:]  # the sampled eos is <|im_end|>
+    assert expected[0] == tok.eos_token_id
+
+
+def test_envs_score_digits_per_token_budget():
+    from benchmarks.vs_trl_env import DigitTurns, PromptTask, digit_reward
+
+    assert digit_reward("12ab", 8) == 0.25 and digit_reward("1" * 20, 8) == 1.0
+    task = PromptTask(completion_len=4)
+    assert task.reset(65) == task.reset(1)
+    assert task.step("9x9x").reward == 0.5 and task.step("").done
+    game = DigitTurns(completion_len=4, turns=2)
+    assert game.reset(3).endswith("Turn 1/2.")
+    first = game.step("1234")
+    assert (first.reward, first.done, first.observation) == (0.5, False, "4 digits. Turn 2/2: more digits.")
+    assert game.step("").done
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        game.step("1")
+    with pytest.raises(ValueError, match="`turns` must be an integer >= 1"):
+        DigitTurns(turns=0)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--warmup", "5", "--steps", "5"], r"--warmup \(5\) must be >= 0 and smaller than --steps \(5\)"),
+    (["--batch", "60"], r"--batch \(60\) must be a multiple of --group \(8\)"),
+    (["--modes", "single", "chat"], r"--modes: unknown \['chat'\]"),
+    (["--runs", "0"], r"--runs must be >= 1, got 0"),
+    (["--lr", "0"], r"--lr must be > 0"),
+], ids=["warmup", "batch", "modes", "runs", "lr"])
+def test_bad_arguments_fail_with_a_message(argv, match, capsys):
+    from benchmarks.vs_trl import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert re.search(match, capsys.readouterr().err)
