@@ -45,6 +45,7 @@ class RunSpec:
     seed: int = 0
     threads: int = 2
     device: str = "cpu"
+    on_policy_shortcut: bool = True  # earl only: False recomputes the old log-probs (benchmarks/step_breakdown.py)
 
     def env_kwargs(self) -> dict:
         if self.mode == "single":
@@ -111,7 +112,8 @@ def run_earl(spec: RunSpec) -> dict:
                    "loss": {"name": "ppo_clip", "clip_low": 0.2, "clip_high": 0.2, "aggregation": "token_mean"},
                    "kl": {"coef": 0.0}},
         optim={"lr": spec.lr, "weight_decay": 0.0, "lr_schedule": "constant", "max_grad_norm": 1.0,
-               "ppo_epochs": 1, "mini_batches": 1, "micro_batch_tokens": 1 << 20})
+               "ppo_epochs": 1, "mini_batches": 1, "micro_batch_tokens": 1 << 20,
+               "on_policy_shortcut": spec.on_policy_shortcut})
     data = EpisodeDataModule(env=ENV_PATHS[spec.mode], env_kwargs=spec.env_kwargs(), batch_size=spec.batch,
                              group_size=spec.group, seed=spec.seed, eval_episodes=0)
     clock = _earl_clock()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -22,6 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from earl_lightning.callbacks import StepProgressBar
 from earl_lightning.data.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
+from earl_lightning.models.loading import checkpoint_unreadable, disk_full_error
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.warnings_filter import install_warning_filters
 
@@ -31,6 +33,34 @@ import earl_lightning.strategies  # noqa: F401,E402
 
 
 class EarlCLI(LightningCLI):
+    def _parse_ckpt_path(self) -> None:
+        # Lightning reads a `--ckpt_path` file's hyperparameters here with a bare torch.load: a
+        # truncated or corrupt file is a bad argument, reported in one line before anything is built.
+        path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
+        keyword = str(path).lower() in ("best", "last", "hpc") or str(path).lower().startswith("registry")
+        if path and not keyword and "://" not in str(path) and not Path(path).exists():
+            print(f"earl: error: `--ckpt_path`: checkpoint {str(path)!r} does not exist", file=sys.stderr)
+            raise SystemExit(2)
+        try:
+            super()._parse_ckpt_path()
+        except Exception as err:  # noqa: BLE001 - the torch.load of the file is all that can fail here
+            print(f"earl: error: {checkpoint_unreadable(path, err, arg='--ckpt_path')}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        # A full disk under any strategy and any writer (checkpoints, TensorBoard, config.yaml) is
+        # one line naming where the run writes; EarlStrategy names the checkpoint itself.
+        # (default_root_dir, not log_dir: the latter is a broadcast, and a full disk may stop one rank only.)
+        try:
+            super()._run_subcommand(subcommand)
+        except EarlError:
+            raise
+        except Exception as err:
+            full = disk_full_error(err, f"the run's outputs under {str(self.trainer.default_root_dir)!r}")
+            if full is None:
+                raise
+            raise full from None
+
     def instantiate_classes(self) -> None:
         # Bad input is reported as one clear line naming the argument, not a traceback from deep inside.
         try:

@@ -45,7 +45,6 @@ from earl_lightning.models.loading import (
     check_checkpoint_matches,
     checkpoint_unreadable,
     dcp_writers,
-    disk_full,
     disk_full_error,
     read_checkpoint_shapes,
     read_dcp_shapes,
@@ -303,12 +302,13 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         if path.is_dir() and self._plain:
             raise CheckpointError(f"checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
-                                  f"{dcp_writers(path)} processes; one process reads single-file checkpoints only: load "
-                                  "it with --trainer.devices 2 or more and --trainer.strategy earl")
+                                  f"{dcp_writers(path)} processes; one process reads single-file checkpoints only: "
+                                  "load it with --trainer.devices 2 or more and --trainer.strategy earl")
         module = self.lightning_module
-        found = read_dcp_shapes(path) if path.is_dir() else read_checkpoint_shapes(path, weights_only)
-        state = module.state_dict() if self._plain else get_model_state_dict(module)
-        check_checkpoint_matches(path, found, {k: tuple(v.shape) for k, v in state.items()}, module.strict_loading)
+        if "://" not in str(checkpoint_path):  # a local file or directory (fsspec URLs go to Lightning as they are)
+            found = read_dcp_shapes(path) if path.is_dir() else read_checkpoint_shapes(path, weights_only)
+            state = module.state_dict() if self._plain else get_model_state_dict(module)
+            check_checkpoint_matches(path, found, {k: tuple(v.shape) for k, v in state.items()}, module.strict_loading)
         try:
             if self._plain:
                 out = Strategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
@@ -337,40 +337,36 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         whole: one process writes a file beside it and renames it over; several write the DCP
         directory beside it (DCP overwrites shards in place) and rank 0 swaps it in once all are done.
         A full disk ends the run with one DiskFullError line."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         path = Path(self.broadcast(str(filepath)))
-        if self._plain:
-            try:
-                if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(filepath):
-                    return save_file_atomically(checkpoint, path)
-                return Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
-            except OSError as err:
-                full = disk_full(err)
-                if full is None:
-                    raise
-                raise disk_full_error(full, f"checkpoint {str(path)!r}") from None
+        local = type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
         partial = path.with_name(f".{path.name}.partial")  # not *.ckpt: `ckpt_path="last"` never picks it
-        if self.global_rank == 0:
-            remove_path(partial)  # what an earlier, interrupted save left
-        self.barrier()
         failure = None
         try:
+            if self._plain and local:
+                return save_file_atomically(checkpoint, path)
+            if self._plain:
+                return Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+            if self.global_rank == 0:
+                remove_path(partial)  # what an earlier, interrupted save left
+            self.barrier()
             super().save_checkpoint(checkpoint, partial, storage_options)
-        except BaseException as err:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+            if self._plain:
+                raise disk_full_error(err, f"checkpoint {str(path)!r}") or err
             failure = err
-        # Rank 0 writes meta.pt after the shards, alone: every rank must learn of a failure on any.
+        # Rank 0 writes meta.pt after the shards, alone: every rank learns of a failure on any.
         if self.reduce_boolean_decision(failure is None, all=True):
             if self.global_rank == 0:
                 replace_dir(partial, path)
             self.barrier()
-            return
+            return None
         if self.global_rank == 0:
             remove_path(partial)
-        full = disk_full(failure) if failure is not None else None
-        if full is not None:
-            raise disk_full_error(full, f"checkpoint {str(path)!r}") from None
         if failure is None:
             raise CheckpointError(f"saving checkpoint {str(path)!r} failed on another rank; the previous one is kept")
-        raise failure
+        raise disk_full_error(failure, f"checkpoint {str(path)!r}") or failure
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._plain:

@@ -2,14 +2,19 @@
 
 Usage in a test: ``results = run_distributed(fn, world_size, *args)``; ``fn(rank, world_size, *args)``
 runs after ``init_process_group("gloo")`` and its (picklable) return value comes back in rank order.
-An exception on any rank fails the test with that rank's traceback.
+An exception on any rank fails the test with that rank's traceback; a rank that dies without
+reporting (segfault, ``os._exit``, killed for memory) fails it within a fraction of a second, naming
+the rank and its exit code or signal.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -20,6 +25,7 @@ import torch.multiprocessing as mp
 # this pytest process) or by an outer launcher; a child launcher must pick its own.
 _LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                   "NODE_RANK", "GROUP_RANK", "ROLE_RANK")
+_POLL_S = 0.2  # how often the parent checks that every rank is still alive while it waits
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -52,24 +58,76 @@ def _worker(rank, world_size, port, fn, args, queue):
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+    """``fn`` on ``world_size`` gloo processes; their return values in rank order.
+
+    Fails (RuntimeError) as soon as a rank reports an exception, dies without reporting (a segfault,
+    ``os._exit``, the OOM killer: named with its exit code or signal), or when ``timeout`` seconds
+    pass without every result; the other ranks are then killed, so a test never hangs."""
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, []
-    for _ in range(world_size):
-        rank, status, payload = queue.get()
-        if status == "ok":
-            results[rank] = payload
-        else:
-            errors.append(f"rank {rank}:\n{payload}")
-            break
+    try:
+        results = _collect(queue, procs, timeout)
+    except BaseException:
+        _stop(procs, grace_s=0.0)  # survivors may wait forever in a collective with a dead rank
+        raise
+    _stop(procs, grace_s=30.0)  # every rank reported: give them time to tear their process group down
+    return [results[r] for r in range(world_size)]
+
+
+def _collect(queue, procs, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    results: dict = {}
+    while len(results) < len(procs):
+        if _receive(queue, results, _POLL_S):
+            continue
+        # Nothing arrived: is a rank gone? Its result may have reached the pipe just before it
+        # exited, so read what is left before calling it dead.
+        if _dead(procs, results) and not _receive(queue, results, _POLL_S):
+            rank, code = _dead(procs, results)[0]
+            raise RuntimeError(f"distributed worker failed: rank {rank} died without reporting a result "
+                               f"({_describe_exit(code)})")
+        if time.monotonic() > deadline:
+            missing = [r for r in range(len(procs)) if r not in results]
+            raise RuntimeError(f"distributed worker failed: no result from rank(s) {missing} within {timeout:g} s")
+    return results
+
+
+def _receive(queue, results: dict, wait_s: float) -> bool:
+    """One report into ``results`` (False when none came within ``wait_s``); a rank's error raises."""
+    try:
+        rank, status, payload = queue.get(timeout=wait_s)
+    except Empty:
+        return False
+    if status != "ok":
+        raise RuntimeError(f"distributed worker failed\nrank {rank}:\n{payload}")
+    results[rank] = payload
+    return True
+
+
+def _dead(procs, results: dict) -> list[tuple[int, int]]:
+    """(rank, exit code) of the ranks that ended without a result."""
+    return [(r, p.exitcode) for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop(procs, grace_s: float) -> None:
+    """Join the ranks for up to ``grace_s`` seconds in all, then kill those still running."""
+    deadline = time.monotonic() + grace_s
     for p in procs:
-        p.join(timeout=5 if errors else timeout)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
         if p.is_alive():
             p.kill()
-    if errors:
-        raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+            p.join(timeout=5)
