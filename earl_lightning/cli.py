@@ -23,7 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from earl_lightning.callbacks import StepProgressBar
 from earl_lightning.data.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
-from earl_lightning.models.loading import checkpoint_unreadable, disk_full_error
+from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.warnings_filter import install_warning_filters
 
@@ -48,6 +48,7 @@ class EarlCLI(LightningCLI):
             raise SystemExit(2) from None
 
     def _run_subcommand(self, subcommand: str) -> None:
+        self._resolve_last_checkpoint(subcommand)
         # A full disk under any strategy and any writer (checkpoints, TensorBoard, config.yaml) is
         # one line naming where the run writes; EarlStrategy names the checkpoint itself.
         # (default_root_dir, not log_dir: the latter is a broadcast, and a full disk may stop one rank only.)
@@ -60,6 +61,20 @@ class EarlCLI(LightningCLI):
             if full is None:
                 raise
             raise full from None
+
+    def _resolve_last_checkpoint(self, subcommand: str) -> None:
+        """``--ckpt_path last``: the newest ``last*.ckpt`` anywhere under the run's root directory.
+        Lightning looks only in this launch's checkpoint directory, which is inside a new logger
+        version for every launch, so a relaunched run would silently start over."""
+        kwargs = self.config_init.get(subcommand, {})
+        if str(kwargs.get("ckpt_path")) != "last":
+            return
+        root = Path(self.trainer.default_root_dir)
+        found = [p for p in root.rglob("last*.ckpt") if p.is_file() or (p / ".metadata").is_file()]
+        kwargs["ckpt_path"] = str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+        if not found and self.trainer.is_global_zero:
+            print(f"earl: no checkpoint named last*.ckpt under {str(root)!r}: starting from the beginning",
+                  file=sys.stderr)
 
     def instantiate_classes(self) -> None:
         # Bad input is reported as one clear line naming the argument, not a traceback from deep inside.

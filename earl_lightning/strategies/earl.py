@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Literal, Optional, Union
 
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -41,19 +41,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from earl_lightning.errors import CheckpointError
-from earl_lightning.models.loading import (
-    check_checkpoint_matches,
-    checkpoint_unreadable,
-    dcp_writers,
-    disk_full_error,
-    read_checkpoint_shapes,
-    read_dcp_shapes,
-    remove_path,
-    replace_dir,
-    save_file_atomically,
-)
+from earl_lightning.checkpoints import (check_before_load, checkpoint_unreadable, disk_full_error, remove_path,
+                                        replace_dir, save_file_atomically)
 from earl_lightning.parallel.collectives import Reducer, broadcast_object
-from earl_lightning.parallel.layout import STAGES, Layout, check_stage
+from earl_lightning.parallel.layout import Layout, check_stage
 from earl_lightning.parallel.parallelize import (
     build_replica,
     is_checkpoint_switchable,
@@ -63,48 +54,9 @@ from earl_lightning.parallel.parallelize import (
     set_activation_checkpointing,
 )
 from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
+from earl_lightning.strategies.layouts import (LayoutArg, LayoutSelector, check_stage_models, parse_layouts,
+                                            same_placement, to_layout)
 from earl_lightning.strategies.stage import StageContext, StageStrategy
-
-LayoutArg = Union[Layout, dict, str]
-
-
-@runtime_checkable
-class LayoutSelector(Protocol):
-    def select(self, stage: str, stats: Optional[Mapping[str, Any]], current: Layout) -> Layout: ...
-
-
-def to_layout(value: LayoutArg, arg: str) -> Optional[Layout]:
-    """A Layout from a Layout, a dict of its fields, or ``"auto"`` (returned as None)."""
-    return Layout.coerce(dict(value) if isinstance(value, Mapping) else value, arg, allow_auto=True)
-
-
-def _parse_layouts(layouts: Any) -> tuple[dict[str, Layout], Optional[list[Layout]], bool]:
-    """(fixed per-stage layouts, candidate list or None, candidates are 'auto')."""
-    if layouts is None:
-        return {}, None, False
-    if layouts == "auto":
-        return {}, None, True
-    if isinstance(layouts, Mapping):
-        fixed = {}
-        for stage, value in layouts.items():
-            check_stage(stage, arg="layouts")
-            fixed[stage] = to_layout(value, f"layouts.{stage}")
-            if fixed[stage] is None:
-                raise ValueError(f"`layouts.{stage}` must be a Layout or a dict; 'auto' is only valid for all of "
-                                 "`layouts` (every factorization of the world size)")
-        return fixed, None, False
-    if isinstance(layouts, Sequence) and not isinstance(layouts, str) and layouts:
-        cands = [to_layout(v, f"layouts[{i}]") for i, v in enumerate(layouts)]
-        if any(c is None for c in cands):
-            raise ValueError("`layouts` entries must be Layouts or dicts; use `layouts: auto` for all factorizations")
-        return {}, cands, False
-    raise ValueError(f"`layouts` must be a dict stage -> layout (stages {list(STAGES)}), a non-empty list of "
-                     f"candidate layouts, 'auto' or None; got {layouts!r}")
-
-
-def _same_placement(a: Layout, b: Layout) -> bool:
-    return (a.dp, a.tp) == (b.dp, b.tp)
-
 
 class EarlStrategy(ModelParallelStrategy, StageStrategy):
     """FSDP2 x tensor parallel with a layout per RL stage.
@@ -157,11 +109,11 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
             raise ValueError(f"`reshard_method` must be 'layout_aware' or 'naive', got {reshard_method!r}")
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ValueError(f"`bucket_mb` must be a positive number of MiB, got {bucket_mb!r}")
-        self._fixed, self._candidates, self._auto_candidates = _parse_layouts(layouts)
+        self._fixed, self._candidates, self._auto_candidates = parse_layouts(layouts)
         self._train = self._resolve_train_arg(to_layout(train_layout, "train_layout"))
         self.memory_budget_gb = memory_budget_gb
         self.model_attrs = tuple(model_attrs)
-        self.stage_models = self._check_stage_models(stage_models)
+        self.stage_models = check_stage_models(stage_models, self.model_attrs)
         self.reshard_method = reshard_method
         self.bucket_mb = float(bucket_mb)
         self.stage_metrics: dict[str, float] = {}
@@ -180,21 +132,10 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
     # ---- construction checks -------------------------------------------------------------------
     def _resolve_train_arg(self, train: Optional[Layout]) -> Optional[Layout]:
         fixed_train = self._fixed.get("train")
-        if train is not None and fixed_train is not None and not _same_placement(train, fixed_train):
+        if train is not None and fixed_train is not None and not same_placement(train, fixed_train):
             raise ValueError(f"`train_layout` {train.name} and `layouts.train` {fixed_train.name} disagree; "
                              "give one of them (the optimizer's copy lives in the train layout)")
         return train or fixed_train
-
-    def _check_stage_models(self, stage_models: Optional[dict[str, list[str]]]) -> dict[str, tuple[str, ...]]:
-        default = {"rollout": ("policy",), "experience": ("policy", "ref_policy"), "train": ()}
-        if stage_models is None:
-            return default
-        for stage, attrs in stage_models.items():
-            check_stage(stage, arg="stage_models")
-            bad = [a for a in attrs if a not in self.model_attrs]
-            if bad:
-                raise ValueError(f"`stage_models.{stage}` names {bad}, which are not in `model_attrs` {list(self.model_attrs)}")
-        return {**default, **{k: tuple(v) for k, v in stage_models.items()}}
 
     # ---- layouts and meshes --------------------------------------------------------------------
     @property
@@ -300,15 +241,11 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir() and self._plain:
-            raise CheckpointError(f"checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
-                                  f"{dcp_writers(path)} processes; one process reads single-file checkpoints only: "
-                                  "load it with --trainer.devices 2 or more and --trainer.strategy earl")
         module = self.lightning_module
         if "://" not in str(checkpoint_path):  # a local file or directory (fsspec URLs go to Lightning as they are)
-            found = read_dcp_shapes(path) if path.is_dir() else read_checkpoint_shapes(path, weights_only)
             state = module.state_dict() if self._plain else get_model_state_dict(module)
-            check_checkpoint_matches(path, found, {k: tuple(v.shape) for k, v in state.items()}, module.strict_loading)
+            check_before_load(path, one_process=self._plain, weights_only=weights_only, strict=module.strict_loading,
+                              expected={k: tuple(v.shape) for k, v in state.items()})
         try:
             if self._plain:
                 out = Strategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
@@ -325,6 +262,12 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
     @property
     def _plain(self) -> bool:
         return self.world_size == 1
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        # DCP restores the optimizer inside load_checkpoint; a plain file is restored by Lightning.
+        # (ModelParallelStrategy says False for both, so a one-process resume restarted Adam's state.)
+        return self._plain
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return Strategy.lightning_module_state_dict(self) if self._plain else super().lightning_module_state_dict()
@@ -428,10 +371,10 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         if not isinstance(layout, Layout):
             raise TypeError(f"the layout selector returned {layout!r} for stage {name!r}; expected a Layout")
         layout.check_world(self.world_size, arg=f"selected layout for stage {name!r}")
-        if self._candidates is not None and not any(_same_placement(layout, c) for c in self._candidates):
+        if self._candidates is not None and not any(same_placement(layout, c) for c in self._candidates):
             raise ValueError(f"the layout selector chose {layout.name} for stage {name!r}, which is not among the "
                              f"candidate `layouts` {[c.name for c in self._candidates]}")
-        if name == "train" and not _same_placement(layout, self.train_layout):
+        if name == "train" and not same_placement(layout, self.train_layout):
             raise ValueError(f"the layout selector chose {layout.name} for stage 'train', but the optimizer lives in "
                              f"the train layout {self.train_layout.name}; only its micro-batch and checkpointing "
                              "knobs may change")
@@ -449,7 +392,7 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         # only if all ranks run the same forwards. Rollout and experience ranks of different dp
         # groups process different episodes (different numbers of turns and micro-batches), so
         # with dp > 1 they get a replica that is whole over dp (sharded over tp only).
-        if _same_placement(layout, self.train_layout) and (self.train_layout.dp == 1 or self.current_stage == "train"):
+        if same_placement(layout, self.train_layout) and (self.train_layout.dp == 1 or self.current_stage == "train"):
             return model
         key = (attr, layout.dp, layout.tp)
         if key not in self._replicas:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from earl_lightning.cli import main
 from earl_lightning.errors import EarlError, ModelFilesError
 from earl_lightning.models import load_model, load_tokenizer, make_tiny_model
-from earl_lightning.models.loading import read_dcp_shapes, save_file_atomically
+from earl_lightning.checkpoints import read_dcp_shapes, save_file_atomically
 from tests.distributed.launch import subprocess_env
 
 ROOT = Path(__file__).parents[2]
@@ -290,7 +290,7 @@ def test_a_save_interrupted_by_an_exception_leaves_the_previous_file(tmp_path, m
 
 KILLED_WHILE_SAVING = """
 import sys, torch
-from earl_lightning.models.loading import save_file_atomically
+from earl_lightning.checkpoints import save_file_atomically
 step = 0
 while True:
     step += 1

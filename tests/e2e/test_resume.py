@@ -59,6 +59,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, name, strategy):
         torch.testing.assert_close(b["state_dict"][k], v, rtol=0, atol=0, msg=f"parameter {k} differs")
     ra, rb = scalars(full, "reward/mean"), scalars(part, "reward/mean")
     assert set(ra) == set(rb) and len(ra) == 4
+    resumed = max((part / "lightning_logs").glob("version_*"))  # the relaunch's own logs start at step 2
+    assert sorted(scalars(resumed, "reward/mean")) == [2, 3], "the relaunch did not resume from the checkpoint"
     for step in ra:
         assert ra[step] == rb[step], f"reward/mean differs at step {step}"
 

@@ -27,8 +27,9 @@ def tiny_path() -> str:
 
 
 def module(**kw) -> AgenticRLModule:
+    # on_policy_shortcut off: the experience stage runs its forward (OOM tests inject errors there)
     args = dict(model=tiny_path(), rollout=dict(max_turns=3, max_context_tokens=512, sampling=dict(max_new_tokens=1)),
-                optim=dict(micro_batch_tokens=1024), transcript_every_n_steps=0, seed=0)
+                optim=dict(micro_batch_tokens=1024, on_policy_shortcut=False), transcript_every_n_steps=0, seed=0)
     args.update(kw)
     return AgenticRLModule(**args)
 

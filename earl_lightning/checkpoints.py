@@ -1,0 +1,207 @@
+"""Checkpoint files: read with errors that name the file and what is wrong with it, checked against
+the model they are loaded into, and written so that a crash or a full disk never costs the previous
+one. Used by EarlStrategy and the `earl` command; no Lightning here."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from earl_lightning.errors import CheckpointError, DiskFullError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+def checkpoint_unreadable(path: PathLike, err: BaseException, arg: str = "") -> CheckpointError:
+    """The error for a checkpoint file ``torch.load`` failed on (``err``): truncated or corrupt."""
+    where = f"`{arg}`: checkpoint {str(path)!r}" if arg else f"checkpoint {str(path)!r}"
+    path = Path(path)
+    if not path.exists():
+        return CheckpointError(f"{where} does not exist")
+    if path.is_file() and not zipfile.is_zipfile(path):
+        return CheckpointError(f"{where} is truncated or not a checkpoint file ({path.stat().st_size:,} bytes, no "
+                               "end-of-archive record): its save or copy was interrupted? Use an earlier checkpoint")
+    return CheckpointError(f"{where} is corrupt or not a checkpoint: torch.load failed with {_reason(err)}. "
+                           "Use an earlier checkpoint")
+
+
+def _reason(err: BaseException) -> str:
+    """``err`` in one line; of torch's weights-only unpickling error, the part that says what failed."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+    line = " ".join(text.split())
+    if len(line) > 200:
+        line = line[:200] + "..."
+    return f"{type(err).__name__}: {line}" if line else type(err).__name__
+
+
+def read_checkpoint_shapes(path: PathLike, weights_only: Optional[bool] = None) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a single-file checkpoint's ``state_dict``, read without loading its tensors."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return {k: tuple(v.shape) for k, v in checkpoint.get("state_dict", {}).items() if hasattr(v, "shape")}
+    except MemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure to read the file is the file's
+        raise checkpoint_unreadable(path, err) from None
+
+
+def read_dcp_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a distributed (DCP) checkpoint directory, after checking that its
+    ``.metadata``, Lightning's ``meta.pt`` and every shard the metadata names are there in full."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    where = f"checkpoint {str(path)!r}"
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{where} is not a complete distributed checkpoint: it has no .metadata "
+                              "(written last by a save: the save was interrupted?). Use an earlier checkpoint")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001
+        raise CheckpointError(f"{where}: its .metadata cannot be read ({_reason(err)}); "
+                              "the file is truncated or corrupt. Use an earlier checkpoint") from None
+    needs: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needs[info.relative_path] = max(needs.get(info.relative_path, 0), info.offset + info.length)
+    for name, need in sorted(needs.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        if size is None or size < need:
+            have = "is missing" if size is None else f"has {size:,} bytes"
+            raise CheckpointError(f"{where} is truncated: shard {name} {have}, its .metadata needs {need:,} bytes "
+                                  "(an interrupted save or copy?). Use an earlier checkpoint")
+    if not (path / "meta.pt").is_file():
+        raise CheckpointError(f"{where} is not a complete checkpoint: meta.pt (the trainer's state) is missing")
+    prefix = "state_dict."
+    return {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+
+
+def dcp_writers(path: PathLike) -> int:
+    """How many processes wrote a distributed checkpoint directory (its ``__<rank>_*.distcp`` shards)."""
+    return len({p.name.split("_")[2] for p in Path(path).glob("__*_*.distcp")})
+
+
+def check_checkpoint_matches(path: PathLike, found: Mapping[str, tuple[int, ...]],
+                             expected: Mapping[str, tuple[int, ...]], strict: bool = True) -> None:
+    """A checkpoint's parameter shapes (``found``) fit the model's (``expected``), or one line
+    naming the checkpoint and the first difference."""
+    where = f"checkpoint {str(path)!r} is from another model"
+    hint = "(the model and the recipe must be those of the run that saved it)"
+    for key, shape in expected.items():
+        if key in found and tuple(found[key]) != tuple(shape):
+            raise CheckpointError(f"{where}: {key} has shape {list(found[key])} there and {list(shape)} in this "
+                                  f"model {hint}")
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if strict and (missing or unexpected):
+        parts = [f"{len(keys)} {what} key(s), e.g. {keys[:3]}" for what, keys in
+                 (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise CheckpointError(f"{where}: {'; '.join(parts)} {hint}")
+
+
+def save_file_atomically(checkpoint: Mapping[str, Any], path: PathLike) -> None:
+    """``torch.save`` to a temporary file beside ``path``, flushed to disk, then renamed over it:
+    a crash or a full disk mid-save leaves the previous file whole. (Lightning's own save stages
+    the file in the system temp directory; on another filesystem its final move is a copy into
+    ``path`` that a crash can cut short.)"""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Not named *.ckpt: Lightning's `ckpt_path="last"` must never pick up a partial file.
+    tmp = path.with_name(f".{path.name}.partial{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def replace_dir(src: PathLike, dst: PathLike) -> None:
+    """Move the complete checkpoint directory ``src`` to ``dst``, replacing what is there.
+
+    A directory cannot be renamed over a non-empty one, so the old ``dst`` is moved aside first and
+    deleted last: a crash between the two renames leaves it whole as ``.<name>.old``."""
+    src, dst = Path(src), Path(dst)
+    old = dst.with_name(f".{dst.name}.old")
+    remove_path(old)
+    if dst.exists() or dst.is_symlink():
+        os.replace(dst, old)
+    os.replace(src, dst)
+    _fsync_dir(dst.parent)
+    remove_path(old)
+
+
+def remove_path(path: PathLike) -> None:
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (POSIX: the directory entry lives in the directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def disk_full(err: BaseException) -> Optional[OSError]:
+    """The "no space left on device" OSError behind ``err``: itself, its cause or context, or one
+    of the ranks' failures a distributed checkpoint save gathered (``CheckpointException``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen: set[int] = set()
+    todo: list[Optional[BaseException]] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return e
+        todo += [e.__cause__, None if e.__suppress_context__ else e.__context__]
+        if isinstance(e, CheckpointException):  # (exception, traceback summary) per failed rank
+            todo += [exc for exc, _ in e.failures.values()]
+    return None
+
+
+def disk_full_error(err: BaseException, what: str) -> Optional[DiskFullError]:
+    """The one-line error for ``err`` if a full disk is behind it (:func:`disk_full`), else None;
+    ``what`` says what was being written (e.g. "checkpoint 'runs/last.ckpt'")."""
+    full = disk_full(err)
+    if full is None:
+        return None
+    file = f" ({full.filename})" if full.filename and str(full.filename) not in what else ""
+    return DiskFullError(f"no space left on device while writing {what}{file}; free some space or point "
+                         "--trainer.default_root_dir at another disk")
+
+
+def check_before_load(path: Path, *, one_process: bool, expected: Mapping[str, tuple[int, ...]], strict: bool,
+                      weights_only: Optional[bool] = None) -> None:
+    """Before anything is loaded: the checkpoint at ``path`` is readable, of the right kind for the
+    number of processes, and its parameters fit the model (``expected`` shapes)."""
+    if path.is_dir() and one_process:
+        raise CheckpointError(f"checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
+                              f"{dcp_writers(path)} processes; one process reads single-file checkpoints only: "
+                              "load it with --trainer.devices 2 or more and --trainer.strategy earl")
+    found = read_dcp_shapes(path) if path.is_dir() else read_checkpoint_shapes(path, weights_only)
+    check_checkpoint_matches(path, found, expected, strict)
