@@ -27,14 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.vs_trl import LAUNCHER_VARS  # noqa: E402
 from benchmarks.vs_trl_sides import RESULT_TAG, RunSpec  # noqa: E402
 
 STAGES = ("rollout", "experience", "train")
 
 
 def one_run(spec: RunSpec) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_trl_sides", json.dumps(asdict(spec))], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          capture_output=True, text=True, timeout=900, env={**env, "PYTHONPATH": str(ROOT)})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"earl run failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
