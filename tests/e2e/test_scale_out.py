@@ -129,8 +129,9 @@ def test_killed_rank_relaunches_and_resumes_bit_identical(one_node, tmp_path):
     killed = torchrun(tmp_path, "--standalone", "--nproc-per-node", "2",
                       extra=(*resume, "--trainer.callbacks+=tests.plugins.faults.KillRank",
                              "--trainer.callbacks.step", "3", "--trainer.callbacks.marker", str(marker)))
+    # (torchrun stops the survivor itself once a worker died: whether the survivor first reached a
+    # collective and printed its one line is a race, tested below without torchrun)
     assert killed.wait(timeout=300) != 0 and marker.exists(), killed.log.read_text()[-3000:]
-    assert "lost a peer during stage" in killed.log.read_text()
     finish(torchrun(tmp_path, "--standalone", "--nproc-per-node", "2", extra=resume))
     assert "Restored all states from the checkpoint" in "".join(p.read_text() for p in tmp_path.glob("launch*.log"))
     assert_same_run(one_node, tmp_path)
