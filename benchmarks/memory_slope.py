@@ -54,6 +54,17 @@ def slope_per_100(rows: list[tuple[int, float]], warmup: int) -> tuple[float, fl
     return 100 * slope, max(ys) - min(ys)
 
 
+def windows(rows: list[tuple[int, float]], size: int = 50) -> list[tuple[int, float, float, float]]:
+    """(last step, minimum, median, maximum RSS) of every ``size``-step window. The minimum is what
+    stays allocated between steps; the maximum also holds the step's transient tensors, which grow
+    with the episodes (games last longer as the policy learns), so a leak shows in the minimum."""
+    out = []
+    for end in range(size, rows[-1][0] + 1, size):
+        w = [r for s, r in rows if end - size < s <= end]
+        out.append((end, min(w), statistics.median(w), max(w)))
+    return out
+
+
 def run(steps: int, batch: int, root: Path) -> list[tuple[int, float]]:
     import importlib
     import sys
@@ -102,10 +113,13 @@ def main() -> None:
         p.error(f"need --steps >= 2, --warmup >= 0 and --batch a positive multiple of 4; got {vars(a)}")
     rows = run(a.steps, a.batch, a.out / "memory_slope_run")
     slope, spread = slope_per_100(rows, a.warmup)
-    for s, r in rows[:: max(1, len(rows) // 10)] + rows[-1:]:
-        print(f"step {s:4d}  RSS {r:8.1f} MiB")
-    print(f"slope after step {a.warmup}: {slope:+.3f} MiB per 100 steps (RSS spread {spread:.1f} MiB, "
-          f"from {rows[0][1]:.0f} MiB at step {rows[0][0]} to {rows[-1][1]:.0f} MiB at step {rows[-1][0]})")
+    table = windows(rows)
+    print(f"{'steps to':>9} {'min MiB':>9} {'median':>9} {'max':>9}")
+    for end, lo, mid, hi in table:
+        print(f"{end:9d} {lo:9.1f} {mid:9.1f} {hi:9.1f}")
+    floor = slope_per_100([(end, lo) for end, lo, _, _ in table], a.warmup)[0] if len(table) > 2 else float("nan")
+    print(f"slope after step {a.warmup}: every step {slope:+.3f} MiB per 100 steps (spread {spread:.1f} MiB); "
+          f"the floor (window minima) {floor:+.3f} MiB per 100 steps")
     write(rows, a.out, a.warmup, slope)
 
 
