@@ -2,6 +2,7 @@
 
     earl fit --config recipes/connect4_ppo.yaml --trainer.max_steps 5
     earl validate --config recipes/connect4_ppo.yaml --ckpt_path last
+    earl sft --config recipes/connect4_sft.yaml            # the warm start: a save_pretrained directory
     earl profile --config recipes/connect4_grpo.yaml --out profiles/connect4 --budget-s 300
 
 ``profile`` is not a LightningCLI subcommand: it measures the recipe's model per stage and layout
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -96,6 +99,58 @@ class EarlCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
+class SftCLI(EarlCLI):
+    """``earl sft``: the warm start. No subcommand: it fits, then saves the model and tokenizer to
+    ``--output_dir`` (and ``warm_start.json``: the held-out evaluation and the demonstrations'
+    figures), which ``earl fit --model.model <dir>`` loads."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        from jsonargparse import ActionYesNo
+
+        parser.add_argument("--output_dir", type=Optional[str], default=None,
+                            help="Directory the warm-start model is saved to (save_pretrained); required.")
+        parser.add_argument("--overwrite", action=ActionYesNo, default=False,
+                            help="Replace --output_dir when it exists and is not empty.")
+
+    def before_instantiate_classes(self) -> None:
+        problem = output_dir_problem(self.config.get("output_dir"), bool(self.config.get("overwrite")))
+        if problem is not None:
+            print(f"earl: error: {problem}", file=sys.stderr)
+            raise SystemExit(2)
+
+
+def output_dir_problem(output_dir: str | None, overwrite: bool) -> str | None:
+    """Why ``--output_dir`` cannot take the warm start (None: it can). Checked before any work."""
+    if not output_dir:
+        return "`--output_dir` is required: the directory the warm-start model is saved to"
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        return f"`--output_dir` {output_dir!r} is a file; it must be a directory (new, empty, or with --overwrite)"
+    if path.is_dir() and next(path.iterdir(), None) is not None and not overwrite:
+        return (f"`--output_dir` {output_dir!r} exists and is not empty; pass --overwrite to replace it, or "
+                f"choose another directory")
+    return None
+
+
+def sft(args: list[str] | None) -> None:
+    from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
+    from earl_lightning.sft.save import save_warm_start
+
+    cli = SftCLI(WarmStartModule, DemonstrationDataModule, run=False, args=args,
+                 parser_kwargs={"parser_mode": "omegaconf"}, save_config_kwargs={"overwrite": True})
+    start = time.monotonic()
+    try:
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        save_warm_start(cli.trainer, cli.model, cli.datamodule, cli.config["output_dir"], time.monotonic() - start)
+    except EarlError:
+        raise
+    except Exception as err:
+        full = disk_full_error(err, f"the warm start's outputs under {cli.config['output_dir']!r}")
+        if full is None:
+            raise
+        raise full from None
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     install_warning_filters()  # again at each call: a caller's warnings.catch_warnings() may have reset them
@@ -106,6 +161,11 @@ def main(args: list[str] | None = None) -> None:
         profile_command(argv[1:])
         return
     try:
+        if argv[:1] == ["sft"]:
+            if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
+                sys.argv = [sys.argv[0], *argv[1:]]
+            sft(None if args is None else argv[1:])
+            return
         EarlCLI(
             AgenticRLModule,
             EpisodeDataModule,

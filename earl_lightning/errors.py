@@ -33,3 +33,8 @@ class DiskFullError(EarlError):
 class RankFailure(EarlError):
     """A collective failed because another rank died or stopped answering (its process was killed,
     it crashed, or the collective timed out); the run stops and can resume from its last checkpoint."""
+
+
+class DemonstrationError(EarlError, ValueError):
+    """A demonstration policy failed or answered something the model could never generate under
+    the recipe's sampling settings (``earl sft``)."""

@@ -110,3 +110,18 @@ def turn_token_rewards(ep: Episode, mask: torch.Tensor) -> torch.Tensor:
         if before.numel():
             out[before[-1]] += r
     return out
+
+
+def supervised_rows(episodes: list[Episode]) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, action_mask)`` of each row the trainer would make of ``episodes`` (one per
+    turn with a history window, else one per episode), for supervised training on them; failed
+    episodes are left out."""
+    out = []
+    for ep in episodes:
+        if ep.error is not None:
+            continue
+        if ep.turn_prompts and len(ep.turn_prompts) == len(ep.turn_starts):
+            out += [(ids.tolist(), [int(m) for m in mask.tolist()]) for ids, mask, _, _ in _turn_rows(ep, 1.0)]
+        else:
+            out.append((list(ep.token_ids), [int(m) for m in ep.action_mask]))
+    return out

@@ -11,6 +11,7 @@ from earl_lightning.envs.base import (ENVS, Env, StepResult, check_env_name, env
 from earl_lightning.envs.calculator import CalcError, CalculatorEnv, safe_eval
 from earl_lightning.envs.openspiel_env import (OpenSpielEnv, evaluate_policy, preference_policy,
                                                suitable_games, uniform_policy)
+from earl_lightning.envs.policies import DEMONSTRATION_POLICIES, make_policy
 from earl_lightning.envs.recall import RecallEnv
 from earl_lightning.envs.textarena_env import RANDOM_OPPONENT_GAMES, TextArenaEnv
 
@@ -18,6 +19,7 @@ __all__ = [
     "ENVS", "Env", "StepResult", "check_env_name", "env_names", "make_env", "register_env",
     "CalcError", "CalculatorEnv", "safe_eval",
     "OpenSpielEnv", "evaluate_policy", "preference_policy", "suitable_games", "uniform_policy",
+    "DEMONSTRATION_POLICIES", "make_policy",
     "RecallEnv",
     "RANDOM_OPPONENT_GAMES", "TextArenaEnv",
 ]

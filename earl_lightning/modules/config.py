@@ -22,7 +22,7 @@ from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, ge
 from earl_lightning.algorithms.estimators import AdvantageEstimator, get_advantage_estimator
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.registry import bind_params, param_default
-from earl_lightning.rollout.backends.base import check_sampling
+from earl_lightning.rollout.backends.base import SamplingConfig, check_sampling
 from earl_lightning.rollout.loop import check_history_turns
 
 A = "--model"
@@ -387,13 +387,33 @@ def check_combination(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> Non
                          f"KL as a loss term (in_reward false)")
 
 
-def check_module_args(dtype: str, seed: int, transcript_every_n_steps: int, logprob_mismatch_warn: float) -> None:
+def check_dtype_and_seed(dtype: str, seed: int) -> None:
     from earl_lightning.models import resolve_dtype
 
     resolve_dtype(dtype, f"{A}.dtype")
     _count(f"{A}.seed", seed, low=0)
+
+
+def check_module_args(dtype: str, seed: int, transcript_every_n_steps: int, logprob_mismatch_warn: float) -> None:
+    check_dtype_and_seed(dtype, seed)
     _count(f"{A}.transcript_every_n_steps", transcript_every_n_steps, low=0)
     _number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, strict=True)
+
+
+def check_number(arg: str, value: Any, *, strict: bool = False) -> None:
+    """``value`` is a finite number >= 0 (> 0 when ``strict``), or the error names ``arg``."""
+    _number(arg, value, strict=strict)
+
+
+def check_count(arg: str, value: Any, low: int = 1) -> None:
+    _count(arg, value, low)
+
+
+def sampling_config(rollout: RolloutConfig, tokenizer: Any) -> SamplingConfig:
+    """The sampling settings of ``rollout`` for ``tokenizer`` (allowed tokens as ids)."""
+    s = rollout.sampling
+    return SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          stop=list(s.stop), allowed_token_ids=s.token_ids(tokenizer))
 
 
 def module_hparams(model: str, dtype: str, rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig,

@@ -115,7 +115,8 @@ def rollout(
             live = [st for st in states if not st.finished]
             if not live:
                 break
-            outputs = backend.generate([GenRequest(st.spec.episode_id, st.prompt()) for st in live], sampling)
+            outputs = backend.generate([GenRequest(st.spec.episode_id, st.prompt(), st.messages[-1]["content"])
+                                        for st in live], sampling)
             for st, out in zip(live, outputs):
                 _play_turn(st, out, calls, chat, tokenizer, last_turn=turn == max_turns - 1,
                            budget=max_context_tokens - sampling.max_new_tokens, history_turns=history_turns)

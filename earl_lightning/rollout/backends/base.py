@@ -63,11 +63,13 @@ class GenRequest:
     """One episode's generation request.
 
     ``key`` identifies the episode across its turns (stable for the whole rollout); ``prompt_ids``
-    is the WHOLE context so far, ending with the assistant generation prompt.
+    is the WHOLE context so far, ending with the assistant generation prompt. ``observation`` is
+    the text of the last user message (what a scripted policy answers; model backends ignore it).
     """
 
     key: int
     prompt_ids: list[int]
+    observation: str | None = None
 
 
 @dataclass

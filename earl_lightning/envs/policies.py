@@ -1,0 +1,138 @@
+"""Scripted demonstration policies: plain callables ``observation -> action text``.
+
+A warm start (``earl sft``) trains the model on transcripts these play in the environment. The
+built-ins know the rules, not the strategy:
+
+- ``random_legal``: a uniformly random legal move of a two-player OpenSpiel game (read from the
+  observation's ``Legal:`` line);
+- ``centre_first``: the first legal column of 3 2 4 1 5 0 6 (Connect Four's scripted baseline);
+- ``imperfect_calculator``: a tool user that calls ``calc(expr)`` and answers with its result,
+  except for a share ``no_tool_share`` of questions, which it answers at once with a wrong number.
+
+A user's own policy is named by import path: a class is a factory (instantiated with ``seed=``
+when its constructor takes it, and the ``policy_kwargs``), anything else callable is the policy
+itself. Every episode gets its own policy instance, seeded from the episode's seed, so a
+demonstration set is a pure function of its seeds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import re
+from typing import Any, Callable, Mapping
+
+from earl_lightning.envs.calculator import CalcError, safe_eval
+from earl_lightning.envs.openspiel_env import legal_from_observation, preference_policy
+from earl_lightning.registry import Registry
+
+Policy = Callable[[str], str]
+PolicyFactory = Callable[..., Policy]
+
+
+def _as_factory(obj: Any, arg: str) -> PolicyFactory:
+    if inspect.isclass(obj):
+        return obj
+    if not callable(obj):
+        raise ValueError(f"`{arg}` is {obj!r:.80} (type {type(obj).__name__}), which is not callable; a "
+                         f"demonstration policy is a callable `observation -> action text` or a class building one")
+    return _Fixed(obj)
+
+
+class _Fixed:
+    """A user's plain policy function used as a factory: every episode gets the function itself."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    def __call__(self, **kwargs: Any) -> Policy:
+        if kwargs:
+            raise TypeError(f"a plain policy function takes no keyword arguments, got {sorted(kwargs)}")
+        return self.policy
+
+
+DEMONSTRATION_POLICIES: Registry[PolicyFactory] = Registry("demonstration policies", adapt=_as_factory)
+
+
+def make_policy(name: str, kwargs: Mapping[str, Any] | None, seed: int, arg: str = "--data.policy") -> Policy:
+    """The policy registered as ``name`` (or at the import path ``name``) for one episode."""
+    factory = DEMONSTRATION_POLICIES.get(name, arg)
+    given = dict(kwargs or {})
+    try:
+        params = inspect.signature(factory).parameters
+        takes_seed = "seed" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    except (TypeError, ValueError):
+        takes_seed = False
+    try:
+        policy = factory(**({"seed": seed} if takes_seed and not isinstance(factory, _Fixed) else {}), **given)
+    except TypeError as err:
+        raise ValueError(f"`{arg}_kwargs` {given!r} do not fit demonstration policy {name!r}: {err}") from None
+    if not callable(policy):
+        raise ValueError(f"`{arg}` {name!r} built {policy!r:.80}, which is not callable; a demonstration "
+                         f"policy is a callable `observation -> action text`")
+    return policy
+
+
+def check_policy_name(name: str, kwargs: Mapping[str, Any] | None, arg: str = "--data.policy") -> None:
+    """Config-time check: the name resolves and its kwargs fit (one instance is built and dropped)."""
+    make_policy(name, kwargs, 0, arg)
+
+
+@DEMONSTRATION_POLICIES.register("random_legal")
+class RandomLegal:
+    """A uniformly random legal move of an OpenSpiel game, from the observation's ``Legal:`` line."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def __call__(self, observation: str) -> str:
+        legal = legal_from_observation(observation)
+        if not legal:
+            raise ValueError(f"random_legal: the observation has no `Legal:` line to choose from: {observation!r:.120}")
+        return str(self.rng.choice(legal))
+
+
+@DEMONSTRATION_POLICIES.register("centre_first")
+def _centre_first(**kwargs: Any) -> Policy:
+    return preference_policy(**kwargs)
+
+
+_QUESTION = re.compile(r"What is (.+?)\?")
+_RESULT = re.compile(r"^calc: (\S+)")
+
+
+@DEMONSTRATION_POLICIES.register("imperfect_calculator")
+class ImperfectCalculator:
+    """The calculator task's imperfect tool user.
+
+    On a question it calls ``calc(<the question's expression>)`` and then answers with the
+    tool's result, except that with probability ``no_tool_share`` it answers at once, without
+    the tool, with a wrong number (the right one off by 1 to ``max_error``).
+    """
+
+    def __init__(self, seed: int = 0, no_tool_share: float = 0.5, max_error: int = 9) -> None:
+        if isinstance(no_tool_share, bool) or not isinstance(no_tool_share, (int, float)) or \
+                not 0.0 <= no_tool_share <= 1.0:
+            raise ValueError(f"`no_tool_share` must be a number in [0, 1], got {no_tool_share!r}")
+        if isinstance(max_error, bool) or not isinstance(max_error, int) or max_error < 1:
+            raise ValueError(f"`max_error` must be an integer >= 1, got {max_error!r}")
+        self.rng = random.Random(seed)
+        self.no_tool_share, self.max_error = float(no_tool_share), max_error
+
+    def __call__(self, observation: str) -> str:
+        result = _RESULT.match(observation)
+        if result is not None:
+            return f"answer({result.group(1)})"
+        question = _QUESTION.search(observation)
+        if question is None:
+            return "answer(0)"  # a calc error or anything unexpected: give up with some answer
+        expr = question.group(1)
+        if self.rng.random() < self.no_tool_share:
+            try:
+                right = int(safe_eval(expr))
+            except CalcError:
+                right = 0
+            wrong = right + self.rng.choice([-1, 1]) * self.rng.randint(1, self.max_error)
+            return f"answer({wrong})"
+        return f"calc({expr})"
+

@@ -1,0 +1,105 @@
+"""Demonstrations: a scripted policy plays the environment through the very rollout loop the RL
+trainer uses, so its transcripts have exactly the rollout's chat template, history window and
+assistant-token mask.
+
+:class:`PolicyBackend` is a generation backend whose "model" is a policy ``observation -> action
+text``: it encodes the action the way a model would have generated it under the recipe's
+sampling settings (a stop string ends the turn there; a turn shorter than ``max_new_tokens`` ends
+with eos when eos may be generated), and refuses an action the model could never generate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from earl_lightning.envs.policies import make_policy
+from earl_lightning.errors import DemonstrationError
+from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig, check_requests
+from earl_lightning.rollout.loop import rollout
+from earl_lightning.rollout.types import Episode, EpisodeSpec
+
+
+class PolicyBackend:
+    """Generation by scripted policies, one per request key.
+
+    Args:
+        policies: the policy of each episode (request key).
+        tokenizer: the model's tokenizer (the actions are encoded with it).
+        name: the policy's name as the config wrote it (``--data.policy``), for errors.
+    """
+
+    def __init__(self, policies: Mapping[int, Callable[[str], Any]], tokenizer: Any, name: str = "policy") -> None:
+        self.policies, self.tokenizer, self.name = dict(policies), tokenizer, name
+
+    def generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
+        check_requests(requests)
+        return [self._one(r, sampling) for r in requests]
+
+    def _one(self, request: GenRequest, sampling: SamplingConfig) -> GenOutput:
+        if request.observation is None:
+            raise ValueError("PolicyBackend needs each request's `observation` (the rollout loop sets it)")
+        try:
+            action = self.policies[request.key](request.observation)
+        except Exception as err:  # noqa: BLE001 - the user's policy: reported with what it was given
+            raise DemonstrationError(f"demonstration policy {self.name!r} raised {type(err).__name__}: {err} "
+                                     f"(observation {request.observation!r:.80})") from err
+        if not isinstance(action, str):
+            raise DemonstrationError(
+                f"demonstration policy {self.name!r} returned {action!r:.80} (type {type(action).__name__}) for the "
+                f"observation {request.observation!r:.80}; a policy must return the action as a string")
+        ids = list(self.tokenizer.encode(action, add_special_tokens=False))
+        cut = _stop_cut(self.tokenizer, ids, sampling.stop)
+        finish = "stop" if cut is not None else "length"
+        ids = ids[:cut] if cut is not None else ids
+        eos = self.tokenizer.eos_token_id
+        allowed = None if sampling.allowed_token_ids is None else set(sampling.allowed_token_ids)
+        if cut is None and len(ids) < sampling.max_new_tokens and (allowed is None or eos in allowed):
+            ids.append(eos)  # a model that wrote this action would end its turn here
+            finish = "stop"
+        problem = None
+        if len(ids) > sampling.max_new_tokens:
+            problem = f"is {len(ids)} tokens, more than `sampling.max_new_tokens` = {sampling.max_new_tokens}"
+        elif allowed is not None and not set(ids) <= allowed:
+            bad = sorted({self.tokenizer.decode([i]) for i in ids if i not in allowed})
+            problem = f"uses tokens outside `sampling.allowed_tokens`: {bad}"
+        elif not ids:
+            problem = "is empty, and eos is not among the tokens the model may generate"
+        if problem is not None:
+            raise DemonstrationError(f"demonstration policy {self.name!r} answered {action!r:.80}, which "
+                                     f"{problem}: the model could never generate it under the recipe's sampling")
+        return GenOutput(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish)
+
+    def release(self, keys: list[int] | None = None) -> None:
+        """Scripted policies keep no cache."""
+
+    def prepare(self, layout: Any, model: Any) -> float:
+        return 0.0
+
+    def after_update(self, model: Any) -> None:
+        """Nothing to synchronize: the policy has no weights."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+def _stop_cut(tokenizer: Any, ids: list[int], stop: list[str]) -> int | None:
+    """The length of the shortest prefix whose text contains a stop string (None: none does)."""
+    if not stop:
+        return None
+    for n in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:n], skip_special_tokens=False)
+        if any(s in text for s in stop):
+            return n
+    return None
+
+
+def play_demonstrations(specs: list[EpisodeSpec], policy: str, policy_kwargs: Mapping[str, Any] | None,
+                        tokenizer: Any, sampling: SamplingConfig, *, max_turns: int, max_context_tokens: int,
+                        system_prompt: str | None = None, history_turns: int | None = None,
+                        env_timeout_s: float | None = None, arg: str = "--data.policy") -> list[Episode]:
+    """Play ``specs`` with the demonstration policy ``policy`` (a registered name or an import
+    path), one instance per episode seeded with the episode's seed; episodes in spec order."""
+    policies = {s.episode_id: make_policy(policy, policy_kwargs, s.seed, arg) for s in specs}
+    backend = PolicyBackend(policies, tokenizer, policy)
+    return rollout(specs, backend, tokenizer, sampling, max_turns=max_turns, max_context_tokens=max_context_tokens,
+                   system_prompt=system_prompt, history_turns=history_turns, env_timeout_s=env_timeout_s)

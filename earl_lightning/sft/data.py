@@ -1,0 +1,114 @@
+"""Demonstration transcripts as a supervised dataset, and the held-out evaluation episodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from earl_lightning.data.datamodule import EvalEpisodes
+from earl_lightning.data.episodes import supervised_rows
+from earl_lightning.envs.base import check_env_name, make_env
+from earl_lightning.envs.policies import check_policy_name
+from earl_lightning.modules.metrics import episode_counts
+from earl_lightning.rollout.demonstrations import play_demonstrations
+from earl_lightning.rollout.types import EpisodeSpec
+
+# Demonstration seeds start here: far from the evaluation seeds (0..eval_episodes-1) and from the
+# RL training stream's ((seed + 1) * 1_000_003 + ...), so the warm start never sees a held-out game.
+_DEMO_SEED_BASE = 500_000_000
+_CHUNK = 256  # episodes played per rollout call
+
+
+def _identity(batch):
+    return batch[0]
+
+
+class DemonstrationDataModule(L.LightningDataModule):
+    """Transcripts that a scripted policy plays in the environment, one row per trained sequence.
+
+    The rows are exactly those the RL trainer makes of its own episodes (one per turn with
+    ``history_turns``, else one per episode); the labels are the input ids on the assistant
+    tokens and -100 elsewhere, batched by TRL's ``DataCollatorForLanguageModeling``.
+
+    Args:
+        env: registered environment name or import path (as ``earl fit``'s ``--data.env``).
+        env_kwargs: keyword arguments of the environment.
+        policy: the demonstration policy: ``random_legal``, ``centre_first``,
+            ``imperfect_calculator``, or the import path of a callable ``observation -> action``
+            (or of a class building one).
+        policy_kwargs: keyword arguments of the policy (e.g. ``{no_tool_share: 0.6}``).
+        num_episodes: demonstration episodes to play.
+        batch_size: rows per optimizer step, over all ranks.
+        seed: seed of the demonstration episodes and of the shuffling.
+        eval_episodes: held-out evaluation seeds 0..n-1, as in ``earl fit`` (0 disables).
+        eval_env_kwargs: overrides of ``env_kwargs`` for evaluation.
+    """
+
+    def __init__(self, env: str = "connect_four", env_kwargs: dict[str, Any] | None = None,
+                 policy: str = "random_legal", policy_kwargs: dict[str, Any] | None = None, num_episodes: int = 1000,
+                 batch_size: int = 64, seed: int = 0, eval_episodes: int = 128,
+                 eval_env_kwargs: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        check_env_name(env, "--data.env")
+        make_env(env, "--data.env", **dict(env_kwargs or {}))
+        check_policy_name(policy, policy_kwargs, "--data.policy")
+        for name, value, low in (("num_episodes", num_episodes, 1), ("batch_size", batch_size, 1),
+                                 ("seed", seed, 0), ("eval_episodes", eval_episodes, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`--data.{name}` must be an integer >= {low}, got {value!r}")
+        self.save_hyperparameters()
+        self.env, self.env_kwargs = env, dict(env_kwargs or {})
+        self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
+        self.rows: list[dict[str, list[int]]] | None = None
+        self.stats: dict[str, float] = {}
+
+    def demonstration_specs(self) -> list[EpisodeSpec]:
+        base = _DEMO_SEED_BASE + self.hparams.seed * self.hparams.num_episodes
+        return [EpisodeSpec(env=self.env, seed=base + i, group_id=i, episode_id=i, env_kwargs=self.env_kwargs)
+                for i in range(self.hparams.num_episodes)]
+
+    def play(self, module: Any) -> list:
+        """The demonstration episodes, played with ``module``'s tokenizer and rollout settings."""
+        r, specs, episodes = module.rollout_config, self.demonstration_specs(), []
+        for i in range(0, len(specs), _CHUNK):
+            episodes += play_demonstrations(
+                specs[i:i + _CHUNK], self.hparams.policy, self.hparams.policy_kwargs, module.tokenizer,
+                module.sampling, max_turns=r.max_turns, max_context_tokens=r.max_context_tokens,
+                system_prompt=r.system_prompt, history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
+        return episodes
+
+    def setup(self, stage: str) -> None:
+        if self.rows is not None or stage not in ("fit", None):
+            return
+        module = self.trainer.lightning_module
+        episodes = self.play(module)
+        rows = supervised_rows(episodes)
+        self.rows = [{"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]} for ids, mask in rows]
+        counts = episode_counts(episodes)
+        n = max(counts["episodes"], 1.0)
+        self.stats = {"demo/episodes": counts["episodes"], "demo/rows": float(len(rows)),
+                      "demo/assistant_tokens": float(sum(sum(m) for _, m in rows)),
+                      "demo/errors": counts["errors"], "demo/invalid_rate": counts["invalid"] / n}
+        if counts["outcomes"]:
+            self.stats.update({"demo/win_rate": counts["wins"] / n, "demo/draw_rate": counts["draws"] / n})
+        if not self.rows:
+            raise ValueError(f"`--data.policy` {self.hparams.policy!r} produced no usable demonstration in "
+                             f"{len(episodes)} episodes (every one failed in the environment)")
+
+    def train_dataloader(self) -> DataLoader:
+        world = self.trainer.world_size if self.trainer is not None else 1
+        if self.hparams.batch_size % world:
+            raise ValueError(f"`--data.batch_size` ({self.hparams.batch_size}) must be a multiple of the number of "
+                             f"processes ({world})")
+        pad = self.trainer.lightning_module.tokenizer.pad_token_id
+        return DataLoader(self.rows, batch_size=self.hparams.batch_size // world, shuffle=True,
+                          collate_fn=DataCollatorForLanguageModeling(pad_token_id=pad),
+                          generator=torch.Generator().manual_seed(self.hparams.seed))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(EvalEpisodes(self.env, self.eval_env_kwargs, self.hparams.eval_episodes), batch_size=1,
+                          collate_fn=_identity, num_workers=0)

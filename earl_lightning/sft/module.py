@@ -1,0 +1,105 @@
+"""The warm-start LightningModule: next-token cross-entropy on the assistant tokens of
+demonstration transcripts, and a greedy and a sampled evaluation in the environment."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning as L
+import torch
+
+from earl_lightning.groups import to_dict
+from earl_lightning.models import eval_mode, load_model, load_tokenizer
+from earl_lightning.modules import config as C
+from earl_lightning.modules.metrics import RunMetrics
+from earl_lightning.rollout.backends.base import SamplingConfig
+from earl_lightning.rollout.backends.hf import HFBackend
+from earl_lightning.rollout.loop import rollout
+
+
+class WarmStartModule(L.LightningModule):
+    """Supervised warm start of a causal LM on demonstrations (``earl sft``).
+
+    The loss is the mean next-token cross-entropy over the assistant tokens (the rollout's action
+    mask; everything else is labelled -100, as TRL's ``DataCollatorForLanguageModeling`` pads it),
+    the same objective as TRL's SFTTrainer with ``assistant_only_loss``.
+
+    Args:
+        model: hub id, local path, or an offline preset (``earl-tiny``) to start from.
+        dtype: parameter dtype.
+        rollout: the RL recipe's rollout settings (chat, history window, sampling): demonstrations
+            are played, and the warm start is evaluated, exactly as the RL run will play.
+        lr: AdamW learning rate (linear warmup, then linear decay to 0 over the run).
+        weight_decay: AdamW weight decay.
+        warmup_steps: optimizer steps of linear warmup.
+        seed: seed of the sampled evaluation.
+    """
+
+    def __init__(self, model: str = "earl-tiny", dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+                 rollout: C.RolloutConfig = C.RolloutConfig(), lr: float = 1e-3, weight_decay: float = 0.0,
+                 warmup_steps: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        self.rollout_config = C.coerce(C.RolloutConfig, rollout, "--model.rollout")
+        C.check_number("--model.lr", lr, strict=True)
+        C.check_number("--model.weight_decay", weight_decay)
+        C.check_count("--model.warmup_steps", warmup_steps, low=0)
+        C.check_dtype_and_seed(dtype, seed)
+        self.save_hyperparameters(dict(model=model, dtype=dtype, rollout=to_dict(self.rollout_config), lr=lr,
+                                       weight_decay=weight_decay, warmup_steps=warmup_steps, seed=seed))
+        self.tokenizer = load_tokenizer(model, "--model.model")
+        self.sampling = C.sampling_config(self.rollout_config, self.tokenizer)
+        self.policy = None
+        self.greedy_metrics, self.sampled_metrics = RunMetrics(), RunMetrics()
+
+    def configure_model(self) -> None:
+        if self.policy is None:
+            self.policy = load_model(self.hparams.model, self.hparams.dtype, "--model.model")
+            self.policy.config.use_cache = False
+            self.policy.train()
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warm = hp.warmup_steps
+
+        def factor(step: int) -> float:
+            return (step + 1) / warm if step < warm else max(0.0, (total - step) / max(total - warm, 1))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          labels=batch["labels"], use_cache=False)
+        targets = float((batch["labels"][:, 1:] != -100).sum())
+        self.log("sft/loss", out.loss, prog_bar=True, on_step=True)
+        self.log("sft/assistant_tokens", targets, on_step=True, reduce_fx="sum")
+        return out.loss
+
+    # ---- evaluation in the environment -------------------------------------------------------
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Play the held-out specs greedily and sampled (this rank's share of them)."""
+        specs = batch["specs"][self.global_rank::self.trainer.world_size]
+        r = self.rollout_config
+        backend = HFBackend(self.policy, self.tokenizer, reuse_kv=r.reuse_kv)
+        outcomes = False
+        for metrics, greedy in ((self.greedy_metrics, True), (self.sampled_metrics, False)):
+            sampling = SamplingConfig(**{**vars(self.sampling), "greedy": greedy, "seed": self.hparams.seed})
+            with eval_mode(self.policy), torch.no_grad():
+                episodes = rollout(specs, backend, self.tokenizer, sampling, max_turns=r.max_turns,
+                                   max_context_tokens=r.max_context_tokens, system_prompt=r.system_prompt,
+                                   history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
+            metrics.update_val(episodes, True)
+            outcomes |= any(ep.outcome is not None for ep in episodes)
+        outcomes = self.trainer.strategy.reduce_boolean_decision(outcomes, all=False)
+        for metrics, prefix in ((self.greedy_metrics, "val/"), (self.sampled_metrics, "val_sampled/")):
+            for name, metric in metrics.val_objects(outcomes).items():
+                self.log(prefix + name.split("/", 1)[1], metric, prog_bar=name == "val/win_rate", on_step=False,
+                         on_epoch=True, batch_size=1)
+
+    def save_pretrained(self, directory: str) -> None:
+        """The model and its tokenizer, loadable with ``from_pretrained`` (``--model.model <dir>``)."""
+        self.policy.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+

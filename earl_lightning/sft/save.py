@@ -1,0 +1,42 @@
+"""Saving the warm start: model, tokenizer and ``warm_start.json``, written whole or not at all."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+WARM_START_FILE = "warm_start.json"
+
+
+def save_warm_start(trainer: Any, module: Any, datamodule: Any, output_dir: str, wall_s: float) -> Path | None:
+    """Rank 0 saves ``module``'s model and tokenizer (``save_pretrained``) and ``warm_start.json`` (the
+    last held-out evaluation, greedy ``val/*`` and temperature-1 ``val_sampled/*``, the
+    demonstrations' figures, the settings) into a temporary sibling of ``output_dir``, then
+    renames it into place: an interrupted save leaves the old directory or none, never half of one."""
+    trainer.strategy.barrier("earl_sft_save")
+    if not trainer.is_global_zero:
+        return None
+    out = Path(output_dir)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    module.save_pretrained(str(tmp))
+    evaluation = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "val_sampled/"))}
+    record = {"evaluation": evaluation, "demonstrations": datamodule.stats, "steps": trainer.global_step,
+              "wall_s": round(wall_s, 1), "model": module.hparams.model, "data": dict(datamodule.hparams),
+              "rollout": module.hparams.rollout}
+    (tmp / WARM_START_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    print(f"earl: warm start saved to {str(out)!r} ({trainer.global_step} steps, {wall_s:.0f} s); "
+          f"load it with --model.model {str(out)}")
+    return out
+
+
+def read_warm_start(directory: str) -> dict[str, Any]:
+    """The ``warm_start.json`` of a saved warm start."""
+    return json.loads((Path(directory) / WARM_START_FILE).read_text())

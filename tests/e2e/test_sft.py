@@ -1,0 +1,147 @@
+"""`earl sft`: the warm-start recipe runs through the real command, saves a model directory that
+`from_pretrained` loads back and that reproduces its held-out evaluation (also as the RL run's
+step-0 evaluation); the loss covers the assistant tokens only; bad input fails in one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+from earl_lightning.cli import main
+from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
+
+RECIPES = Path(__file__).parents[2] / "recipes"
+SFT = RECIPES / "connect4_sft.yaml"
+SMALL = ["--data.num_episodes", "24", "--data.eval_episodes", "8", "--data.batch_size", "32",
+         "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false"]
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped: conftest's per-test argv fixture is not active yet
+        mp.setattr(sys, "argv", ["earl"])
+        _sft(root)
+    return root / "model"
+
+
+def _sft(root: Path) -> None:
+    main(["sft", "--config", str(SFT), "--output_dir", str(root / "model"), "--trainer.default_root_dir", str(root),
+          *SMALL])
+
+
+def _recipe_rollout() -> dict:
+    return yaml.safe_load(SFT.read_text())["model"]["rollout"]
+
+
+def test_the_saved_warm_start_reloads_and_reproduces_its_evaluation(warm_start):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert {"config.json", "model.safetensors", "tokenizer.json", "warm_start.json"} <= {p.name for p in warm_start.iterdir()}
+    AutoModelForCausalLM.from_pretrained(warm_start), AutoTokenizer.from_pretrained(warm_start)
+    record = json.loads((warm_start / "warm_start.json").read_text())
+    assert record["demonstrations"]["demo/episodes"] == 24 and record["demonstrations"]["demo/invalid_rate"] == 0.0
+    module = WarmStartModule(model=str(warm_start), rollout=_recipe_rollout())
+    data = DemonstrationDataModule(env="connect_four", env_kwargs={"opponent": "random", "seat": "alternate"},
+                                   eval_episodes=8)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (again,) = trainer.validate(module, datamodule=data, verbose=False)
+    assert {k: again[k] for k in record["evaluation"]} == record["evaluation"]
+    assert {"val/win_rate", "val/invalid_rate", "val_sampled/win_rate"} <= set(record["evaluation"])
+
+
+def test_rl_starts_from_the_warm_start_and_its_step_0_evaluation_is_the_warm_starts(warm_start, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    main(["fit", "--config", str(RECIPES / "connect4_grpo_warm.yaml"), "--model.model", str(warm_start),
+          "--trainer.max_steps", "1", "--trainer.default_root_dir", str(tmp_path), "--data.eval_episodes", "8",
+          "--data.batch_size", "8", "--data.group_size", "4", "--trainer.enable_progress_bar", "false"])
+    acc = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent))
+    acc.Reload()
+    record = json.loads((warm_start / "warm_start.json").read_text())["evaluation"]
+    for name in ("val/win_rate", "val/invalid_rate", "val/reward"):
+        first = [e for e in acc.Scalars(name) if e.step == 0]
+        assert first and first[0].value == pytest.approx(record[name], abs=1e-6), name
+
+
+def test_the_loss_covers_the_assistant_tokens_only(warm_start):
+    module = WarmStartModule(model=str(warm_start), rollout=_recipe_rollout())
+    module.configure_model()
+    data = DemonstrationDataModule(env="connect_four", num_episodes=3, batch_size=4)
+    data.trainer = type("T", (), {"lightning_module": module, "world_size": 1})()
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    with torch.no_grad():
+        logits = module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets, mask = batch["labels"][:, 1:], batch["labels"][:, 1:] != -100
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    manual = -(logp * mask).sum() / mask.sum()
+    out = module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    assert out.loss.item() == pytest.approx(manual.item(), rel=1e-5)
+    # the labelled tokens are exactly the rollout's action-mask tokens: one column digit per row here
+    assert int(mask.sum()) == batch["input_ids"].shape[0]
+    digits = {module.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(7)}
+    assert set(targets[mask].tolist()) <= digits
+
+
+def test_an_output_dir_that_exists_and_is_not_empty_is_refused_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_:
+        main(["sft", "--config", str(SFT), "--output_dir", str(out), *SMALL])
+    assert exit_.value.code == 2
+    assert (f"earl: error: `--output_dir` {str(out)!r} exists and is not empty; pass --overwrite to replace it"
+            in capsys.readouterr().err)
+    assert (out / "notes.txt").read_text() == "mine"
+    main(["sft", "--config", str(SFT), "--output_dir", str(out), "--overwrite", "--trainer.default_root_dir",
+          str(tmp_path), *SMALL, "--data.num_episodes", "4", "--data.eval_episodes", "2"])
+    assert (out / "config.json").is_file() and not (out / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data.policy", "random_legl"],
+     "earl: error: unknown `--data.policy` 'random_legl'; valid demonstration policies: "
+     "['centre_first', 'imperfect_calculator', 'random_legal']"),
+    (["--data.policy", "tests.unit.test_demonstrations.returns_int"],
+     "earl: error: demonstration policy 'tests.unit.test_demonstrations.returns_int' returned 3 (type int) for "
+     "the observation"),
+    ([], "earl: error: `--output_dir` is required"),
+])
+def test_bad_input_is_one_line(args, message, tmp_path, capsys):
+    out = [] if not args else ["--output_dir", str(tmp_path / "m")]
+    config = SFT.read_text().replace("output_dir: runs/connect4_sft/model\n", "")
+    (tmp_path / "sft.yaml").write_text(config)
+    with pytest.raises(SystemExit) as exit_:
+        main(["sft", "--config", str(tmp_path / "sft.yaml"), *out, "--trainer.default_root_dir", str(tmp_path),
+              *SMALL, *args])
+    assert exit_.value.code in (1, 2)
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "m").exists()  # nothing half-saved
+
+
+def test_the_warm_family_differs_only_in_the_task():
+    task_keys = {("model", "model"), ("model", "rollout"), ("data", "env"), ("data", "env_kwargs"),
+                 ("data", "eval_env_kwargs"), ("trainer", "default_root_dir")}
+    family = sorted(RECIPES.glob("*_warm.yaml"))
+    assert len(family) >= 2
+
+    def shared(path: Path, algo: str) -> dict:
+        cfg = yaml.safe_load(path.read_text())
+        out = {(section, k): v for section in ("trainer", "model", "data") for k, v in cfg[section].items()
+               if (section, k) not in task_keys}
+        assert path.stem.endswith(f"_{algo}_warm")
+        return out
+
+    for algo in ("grpo", "ppo"):
+        members = [p for p in family if p.stem.endswith(f"_{algo}_warm")]
+        first = shared(members[0], algo)
+        for other in members[1:]:
+            assert shared(other, algo) == first, f"{other.name} changes more than the task"

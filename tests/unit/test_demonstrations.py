@@ -1,0 +1,140 @@
+"""Demonstrations are played through the RL rollout loop: a policy that replays what the model
+generated reproduces the model's episode token for token, mask for mask; the built-in policies
+do what they say; a policy's bad answers are refused with errors that name it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from earl_lightning.envs import make_env
+from earl_lightning.envs.policies import ImperfectCalculator, RandomLegal, make_policy
+from earl_lightning.models import load_model, load_tokenizer
+from earl_lightning.rollout.backends.base import SamplingConfig
+from earl_lightning.rollout.backends.hf import HFBackend
+from earl_lightning.rollout.demonstrations import DemonstrationError, play_demonstrations
+from earl_lightning.rollout.loop import rollout
+from earl_lightning.rollout.types import EpisodeSpec
+
+DIGITS = [str(d) for d in range(7)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_model("earl-tiny").eval(), load_tokenizer("earl-tiny")
+
+
+class Replay:
+    """Answers the k-th observation of an episode with what the model answered on its k-th turn."""
+
+    answers: dict[int, list[str]] = {}
+
+    def __init__(self, seed: int) -> None:
+        self.queue = list(self.answers[seed])
+
+    def __call__(self, observation: str) -> str:
+        return self.queue.pop(0)
+
+
+CASES = {
+    "connect_four, one digit, history 0": (
+        "connect_four", {"opponent": "random"}, dict(max_new_tokens=1), DIGITS, 0, None),
+    "recall, free text with a stop string, whole chat": (
+        "recall", {"num_turns": 4}, dict(max_new_tokens=10, stop=["7"]), None, None, None),
+    "recall, free text, system prompt, history 1": (
+        "recall", {"num_turns": 4}, dict(max_new_tokens=6), None, 1, "Be brief."),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_replayed_model_episode_is_reproduced_token_for_token(case, tiny, monkeypatch):
+    env, env_kwargs, sampling_kw, allowed, history, system = CASES[case]
+    model, tok = tiny
+    allowed_ids = [tok.encode(t, add_special_tokens=False)[0] for t in allowed] if allowed else None
+    sampling = SamplingConfig(**sampling_kw, seed=3, allowed_token_ids=allowed_ids)
+    specs = [EpisodeSpec(env, seed=s, group_id=s, episode_id=s, env_kwargs=env_kwargs) for s in range(6)]
+    kw = dict(max_turns=4, max_context_tokens=2048, system_prompt=system, history_turns=history)
+    with torch.no_grad():
+        played = rollout(specs, HFBackend(model, tok), tok, sampling, **kw)
+    monkeypatch.setattr(Replay, "answers", {ep.spec.seed: [m["content"] for m in ep.messages if m["role"] == "assistant"]
+                                            for ep in played})
+    demos = play_demonstrations(specs, "tests.unit.test_demonstrations.Replay", None, tok, sampling, **kw)
+    assert sum(ep.num_turns for ep in played) > 2 * len(specs)  # several turns were really played
+    for ep, demo in zip(played, demos):
+        assert demo.token_ids == ep.token_ids
+        assert demo.action_mask == ep.action_mask
+        assert demo.messages == ep.messages
+        assert demo.turn_prompts == ep.turn_prompts
+        assert (demo.reward, demo.invalid_action, demo.outcome) == (ep.reward, ep.invalid_action, ep.outcome)
+
+
+def test_demonstration_tokens_decode_to_the_chat_template_of_its_transcript(tiny):
+    _, tok = tiny
+    specs = [EpisodeSpec("calculator", seed=s, group_id=s, episode_id=s) for s in range(4)]
+    demos = play_demonstrations(specs, "imperfect_calculator", {"no_tool_share": 0.5}, tok,
+                                SamplingConfig(max_new_tokens=24, stop=[")"]), max_turns=4, max_context_tokens=1024)
+    for ep in demos:
+        assert tok.decode(ep.token_ids, skip_special_tokens=False) == tok.apply_chat_template(ep.messages, tokenize=False)
+        generated = tok.decode([t for t, m in zip(ep.token_ids, ep.action_mask) if m], skip_special_tokens=False)
+        assert generated == "".join(m["content"] for m in ep.messages if m["role"] == "assistant")
+        assert all(lp == 0.0 for lp in ep.logprobs)
+
+
+def test_random_legal_never_plays_an_illegal_move():
+    env = make_env("connect_four", opponent="random")
+    for seed in range(30):
+        policy, obs = RandomLegal(seed), env.reset(seed)
+        while True:
+            result = env.step(policy(obs))
+            assert not result.info["invalid_action"]
+            if result.done:
+                break
+            obs = result.observation
+
+
+def test_imperfect_calculator_skips_the_tool_on_its_share_and_is_then_wrong():
+    env = make_env("calculator")
+    used, correct = [], []
+    for seed in range(400):
+        policy, obs = ImperfectCalculator(seed, no_tool_share=0.3), env.reset(seed)
+        result = env.step(policy(obs))
+        if not result.done:
+            result = env.step(policy(result.observation))
+        used.append(result.info["tool_calls"] > 0)
+        correct.append(result.info["correct"])
+    assert all(c == u for c, u in zip(correct, used))  # with the tool always right, without it always wrong
+    assert 0.62 < sum(used) / len(used) < 0.78
+
+
+def test_policy_errors_name_the_policy_and_what_is_wrong(tiny):
+    _, tok = tiny
+    specs = [EpisodeSpec("connect_four", seed=0, group_id=0, episode_id=0)]
+    one_digit = SamplingConfig(max_new_tokens=1, allowed_token_ids=[tok.encode(d, add_special_tokens=False)[0]
+                                                                     for d in DIGITS])
+    kw = dict(max_turns=3, max_context_tokens=1024)
+    with pytest.raises(DemonstrationError, match=r"'tests.unit.test_demonstrations.returns_int' returned 3 \(type int\)"):
+        play_demonstrations(specs, "tests.unit.test_demonstrations.returns_int", None, tok, one_digit, **kw)
+    with pytest.raises(DemonstrationError, match=r"answered '12', which is 2 tokens, more than `sampling.max_new_tokens` = 1"):
+        play_demonstrations(specs, "tests.unit.test_demonstrations.answers_twelve", None, tok, one_digit, **kw)
+    with pytest.raises(DemonstrationError, match=r"outside `sampling.allowed_tokens`: \['9'\]"):
+        play_demonstrations(specs, "tests.unit.test_demonstrations.answers_nine", None, tok, one_digit, **kw)
+    with pytest.raises(ValueError, match=r"unknown `--data.policy` 'random_legl'; valid demonstration policies: "
+                                         r"\['centre_first', 'imperfect_calculator', 'random_legal'\]"):
+        make_policy("random_legl", None, 0)
+    with pytest.raises(ValueError, match=r"`--data.policy_kwargs` \{'no_tool_shar': 0.5\} do not fit"):
+        make_policy("imperfect_calculator", {"no_tool_shar": 0.5}, 0)
+    with pytest.raises(ValueError, match=r"`no_tool_share` must be a number in \[0, 1\], got 1.5"):
+        make_policy("imperfect_calculator", {"no_tool_share": 1.5}, 0)
+
+
+def returns_int(observation: str):
+    return 3
+
+
+def answers_twelve(observation: str) -> str:
+    return "12"
+
+
+def answers_nine(observation: str) -> str:
+    return "9"
