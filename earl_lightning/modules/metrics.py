@@ -25,15 +25,20 @@ from earl_lightning.data.experience import ExperienceBatch
 
 # order of the entries of the count vector
 COUNT_KEYS = ("episodes", "reward_sum", "wins", "draws", "losses", "outcomes", "invalid", "errors", "truncated",
-              "turns")
+              "turns", "graded", "correct", "tool_env", "tool_used")
 # metric name -> (numerator, denominator) in COUNT_KEYS
 RATES = {
     "reward/mean": ("reward_sum", "episodes"), "env/win_rate": ("wins", "episodes"),
     "env/draw_rate": ("draws", "episodes"), "env/loss_rate": ("losses", "episodes"),
     "env/invalid_rate": ("invalid", "episodes"), "env/truncated_rate": ("truncated", "episodes"),
-    "env/turns": ("turns", "episodes"),
+    "env/turns": ("turns", "episodes"), "env/accuracy": ("correct", "episodes"),
+    "env/tool_use_rate": ("tool_used", "episodes"),
 }
-OUTCOME_RATES = ("env/win_rate", "env/draw_rate", "env/loss_rate")
+# A rate shown only when some episode reported what it counts: game outcomes, graded answers
+# (info["correct"]: the calculator), tool calls (info["tool_calls"]).
+REPORTED_BY = {"env/win_rate": "outcomes", "env/draw_rate": "outcomes", "env/loss_rate": "outcomes",
+               "env/accuracy": "graded", "env/tool_use_rate": "tool_env"}
+FLAGS = ("outcomes", "graded", "tool_env")
 
 
 class Rate(Metric):
@@ -67,13 +72,25 @@ def episode_counts(episodes: Sequence[Any]) -> dict[str, float]:
         c["errors"] += ep.error is not None
         c["truncated"] += bool(ep.truncated)
         c["turns"] += ep.num_turns
+        info = getattr(ep, "info", None) or {}
+        c["graded"] += "correct" in info
+        c["correct"] += info.get("correct") is True
+        c["tool_env"] += "tool_calls" in info
+        c["tool_used"] += (info.get("tool_calls") or 0) > 0
     return c
+
+
+def reported(episodes: Sequence[Any]) -> dict[str, bool]:
+    """Which optional rates these episodes report (see :data:`REPORTED_BY`)."""
+    c = episode_counts(episodes)
+    return {flag: c[flag] > 0 for flag in FLAGS}
 
 
 def _episode_metrics(sync_on_step: bool) -> nn.ModuleDict:
     metrics = {name: Rate(dist_sync_on_step=sync_on_step) for name in RATES}
     metrics["env/errors"] = SumMetric(dist_sync_on_step=sync_on_step)
-    metrics["outcomes"] = SumMetric(dist_sync_on_step=sync_on_step)  # decides whether outcome rates apply
+    for flag in FLAGS:  # decide whether the optional rates apply
+        metrics[flag] = SumMetric(dist_sync_on_step=sync_on_step)
     return nn.ModuleDict({_key(n): m for n, m in metrics.items()})
 
 
@@ -102,14 +119,14 @@ class RunMetrics(nn.Module):
         out = {name: float(m(c[RATES[name][0]], c[RATES[name][1]])) for name, m in self._named(self.train_episodes)
                if name in RATES}
         out["env/errors"] = float(self.train_episodes[_key("env/errors")](c["errors"]))
-        outcomes = float(self.train_episodes["outcomes"](c["outcomes"]))  # the step's global count
+        flags = {flag: float(self.train_episodes[flag](c[flag])) > 0 for flag in FLAGS}  # the step's global counts
         lens = exp.seq_lens.double()
         w = 1.0 if rows_counted else 0.0
         out["context/mean"] = float(self.context_mean(w * float(lens.sum()), w * float(lens.numel())))
         out["context/max"] = float(self.context_max(float(lens.max()) if lens.numel() else 0.0))
         out["tokens/generated"] = float(self.generated(w * float(exp.tokens["action_mask"].sum())))
         out["tokens/total"] = float(self.tokens(w * float(exp.num_tokens)))
-        return _applicable(out, outcomes)
+        return _applicable(out, flags)
 
     def update_val(self, episodes: Sequence[Any], counted: bool) -> None:
         c = episode_counts(episodes if counted else [])
@@ -117,18 +134,20 @@ class RunMetrics(nn.Module):
             if name in RATES:
                 m.update(c[RATES[name][0]], c[RATES[name][1]])
         self.val_episodes[_key("env/errors")].update(c["errors"])
-        self.val_episodes["outcomes"].update(c["outcomes"])
+        for flag in FLAGS:
+            self.val_episodes[flag].update(c[flag])
 
-    def val_objects(self, has_outcomes: bool) -> dict[str, Metric]:
-        """The validation metrics to log (Lightning computes, syncs and resets them)."""
+    def val_objects(self, flags: dict[str, bool]) -> dict[str, Metric]:
+        """The validation metrics to log (Lightning computes, syncs and resets them); ``flags``:
+        which optional rates the evaluation's episodes (of all ranks) report."""
         named = {"val/" + name.split("/", 1)[1]: m for name, m in self._named(self.val_episodes)
-                 if name != "outcomes" and (has_outcomes or name not in OUTCOME_RATES)}
+                 if name not in FLAGS and flags.get(REPORTED_BY.get(name, ""), True)}
         named["val/reward"] = named.pop("val/mean")
         return named
 
-    def compute_val(self, has_outcomes: bool) -> dict[str, float]:
+    def compute_val(self, flags: dict[str, bool]) -> dict[str, float]:
         """The validation values now (synced), then reset: the evaluation before the first update."""
-        out = {name: float(m.compute()) for name, m in self.val_objects(has_outcomes).items()}
+        out = {name: float(m.compute()) for name, m in self.val_objects(flags).items()}
         for m in self.val_episodes.values():
             m.reset()
         return out
@@ -139,8 +158,8 @@ class RunMetrics(nn.Module):
             yield key.replace("__", "/"), m
 
 
-def _applicable(values: dict[str, float], outcomes: float) -> dict[str, float]:
-    return {k: v for k, v in values.items() if outcomes > 0 or k not in OUTCOME_RATES}
+def _applicable(values: dict[str, float], flags: dict[str, bool]) -> dict[str, float]:
+    return {k: v for k, v in values.items() if flags.get(REPORTED_BY.get(k, ""), True)}
 
 
 def batch_stats(exp: ExperienceBatch, reduce: Any) -> dict[str, float]:

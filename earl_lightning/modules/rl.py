@@ -26,7 +26,7 @@ from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.modules import config as C
-from earl_lightning.modules.metrics import RunMetrics, StageTimer, batch_stats, log_transcripts
+from earl_lightning.modules.metrics import RunMetrics, StageTimer, batch_stats, log_transcripts, reported
 from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory, lost_peer_error
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
@@ -244,16 +244,16 @@ class AgenticRLModule(L.LightningModule):
             log_transcripts(self.loggers, sample_episodes, step)
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluate(self, specs: list) -> bool:
-        """Play ``specs`` greedily into the validation metrics; whether any episode had an outcome."""
+    def _evaluate(self, specs: list) -> dict[str, bool]:
+        """Play ``specs`` greedily into the validation metrics; which optional rates they report."""
         episodes, ctx = self._runner(StageTimer()).run(
             "rollout", self._spec_stats(specs), lambda ctx: (self._play(specs, ctx, seed=0, greedy=True), ctx))
         self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
-        return ctx.reduce.any(any(ep.outcome is not None for ep in episodes))
+        return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        has_outcomes = self._evaluate(batch["specs"])
-        for name, metric in self.run_metrics.val_objects(has_outcomes).items():
+        flags = self._evaluate(batch["specs"])
+        for name, metric in self.run_metrics.val_objects(flags).items():
             self.log(name, metric, prog_bar=name == "val/win_rate", on_step=False, on_epoch=True, batch_size=1)
 
     def on_train_start(self) -> None:
@@ -261,8 +261,8 @@ class AgenticRLModule(L.LightningModule):
         dm = self.trainer.datamodule
         if self.global_step == 0 and isinstance(dm, EpisodeDataModule) and dm.eval_episodes and \
                 self.trainer.val_dataloaders is not None and self.trainer.limit_val_batches:
-            has_outcomes = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
-            values = self.run_metrics.compute_val(has_outcomes)
+            flags = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
+            values = self.run_metrics.compute_val(flags)
             for logger in self.loggers:
                 logger.log_metrics(values, step=0)
 

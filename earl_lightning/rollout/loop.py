@@ -45,6 +45,7 @@ class _Live:
     invalid_action: bool = False
     outcome: str | None = None
     error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -66,7 +67,7 @@ class _Live:
             reward=self.reward, num_turns=len(self.turn_starts), done=self.done, truncated=self.truncated,
             invalid_action=self.invalid_action, outcome=self.outcome, error=self.error,
             turn_starts=self.turn_starts, messages=self.messages, turn_rewards=self.turn_rewards,
-            turn_prompts=self.turn_prompts,
+            turn_prompts=self.turn_prompts, info=self.info,
         )
 
     def prompt(self) -> list[int]:
@@ -201,6 +202,7 @@ def _play_turn(st: _Live, out: GenOutput, calls: EnvCalls, chat: ChatDeltas, tok
     st.turn_rewards.append(result.reward)
     st.invalid_action |= bool(result.info.get("invalid_action", False))
     st.outcome = result.info.get("outcome", st.outcome)
+    st.info = dict(result.info)
     if result.done:
         st.done = True
         return

@@ -30,7 +30,8 @@ class Episode:
     log-prob (0.0 where the mask is 0). ``turn_starts[k]`` is the index of the first generated
     token of assistant turn ``k``. ``messages`` is the chat transcript the tokens render: the
     chat template applied to it gives exactly ``token_ids`` (for tokenizers whose encoding of the
-    generated text round-trips).
+    generated text round-trips). ``info`` is what the env's last ``step`` returned as ``info``
+    (e.g. the calculator's ``correct`` and ``tool_calls``).
     """
 
     spec: EpisodeSpec
@@ -48,6 +49,7 @@ class Episode:
     messages: list[dict[str, str]]
     turn_rewards: list[float] = field(default_factory=list)
     turn_prompts: list[list[int]] | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # the env's ``info`` of the last step
 
     @property
     def num_generated(self) -> int:

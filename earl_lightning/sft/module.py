@@ -11,7 +11,7 @@ import torch
 from earl_lightning.groups import to_dict
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
 from earl_lightning.modules import config as C
-from earl_lightning.modules.metrics import RunMetrics
+from earl_lightning.modules.metrics import FLAGS, RunMetrics, reported
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
@@ -83,7 +83,7 @@ class WarmStartModule(L.LightningModule):
         specs = batch["specs"][self.global_rank::self.trainer.world_size]
         r = self.rollout_config
         backend = HFBackend(self.policy, self.tokenizer, reuse_kv=r.reuse_kv)
-        outcomes = False
+        flags = dict.fromkeys(FLAGS, False)
         for metrics, greedy in ((self.greedy_metrics, True), (self.sampled_metrics, False)):
             sampling = SamplingConfig(**{**vars(self.sampling), "greedy": greedy, "seed": self.hparams.seed})
             with eval_mode(self.policy), torch.no_grad():
@@ -91,10 +91,10 @@ class WarmStartModule(L.LightningModule):
                                    max_context_tokens=r.max_context_tokens, system_prompt=r.system_prompt,
                                    history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
             metrics.update_val(episodes, True)
-            outcomes |= any(ep.outcome is not None for ep in episodes)
-        outcomes = self.trainer.strategy.reduce_boolean_decision(outcomes, all=False)
+            flags = {k: v or reported(episodes)[k] for k, v in flags.items()}
+        flags = {k: self.trainer.strategy.reduce_boolean_decision(v, all=False) for k, v in flags.items()}
         for metrics, prefix in ((self.greedy_metrics, "val/"), (self.sampled_metrics, "val_sampled/")):
-            for name, metric in metrics.val_objects(outcomes).items():
+            for name, metric in metrics.val_objects(flags).items():
                 self.log(prefix + name.split("/", 1)[1], metric, prog_bar=name == "val/win_rate", on_step=False,
                          on_epoch=True, batch_size=1)
 

@@ -50,7 +50,7 @@ def metrics_of(layout: Layout | None) -> tuple[dict[str, float], dict[str, float
     run = RunMetrics()
     step = run.step(eps, counted, experience(eps), counted)
     run.update_val(eps, counted)
-    return step, run.compute_val(has_outcomes=True)
+    return step, run.compute_val({"outcomes": True, "graded": False, "tool_env": False})
 
 
 def check(rank: int, world: int, tp: int) -> dict:

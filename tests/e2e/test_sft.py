@@ -145,3 +145,48 @@ def test_the_warm_family_differs_only_in_the_task():
         first = shared(members[0], algo)
         for other in members[1:]:
             assert shared(other, algo) == first, f"{other.name} changes more than the task"
+
+
+def test_seeds_script_runs_warm_start_then_rl_per_seed_and_reports_curves(tmp_path):
+    import csv
+    import subprocess
+
+    script = Path(__file__).parents[2] / "scripts" / "seeds.py"
+    small_sft = tmp_path / "sft.yaml"
+    cfg = yaml.safe_load(SFT.read_text())
+    cfg["data"].update(num_episodes=8, eval_episodes=4, batch_size=16)
+    small_sft.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run(
+        [sys.executable, str(script), "--sft", str(small_sft), "--config", str(RECIPES / "connect4_grpo_warm.yaml"),
+         "--seeds", "0", "1", "--out", str(tmp_path / "out"), "--", "--trainer.max_steps=2",
+         "--trainer.val_check_interval=2", "--data.eval_episodes=4", "--data.batch_size=8", "--data.group_size=4"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader((tmp_path / "out" / "curves.csv").open()))
+    for seed in ("0", "1"):
+        steps = sorted({int(r["step"]) for r in rows if r["seed"] == seed and r["metric"] == "val/win_rate"})
+        assert steps == [0, 2]
+    summary = list(csv.DictReader((tmp_path / "out" / "summary.csv").open()))
+    assert [r["seed"] for r in summary] == ["0", "1"]
+    assert {"start_win_rate", "final_win_rate", "warm_sampled/win_rate", "sft_wall_s", "rl_wall_s"} <= set(summary[0])
+    for r in summary:  # step 0 of the RL curve is the warm start's own greedy evaluation
+        warm = json.loads((tmp_path / "out" / f"seed{r['seed']}" / "warm_start" / "warm_start.json").read_text())
+        assert float(r["start_win_rate"]) == pytest.approx(warm["evaluation"]["val/win_rate"], abs=1e-4)
+    assert (tmp_path / "out" / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*_sft.yaml")), ids=lambda p: p.stem)
+def test_every_warm_start_recipe_smoke_runs(recipe, tmp_path):
+    main(["sft", "--config", str(recipe), "--output_dir", str(tmp_path / "model"), "--trainer.default_root_dir",
+          str(tmp_path), *SMALL, "--data.num_episodes", "4", "--data.eval_episodes", "2", "--data.batch_size", "16"])
+    record = json.loads((tmp_path / "model" / "warm_start.json").read_text())
+    assert record["demonstrations"]["demo/errors"] == 0 and record["demonstrations"]["demo/invalid_rate"] == 0
+    assert "val/reward" in record["evaluation"]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*_warm.yaml")), ids=lambda p: p.stem)
+def test_every_warm_rl_recipe_runs_a_step_from_a_warm_start(recipe, warm_start, tmp_path):
+    main(["fit", "--config", str(recipe), "--model.model", str(warm_start), "--trainer.max_steps", "1",
+          "--trainer.default_root_dir", str(tmp_path), "--data.eval_episodes", "2", "--data.batch_size", "4",
+          "--data.group_size", "2", "--trainer.enable_progress_bar", "false"])
+    assert list(tmp_path.rglob("events.out.tfevents.*"))

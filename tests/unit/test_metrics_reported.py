@@ -1,0 +1,53 @@
+"""Optional rates appear only for environments that report what they count: win/draw/loss for
+games (an outcome), accuracy and tool use for the calculator (info["correct"], info["tool_calls"])."""
+
+from __future__ import annotations
+
+import pytest
+
+from earl_lightning.envs.policies import ImperfectCalculator, RandomLegal
+from earl_lightning.modules.metrics import RunMetrics, reported
+from earl_lightning.rollout.demonstrations import play_demonstrations
+from earl_lightning.rollout.backends.base import SamplingConfig
+from earl_lightning.rollout.types import EpisodeSpec
+from earl_lightning.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("earl-tiny")
+
+
+def _play(tok, env: str, policy: str, n: int, **policy_kwargs):
+    specs = [EpisodeSpec(env, seed=s, group_id=s, episode_id=s) for s in range(n)]
+    return play_demonstrations(specs, policy, policy_kwargs, tok, SamplingConfig(max_new_tokens=24, stop=[")"]),
+                               max_turns=4 if env == "calculator" else 30, max_context_tokens=4096)
+
+
+def test_calculator_episodes_report_accuracy_and_tool_use(tok):
+    episodes = _play(tok, "calculator", "imperfect_calculator", 40, no_tool_share=0.25)
+    assert reported(episodes) == {"outcomes": False, "graded": True, "tool_env": True}
+    run = RunMetrics()
+    run.update_val(episodes, True)
+    values = run.compute_val(reported(episodes))
+    used = sum(ep.info["tool_calls"] > 0 for ep in episodes) / 40
+    right = sum(ep.info["correct"] for ep in episodes) / 40
+    assert values["val/tool_use_rate"] == pytest.approx(used) and values["val/accuracy"] == pytest.approx(right)
+    assert used == right and 0.6 < used < 0.9  # the imperfect user is right exactly when it used the tool
+    assert "val/win_rate" not in values
+
+
+def test_game_episodes_report_outcomes_only(tok):
+    episodes = _play(tok, "connect_four", "random_legal", 6)
+    assert reported(episodes) == {"outcomes": True, "graded": False, "tool_env": False}
+    run = RunMetrics()
+    run.update_val(episodes, True)
+    values = run.compute_val(reported(episodes))
+    assert {"val/win_rate", "val/invalid_rate"} <= set(values)
+    assert "val/accuracy" not in values and "val/tool_use_rate" not in values
+
+
+def test_policies_are_independent_of_each_other():
+    assert RandomLegal(3)("Legal: 0 1 2") == RandomLegal(3)("Legal: 0 1 2")
+    assert ImperfectCalculator(0, no_tool_share=0.0)("What is 2+3? Use calc(expr)") == "calc(2+3)"
+    assert ImperfectCalculator(0)("calc: 5") == "answer(5)"
