@@ -10,6 +10,7 @@ with eos when eos may be generated), and refuses an action the model could never
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Callable, Mapping
 
 from earl_lightning.envs.policies import make_policy
@@ -93,13 +94,23 @@ def _stop_cut(tokenizer: Any, ids: list[int], stop: list[str]) -> int | None:
     return None
 
 
+def policy_seed(episode_seed: int) -> int:
+    """The seed of an episode's demonstration policy: a fixed function of the episode seed whose
+    random stream is unrelated to one seeded with the episode seed itself."""
+    return zlib.crc32(f"demonstration-policy-{episode_seed}".encode())
+
+
 def play_demonstrations(specs: list[EpisodeSpec], policy: str, policy_kwargs: Mapping[str, Any] | None,
                         tokenizer: Any, sampling: SamplingConfig, *, max_turns: int, max_context_tokens: int,
                         system_prompt: str | None = None, history_turns: int | None = None,
                         env_timeout_s: float | None = None, arg: str = "--data.policy") -> list[Episode]:
     """Play ``specs`` with the demonstration policy ``policy`` (a registered name or an import
-    path), one instance per episode seeded with the episode's seed; episodes in spec order."""
-    policies = {s.episode_id: make_policy(policy, policy_kwargs, s.seed, arg) for s in specs}
+    path), one instance per episode, seeded from the episode's seed; episodes in spec order.
+
+    The policy's seed is derived from the episode's, not equal to it: an environment seeds its own
+    randomness (a random opponent) with the episode seed, and a policy drawing from an identical
+    stream would copy the opponent's moves."""
+    policies = {s.episode_id: make_policy(policy, policy_kwargs, policy_seed(s.seed), arg) for s in specs}
     backend = PolicyBackend(policies, tokenizer, policy)
     return rollout(specs, backend, tokenizer, sampling, max_turns=max_turns, max_context_tokens=max_context_tokens,
                    system_prompt=system_prompt, history_turns=history_turns, env_timeout_s=env_timeout_s)

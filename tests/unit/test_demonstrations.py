@@ -12,7 +12,7 @@ from earl_lightning.envs.policies import ImperfectCalculator, RandomLegal, make_
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
-from earl_lightning.rollout.demonstrations import DemonstrationError, play_demonstrations
+from earl_lightning.rollout.demonstrations import DemonstrationError, play_demonstrations, policy_seed
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.types import EpisodeSpec
 
@@ -26,7 +26,8 @@ def tiny():
 
 
 class Replay:
-    """Answers the k-th observation of an episode with what the model answered on its k-th turn."""
+    """Answers the k-th observation of an episode with what the model answered on its k-th turn
+    (keyed by the policy's seed, which play_demonstrations derives from the episode's)."""
 
     answers: dict[int, list[str]] = {}
 
@@ -57,7 +58,7 @@ def test_a_replayed_model_episode_is_reproduced_token_for_token(case, tiny, monk
     kw = dict(max_turns=4, max_context_tokens=2048, system_prompt=system, history_turns=history)
     with torch.no_grad():
         played = rollout(specs, HFBackend(model, tok), tok, sampling, **kw)
-    monkeypatch.setattr(Replay, "answers", {ep.spec.seed: [m["content"] for m in ep.messages if m["role"] == "assistant"]
+    monkeypatch.setattr(Replay, "answers", {policy_seed(ep.spec.seed): [m["content"] for m in ep.messages if m["role"] == "assistant"]
                                             for ep in played})
     demos = play_demonstrations(specs, "tests.unit.test_demonstrations.Replay", None, tok, sampling, **kw)
     assert sum(ep.num_turns for ep in played) > 2 * len(specs)  # several turns were really played
@@ -138,3 +139,25 @@ def answers_twelve(observation: str) -> str:
 
 def answers_nine(observation: str) -> str:
     return "9"
+
+
+def test_the_demonstrator_does_not_copy_the_seeded_random_opponent(tiny):
+    """The env seeds its random opponent with the episode seed; a demonstrator seeded the same way
+    drew the same stream and repeated the opponent's move 55% of the time (a signal the warm start
+    learned instead of the rules). With a derived seed it is chance: about 1 in 7."""
+    import re
+
+    _, tok = tiny
+    specs = [EpisodeSpec("connect_four", seed=s, group_id=s, episode_id=s, env_kwargs={"opponent": "random"})
+             for s in range(150)]
+    digits = [tok.encode(d, add_special_tokens=False)[0] for d in DIGITS]
+    demos = play_demonstrations(specs, "random_legal", None, tok, SamplingConfig(max_new_tokens=1,
+                                allowed_token_ids=digits), max_turns=21, max_context_tokens=4096)
+    same = total = 0
+    for ep in demos:
+        for user, reply in zip(ep.messages[::2], ep.messages[1::2]):
+            played = re.search(r"Opponent played (\d)", user["content"])
+            if played:
+                total += 1
+                same += played.group(1) == reply["content"]
+    assert total > 800 and 0.08 < same / total < 0.2
