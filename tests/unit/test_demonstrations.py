@@ -161,3 +161,14 @@ def test_the_demonstrator_does_not_copy_the_seeded_random_opponent(tiny):
                 total += 1
                 same += played.group(1) == reply["content"]
     assert total > 800 and 0.08 < same / total < 0.2
+
+
+def test_every_built_in_policy_builds_and_answers_its_task():
+    from earl_lightning.envs.policies import DEMONSTRATION_POLICIES
+
+    board = make_env("connect_four").reset(0)
+    question = make_env("calculator").reset(0)
+    for name in DEMONSTRATION_POLICIES.names():
+        policy = make_policy(name, None, 7)
+        answer = policy(question if "calculator" in name else board)
+        assert isinstance(answer, str) and answer
