@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-METRICS = ("val/win_rate", "val/invalid_rate", "val/reward")
+METRICS = ("val/win_rate", "val/invalid_rate", "val/accuracy", "val/tool_use_rate", "val/reward")
+SAMPLED = ("win_rate", "invalid_rate", "accuracy", "tool_use_rate", "reward")
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -55,6 +56,23 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
         fit.append(f"--model.model={warm}")
         record.update(_sampled(warm))
     record["rl_wall_s"] = run([*fit, *args.fit_args], root / "fit.log")
+    (root / "record.json").write_text(json.dumps(record, indent=2) + "\n")
+    record["curves"] = read_curves(root / "rl")
+    return record
+
+
+def reread_seed(args: argparse.Namespace, seed: int) -> dict:
+    """``--report``: a finished seed's record again (its curves and warm-start figures re-read)."""
+    root = args.out / f"seed{seed}"
+    if (root / "record.json").is_file():
+        record = json.loads((root / "record.json").read_text())
+    else:  # written before record.json existed: the wall times of the summary it printed
+        with (args.out / "summary.csv").open() as f:
+            row = next(r for r in csv.DictReader(f) if int(r["seed"]) == seed)
+        record = {"seed": seed, "sft_wall_s": float(row["sft_wall_s"]), "rl_wall_s": float(row["rl_wall_s"])}
+    warm = (args.warm_starts or args.out) / f"seed{seed}" / "warm_start"
+    if warm.is_dir():
+        record.update(_sampled(warm))
     record["curves"] = read_curves(root / "rl")
     return record
 
@@ -63,7 +81,7 @@ def _sampled(warm: Path) -> dict[str, float]:
     """The warm start's temperature-1 figures (its greedy ones are the RL curve's step 0)."""
     evaluation = json.loads((warm / "warm_start.json").read_text())["evaluation"]
     return {f"warm_sampled/{k.split('/', 1)[1]}": v for k, v in evaluation.items()
-            if k.startswith("val_sampled/") and k.split("/", 1)[1] in ("win_rate", "invalid_rate", "reward")}
+            if k.startswith("val_sampled/") and k.split("/", 1)[1] in SAMPLED}
 
 
 def read_curves(root: Path) -> dict[str, list[tuple[int, float]]]:
@@ -108,7 +126,7 @@ def plot(records: list[dict], out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    shown = [m for m in METRICS[:2] if all(m in r["curves"] for r in records)] or [METRICS[2]]
+    shown = [m for m in METRICS[:4] if all(m in r["curves"] for r in records)] or [METRICS[-1]]
     fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4), squeeze=False)
     for ax, metric in zip(axes[0], shown):
         for r in records:
@@ -133,13 +151,14 @@ def main() -> None:
                         help="start from the warm starts of an earlier seeds.py --sft output (<dir>/seed<s>/warm_start)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--report", action="store_true", help="run nothing: re-read the seeds under --out and report")
     parser.add_argument("fit_args", nargs="*", help="after --: more arguments of earl fit")
     args = parser.parse_args()
     for path, name in ((args.config, "--config"), (args.sft, "--sft")):
         if path is not None and not path.is_file():
             raise SystemExit(f"error: `{name}` {str(path)!r} is not a file")
     args.out.mkdir(parents=True, exist_ok=True)
-    records = [one_seed(args, seed) for seed in args.seeds]
+    records = [(reread_seed if args.report else one_seed)(args, seed) for seed in args.seeds]
     write(records, args.out)
     plot(records, args.out, f"{args.config.stem}{' after ' + args.sft.stem if args.sft else ''}: "
                             f"seeds {' '.join(map(str, args.seeds))}")
