@@ -141,6 +141,8 @@ def sft(args: list[str] | None) -> None:
     start = time.monotonic()
     try:
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+        if cli.model.evaluated_at_step != cli.trainer.global_step and cli.datamodule.hparams.eval_episodes:
+            cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)  # the saved model's figures
         save_warm_start(cli.trainer, cli.model, cli.datamodule, cli.config["output_dir"], time.monotonic() - start)
     except EarlError:
         raise

@@ -49,6 +49,7 @@ class WarmStartModule(L.LightningModule):
         self.tokenizer = load_tokenizer(model, "--model.model")
         self.sampling = C.sampling_config(self.rollout_config, self.tokenizer)
         self.policy = None
+        self.evaluated_at_step = -1  # the global step of the last evaluation (warm_start.json needs the final one)
         self.greedy_metrics, self.sampled_metrics = RunMetrics(), RunMetrics()
 
     def configure_model(self) -> None:
@@ -97,6 +98,9 @@ class WarmStartModule(L.LightningModule):
             for name, metric in metrics.val_objects(flags).items():
                 self.log(prefix + name.split("/", 1)[1], metric, prog_bar=name == "val/win_rate", on_step=False,
                          on_epoch=True, batch_size=1)
+
+    def on_validation_epoch_end(self) -> None:
+        self.evaluated_at_step = self.global_step
 
     def save_pretrained(self, directory: str) -> None:
         """The model and its tokenizer, loadable with ``from_pretrained`` (``--model.model <dir>``)."""
