@@ -13,11 +13,12 @@ The omegaconf parser mode lets recipes interpolate (``${model.rollout.max_contex
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -33,6 +34,21 @@ from earl_lightning.warnings_filter import install_warning_filters
 # Imported for its side effect: registers "earl" in Lightning's StrategyRegistry, so a recipe's
 # `trainer.strategy: earl` resolves.
 import earl_lightning.strategies  # noqa: F401,E402
+
+
+@contextlib.contextmanager
+def disk_full_as_one_line(where: Callable[[], str]) -> Iterator[None]:
+    """A full disk inside the block is re-raised as one :class:`DiskFullError` line naming
+    ``where()`` (the outputs being written); every other error passes through unchanged."""
+    try:
+        yield
+    except EarlError:
+        raise
+    except Exception as err:
+        full = disk_full_error(err, where())
+        if full is None:
+            raise
+        raise full from None
 
 
 class EarlCLI(LightningCLI):
@@ -55,15 +71,8 @@ class EarlCLI(LightningCLI):
         # A full disk under any strategy and any writer (checkpoints, TensorBoard, config.yaml) is
         # one line naming where the run writes; EarlStrategy names the checkpoint itself.
         # (default_root_dir, not log_dir: the latter is a broadcast, and a full disk may stop one rank only.)
-        try:
+        with disk_full_as_one_line(lambda: f"the run's outputs under {str(self.trainer.default_root_dir)!r}"):
             super()._run_subcommand(subcommand)
-        except EarlError:
-            raise
-        except Exception as err:
-            full = disk_full_error(err, f"the run's outputs under {str(self.trainer.default_root_dir)!r}")
-            if full is None:
-                raise
-            raise full from None
 
     def _resolve_last_checkpoint(self, subcommand: str) -> None:
         """``--ckpt_path last``: the newest ``last*.ckpt`` anywhere under the run's root directory.
@@ -139,18 +148,11 @@ def sft(args: list[str] | None) -> None:
     cli = SftCLI(WarmStartModule, DemonstrationDataModule, run=False, args=args,
                  parser_kwargs={"parser_mode": "omegaconf"}, save_config_kwargs={"overwrite": True})
     start = time.monotonic()
-    try:
+    with disk_full_as_one_line(lambda: f"the warm start's outputs under {cli.config['output_dir']!r}"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         if cli.model.evaluated_at_step != cli.trainer.global_step and cli.datamodule.hparams.eval_episodes:
             cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)  # the saved model's figures
         save_warm_start(cli.trainer, cli.model, cli.datamodule, cli.config["output_dir"], time.monotonic() - start)
-    except EarlError:
-        raise
-    except Exception as err:
-        full = disk_full_error(err, f"the warm start's outputs under {cli.config['output_dir']!r}")
-        if full is None:
-            raise
-        raise full from None
 
 
 def main(args: list[str] | None = None) -> None:

@@ -409,11 +409,11 @@ def check_count(arg: str, value: Any, low: int = 1) -> None:
     _count(arg, value, low)
 
 
-def sampling_config(rollout: RolloutConfig, tokenizer: Any) -> SamplingConfig:
-    """The sampling settings of ``rollout`` for ``tokenizer`` (allowed tokens as ids)."""
+def sampling_config(rollout: RolloutConfig, allowed_token_ids: Optional[list[int]]) -> SamplingConfig:
+    """The sampling settings of ``rollout``, its allowed tokens as ids (``sampling.token_ids(tokenizer)``)."""
     s = rollout.sampling
     return SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          stop=list(s.stop), allowed_token_ids=s.token_ids(tokenizer))
+                          stop=list(s.stop), allowed_token_ids=allowed_token_ids)
 
 
 def module_hparams(model: str, dtype: str, rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig,

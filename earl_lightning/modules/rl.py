@@ -75,9 +75,7 @@ class AgenticRLModule(L.LightningModule):
     # ---- what the run is made of -------------------------------------------------------------
     @property
     def sampling(self) -> SamplingConfig:
-        s = self.rollout_config.sampling
-        return SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                              top_k=s.top_k, stop=list(s.stop), allowed_token_ids=self.allowed_token_ids)
+        return C.sampling_config(self.rollout_config, self.allowed_token_ids)
 
     @property
     def _on_policy(self) -> bool:

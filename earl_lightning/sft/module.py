@@ -47,7 +47,7 @@ class WarmStartModule(L.LightningModule):
         self.save_hyperparameters(dict(model=model, dtype=dtype, rollout=to_dict(self.rollout_config), lr=lr,
                                        weight_decay=weight_decay, warmup_steps=warmup_steps, seed=seed))
         self.tokenizer = load_tokenizer(model, "--model.model")
-        self.sampling = C.sampling_config(self.rollout_config, self.tokenizer)
+        self.sampling = C.sampling_config(self.rollout_config, self.rollout_config.sampling.token_ids(self.tokenizer))
         self.policy = None
         self.evaluated_at_step = -1  # the global step of the last evaluation (warm_start.json needs the final one)
         self.greedy_metrics, self.sampled_metrics = RunMetrics(), RunMetrics()
@@ -92,7 +92,8 @@ class WarmStartModule(L.LightningModule):
                                    max_context_tokens=r.max_context_tokens, system_prompt=r.system_prompt,
                                    history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
             metrics.update_val(episodes, True)
-            flags = {k: v or reported(episodes)[k] for k, v in flags.items()}
+            now = reported(episodes)
+            flags = {k: v or now[k] for k, v in flags.items()}
         flags = {k: self.trainer.strategy.reduce_boolean_decision(v, all=False) for k, v in flags.items()}
         for metrics, prefix in ((self.greedy_metrics, "val/"), (self.sampled_metrics, "val_sampled/")):
             for name, metric in metrics.val_objects(flags).items():
