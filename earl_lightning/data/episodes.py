@@ -6,6 +6,8 @@ invariance tests call directly.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from earl_lightning.data.experience import ExperienceBatch
@@ -112,16 +114,32 @@ def turn_token_rewards(ep: Episode, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def supervised_rows(episodes: list[Episode]) -> list[tuple[list[int], list[int]]]:
-    """``(input_ids, action_mask)`` of each row the trainer would make of ``episodes`` (one per
-    turn with a history window, else one per episode), for supervised training on them; failed
-    episodes are left out."""
-    out = []
+class SupervisedRow(NamedTuple):
+    """A row for supervised training: its token ids, its action mask (1 on the assistant's
+    tokens), and ``heads``: ``(turn index, position)`` of the first generated token of each turn in
+    the row."""
+
+    input_ids: list[int]
+    action_mask: list[int]
+    heads: list[tuple[int, int]]
+
+
+def supervised_rows(episodes: list[Episode]) -> list[list[SupervisedRow]]:
+    """For each episode, the rows the trainer would make of it (one per turn with a history
+    window, else one for the episode), for supervised training on them; a failed episode has
+    none."""
+    out: list[list[SupervisedRow]] = []
     for ep in episodes:
         if ep.error is not None:
-            continue
-        if ep.turn_prompts and len(ep.turn_prompts) == len(ep.turn_starts):
-            out += [(ids.tolist(), [int(m) for m in mask.tolist()]) for ids, mask, _, _ in _turn_rows(ep, 1.0)]
+            out.append([])
+        elif ep.turn_prompts and len(ep.turn_prompts) == len(ep.turn_starts):
+            rows = []
+            for k, (ids, mask, _, _) in enumerate(_turn_rows(ep, 1.0)):
+                n = len(ep.turn_prompts[k])
+                heads = [(k, n)] if n < len(ids) else []
+                rows.append(SupervisedRow(ids.tolist(), [int(m) for m in mask.tolist()], heads))
+            out.append(rows)
         else:
-            out.append((list(ep.token_ids), [int(m) for m in ep.action_mask]))
+            heads = [(k, s) for k, s in enumerate(ep.turn_starts) if s < len(ep.token_ids) and ep.action_mask[s]]
+            out.append([SupervisedRow(list(ep.token_ids), [int(m) for m in ep.action_mask], heads)])
     return out

@@ -9,6 +9,10 @@ built-ins know the rules, not the strategy:
 - ``imperfect_calculator``: a tool user that calls ``calc(expr)`` and answers with its result,
   except for a share ``no_tool_share`` of questions, which it answers at once with a wrong number.
 
+A policy may also state what it would play: a ``distribution(observation) -> {action: probability}``
+method (``random_legal`` has one). The warm start then trains each turn's first token on that
+distribution (``--data.targets expected``) rather than on the one action sampled from it.
+
 A user's own policy is named by import path: a class is a factory (instantiated with ``seed=``
 when its constructor takes it, and the ``policy_kwargs``), anything else callable is the policy
 itself. Every episode gets its own policy instance, seeded from the episode's seed, so a
@@ -86,10 +90,19 @@ class RandomLegal:
         self.rng = random.Random(seed)
 
     def __call__(self, observation: str) -> str:
+        return str(self.rng.choice(self._legal(observation)))
+
+    def distribution(self, observation: str) -> dict[str, float]:
+        """Uniform over the legal moves: what the warm start learns with ``--data.targets expected``."""
+        legal = self._legal(observation)
+        return {str(a): 1.0 / len(legal) for a in legal}
+
+    @staticmethod
+    def _legal(observation: str) -> list[int]:
         legal = legal_from_observation(observation)
         if not legal:
             raise ValueError(f"random_legal: the observation has no `Legal:` line to choose from: {observation!r:.120}")
-        return str(self.rng.choice(legal))
+        return legal
 
 
 @DEMONSTRATION_POLICIES.register("centre_first")

@@ -6,11 +6,18 @@ assistant-token mask.
 text``: it encodes the action the way a model would have generated it under the recipe's
 sampling settings (a stop string ends the turn there; a turn shorter than ``max_new_tokens`` ends
 with eos when eos may be generated), and refuses an action the model could never generate.
+
+A policy that also has a ``distribution(observation) -> {action: probability}`` method (the
+built-in ``random_legal`` does) states what it *would* play, not only what it played: the backend
+records, for each turn, the distribution of the first token of those actions
+(:attr:`PolicyBackend.first_token_targets`), which the warm start trains on instead of the one
+sampled action (``--data.targets expected``).
 """
 
 from __future__ import annotations
 
 import zlib
+import math
 from typing import Any, Callable, Mapping
 
 from earl_lightning.envs.policies import make_policy
@@ -31,6 +38,8 @@ class PolicyBackend:
 
     def __init__(self, policies: Mapping[int, Callable[[str], Any]], tokenizer: Any, name: str = "policy") -> None:
         self.policies, self.tokenizer, self.name = dict(policies), tokenizer, name
+        # key -> per turn: {first token id: probability} of the policy's distribution (None: it has none)
+        self.first_token_targets: dict[int, list[dict[int, float] | None]] = {}
 
     def generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
         check_requests(requests)
@@ -48,6 +57,40 @@ class PolicyBackend:
             raise DemonstrationError(
                 f"demonstration policy {self.name!r} returned {action!r:.80} (type {type(action).__name__}) for the "
                 f"observation {request.observation!r:.80}; a policy must return the action as a string")
+        ids, finish = self._encode(action, sampling)
+        targets = self._first_token_targets(request, action, sampling)
+        self.first_token_targets.setdefault(request.key, []).append(targets)
+        return GenOutput(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish)
+
+    def _first_token_targets(self, request: GenRequest, action: str, sampling: SamplingConfig) -> dict[int, float] | None:
+        """The first-token marginal of the policy's ``distribution`` for this turn (None: it has none)."""
+        policy = self.policies[request.key]
+        if not callable(getattr(policy, "distribution", None)):
+            return None
+        where = f"demonstration policy {self.name!r}'s distribution for the observation {request.observation!r:.80}"
+        try:
+            dist = policy.distribution(request.observation)
+        except Exception as err:  # noqa: BLE001 - the user's policy: reported with what it was given
+            raise DemonstrationError(f"{where} raised {type(err).__name__}: {err}") from err
+        if not isinstance(dist, Mapping) or not dist or not all(
+                isinstance(a, str) and isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p)
+                and p >= 0 for a, p in dist.items()):
+            raise DemonstrationError(f"{where} is {dist!r:.80}; it must be a non-empty mapping of action strings to "
+                                     f"probabilities >= 0")
+        total = float(sum(dist.values()))
+        if abs(total - 1.0) > 1e-6:
+            raise DemonstrationError(f"{where} sums to {total:.6g}; its probabilities must sum to 1")
+        if dist.get(action, 0.0) <= 0:
+            raise DemonstrationError(f"{where} gives the action it played, {action!r:.40}, probability 0")
+        out: dict[int, float] = {}
+        for alternative, p in dist.items():
+            if p > 0:
+                first = self._encode(alternative, sampling)[0][0]
+                out[first] = out.get(first, 0.0) + float(p)
+        return out
+
+    def _encode(self, action: str, sampling: SamplingConfig) -> tuple[list[int], str]:
+        """The token ids a model would have generated to write ``action`` (refused if it could not)."""
         ids = list(self.tokenizer.encode(action, add_special_tokens=False))
         cut = _stop_cut(self.tokenizer, ids, sampling.stop)
         finish = "stop" if cut is not None else "length"
@@ -68,7 +111,7 @@ class PolicyBackend:
         if problem is not None:
             raise DemonstrationError(f"demonstration policy {self.name!r} answered {action!r:.80}, which "
                                      f"{problem}: the model could never generate it under the recipe's sampling")
-        return GenOutput(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish)
+        return ids, finish
 
     def release(self, keys: list[int] | None = None) -> None:
         """Scripted policies keep no cache."""
@@ -101,16 +144,25 @@ def policy_seed(episode_seed: int) -> int:
 
 
 def play_demonstrations(specs: list[EpisodeSpec], policy: str, policy_kwargs: Mapping[str, Any] | None,
-                        tokenizer: Any, sampling: SamplingConfig, *, max_turns: int, max_context_tokens: int,
-                        system_prompt: str | None = None, history_turns: int | None = None,
-                        env_timeout_s: float | None = None, arg: str = "--data.policy") -> list[Episode]:
+                        tokenizer: Any, sampling: SamplingConfig, **kwargs: Any) -> list[Episode]:
+    """The episodes of :func:`play_demonstrations_with_targets` (same arguments)."""
+    return play_demonstrations_with_targets(specs, policy, policy_kwargs, tokenizer, sampling, **kwargs)[0]
+
+
+def play_demonstrations_with_targets(
+        specs: list[EpisodeSpec], policy: str, policy_kwargs: Mapping[str, Any] | None, tokenizer: Any,
+        sampling: SamplingConfig, *, max_turns: int, max_context_tokens: int, system_prompt: str | None = None,
+        history_turns: int | None = None, env_timeout_s: float | None = None, arg: str = "--data.policy",
+) -> tuple[list[Episode], list[list[dict[int, float] | None]]]:
     """Play ``specs`` with the demonstration policy ``policy`` (a registered name or an import
-    path), one instance per episode, seeded from the episode's seed; episodes in spec order.
+    path), one instance per episode, seeded from the episode's seed; episodes in spec order, and
+    for each episode its turns' first-token targets (:attr:`PolicyBackend.first_token_targets`).
 
     The policy's seed is derived from the episode's, not equal to it: an environment seeds its own
     randomness (a random opponent) with the episode seed, and a policy drawing from an identical
     stream would copy the opponent's moves."""
     policies = {s.episode_id: make_policy(policy, policy_kwargs, policy_seed(s.seed), arg) for s in specs}
     backend = PolicyBackend(policies, tokenizer, policy)
-    return rollout(specs, backend, tokenizer, sampling, max_turns=max_turns, max_context_tokens=max_context_tokens,
-                   system_prompt=system_prompt, history_turns=history_turns, env_timeout_s=env_timeout_s)
+    episodes = rollout(specs, backend, tokenizer, sampling, max_turns=max_turns, max_context_tokens=max_context_tokens,
+                       system_prompt=system_prompt, history_turns=history_turns, env_timeout_s=env_timeout_s)
+    return episodes, [backend.first_token_targets.get(ep.spec.episode_id, []) for ep in episodes]

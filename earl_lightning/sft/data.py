@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -14,7 +14,7 @@ from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
 from earl_lightning.modules.metrics import episode_counts
-from earl_lightning.rollout.demonstrations import play_demonstrations
+from earl_lightning.rollout.demonstrations import play_demonstrations_with_targets
 from earl_lightning.rollout.types import EpisodeSpec
 
 # Demonstration seeds start here: far from the evaluation seeds (0..eval_episodes-1) and from the
@@ -25,6 +25,48 @@ _CHUNK = 256  # episodes played per rollout call
 
 def _identity(batch):
     return batch[0]
+
+
+class SoftTargetCollator:
+    """TRL's ``DataCollatorForLanguageModeling`` (``input_ids``, ``attention_mask``, ``labels`` -100
+    off the assistant tokens), plus the rows' soft targets flattened: ``soft_rows``, ``soft_pos``
+    (the labelled position of each soft target), and per target entry ``soft_owner`` (index into
+    them), ``soft_tokens``, ``soft_probs``."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.inner = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.inner([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+        rows_, pos, owner, tokens, probs = [], [], [], [], []
+        for i, row in enumerate(rows):
+            for p, dist in row.get("soft", ()):
+                for token, prob in dist.items():
+                    owner.append(len(pos))
+                    tokens.append(token)
+                    probs.append(prob)
+                rows_.append(i)
+                pos.append(p)
+        batch.update(soft_rows=torch.tensor(rows_, dtype=torch.long), soft_pos=torch.tensor(pos, dtype=torch.long),
+                     soft_owner=torch.tensor(owner, dtype=torch.long),
+                     soft_tokens=torch.tensor(tokens, dtype=torch.long),
+                     soft_probs=torch.tensor(probs, dtype=torch.float32))
+        return batch
+
+
+def training_rows(episodes: list, targets: list[list[dict[int, float] | None]], expected: bool) -> list[dict[str, Any]]:
+    """The supervised rows of ``episodes``: ``input_ids``, ``labels`` (the ids on the assistant
+    tokens, -100 elsewhere) and, with ``expected``, ``soft``: ``(position, {token: probability})``
+    for each turn whose policy stated its distribution (the turn's first token is then trained on
+    that distribution rather than on the token played)."""
+    out = []
+    for rows, turn_targets in zip(supervised_rows(episodes), targets):
+        for row in rows:
+            soft = [(p, turn_targets[k]) for k, p in row.heads
+                    if expected and k < len(turn_targets) and turn_targets[k] is not None]
+            out.append({"input_ids": row.input_ids, "soft": soft,
+                        "labels": [t if m else -100 for t, m in zip(row.input_ids, row.action_mask)]})
+    return out
 
 
 class DemonstrationDataModule(L.LightningDataModule):
@@ -46,12 +88,17 @@ class DemonstrationDataModule(L.LightningDataModule):
         seed: seed of the demonstration episodes and of the shuffling.
         eval_episodes: held-out evaluation seeds 0..n-1, as in ``earl fit`` (0 disables).
         eval_env_kwargs: overrides of ``env_kwargs`` for evaluation.
+        targets: ``expected`` (default): where the policy states its distribution over actions
+            (``random_legal`` does), the first token of each turn is trained on that distribution:
+            the expected loss over the actions the policy would play, of which the sampled action is
+            one noisy draw; ``sampled``: on the actions played only (plain SFT on the transcripts).
     """
 
     def __init__(self, env: str = "connect_four", env_kwargs: dict[str, Any] | None = None,
                  policy: str = "random_legal", policy_kwargs: dict[str, Any] | None = None, num_episodes: int = 1000,
                  batch_size: int = 64, seed: int = 0, eval_episodes: int = 128,
-                 eval_env_kwargs: dict[str, Any] | None = None) -> None:
+                 eval_env_kwargs: dict[str, Any] | None = None,
+                 targets: Literal["expected", "sampled"] = "expected") -> None:
         super().__init__()
         check_env_name(env, "--data.env")
         make_env(env, "--data.env", **dict(env_kwargs or {}))
@@ -60,10 +107,12 @@ class DemonstrationDataModule(L.LightningDataModule):
                                  ("seed", seed, 0), ("eval_episodes", eval_episodes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`--data.{name}` must be an integer >= {low}, got {value!r}")
+        if targets not in ("expected", "sampled"):
+            raise ValueError(f"`--data.targets` must be 'expected' or 'sampled', got {targets!r}")
         self.save_hyperparameters()
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
-        self.rows: list[dict[str, list[int]]] | None = None
+        self.rows: list[dict[str, Any]] | None = None
         self.stats: dict[str, float] = {}
 
     def demonstration_specs(self) -> list[EpisodeSpec]:
@@ -71,27 +120,30 @@ class DemonstrationDataModule(L.LightningDataModule):
         return [EpisodeSpec(env=self.env, seed=base + i, group_id=i, episode_id=i, env_kwargs=self.env_kwargs)
                 for i in range(self.hparams.num_episodes)]
 
-    def play(self, module: Any) -> list:
-        """The demonstration episodes, played with ``module``'s tokenizer and rollout settings."""
-        r, specs, episodes = module.rollout_config, self.demonstration_specs(), []
+    def play(self, module: Any) -> tuple[list, list]:
+        """The demonstration episodes, played with ``module``'s tokenizer and rollout settings, and
+        their turns' first-token targets."""
+        r, specs, episodes, targets = module.rollout_config, self.demonstration_specs(), [], []
         for i in range(0, len(specs), _CHUNK):
-            episodes += play_demonstrations(
+            eps, tgt = play_demonstrations_with_targets(
                 specs[i:i + _CHUNK], self.hparams.policy, self.hparams.policy_kwargs, module.tokenizer,
                 module.sampling, max_turns=r.max_turns, max_context_tokens=r.max_context_tokens,
                 system_prompt=r.system_prompt, history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
-        return episodes
+            episodes += eps
+            targets += tgt
+        return episodes, targets
 
     def setup(self, stage: str) -> None:
         if self.rows is not None or stage not in ("fit", None):
             return
         module = self.trainer.lightning_module
-        episodes = self.play(module)
-        rows = supervised_rows(episodes)
-        self.rows = [{"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]} for ids, mask in rows]
+        episodes, targets = self.play(module)
+        self.rows = training_rows(episodes, targets, self.hparams.targets == "expected")
         counts = episode_counts(episodes)
         n = max(counts["episodes"], 1.0)
-        self.stats = {"demo/episodes": counts["episodes"], "demo/rows": float(len(rows)),
-                      "demo/assistant_tokens": float(sum(sum(m) for _, m in rows)),
+        self.stats = {"demo/episodes": counts["episodes"], "demo/rows": float(len(self.rows)),
+                      "demo/assistant_tokens": float(sum(sum(t != -100 for t in r["labels"]) for r in self.rows)),
+                      "demo/soft_targets": float(sum(len(r["soft"]) for r in self.rows)),
                       "demo/errors": counts["errors"], "demo/invalid_rate": counts["invalid"] / n}
         if counts["outcomes"]:
             self.stats.update({"demo/win_rate": counts["wins"] / n, "demo/draw_rate": counts["draws"] / n})
@@ -106,7 +158,7 @@ class DemonstrationDataModule(L.LightningDataModule):
                              f"processes ({world})")
         pad = self.trainer.lightning_module.tokenizer.pad_token_id
         return DataLoader(self.rows, batch_size=self.hparams.batch_size // world, shuffle=True,
-                          collate_fn=DataCollatorForLanguageModeling(pad_token_id=pad),
+                          collate_fn=SoftTargetCollator(pad),
                           generator=torch.Generator().manual_seed(self.hparams.seed))
 
     def val_dataloader(self) -> DataLoader:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 
+from earl_lightning.algorithms.supervised import soft_token_cross_entropy
 from earl_lightning.groups import to_dict
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
 from earl_lightning.modules import config as C
@@ -16,13 +17,17 @@ from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
 
+_SOFT = ("soft_rows", "soft_pos", "soft_owner", "soft_tokens", "soft_probs")
+
 
 class WarmStartModule(L.LightningModule):
     """Supervised warm start of a causal LM on demonstrations (``earl sft``).
 
     The loss is the mean next-token cross-entropy over the assistant tokens (the rollout's action
     mask; everything else is labelled -100, as TRL's ``DataCollatorForLanguageModeling`` pads it),
-    the same objective as TRL's SFTTrainer with ``assistant_only_loss``.
+    the same objective as TRL's SFTTrainer with ``assistant_only_loss``; a turn whose demonstration
+    policy stated its distribution has its first token trained on that distribution
+    (:func:`~earl_lightning.algorithms.supervised.soft_token_cross_entropy`).
 
     Args:
         model: hub id, local path, or an offline preset (``earl-tiny``) to start from.
@@ -71,12 +76,13 @@ class WarmStartModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                          labels=batch["labels"], use_cache=False)
+        logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             use_cache=False).logits
+        loss = soft_token_cross_entropy(logits, batch["labels"], *(batch.get(k) for k in _SOFT))
         targets = float((batch["labels"][:, 1:] != -100).sum())
-        self.log("sft/loss", out.loss, prog_bar=True, on_step=True)
+        self.log("sft/loss", loss, prog_bar=True, on_step=True)
         self.log("sft/assistant_tokens", targets, on_step=True, reduce_fx="sum")
-        return out.loss
+        return loss
 
     # ---- evaluation in the environment -------------------------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -88,6 +88,10 @@ def test_the_loss_covers_the_assistant_tokens_only(warm_start):
     assert int(mask.sum()) == batch["input_ids"].shape[0]
     digits = {module.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(7)}
     assert set(targets[mask].tolist()) <= digits
+    # random_legal states its distribution: each row's one labelled token is trained on it (expected targets)
+    assert sorted(batch["soft_rows"].tolist()) == list(range(batch["input_ids"].shape[0]))
+    assert all(batch["labels"][r, p] != -100 for r, p in zip(batch["soft_rows"], batch["soft_pos"]))
+    assert set(batch["soft_tokens"].tolist()) <= digits
 
 
 def test_an_output_dir_that_exists_and_is_not_empty_is_refused_unless_overwrite(tmp_path, capsys):
@@ -113,6 +117,8 @@ def test_an_output_dir_that_exists_and_is_not_empty_is_refused_unless_overwrite(
      "earl: error: demonstration policy 'tests.unit.test_demonstrations.returns_int' returned 3 (type int) for "
      "the observation"),
     ([], "earl: error: `--output_dir` is required"),
+    (["--data.targets", "soft"],
+     '''Parser key "data.targets":\n  Expected a typing.Literal['expected', 'sampled']. Got value: soft'''),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path, capsys):
     out = [] if not args else ["--output_dir", str(tmp_path / "m")]
