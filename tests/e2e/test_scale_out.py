@@ -1,8 +1,10 @@
 """Scale-out and faults under EarlStrategy with DCP checkpoints, on 2 gloo processes, with a rollout
 layout (tp=2) other than the train layout (dp=2) — `recipes/connect4_grpo_layouts.yaml`:
 
-- a 2-"node" job (two torchrun launches on 127.0.0.1, ``--nnodes 2``, one process each) equals the
-  same job on one node, bit for bit (parameters and per-step metrics);
+- a 2-"node" job (two torchrun launches on 127.0.0.1, ``--nnodes 2``, one process each; or the two
+  tasks ``srun --nodes 2 --ntasks-per-node 1`` starts, with the SLURM variables srun gives each,
+  through Lightning's SLURM environment) equals the same job on one node, bit for bit (parameters
+  and per-step metrics);
 - a rank SIGKILLed mid-run ends the job; relaunched with ``--ckpt_path last`` it resumes from the
   last checkpoint and ends bit-identical to the uninterrupted run;
 - without a restart, the surviving rank stops within the collective timeout + 30 s with one line
@@ -116,6 +118,30 @@ def test_two_nodes_equal_one_node(one_node, tmp_path, rendezvous):
     nodes = [torchrun(tmp_path, "--nnodes", "2", "--nproc-per-node", "1", *node,
                       extra=("--trainer.num_nodes", "2", "--trainer.devices", "1")) for node in launch]
     finish(*nodes)
+    assert_same_run(one_node, tmp_path)
+
+
+def srun_task(run: Path, rank: int, port: int) -> subprocess.Popen:
+    """One task of ``srun --nodes 2 --ntasks-per-node 1 earl fit ...``: the process and the variables
+    srun gives it (no torchrun; Lightning's SLURMEnvironment reads them)."""
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="earl", SLURM_NTASKS="2", SLURM_NNODES="2",
+                 SLURM_NTASKS_PER_NODE="1", SLURM_NODELIST="127.0.0.1", SLURM_PROCID=str(rank),
+                 SLURM_LOCALID="0", SLURM_NODEID=str(rank), MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "earl_lightning.cli", "fit", "--config", str(RECIPE), "--config",
+           str(overrides(run)), "--trainer.num_nodes", "2", "--trainer.devices", "1"]
+    log = run / f"srun{rank}.log"
+    proc = subprocess.Popen(cmd, env=subprocess_env(**slurm), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            cwd=ROOT, start_new_session=True)
+    proc.log = log
+    return proc
+
+
+def test_two_slurm_nodes_equal_one_node(one_node, tmp_path):
+    port = free_port()
+    finish(*[srun_task(tmp_path, rank, port) for rank in (0, 1)])
+    for rank in (0, 1):  # ranks from SLURM_PROCID (no RANK is set), under Lightning's SLURM environment
+        log = (tmp_path / f"srun{rank}.log").read_text()
+        assert f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in log and "SLURM auto-requeueing enabled" in log
     assert_same_run(one_node, tmp_path)
 
 
