@@ -10,9 +10,11 @@ import argparse
 import csv
 from pathlib import Path
 
-from earl_lightning.envs import make_env
-from earl_lightning.envs.policies import make_policy
-from earl_lightning.rollout.demonstrations import policy_seed
+from earl_lightning.models import load_tokenizer
+from earl_lightning.modules.metrics import episode_counts
+from earl_lightning.rollout.backends.base import SamplingConfig
+from earl_lightning.rollout.demonstrations import play_demonstrations
+from earl_lightning.rollout.types import EpisodeSpec
 
 # (task, env, env kwargs of the evaluation, policy, policy kwargs)
 BASELINES = [
@@ -30,22 +32,16 @@ BASELINES = [
 
 
 def play(env_name: str, env_kwargs: dict, policy: str, policy_kwargs: dict, seeds: range) -> dict[str, float]:
-    env = make_env(env_name, **env_kwargs)
-    counts = {"win": 0, "draw": 0, "loss": 0, "invalid": 0, "correct": 0, "tool_used": 0}
-    for seed in seeds:
-        act, observation = make_policy(policy, policy_kwargs, policy_seed(seed)), env.reset(seed)
-        while True:
-            result = env.step(act(observation))
-            if result.done:
-                break
-            observation = result.observation
-        info = result.info
-        counts["invalid"] += bool(info.get("invalid_action"))
-        if "outcome" in info and not info.get("invalid_action"):
-            counts[info["outcome"]] += 1
-        counts["correct"] += info.get("correct") is True
-        counts["tool_used"] += (info.get("tool_calls") or 0) > 0
-    return {k: v / len(seeds) for k, v in counts.items()}
+    """The policy played on ``seeds`` through the rollout loop, as ``earl sft`` plays its
+    demonstrations (the policy's seed derived from each episode's); the shares of each result."""
+    specs = [EpisodeSpec(env_name, seed=s, group_id=s, episode_id=s, env_kwargs=env_kwargs) for s in seeds]
+    episodes = play_demonstrations(specs, policy, policy_kwargs, load_tokenizer("earl-tiny"),
+                                   SamplingConfig(max_new_tokens=64), max_turns=64, max_context_tokens=1 << 16,
+                                   history_turns=0)
+    c = episode_counts(episodes)
+    n = c["episodes"]
+    return {"win": c["wins"] / n, "draw": c["draws"] / n, "loss": (c["losses"] - c["invalid"]) / n,
+            "invalid": c["invalid"] / n, "correct": c["correct"] / n, "tool_used": c["tool_used"] / n}
 
 
 def main() -> None:
