@@ -172,3 +172,19 @@ def test_every_built_in_policy_builds_and_answers_its_task():
         policy = make_policy(name, None, 7)
         answer = policy(question if "calculator" in name else board)
         assert isinstance(answer, str) and answer
+
+
+def test_the_baselines_script_plays_as_the_direct_env_loop_does():
+    """scripts/baselines.py plays through the rollout loop; its figures equal a plain env loop's."""
+    from earl_lightning.envs import evaluate_policy
+    from tests.load import load_repo_file
+
+    baselines = load_repo_file("scripts/baselines.py", "baselines")
+    kwargs = {"opponent": "random", "seat": "alternate"}
+    via_rollout = baselines.play("connect_four", kwargs, "centre_first", {}, range(20))
+    direct = evaluate_policy(make_env("connect_four", **kwargs), make_policy("centre_first", None, 0), range(20))
+    assert {k: via_rollout[k] for k in ("win", "draw", "loss", "invalid")} == {k: direct[k] for k in
+                                                                             ("win", "draw", "loss", "invalid")}
+    calc = baselines.play("calculator", {"difficulty": "easy"}, "imperfect_calculator", {"no_tool_share": 0.0},
+                          range(10))
+    assert calc["correct"] == calc["tool_used"] == 1.0
