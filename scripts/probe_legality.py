@@ -1,6 +1,6 @@
 """How much of its probability a Connect Four model puts on full columns, on held-out positions.
 
-    python scripts/probe_legality.py runs/connect4_sft/model [more model dirs ...] --out probe.csv
+    python scripts/probe_legality.py runs/connect4_sft/model [label=dir ...] --out probe.csv
 
 The positions are those a uniformly random legal player meets against the random opponent, on
 episode seeds no warm start trains on (900_000_000 + i), with the rollout's own prompts (the
@@ -46,7 +46,8 @@ def positions(tokenizer, episodes: int) -> list[tuple[list[int], list[int]]]:
 
 
 @torch.no_grad()
-def probe(model_dir: str, probes: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+def probe(model: str, probes: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+    label, _, model_dir = model.rpartition("=")
     torch.manual_seed(0)
     model, tok = load_model(model_dir).eval(), load_tokenizer(model_dir)
     digits = torch.tensor([tok.encode(str(d), add_special_tokens=False)[0] for d in range(7)])
@@ -60,7 +61,7 @@ def probe(model_dir: str, probes: list[tuple[list[int], list[int]]]) -> dict[str
             blocked += 1
             mass += float(p[full].sum())
             argmax_full += bad
-    return {"model": model_dir, "positions": len(probes), "with_full_column": blocked,
+    return {"model": label or model_dir, "positions": len(probes), "with_full_column": blocked,
             "full_column_mass": round(mass / max(blocked, 1), 4),
             "argmax_full_share": round(argmax_full / max(blocked, 1), 4),
             "argmax_illegal_all_positions": round(argmax_any / len(probes), 4)}
@@ -68,12 +69,12 @@ def probe(model_dir: str, probes: list[tuple[list[int], list[int]]]) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="+", help="model directories (or earl-tiny)")
+    parser.add_argument("models", nargs="+", help="model directories (or earl-tiny), each optionally as label=dir")
     parser.add_argument("--episodes", type=int, default=200, help="held-out random-legal games")
     parser.add_argument("--out", type=Path, default=None, help="CSV to write")
     args = parser.parse_args()
-    probes = positions(load_tokenizer(args.models[0]), args.episodes)
-    rows = [probe(m, probes) for m in ["earl-tiny", *args.models]]
+    probes = positions(load_tokenizer(args.models[0].rpartition("=")[2]), args.episodes)
+    rows = [probe(m, probes) for m in ["random weights=earl-tiny", *args.models]]
     for row in rows:
         print(", ".join(f"{k}={v}" for k, v in row.items()))
     if args.out is not None:
