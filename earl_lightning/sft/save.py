@@ -26,7 +26,8 @@ def save_warm_start(trainer: Any, module: Any, datamodule: Any, output_dir: str,
     module.save_pretrained(str(tmp))
     evaluation = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "val_sampled/"))}
     record = {"evaluation": evaluation, "demonstrations": datamodule.stats, "steps": trainer.global_step,
-              "wall_s": round(wall_s, 1), "model": module.hparams.model, "data": dict(datamodule.hparams),
+              "wall_s": round(wall_s, 1), "model": module.hparams.model,
+              "data": {k: v for k, v in datamodule.hparams.items() if not k.startswith("_")},  # not LightningCLI's _instantiator
               "rollout": module.hparams.rollout}
     (tmp / WARM_START_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
     if out.exists():

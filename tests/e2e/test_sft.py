@@ -47,6 +47,7 @@ def test_the_saved_warm_start_reloads_and_reproduces_its_evaluation(warm_start):
     AutoModelForCausalLM.from_pretrained(warm_start), AutoTokenizer.from_pretrained(warm_start)
     record = json.loads((warm_start / "warm_start.json").read_text())
     assert record["demonstrations"]["demo/episodes"] == 24 and record["demonstrations"]["demo/invalid_rate"] == 0.0
+    assert record["data"]["targets"] == "expected" and not any(k.startswith("_") for k in record["data"])
     module = WarmStartModule(model=str(warm_start), rollout=_recipe_rollout())
     data = DemonstrationDataModule(env="connect_four", env_kwargs={"opponent": "random", "seat": "alternate"},
                                    eval_episodes=8)
