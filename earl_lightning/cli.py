@@ -141,12 +141,16 @@ def output_dir_problem(output_dir: str | None, overwrite: bool) -> str | None:
     return None
 
 
-def sft(args: list[str] | None) -> None:
+def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
+    """``earl sft``. ``command_line``: the process's own ``sys.argv`` (with ``sft``), put back once
+    the arguments are parsed: Lightning's launcher starts the other ranks by re-running it."""
     from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
     from earl_lightning.sft.save import save_warm_start
 
     cli = SftCLI(WarmStartModule, DemonstrationDataModule, run=False, args=args,
                  parser_kwargs={"parser_mode": "omegaconf"}, save_config_kwargs={"overwrite": True})
+    if command_line is not None:
+        sys.argv = command_line
     start = time.monotonic()
     with disk_full_as_one_line(lambda: f"the warm start's outputs under {cli.config['output_dir']!r}"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -166,9 +170,10 @@ def main(args: list[str] | None = None) -> None:
         return
     try:
         if argv[:1] == ["sft"]:
+            command_line = list(sys.argv)
             if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
                 sys.argv = [sys.argv[0], *argv[1:]]
-            sft(None if args is None else argv[1:])
+            sft(None if args is None else argv[1:], command_line if args is None else None)
             return
         EarlCLI(
             AgenticRLModule,

@@ -207,3 +207,29 @@ def test_every_warm_rl_recipe_builds_from_a_warm_start(recipe, warm_start, tmp_p
               "--trainer.default_root_dir", str(tmp_path), "--data.eval_episodes", "2", "--data.batch_size", "4",
               "--data.group_size", "2", "--trainer.enable_progress_bar", "false"])
         assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_warm_start_on_two_processes_saves_once_and_its_evaluation_covers_every_seed(tmp_path):
+    """`earl sft --trainer.devices 2` (DDP on gloo): each rank trains on half of every batch and
+    plays half of the held-out seeds; rank 0 saves once, and the saved model, evaluated again in one
+    process over all the seeds, reproduces the evaluation the two ranks recorded together."""
+    import subprocess
+
+    from tests.distributed.launch import subprocess_env
+
+    earl = Path(sys.executable).with_name("earl")
+    out = tmp_path / "model"
+    cmd = [str(earl), "sft", "--config", str(SFT), "--output_dir", str(out), "--trainer.default_root_dir",
+           str(tmp_path), "--trainer.devices", "2", "--trainer.strategy", "ddp", *SMALL]
+    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("earl: warm start saved to") == 1 and not list(tmp_path.glob(".model.tmp*"))
+    record = json.loads((out / "warm_start.json").read_text())
+    assert record["demonstrations"]["demo/episodes"] == 24
+    module = WarmStartModule(model=str(out), rollout=_recipe_rollout())
+    data = DemonstrationDataModule(env="connect_four", env_kwargs={"opponent": "random", "seat": "alternate"},
+                                   eval_episodes=8)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    (again,) = trainer.validate(module, datamodule=data, verbose=False)
+    for name in ("val/win_rate", "val/invalid_rate", "val/reward", "val/turns"):
+        assert again[name] == pytest.approx(record["evaluation"][name], abs=1e-6), name
