@@ -7,8 +7,9 @@ evaluation seeds (0..n-1) of a task, with the evaluation's env settings.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
+
+from _rows import report_rows
 
 from earl_lightning.models import load_tokenizer
 from earl_lightning.modules.metrics import episode_counts
@@ -54,13 +55,7 @@ def main() -> None:
         figures = play(env, env_kwargs, policy, policy_kwargs, range(args.episodes))
         name = policy + "".join(f" {k}={v}" for k, v in policy_kwargs.items())
         rows.append({"task": task, "policy": name, **{k: round(v, 3) for k, v in figures.items()}})
-        print(", ".join(f"{k}={v}" for k, v in rows[-1].items()))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    report_rows(rows, args.out)
 
 
 if __name__ == "__main__":

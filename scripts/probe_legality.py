@@ -14,10 +14,10 @@ weights, torch seed 0) is the reference.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import torch
+from _rows import report_rows
 
 from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.envs.openspiel_env import legal_from_observation
@@ -74,15 +74,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="CSV to write")
     args = parser.parse_args()
     probes = positions(load_tokenizer(args.models[0].rpartition("=")[2]), args.episodes)
-    rows = [probe(m, probes) for m in ["random weights=earl-tiny", *args.models]]
-    for row in rows:
-        print(", ".join(f"{k}={v}" for k, v in row.items()))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    report_rows([probe(m, probes) for m in ["random weights=earl-tiny", *args.models]], args.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from _rows import report_rows
+
 METRICS = ("val/win_rate", "val/invalid_rate", "val/accuracy", "val/tool_use_rate", "val/reward")
 SAMPLED = ("win_rate", "invalid_rate", "accuracy", "tool_use_rate", "reward")
 
@@ -111,12 +113,7 @@ def write(records: list[dict], out: Path) -> None:
         row.update({k: round(v, 4) for k, v in r.items() if k.startswith("warm_sampled/")})
         row.update(sft_wall_s=round(r["sft_wall_s"]), rl_wall_s=round(r["rl_wall_s"]))
         rows.append(row)
-    with (out / "summary.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    for row in rows:
-        print(", ".join(f"{k}={v}" for k, v in row.items()))
+    report_rows(rows, out / "summary.csv")
 
 
 def plot(records: list[dict], out: Path, title: str) -> None:

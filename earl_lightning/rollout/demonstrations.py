@@ -16,8 +16,8 @@ sampled action (``--data.targets expected``).
 
 from __future__ import annotations
 
-import zlib
 import math
+import zlib
 from typing import Any, Callable, Mapping
 
 from earl_lightning.envs.policies import make_policy
@@ -48,8 +48,9 @@ class PolicyBackend:
     def _one(self, request: GenRequest, sampling: SamplingConfig) -> GenOutput:
         if request.observation is None:
             raise ValueError("PolicyBackend needs each request's `observation` (the rollout loop sets it)")
+        policy = self.policies[request.key]
         try:
-            action = self.policies[request.key](request.observation)
+            action = policy(request.observation)
         except Exception as err:  # noqa: BLE001 - the user's policy: reported with what it was given
             raise DemonstrationError(f"demonstration policy {self.name!r} raised {type(err).__name__}: {err} "
                                      f"(observation {request.observation!r:.80})") from err
@@ -58,13 +59,13 @@ class PolicyBackend:
                 f"demonstration policy {self.name!r} returned {action!r:.80} (type {type(action).__name__}) for the "
                 f"observation {request.observation!r:.80}; a policy must return the action as a string")
         ids, finish = self._encode(action, sampling)
-        targets = self._first_token_targets(request, action, sampling)
+        targets = self._first_token_targets(policy, request, action, sampling)
         self.first_token_targets.setdefault(request.key, []).append(targets)
         return GenOutput(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish)
 
-    def _first_token_targets(self, request: GenRequest, action: str, sampling: SamplingConfig) -> dict[int, float] | None:
-        """The first-token marginal of the policy's ``distribution`` for this turn (None: it has none)."""
-        policy = self.policies[request.key]
+    def _first_token_targets(self, policy: Any, request: GenRequest, action: str,
+                             sampling: SamplingConfig) -> dict[int, float] | None:
+        """The first-token marginal of ``policy``'s ``distribution`` for this turn (None: it has none)."""
         if not callable(getattr(policy, "distribution", None)):
             return None
         where = f"demonstration policy {self.name!r}'s distribution for the observation {request.observation!r:.80}"
