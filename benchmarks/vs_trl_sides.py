@@ -46,6 +46,8 @@ class RunSpec:
     threads: int = 2
     device: str = "cpu"
     on_policy_shortcut: bool = True  # earl only: False recomputes the old log-probs (benchmarks/step_breakdown.py)
+    share_prefix: bool = True  # earl only: False runs every completion's prompt in the train forward
+    share_prompts: bool = True  # earl only: False prefills every completion's prompt in the rollout
 
     def env_kwargs(self) -> dict:
         if self.mode == "single":
@@ -105,7 +107,8 @@ def run_earl(spec: RunSpec) -> dict:
 
     module = AgenticRLModule(
         model="earl-tiny", dtype="float32", seed=spec.seed, transcript_every_n_steps=0,
-        rollout={"backend": "hf", "max_turns": spec.turns, "max_context_tokens": 4096, "history_turns": None,
+        rollout={"backend": "hf", "share_prompts": spec.share_prompts, "max_turns": spec.turns,
+                 "max_context_tokens": 4096, "history_turns": None,
                  "sampling": {"max_new_tokens": spec.completion_len, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
                               "stop": []}},
         algorithm={"advantage": {"name": "grpo", "scale": "group"},
@@ -113,7 +116,7 @@ def run_earl(spec: RunSpec) -> dict:
                    "kl": {"coef": 0.0}},
         optim={"lr": spec.lr, "weight_decay": 0.0, "lr_schedule": "constant", "max_grad_norm": 1.0,
                "ppo_epochs": 1, "mini_batches": 1, "micro_batch_tokens": 1 << 20,
-               "on_policy_shortcut": spec.on_policy_shortcut})
+               "on_policy_shortcut": spec.on_policy_shortcut, "share_prefix": spec.share_prefix})
     data = EpisodeDataModule(env=ENV_PATHS[spec.mode], env_kwargs=spec.env_kwargs(), batch_size=spec.batch,
                              group_size=spec.group, seed=spec.seed, eval_episodes=0)
     clock = _earl_clock()

@@ -10,34 +10,43 @@ import torch
 
 from earl_lightning.algorithms import shifted_entropy, shifted_logprobs
 from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.data.prefix import PrefixPlan, prefix_plan, shared_prefix_forward
 from earl_lightning.models import eval_mode
 
 
 def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value_head=None,
-                        with_entropy: bool = False, allowed: list[int] | None = None) -> dict[str, torch.Tensor]:
+                        with_entropy: bool = False, allowed: list[int] | None = None,
+                        plan: PrefixPlan | None = None) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N].
 
     ``allowed``: the token ids the policy may generate (``--model.rollout.sampling.allowed_tokens``); log-probs and
-    entropy are then over that set, as the rollout sampled them."""
+    entropy are then over that set, as the rollout sampled them. ``plan``: run the prompts that
+    several sequences share once, as planned by :func:`prefix_plan` (:mod:`earl_lightning.data.prefix`)."""
+    need_hidden = value_head is not None
+    allowed_t = None if allowed is None else torch.as_tensor(allowed, dtype=torch.long, device=mb.tokens["input_ids"].device)
+
+    def per_position(logits, input_ids, hidden):
+        logits = logits.float()  # [R, C, V]
+        res = {"logprobs": shifted_logprobs(logits, input_ids, temperature=temperature, allowed=allowed_t)}
+        if with_entropy:
+            res["entropy"] = shifted_entropy(logits, temperature=temperature, allowed=allowed_t)
+        if need_hidden:
+            v = value_head(hidden.float()).squeeze(-1)  # [R, C]: value of the state after token c
+            res["values"] = torch.nn.functional.pad(v[:, :-1], (1, 0))  # value before choosing token c
+        return res
+
+    if plan is not None:
+        return shared_prefix_forward(model, mb, plan, per_position, need_hidden=need_hidden)
     input_ids = mb.padded("input_ids", 0)  # [S, L]
     attn = (torch.arange(input_ids.shape[1])[None, :] < mb.seq_lens[:, None]).to(input_ids.device)
-    need_hidden = value_head is not None
     out = model(input_ids=input_ids, attention_mask=attn.long(), output_hidden_states=need_hidden, use_cache=False)
-    logits = out.logits.float()  # [S, L, V]
-    allowed_t = None if allowed is None else torch.as_tensor(allowed, dtype=torch.long, device=logits.device)
-    res = {"logprobs": mb.unpad(shifted_logprobs(logits, input_ids, temperature=temperature, allowed=allowed_t))}
-    if with_entropy:
-        res["entropy"] = mb.unpad(shifted_entropy(logits, temperature=temperature, allowed=allowed_t))
-    if need_hidden:
-        h = out.hidden_states[-1]  # [S, L, H]
-        v = value_head(h.float()).squeeze(-1)  # [S, L]: value of the state after token t
-        res["values"] = mb.unpad(torch.nn.functional.pad(v[:, :-1], (1, 0)))  # value before choosing token t
-    return res
+    res = per_position(out.logits, input_ids, out.hidden_states[-1] if need_hidden else None)
+    return {k: mb.unpad(v) for k, v in res.items()}
 
 
 @torch.no_grad()
 def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: float, micro_batch_tokens: int,
-                  value_head=None, allowed: list[int] | None = None) -> ExperienceBatch:
+                  value_head=None, allowed: list[int] | None = None, share_prefix: bool = False) -> ExperienceBatch:
     """Add per-token ``name`` log-probs (and ``values`` when a value head is given) to the batch."""
     out = {name: torch.zeros(batch.num_tokens)}
     if value_head is not None:
@@ -45,7 +54,8 @@ def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: floa
     for idx in batch.micro_batch_indices(micro_batch_tokens):
         mb = batch.select(idx)
         with eval_mode(model):  # the distribution the rollout sampled from (no dropout)
-            res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head, allowed=allowed)
+            res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head, allowed=allowed,
+                                      plan=prefix_plan(model, mb, share_prefix))
         pos = batch.token_positions(idx)
         out[name][pos] = res["logprobs"].cpu()
         if value_head is not None:
@@ -55,13 +65,16 @@ def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: floa
     return ExperienceBatch(batch.cu_seqlens, tokens, dict(batch.seqs))
 
 
-def zero_loss(model, value_head=None) -> torch.Tensor:
+def zero_loss(model, value_head=None, passes: int = 1) -> torch.Tensor:
     """A zero loss through every parameter, for ranks with fewer micro-batches than others:
-    collective-backed parameters (FSDP, TP) need every rank in every forward/backward."""
+    collective-backed parameters (FSDP, TP) need every rank in every forward/backward, as many
+    forwards as the others run (``passes``: 2 where they share prefixes)."""
     device = next(model.parameters()).device
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-    out = model(input_ids=ids, use_cache=False, output_hidden_states=value_head is not None)
-    loss = out.logits.sum() * 0.0
-    if value_head is not None:
-        loss = loss + value_head(out.hidden_states[-1].float()).sum() * 0.0
+    loss = torch.zeros((), device=device)
+    for _ in range(passes):
+        out = model(input_ids=ids, use_cache=False, output_hidden_states=value_head is not None)
+        loss = loss + out.logits.sum() * 0.0
+        if value_head is not None:
+            loss = loss + value_head(out.hidden_states[-1].float()).sum() * 0.0
     return loss

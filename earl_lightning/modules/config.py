@@ -110,6 +110,8 @@ class RolloutConfig:
         backend: generation backend: ``hf`` (transformers, KV cache reused across turns) or
             ``vllm`` (a colocated vLLM engine).
         reuse_kv: ``hf`` only; false re-encodes the whole context every turn (reference path).
+        share_prompts: ``hf`` only; a prompt that several episodes of one generation call start
+            from (a group's first turn) is encoded once; false encodes it per episode.
         max_turns: turns per episode before it is truncated.
         max_context_tokens: an episode ends (truncated) when its next turn would exceed this.
         history_turns: null: every turn sees the whole chat and the episode trains as one row.
@@ -126,6 +128,7 @@ class RolloutConfig:
 
     backend: Literal["hf", "vllm"] = "hf"
     reuse_kv: bool = True
+    share_prompts: bool = True
     max_turns: int = 32
     max_context_tokens: int = 4096
     history_turns: Optional[int] = None
@@ -326,6 +329,11 @@ class OptimConfig:
             hf backend, no value head, no KL in the reward), skip the experience stage's forward for
             the old log-probs and use the training forward's own, detached (the ratio is exactly 1,
             as in TRL). False always recomputes them (the reference path).
+        share_prefix: sequences of a micro-batch that begin with the same prompt (a group's
+            completions) run that prompt through the model once and continue from its KV cache,
+            gradients included; taken where it saves >= 25% of the padded tokens and the model
+            allows it (no activation checkpointing, no sliding-window attention). Same loss and
+            gradients as the plain forward up to float rounding. False always runs whole sequences.
     """
 
     lr: float = 1e-3
@@ -337,6 +345,7 @@ class OptimConfig:
     mini_batches: int = 1
     micro_batch_tokens: int = 16384
     on_policy_shortcut: bool = True
+    share_prefix: bool = True
 
     def __post_init__(self) -> None:
         arg = f"{A}.optim"

@@ -154,7 +154,8 @@ class AgenticRLModule(L.LightningModule):
             spec = BackendSpec(model_path=resolve_model_path(self.hparams.model, "--model.model"),
                                dtype=self.hparams.dtype, seed=self.hparams.seed,
                                max_context_tokens=self.rollout_config.max_context_tokens,
-                               reuse_kv=self.rollout_config.reuse_kv, local_rank=self.local_rank)
+                               reuse_kv=self.rollout_config.reuse_kv, share_prompts=self.rollout_config.share_prompts,
+                               local_rank=self.local_rank)
             factory = GENERATION_BACKENDS.get(self.rollout_config.backend, "--model.rollout.backend")
             self._backend = factory(ctx.model("policy"), self.tokenizer, spec)
         self._backend.prepare(ctx.layout, ctx.model("policy"))
@@ -170,7 +171,8 @@ class AgenticRLModule(L.LightningModule):
     def _fill(self, exp: ExperienceBatch, ctx: StageContext) -> ExperienceBatch:
         """Old log-probs (and values), and reference log-probs when there is a KL term."""
         kw = dict(temperature=self.rollout_config.sampling.temperature, allowed=self.allowed_token_ids,
-                  micro_batch_tokens=ctx.budget(self.optim_config.micro_batch_tokens))
+                  micro_batch_tokens=ctx.budget(self.optim_config.micro_batch_tokens),
+                  share_prefix=self.optim_config.share_prefix)
         if not self._on_policy:  # else the training forward's own log-probs serve as the old ones
             exp = fill_logprobs(ctx.model("policy"), exp, name="old_logprobs", value_head=self.value_head, **kw)
         if self.ref_policy is not None:
@@ -194,7 +196,8 @@ class AgenticRLModule(L.LightningModule):
             aggregation=loss.aggregation, norm_constant=loss.norm_constant or float(self.rollout_config.max_context_tokens),
             kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef, kl_estimator=algo.kl.estimator,
             entropy_coef=algo.entropy_coef, value_coef=algo.value.coef, value_clip=algo.value.clip,
-            max_grad_norm=opt.max_grad_norm, allowed_token_ids=self.allowed_token_ids, on_policy=self._on_policy)
+            max_grad_norm=opt.max_grad_norm, allowed_token_ids=self.allowed_token_ids, on_policy=self._on_policy,
+            share_prefix=opt.share_prefix)
 
     # ---- helpers of the step -------------------------------------------------------------------
     def _stages(self):

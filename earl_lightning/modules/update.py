@@ -19,6 +19,7 @@ from earl_lightning.algorithms import aggregate, kl_divergence, ppo_clip_loss, v
 from earl_lightning.algorithms.losses import PolicyLossFn, loss_stat_means
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import forward_micro_batch, zero_loss
+from earl_lightning.data.prefix import PrefixPlan, prefix_plan
 from earl_lightning.parallel.collectives import Reducer, clip_gradients
 
 
@@ -42,6 +43,7 @@ class UpdateConfig:
     max_grad_norm: float = 1.0
     allowed_token_ids: Optional[list[int]] = None
     on_policy: bool = False  # old log-probs = this forward's, detached (modules.config.exactly_on_policy)
+    share_prefix: bool = False  # a prompt shared by several sequences runs once (data.prefix)
 
 
 @dataclass
@@ -67,12 +69,13 @@ def mini_batch_indices(batch: ExperienceBatch, n: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(n)]
 
 
-def micro_batch_loss(models: Models, mb: ExperienceBatch, cfg: UpdateConfig,
-                     denom: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+def micro_batch_loss(models: Models, mb: ExperienceBatch, cfg: UpdateConfig, denom: dict[str, float],
+                     plan: PrefixPlan | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch, scaled so that summing over micro-batches and ranks gives the
-    mini-batch loss. Returns the loss and un-normalized stat sums."""
+    mini-batch loss (``plan``: its shared prompts, see :mod:`earl_lightning.data.prefix`).
+    Returns the loss and un-normalized stat sums."""
     res = forward_micro_batch(models.policy, mb, temperature=cfg.temperature, value_head=models.value_head,
-                              with_entropy=True, allowed=cfg.allowed_token_ids)
+                              with_entropy=True, allowed=cfg.allowed_token_ids, plan=plan)
     mask = mb.padded("action_mask", 0.0)  # [B, T]
     logp = mb.pad(res["logprobs"], 0.0)  # [B, T]
     old = logp.detach() if cfg.on_policy else mb.padded("old_logprobs", 0.0)  # [B, T]
@@ -141,12 +144,16 @@ def _accumulate(models: Models, mini: ExperienceBatch, cfg: UpdateConfig, reduce
     denom = {"tokens": max(tokens, 1.0), "seqs": max(seqs, 1.0)}
     micro = mini.split_by_tokens(cfg.micro_batch_tokens) if mini.num_seqs else []
     # Every rank runs as many forward/backward passes as the busiest one, in lockstep (FSDP and TP
-    # collectives inside each pass): agree on the count first, then pad with zero-loss passes.
+    # collectives inside each pass): agree on the count first, then pad with zero-loss passes. A
+    # shared-prefix pass is two forwards: taken on all ranks or on none.
     for i in range(reduce.agree_count(len(micro))):
-        if i >= len(micro):
-            backward(zero_loss(models.policy, models.value_head))
+        mine = i < len(micro)
+        plan = prefix_plan(models.policy, micro[i], cfg.share_prefix) if mine else None
+        shared = cfg.share_prefix and reduce.all(plan is not None or not mine)  # a padding rank abstains
+        if not mine:
+            backward(zero_loss(models.policy, models.value_head, passes=2 if shared else 1))
             continue
-        loss, stats = micro_batch_loss(models, micro[i], cfg, denom)
+        loss, stats = micro_batch_loss(models, micro[i], cfg, denom, plan if shared else None)
         backward(loss)
         for k, v in stats.items():
             totals[k] = max(totals.get(k, 0.0), v) if k == MISMATCH else totals.get(k, 0.0) + v

@@ -51,7 +51,7 @@ def broadcast_object(obj: object, src: int = 0) -> object:
 class Reducer:
     """Reductions over every rank of ``layout`` (default: plain data parallelism, tp = 1).
 
-    ``sum`` counts each TP group once; ``max``, ``any`` and ``agree_count`` are over all ranks.
+    ``sum`` counts each TP group once; ``max``, ``any``, ``all`` and ``agree_count`` are over all ranks.
     Results come back on the input's device and dtype.
     """
 
@@ -93,6 +93,10 @@ class Reducer:
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank."""
         return bool(self.max(torch.tensor([1.0 if flag else 0.0]))[0] > 0)
+
+    def all(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        return not self.any(not flag)
 
     def agree_count(self, n: int) -> int:
         """The largest ``n`` of any rank: how many lockstep passes every rank must run when

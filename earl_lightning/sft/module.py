@@ -89,7 +89,7 @@ class WarmStartModule(L.LightningModule):
         """Play the held-out specs greedily and sampled (this rank's share of them)."""
         specs = batch["specs"][self.global_rank::self.trainer.world_size]
         r = self.rollout_config
-        backend = HFBackend(self.policy, self.tokenizer, reuse_kv=r.reuse_kv)
+        backend = HFBackend(self.policy, self.tokenizer, reuse_kv=r.reuse_kv, share_prompts=r.share_prompts)
         flags = dict.fromkeys(FLAGS, False)
         for metrics, greedy in ((self.greedy_metrics, True), (self.sampled_metrics, False)):
             sampling = SamplingConfig(**{**vars(self.sampling), "greedy": greedy, "seed": self.hparams.seed})

@@ -287,3 +287,32 @@ def test_sliding_window_changes_what_the_model_sees(local_lm):
     u = full.generate([GenRequest(0, a + tail)], sampling)[0]
     v = full.generate([GenRequest(0, b + tail)], sampling)[0]
     assert abs(u.logprobs[0] - v.logprobs[0]) > 1e-4  # a full-attention model does see the prefix
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(max_new_tokens=6, greedy=True),
+    SamplingConfig(max_new_tokens=6, seed=3, temperature=0.8, top_k=20, top_p=0.9),
+], ids=["greedy", "seeded"])
+def test_shared_prompts_encode_once_and_equal_separate_encoding(lm, sampling):
+    """A GRPO-style call: two prompts, each asked 4 times, and one asked once. Each shared prompt
+    is encoded once (its last token per request); the draws equal encoding every request alone,
+    and the next turn continues from each request's own cache."""
+    model, tok = lm
+    a, b = _prompts([12, 20]), _prompts([9], seed=4)[0]
+    prompts = [a[0]] * 4 + [a[1]] * 4 + [b]
+    shared, alone = HFBackend(model, tok), HFBackend(model, tok, share_prompts=False)
+    ref = HFBackend(model, tok, reuse_kv=False)
+    outs = [be.generate([GenRequest(k, p) for k, p in enumerate(prompts)], sampling) for be in (shared, alone, ref)]
+    assert shared.stats["shared_prompt_tokens"] == 3 * 11 + 3 * 19
+    assert shared.stats["prefill_tokens"] == 11 + 19 + len(prompts) + 9 - 1  # distinct prompts, then one token each
+    assert alone.stats["shared_prompt_tokens"] == 0 and alone.stats["prefill_tokens"] == sum(map(len, prompts))
+    for other in outs[1:]:
+        for x, y in zip(outs[0], other):
+            assert x.token_ids == y.token_ids
+            assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0.0) < 1e-5
+    nxt = [GenRequest(k, p + o.token_ids + [5, 6]) for k, (p, o) in enumerate(zip(prompts, outs[0]))]
+    c, d = shared.generate(nxt, sampling), ref.generate(nxt, sampling)
+    assert shared.stats["shared_prompt_tokens"] == 3 * 11 + 3 * 19  # the contexts differ now: nothing more shared
+    for x, y in zip(c, d):
+        assert x.token_ids == y.token_ids
+        assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0.0) < 1e-5

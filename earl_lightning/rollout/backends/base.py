@@ -113,13 +113,15 @@ class GenerationBackend(Protocol):
 class BackendSpec:
     """What a backend factory needs besides the model and tokenizer: the model's path (an engine
     loads it), dtype, seed, longest context, the HF backend's KV reuse, and this process's rank on
-    its node (an engine's device)."""
+    its node (an engine's device). ``share_prompts``: the HF backend encodes a prompt several
+    episodes of one call share once."""
 
     model_path: str
     dtype: str = "float32"
     seed: int = 0
     max_context_tokens: int = 4096
     reuse_kv: bool = True
+    share_prompts: bool = True
     local_rank: int = 0
 
 
@@ -131,7 +133,7 @@ GENERATION_BACKENDS: Registry[BackendFactory] = Registry("generation backends")
 def _hf_backend(model: Any, tokenizer: Any, spec: BackendSpec) -> GenerationBackend:
     from earl_lightning.rollout.backends.hf import HFBackend  # transformers, on first use
 
-    return HFBackend(model, tokenizer, reuse_kv=spec.reuse_kv)
+    return HFBackend(model, tokenizer, reuse_kv=spec.reuse_kv, share_prompts=spec.share_prompts)
 
 
 @GENERATION_BACKENDS.register("vllm")

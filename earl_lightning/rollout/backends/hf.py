@@ -5,6 +5,10 @@ turn's last generated token, the env's observation, the chat scaffolding): the e
 keys/values for turns 1..t-1 are packed into a batched buffer (see :mod:`.kv`) and reused.
 ``reuse_kv=False`` is the reference path: the same batched forward, with every turn re-encoding
 its whole context. Both draw identical tokens for a given seed.
+
+With ``share_prompts=True`` requests of one call that carry the same whole prompt and no cache (a
+GRPO group's first turn) prefill it once: the distinct prompts but their last token go through a
+small batch first, and each request then continues from a copy of that cache like a later turn.
 """
 
 from __future__ import annotations
@@ -44,13 +48,16 @@ class HFBackend:
             ``False`` re-encodes the whole context every call (the reference path).
         prefill_chunk_elems: bound on batch x query x key elements per prefill forward; long
             prefills are split along the query axis so the attention mask stays small.
+        share_prompts: encode a prompt that several requests of one call share (and none has
+            cached) once; ``False`` encodes it for each.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, reuse_kv: bool = True, prefill_chunk_elems: int = 1 << 24):
+    def __init__(self, model: Any, tokenizer: Any, reuse_kv: bool = True, prefill_chunk_elems: int = 1 << 24,
+                 share_prompts: bool = True):
         if prefill_chunk_elems < 1:
             raise ValueError(f"`prefill_chunk_elems` must be >= 1, got {prefill_chunk_elems!r}")
         self.model, self.tokenizer = model, tokenizer
-        self.reuse_kv, self.prefill_chunk_elems = reuse_kv, prefill_chunk_elems
+        self.reuse_kv, self.prefill_chunk_elems, self.share_prompts = reuse_kv, prefill_chunk_elems, share_prompts
         self.eos_ids = _eos_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError("the tokenizer has no `eos_token_id`; generation needs one to end a turn")
@@ -60,7 +67,8 @@ class HFBackend:
         self.windows = attention_windows(model.config)
         self._cache: dict[int, EpisodeKV] = {}
         # Cumulative counters; tests use them to check that turn t re-encodes nothing old.
-        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0, "forwards": 0}
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0, "forwards": 0,
+                      "shared_prompt_tokens": 0}
 
     @property
     def device(self) -> torch.device:
@@ -103,6 +111,8 @@ class HFBackend:
     # ---- one call ------------------------------------------------------------------------
     def _generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
         entries = [self._reusable(r) for r in requests]
+        if self.share_prompts:
+            entries = self._shared_prompts(requests, entries)
         batch = self._layout(requests, entries, sampling.max_new_tokens)
         cache = build_cache(self.num_layers, batch.capacity, batch.prefix_cols, entries)
         logits = self._prefill(batch, cache)
@@ -126,6 +136,30 @@ class HFBackend:
         if req.prompt_ids[: len(entry.ids)] != entry.ids:
             return None  # the context was rewritten: recompute from scratch
         return entry
+
+    def _shared_prompts(self, requests: list[GenRequest], entries: list[EpisodeKV | None]) -> list[EpisodeKV | None]:
+        """Entries for uncached requests whose prompt another uncached request of the call shares:
+        the prompt but its last token, encoded once per distinct prompt. The layers' tensors are
+        shared read-only; the packed buffer copies them in."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (req, entry) in enumerate(zip(requests, entries)):
+            if entry is None and len(req.prompt_ids) > 1:
+                groups.setdefault(tuple(req.prompt_ids), []).append(i)
+        shared = [ids for ids, rows in groups.items() if len(rows) > 1]
+        if not shared:
+            return entries
+        heads = [GenRequest(-1 - j, list(ids[:-1])) for j, ids in enumerate(shared)]
+        batch = self._layout(heads, [None] * len(heads), max_new=1)
+        cache = build_cache(self.num_layers, batch.capacity, batch.prefix_cols, [None] * len(heads))
+        self._prefill(batch, cache)
+        out = list(entries)
+        for j, ids in enumerate(shared):
+            cols = batch.valid[j].nonzero().flatten()
+            entry = EpisodeKV(list(ids[:-1]), [layer.extract(j, cols) for layer in cache.layers])
+            for i in groups[ids]:
+                out[i] = entry
+            self.stats["shared_prompt_tokens"] += (len(groups[ids]) - 1) * len(heads[j].prompt_ids)
+        return out
 
     def _layout(self, requests: list[GenRequest], entries: list[EpisodeKV | None], max_new: int) -> _Batch:
         cached = [len(e.ids) if e is not None else 0 for e in entries]
