@@ -37,9 +37,11 @@ def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value
 
     if plan is not None:
         return shared_prefix_forward(model, mb, plan, per_position, need_hidden=need_hidden)
+    # Right padding needs no attention mask: under causal attention a real token never sees the
+    # padding after it, and the padding's own outputs are dropped by ``unpad``. Without a mask the
+    # attention runs its causal kernel instead of materialising an [S, heads, L, L] mask.
     input_ids = mb.padded("input_ids", 0)  # [S, L]
-    attn = (torch.arange(input_ids.shape[1])[None, :] < mb.seq_lens[:, None]).to(input_ids.device)
-    out = model(input_ids=input_ids, attention_mask=attn.long(), output_hidden_states=need_hidden, use_cache=False)
+    out = model(input_ids=input_ids, output_hidden_states=need_hidden, use_cache=False)
     res = per_position(out.logits, input_ids, out.hidden_states[-1] if need_hidden else None)
     return {k: mb.unpad(v) for k, v in res.items()}
 

@@ -16,10 +16,15 @@ Messages = list[dict[str, str]]
 # Content used to learn the end-of-turn text when a template rewrites the real content (e.g.
 # strips whitespace), so the real content is not a prefix of the rendered delta.
 _PLACEHOLDER = "x"
+MEMO_ENTRIES = 4096
 
 
 class ChatDeltas:
     """Renders the pieces the rollout loop appends to an episode's token sequence.
+
+    Renders and encodings are remembered for the object's life (one rollout; at most
+    :data:`MEMO_ENTRIES` of each): a group's episodes start from the same prompt, and every turn
+    closes with the same scaffolding.
 
     Args:
         tokenizer: a tokenizer with a chat template (``apply_chat_template``, ``encode``, ``decode``).
@@ -29,13 +34,29 @@ class ChatDeltas:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("`tokenizer` has no chat template; multi-turn rollout needs one")
         self.tokenizer = tokenizer
+        self._renders: dict[tuple, str] = {}
+        self._encodings: dict[str, tuple[int, ...]] = {}
 
     def render(self, messages: Messages, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        key = (generation_prompt, *(tuple(sorted(m.items())) for m in messages))
+        try:
+            text = self._renders.get(key)
+        except TypeError:  # a message with unhashable values (e.g. a list of tool calls): no memo
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        if text is None:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            if len(self._renders) < MEMO_ENTRIES:
+                self._renders[key] = text
+        return text
 
     def encode(self, text: str) -> list[int]:
-        # The template already carries any BOS / special tokens as text.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self._encodings.get(text)
+        if ids is None:
+            # The template already carries any BOS / special tokens as text.
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            if len(self._encodings) < MEMO_ENTRIES:
+                self._encodings[text] = ids
+        return list(ids)
 
     def prompt(self, messages: Messages) -> str:
         """The whole first context: the messages and the assistant generation prompt."""

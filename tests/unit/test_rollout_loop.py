@@ -237,3 +237,32 @@ def test_failed_episode_has_zero_turn_rewards(lm):
     specs = _specs(4, env="_test_flaky", fail_seed=102, fail_turn=2, lag=0)
     bad = _run(lm, specs, SamplingConfig(max_new_tokens=3, seed=4))[2]
     assert bad.error is not None and bad.turn_rewards == [0.0, 0.0, 0.0]
+
+
+def test_chat_deltas_remember_renders_and_encodings_within_a_rollout():
+    """A group's episodes start from one prompt: it is rendered and encoded once; the results equal
+    the tokenizer's own, and a message with unhashable values is rendered without the memo."""
+    from earl_lightning.models import load_tokenizer, make_tiny_model
+    from earl_lightning.rollout.chat import ChatDeltas
+
+    tok = load_tokenizer(str(make_tiny_model("earl-tiny")))
+    calls = []
+    real = tok.apply_chat_template
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    tok.apply_chat_template = counting
+    chat = ChatDeltas(tok)
+    msgs = [{"role": "user", "content": "board: ..x.."}]
+    texts = [chat.prompt(list(msgs)) for _ in range(8)]
+    assert len(calls) == 1 and texts == [real(msgs, tokenize=False, add_generation_prompt=True)] * 8
+    ids = [chat.encode(texts[0]) for _ in range(3)]
+    assert ids == [list(tok.encode(texts[0], add_special_tokens=False))] * 3
+    ids[0].append(-1)  # callers may extend what they get; the memo is not touched
+    assert chat.encode(texts[0]) == ids[1]
+    odd = [{"role": "user", "content": "x", "parts": ["a", "b"]}]
+    chat.render(odd, generation_prompt=True)
+    chat.render(odd, generation_prompt=True)
+    assert len(calls) == 3
