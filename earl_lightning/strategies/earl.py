@@ -43,7 +43,7 @@ from torch import nn
 from earl_lightning.errors import CheckpointError
 from earl_lightning.checkpoints import (check_before_load, checkpoint_unreadable, disk_full_error, remove_path,
                                         replace_dir, save_file_atomically)
-from earl_lightning.parallel.collectives import Reducer, broadcast_object
+from earl_lightning.parallel.collectives import Reducer, broadcast_object, init_elastic_process_group
 from earl_lightning.parallel.layout import Layout, check_stage
 from earl_lightning.parallel.parallelize import (
     build_replica,
@@ -196,6 +196,10 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         self._data_parallel_size, self._tensor_parallel_size = self._train.dp, self._train.tp
         self._device_mesh = self.mesh_for(self._train)
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _setup_distributed(self) -> None:
+        init_elastic_process_group(self._get_process_group_backend(), self._timeout, self.root_device)
+        super()._setup_distributed()  # Lightning's: ranks, seed; the group is up already under torchrun
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -72,14 +72,15 @@ def value_head() -> torch.nn.Linear:
     return torch.nn.Linear(64, 1)
 
 
-def _worker(rank: int, world: int, path: str, with_value: bool = False, cfg: UpdateConfig = CFG):
+def _worker(rank: int, world: int, path: str, with_value: bool = False, cfg: UpdateConfig = CFG, tp: int = 1):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
-    layout = Layout(dp=2, tp=1)
-    parallelize_model(model, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")), layout=layout)
-    mine = [i for i, (r, _) in enumerate(LENGTHS) if r == dist.get_rank()]
+    layout = Layout(dp=2, tp=tp)
+    parallelize_model(model, mesh=init_device_mesh("cpu", (2, tp), mesh_dim_names=("dp", "tp")), layout=layout)
+    dp_rank, _ = layout.coords(dist.get_rank())  # the ranks of one TP group hold the same rows
+    mine = [i for i, (r, _) in enumerate(LENGTHS) if r == dp_rank]
     models = Models(model, value_head() if with_value else None)
     out = update(models, batch(mine), cfg, Reducer(layout))
     full = _params(models)  # a collective: every rank gathers
@@ -104,9 +105,12 @@ def test_uneven_micro_batches_do_not_hang_and_match_one_process():
         torch.testing.assert_close(torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_value_head_and_gradient_clipping_under_fsdp_match_one_process():
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
+def test_value_head_and_gradient_clipping_under_fsdp_match_one_process(tp):
     """PPO's value head is a plain replicated module beside the FSDP-sharded policy: clipping by the
-    global norm must combine both kinds of gradient (torch refuses to mix them in one call)."""
+    global norm must combine both kinds of gradient (torch refuses to mix them in one call). Under
+    FSDP x TP (4 processes) the policy's own gradients sit on two meshes as well: (dp, tp) for the
+    TP-sharded weights, dp for the norms'."""
     from transformers import AutoModelForCausalLM
 
     from tests.distributed.test_invariance_layouts import tiny_path
@@ -117,7 +121,7 @@ def test_value_head_and_gradient_clipping_under_fsdp_match_one_process():
     out = update(ref, batch(list(range(len(LENGTHS)))), cfg, Reducer())
     expected = _params(ref)
     assert out["grad_norm"] > 0.05  # the clip is active
-    got, norm = run_distributed(_worker, 2, path, True, cfg, timeout=120)[0]
+    got, norm = run_distributed(_worker, 2 * tp, path, True, cfg, tp, timeout=240)[0]
     assert norm == pytest.approx(out["grad_norm"], rel=1e-4)
     assert {"value_head.weight", "value_head.bias"} <= set(got)
     for name, value in expected.items():
