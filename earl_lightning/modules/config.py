@@ -329,11 +329,9 @@ class OptimConfig:
             hf backend, no value head, no KL in the reward), skip the experience stage's forward for
             the old log-probs and use the training forward's own, detached (the ratio is exactly 1,
             as in TRL). False always recomputes them (the reference path).
-        share_prefix: sequences of a micro-batch that begin with the same prompt (a group's
-            completions) run that prompt through the model once and continue from its KV cache,
-            gradients included; taken where it saves >= 25% of the padded tokens and the model
-            allows it (no activation checkpointing, no sliding-window attention). Same loss and
-            gradients as the plain forward up to float rounding. False always runs whole sequences.
+        share_prefix: a prompt several sequences of a micro-batch begin with runs once and they
+            continue from its KV cache, gradients included (``data/prefix.py``: when it saves >= 25%
+            of the tokens and the model allows it); false always runs whole sequences.
     """
 
     lr: float = 1e-3
