@@ -47,6 +47,11 @@ class PrefixPlan:
     def num_prefixes(self) -> int:
         return int(self.prefix_rows.numel())
 
+    @property
+    def saved_tokens(self) -> int:
+        """Token passes the shared forward saves: every sequence's prompt, less each distinct one once."""
+        return int(self.prefix_lens.sum()) - int(self.prefix_lens[self.prefix_rows].sum())
+
 
 def can_share_prefix(model: nn.Module) -> bool:
     """Whether the model's forward can continue from a cache with gradients (see the module doc)."""

@@ -60,6 +60,7 @@ class Models:
 
 
 MISMATCH = "logprob/mismatch"  # a maximum over micro-batches and ranks, where every other statistic is a sum
+SHARED_TOKENS = "train/shared_prefix_tokens"  # prompt token passes the shared-prefix forward saved (data.prefix)
 
 
 def mini_batch_indices(batch: ExperienceBatch, n: int) -> list[list[int]]:
@@ -154,6 +155,7 @@ def _accumulate(models: Models, mini: ExperienceBatch, cfg: UpdateConfig, reduce
             backward(zero_loss(models.policy, models.value_head, passes=2 if shared else 1))
             continue
         loss, stats = micro_batch_loss(models, micro[i], cfg, denom, plan if shared else None)
+        stats[SHARED_TOKENS] = float(plan.saved_tokens) if shared else 0.0
         backward(loss)
         for k, v in stats.items():
             totals[k] = max(totals.get(k, 0.0), v) if k == MISMATCH else totals.get(k, 0.0) + v

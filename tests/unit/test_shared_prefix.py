@@ -151,6 +151,8 @@ def test_ppo_update_ends_at_the_same_parameters():
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     mb = _batch()
     sa, sb = _update(a, mb, False), _update(b, mb, True)
+    # logged: the prompt token passes saved (4 x 12 + 3 x 20 + 2 x 12 prompt tokens, each prompt once)
+    assert (sa.pop("train/shared_prefix_tokens"), sb.pop("train/shared_prefix_tokens")) == (0.0, 132 - 44)
     assert sa.keys() == sb.keys()
     for k in sa:
         assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), k
