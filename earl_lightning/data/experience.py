@@ -94,6 +94,10 @@ class ExperienceBatch:
         """[N] index of the sequence each token belongs to."""
         return torch.repeat_interleave(torch.arange(self.num_seqs), self.seq_lens)
 
+    def token_offsets(self) -> torch.Tensor:
+        """[N] each token's position inside its own sequence (0 at every sequence's start)."""
+        return torch.arange(self.num_tokens) - torch.repeat_interleave(self.cu_seqlens[:-1], self.seq_lens)
+
     # ---- selection -----------------------------------------------------------------------
     def select(self, indices) -> "ExperienceBatch":
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
@@ -164,15 +168,14 @@ class ExperienceBatch:
         width = int(lens.max()) if lens.numel() else 0
         out = torch.full((self.num_seqs, width), pad_value, dtype=t.dtype, device=t.device)
         rows = self.token_seq_index().to(t.device)
-        cols = (torch.arange(self.num_tokens) - torch.repeat_interleave(self.cu_seqlens[:-1], lens)).to(t.device)
+        cols = self.token_offsets().to(t.device)
         out[rows, cols] = t
         return out
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`padded`: [S, L] -> [N]."""
-        lens = self.seq_lens
         rows = self.token_seq_index().to(padded.device)
-        cols = (torch.arange(self.num_tokens) - torch.repeat_interleave(self.cu_seqlens[:-1], lens)).to(padded.device)
+        cols = self.token_offsets().to(padded.device)
         return padded[rows, cols]
 
     def to(self, device) -> "ExperienceBatch":

@@ -61,12 +61,13 @@ def can_share_prefix(model: nn.Module) -> bool:
         return False  # a recomputed layer would append its keys to the cache a second time
     if getattr(model, "is_gradient_checkpointing", False):
         return False
-    cfg = getattr(model, "config", None)
-    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
-    layer_types = getattr(text, "layer_types", None) or []
-    if any("sliding" in str(t) for t in layer_types):
+    from earl_lightning.rollout.backends.kv import attention_windows  # the rollout's reading of the config
+
+    try:
+        windows = attention_windows(model.config)
+    except (AttributeError, ValueError):  # no HF config, or a layer type the cache path does not know
         return False
-    return not (getattr(text, "use_sliding_window", False) and getattr(text, "sliding_window", None))
+    return all(w is None for w in windows.values())
 
 
 def prefix_plan(model: nn.Module, mb: ExperienceBatch, enabled: bool = True) -> PrefixPlan | None:
@@ -82,10 +83,9 @@ def plan_shared_prefix(mb: ExperienceBatch) -> PrefixPlan | None:
         return None
     starts = mb.cu_seqlens[:-1].cpu()
     act = mb.tokens["action_mask"].detach().cpu() > 0
-    pos = torch.arange(mb.num_tokens) - torch.repeat_interleave(starts, lens)
-    first = torch.where(act, pos, torch.iinfo(torch.long).max)
-    plen = torch.minimum(lens.clone(), torch.full((s,), torch.iinfo(torch.long).max))
-    plen = plen.scatter_reduce(0, mb.token_seq_index().cpu(), first, reduce="amin")
+    first = torch.where(act, mb.token_offsets(), torch.iinfo(torch.long).max)
+    # a sequence's prompt: up to its first generated token, or all of it when it generated none
+    plen = lens.clone().scatter_reduce(0, mb.token_seq_index(), first, reduce="amin")
     if bool((plen < 1).any()):
         return None  # a sequence that starts with a generated token has no prompt to continue from
     ids = mb.tokens["input_ids"].detach().cpu()
@@ -144,8 +144,7 @@ def token_sources(mb: ExperienceBatch, plan: PrefixPlan, p_max: int, width: int)
     row; a generated (or later) token at column ``t - p_i + 1`` of row ``i``; position 0 (nothing
     predicts it) reads the trailing 0."""
     lens = mb.seq_lens.cpu()
-    row = mb.token_seq_index().cpu()
-    t = torch.arange(mb.num_tokens) - torch.repeat_interleave(mb.cu_seqlens[:-1].cpu(), lens)
+    row, t = mb.token_seq_index(), mb.token_offsets()
     p = plan.prefix_lens[row]
     u = plan.row_prefix[row]
     in_prompt = u * p_max + (p_max - p + t)

@@ -42,10 +42,10 @@ class ChatDeltas:
         try:
             text = self._renders.get(key)
         except TypeError:  # a message with unhashable values (e.g. a list of tool calls): no memo
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            key, text = None, None
         if text is None:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-            if len(self._renders) < MEMO_ENTRIES:
+            if key is not None and len(self._renders) < MEMO_ENTRIES:
                 self._renders[key] = text
         return text
 
