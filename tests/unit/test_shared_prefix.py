@@ -173,3 +173,17 @@ def test_not_taken_where_the_model_cannot_continue_a_cache_with_gradients():
     # and taken or not, the forward gives the same numbers
     mb = _batch()
     _assert_same(_run(_qwen(), mb, False, temperature=1.0), _run(model, mb, True, temperature=1.0))
+
+
+def test_a_config_without_layer_types_that_names_a_window_is_windowed():
+    """Mistral's config has a ``sliding_window`` and no ``layer_types``: every layer is windowed, for
+    the rollout's masks and for the shared-prefix decision alike (both read ``attention_windows``)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from earl_lightning.rollout.backends.kv import attention_windows
+
+    cfg = MistralConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    assert attention_windows(cfg) == {"sliding_attention": 16}
+    assert not can_share_prefix(MistralForCausalLM(cfg))
+    assert can_share_prefix(MistralForCausalLM(MistralConfig(**{**cfg.to_dict(), "sliding_window": None})))

@@ -127,7 +127,8 @@ def attention_windows(config: Any) -> dict[str, int | None]:
     ``{"sliding_attention": 128}`` when every layer attends to the last 128 tokens only."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    kinds = getattr(config, "layer_types", None) or ["full_attention"]
+    # A config without per-layer types (Mistral) windows every layer when it names a window.
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
     out: dict[str, int | None] = {}
     for kind in kinds:
         if kind == "full_attention":
