@@ -1,0 +1,189 @@
+"""How close the multi-turn train stage of ``benchmarks/vs_trl.py`` runs to this machine's matmul
+speed, and what that leaves for the issue's 3× target (issue 16).
+
+The multi-turn comparison's train stage is one forward and backward of earl-tiny over 64 DigitTurns
+episodes (10 turns of 8 tokens, whole chat, ~800 tokens each) in one micro-batch, the same
+computation TRL's training step does. This script builds exactly that batch (the chat template
+rendered by earl-tiny's tokenizer), counts its floating-point operations (``FlopCounterMode`` for
+the matmuls, causal attention counted by hand since the CPU attention kernel is not in its table),
+and times it, interleaved with two matmul probes of the machine: a square 2048³ product (the
+machine's dense peak) and the model's own MLP shape (64 · L × 128 @ 128 × 384, what this model can
+attain). From the FLOPs, the peak and TRL's measured seconds per multi-turn step (read from
+``benchmarks/results/vs_trl.csv``) it prints the lower bound on earl's train stage and the rollout
+time the 3× target would leave.
+
+    python benchmarks/train_roofline.py --profile --compile   # 5 repeats, 2 threads; micro-batches of 16 and 8
+    python benchmarks/train_roofline.py --repeats 3 --out benchmarks/results/train_roofline.csv
+
+Writes ``benchmarks/results/train_roofline.csv`` (``what,value,unit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.vs_trl_env import DigitTurns  # noqa: E402
+
+
+def episode_ids(tokenizer, turns: int, reply_len: int) -> list[int]:
+    """One DigitTurns episode as the trainers train on it: the whole chat, every reply ``reply_len``
+    digits (what the digit reward pushes both sides to)."""
+    env = DigitTurns(completion_len=reply_len, turns=turns)
+    messages = [{"role": "user", "content": env.reset(0)}]
+    for _ in range(turns):
+        reply = "7" * reply_len
+        messages.append({"role": "assistant", "content": reply})
+        result = env.step(reply)
+        if result.done:
+            break
+        messages.append({"role": "user", "content": result.observation})
+    return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+
+
+def train_pass(model, ids: torch.Tensor) -> None:
+    """Forward and backward as the train stage does: token log-probs of the next token, their mean."""
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (-logp.mean()).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def count_flops(model, ids: torch.Tensor) -> tuple[float, float]:
+    """(matmul FLOPs counted by FlopCounterMode, causal attention FLOPs counted by hand) of one pass."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        train_pass(model, ids)
+    cfg = model.config
+    batch, length = ids.shape
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    # QK^T and AV over the causal half: 2 matmuls x 2 FLOPs x (L^2 / 2) x head_dim, per head and layer;
+    # the backward is twice the forward.
+    attn_fwd = 2 * 2 * (length * length / 2) * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers * batch
+    counted = float(counter.get_total_flops())
+    by_op = {str(k): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
+    attention_counted = sum(v for k, v in by_op.items() if "attention" in k)
+    return counted, (0.0 if attention_counted else 3 * attn_fwd)
+
+
+def timed(fn, repeats: int = 1) -> float:
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--reply-len", type=int, default=8)
+    p.add_argument("--micro", type=int, nargs="*", default=[16, 8],
+                   help="also time the batch in micro-batches of this many episodes (gradient accumulation)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators of one pass")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the model under torch.compile (dynamic shapes), whole batch and micro-batched")
+    p.add_argument("--trl-csv", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl.csv")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_roofline.csv")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from earl_lightning.models.loading import resolve_model_path
+
+    path = resolve_model_path("earl-tiny")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    ids = torch.tensor([episode_ids(tokenizer, args.turns, args.reply_len)] * args.batch)
+    tokens = ids.numel()
+    counted, attention = count_flops(model, ids)
+    flops = counted + attention
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    x, w = torch.randn(tokens, model.config.hidden_size), torch.randn(model.config.hidden_size,
+                                                                      model.config.intermediate_size)
+    train_pass(model, ids)  # warm-up
+    load = [os.getloadavg()[0]]
+    peak, shaped, train = [], [], []
+    variants = {f"micro_{m}_episodes": (model, m) for m in args.micro}
+    if args.compile:
+        compiled = torch.compile(model, dynamic=True)
+        start = time.perf_counter()
+        for m in (len(ids), *args.micro):
+            train_pass(compiled, ids[:m])
+        print(f"torch.compile and first passes: {time.perf_counter() - start:.1f} s")
+        variants.update({"compiled": (compiled, len(ids)),
+                         **{f"compiled_micro_{m}_episodes": (compiled, m) for m in args.micro}})
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats):  # interleaved: probe, train, micro-batched train, probe, ...
+        peak.append(2 * 2048 ** 3 / timed(lambda: a @ b, 3))
+        shaped.append(2 * x.shape[0] * x.shape[1] * w.shape[1] / timed(lambda: x @ w, 3))
+        train.append(timed(lambda: train_pass(model, ids)))
+        for name, (net, m) in variants.items():
+            times[name].append(timed(lambda: [train_pass(net, ids[i:i + m]) for i in range(0, len(ids), m)]))
+    load.append(os.getloadavg()[0])
+    if args.profile:
+        _profile(model, ids)
+
+    t_train, g_peak, g_shaped = statistics.median(train), statistics.median(peak), statistics.median(shaped)
+    trl = _trl_multi_seconds(args.trl_csv)
+    rows = [
+        ("episode_tokens", ids.shape[1], "tokens"), ("batch_tokens", tokens, "tokens"),
+        ("matmul_gflop_counted", counted / 1e9, "GFLOP"), ("attention_gflop_by_hand", attention / 1e9, "GFLOP"),
+        ("train_seconds", t_train, "s"), ("train_gflops", flops / t_train / 1e9, "GFLOP/s"),
+        ("peak_2048_gflops", g_peak / 1e9, "GFLOP/s"), ("model_shape_gflops", g_shaped / 1e9, "GFLOP/s"),
+        ("train_at_peak_seconds", flops / g_peak, "s"), ("train_share_of_peak", flops / t_train / g_peak, "ratio"),
+        *((f"train_seconds_{name}", statistics.median(v), "s") for name, v in times.items()),
+        ("load_before", load[0], "1-min load"), ("load_after", load[1], "1-min load"),
+    ]
+    if trl is not None:
+        rows += [("trl_multi_seconds_per_step", trl, "s"),
+                 ("ratio_bound_zero_rollout", trl / (flops / g_peak), "x"),
+                 ("rollout_budget_for_3x_at_measured_train", trl / 3 - t_train, "s"),
+                 ("rollout_budget_for_3x_at_peak_train", trl / 3 - flops / g_peak, "s")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", newline="") as f:
+        csv.writer(f).writerows([("what", "value", "unit"), *rows])
+    width = max(len(r[0]) for r in rows)
+    for name, value, unit in rows:
+        print(f"{name:<{width}}  {value:>10.3f}  {unit}")
+    print(f"wrote {args.out}")
+
+
+def _profile(model, ids: torch.Tensor, top: int = 12) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_pass(model, ids)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+
+
+def _trl_multi_seconds(path: Path) -> float | None:
+    if not path.exists():
+        return None
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            if row["side"] == "trl" and row["mode"] == "multi":
+                return float(row["seconds_per_step"])
+    return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""``benchmarks/train_roofline.py``: the batch it builds is the multi-turn comparison's, its FLOP count
+is the model's (checked against the count from the config), and the script runs end to end and writes
+its CSV. Timing is not asserted."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.train_roofline import count_flops, episode_ids  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from earl_lightning.models.loading import resolve_model_path
+
+    path = resolve_model_path("earl-tiny")
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_episode_is_the_whole_chat_of_every_turn(tiny):
+    tokenizer, _ = tiny
+    text = tokenizer.decode(episode_ids(tokenizer, turns=3, reply_len=8))
+    assert text.count("<|im_start|>assistant") == 3
+    assert text.count("77777777") == 3
+    assert "Turn 1/3." in text and "Turn 3/3: more digits." in text
+
+
+def test_flop_count_is_three_times_the_linear_layers_forward_plus_causal_attention(tiny):
+    _, model = tiny
+    cfg = model.config
+    batch, length = 2, 40
+    ids = torch.randint(3, cfg.vocab_size, (batch, length))
+    counted, attention = count_flops(model, ids)
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * cfg.intermediate_size  # q, k, v, o, gate/up/down
+    linear_params = cfg.num_hidden_layers * per_layer + h * cfg.vocab_size  # + lm_head
+    assert counted == pytest.approx(3 * 2 * batch * length * linear_params, rel=0.01)
+    head_dim = h // cfg.num_attention_heads
+    assert attention == pytest.approx(
+        3 * 2 * 2 * (length * length / 2) * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers * batch)
+
+
+def test_script_writes_its_csv(tmp_path):
+    out = tmp_path / "roofline.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_roofline.py"), "--batch", "2",
+                           "--turns", "2", "--repeats", "1", "--threads", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with out.open() as f:
+        rows = {r["what"]: float(r["value"]) for r in csv.DictReader(f)}
+    assert rows["batch_tokens"] == 2 * rows["episode_tokens"]
+    assert rows["train_seconds"] > 0 and rows["peak_2048_gflops"] > 0
+    assert 0 < rows["train_share_of_peak"] < 2
