@@ -14,6 +14,7 @@
 #
 #   bash tests/gpu/acceptance.sh [OUT_DIR]           # OUT_DIR default: $OUT, else runs/gpu_acceptance
 #   bash tests/gpu/acceptance.sh --dry-run [OUT_DIR] # CPU, earl-tiny, 2 steps: checks the plumbing only
+#   PARTS="fit_hf oom" bash tests/gpu/acceptance.sh ...  # only these parts (default: all four)
 #
 # Needs the project installed with a CUDA torch, TRL and vLLM (pip install -e '.[vllm]');
 # PYTHON picks the interpreter (default .venv/bin/python, else python). Exit status: 0 when every
@@ -50,9 +51,15 @@ fi
 
 status=0
 echo "part,exit_code,seconds" > "$OUT_DIR/parts.csv"
+ALL_PARTS="fit_hf fit_vllm oom vs_trl"
+PARTS="${PARTS:-$ALL_PARTS}"
+for part in $PARTS; do
+  [[ " $ALL_PARTS " == *" $part "* ]] || { echo "unknown part '$part' in PARTS; the parts: $ALL_PARTS" >&2; exit 64; }
+done
 run_part() {  # run_part NAME LIMIT_S CMD...: output to NAME.log, a row in parts.csv
   local name=$1 limit=$2 start rc
   shift 2
+  [[ " $PARTS " == *" $name "* ]] || return 0
   start=$(date +%s)
   echo "== $name (limit ${limit}s)"
   timeout --kill-after=10 "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
