@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -24,8 +25,15 @@ def read(path: Path) -> list[dict]:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM (CPU build) not installed")
 def test_dry_run_parts_pass_and_write_their_figures(tmp_path):
-    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "PARTS": "fit_hf fit_vllm oom"})
+    # A caller's launcher variables must not leak into the parts: MASTER_PORT names a port that is
+    # taken (as it was when an earlier test in the same pytest process held one).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {**os.environ, "PARTS": "fit_hf fit_vllm oom", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(taken.getsockname()[1]), "RANK": "0", "WORLD_SIZE": "1"}
+        proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", str(tmp_path)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     parts = read(tmp_path / "parts.csv")
     assert [(r["part"], r["exit_code"]) for r in parts] == [("fit_hf", "0"), ("fit_vllm", "0"), ("oom", "0")]
