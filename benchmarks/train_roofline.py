@@ -2,7 +2,7 @@
 speed, and what that leaves for the issue's 3× target (issue 16).
 
 The multi-turn comparison's train stage is one forward and backward of earl-tiny over 64 DigitTurns
-episodes (10 turns of 8 tokens, whole chat, ~800 tokens each) in one micro-batch, the same
+episodes (10 turns of 8 tokens, whole chat, 650 tokens each) in one micro-batch, the same
 computation TRL's training step does. This script builds exactly that batch (the chat template
 rendered by earl-tiny's tokenizer), counts its floating-point operations (``FlopCounterMode`` for
 the matmuls, causal attention counted by hand since the CPU attention kernel is not in its table),
@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.vs_trl_env import DigitTurns  # noqa: E402
+from benchmarks.vs_trl_env import DigitTurns
 
 
 def episode_ids(tokenizer, turns: int, reply_len: int) -> list[int]:
@@ -52,10 +52,10 @@ def episode_ids(tokenizer, turns: int, reply_len: int) -> list[int]:
 
 
 def train_pass(model, ids: torch.Tensor) -> None:
-    """Forward and backward as the train stage does: token log-probs of the next token, their mean."""
-    logits = model(input_ids=ids).logits[:, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    (-logp.mean()).backward()
+    """Forward and backward with the train stage's own log-probs (``shifted_logprobs``), their mean."""
+    from earl_lightning.algorithms.logprobs import shifted_logprobs
+
+    (-shifted_logprobs(model(input_ids=ids).logits, ids).mean()).backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -85,7 +85,7 @@ def timed(fn, repeats: int = 1) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -99,7 +99,61 @@ def main() -> None:
                    help="also time the model under torch.compile (dynamic shapes), whole batch and micro-batched")
     p.add_argument("--trl-csv", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl.csv")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_roofline.csv")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def measure(model, ids: torch.Tensor, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Interleaved repeats of: the two matmul probes (FLOP/s), the whole-batch pass and every
+    variant (micro-batched, compiled) in seconds; plus the 1-minute load before and after."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    x = torch.randn(ids.numel(), model.config.hidden_size)
+    w = torch.randn(model.config.hidden_size, model.config.intermediate_size)
+    variants = {"train_seconds": (model, len(ids)),
+                **{f"train_seconds_micro_{m}_episodes": (model, m) for m in args.micro}}
+    if args.compile:
+        compiled = torch.compile(model, dynamic=True)
+        start = time.perf_counter()
+        for m in (len(ids), *args.micro):
+            train_pass(compiled, ids[:m])
+        print(f"torch.compile and first passes: {time.perf_counter() - start:.1f} s")
+        variants.update({"train_seconds_compiled": (compiled, len(ids)),
+                         **{f"train_seconds_compiled_micro_{m}_episodes": (compiled, m) for m in args.micro}})
+    train_pass(model, ids)  # warm-up
+    out: dict[str, list[float]] = {"peak": [], "shaped": [], **{name: [] for name in variants},
+                                   "load": [os.getloadavg()[0]]}
+    for _ in range(args.repeats):
+        out["peak"].append(2 * 2048 ** 3 / timed(lambda: a @ b, 3))
+        out["shaped"].append(2 * x.shape[0] * x.shape[1] * w.shape[1] / timed(lambda: x @ w, 3))
+        for name, (net, m) in variants.items():
+            out[name].append(timed(lambda net=net, m=m: [train_pass(net, ids[i:i + m]) for i in range(0, len(ids), m)]))
+    out["load"].append(os.getloadavg()[0])
+    return out
+
+
+def report_rows(ids: torch.Tensor, counted: float, attention: float, times: dict[str, list[float]],
+                trl: float | None) -> list[tuple[str, float, str]]:
+    flops = counted + attention
+    med = {k: statistics.median(v) for k, v in times.items() if k != "load"}
+    t_train, g_peak = med["train_seconds"], med["peak"]
+    rows = [
+        ("episode_tokens", ids.shape[1], "tokens"), ("batch_tokens", ids.numel(), "tokens"),
+        ("matmul_gflop_counted", counted / 1e9, "GFLOP"), ("attention_gflop_by_hand", attention / 1e9, "GFLOP"),
+        ("train_seconds", t_train, "s"), ("train_gflops", flops / t_train / 1e9, "GFLOP/s"),
+        ("peak_2048_gflops", g_peak / 1e9, "GFLOP/s"), ("model_shape_gflops", med["shaped"] / 1e9, "GFLOP/s"),
+        ("train_at_peak_seconds", flops / g_peak, "s"), ("train_share_of_peak", flops / t_train / g_peak, "ratio"),
+        *((name, value, "s") for name, value in med.items() if name.startswith("train_seconds_")),
+        ("load_before", times["load"][0], "1-min load"), ("load_after", times["load"][1], "1-min load"),
+    ]
+    if trl is not None:
+        rows += [("trl_multi_seconds_per_step", trl, "s"),
+                 ("ratio_bound_zero_rollout", trl / (flops / g_peak), "x"),
+                 ("rollout_budget_for_3x_at_measured_train", trl / 3 - t_train, "s"),
+                 ("rollout_budget_for_3x_at_peak_train", trl / 3 - flops / g_peak, "s")]
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -112,52 +166,11 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
     ids = torch.tensor([episode_ids(tokenizer, args.turns, args.reply_len)] * args.batch)
-    tokens = ids.numel()
     counted, attention = count_flops(model, ids)
-    flops = counted + attention
-
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    x, w = torch.randn(tokens, model.config.hidden_size), torch.randn(model.config.hidden_size,
-                                                                      model.config.intermediate_size)
-    train_pass(model, ids)  # warm-up
-    load = [os.getloadavg()[0]]
-    peak, shaped, train = [], [], []
-    variants = {f"micro_{m}_episodes": (model, m) for m in args.micro}
-    if args.compile:
-        compiled = torch.compile(model, dynamic=True)
-        start = time.perf_counter()
-        for m in (len(ids), *args.micro):
-            train_pass(compiled, ids[:m])
-        print(f"torch.compile and first passes: {time.perf_counter() - start:.1f} s")
-        variants.update({"compiled": (compiled, len(ids)),
-                         **{f"compiled_micro_{m}_episodes": (compiled, m) for m in args.micro}})
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.repeats):  # interleaved: probe, train, micro-batched train, probe, ...
-        peak.append(2 * 2048 ** 3 / timed(lambda: a @ b, 3))
-        shaped.append(2 * x.shape[0] * x.shape[1] * w.shape[1] / timed(lambda: x @ w, 3))
-        train.append(timed(lambda: train_pass(model, ids)))
-        for name, (net, m) in variants.items():
-            times[name].append(timed(lambda: [train_pass(net, ids[i:i + m]) for i in range(0, len(ids), m)]))
-    load.append(os.getloadavg()[0])
+    times = measure(model, ids, args)
     if args.profile:
         _profile(model, ids)
-
-    t_train, g_peak, g_shaped = statistics.median(train), statistics.median(peak), statistics.median(shaped)
-    trl = _trl_multi_seconds(args.trl_csv)
-    rows = [
-        ("episode_tokens", ids.shape[1], "tokens"), ("batch_tokens", tokens, "tokens"),
-        ("matmul_gflop_counted", counted / 1e9, "GFLOP"), ("attention_gflop_by_hand", attention / 1e9, "GFLOP"),
-        ("train_seconds", t_train, "s"), ("train_gflops", flops / t_train / 1e9, "GFLOP/s"),
-        ("peak_2048_gflops", g_peak / 1e9, "GFLOP/s"), ("model_shape_gflops", g_shaped / 1e9, "GFLOP/s"),
-        ("train_at_peak_seconds", flops / g_peak, "s"), ("train_share_of_peak", flops / t_train / g_peak, "ratio"),
-        *((f"train_seconds_{name}", statistics.median(v), "s") for name, v in times.items()),
-        ("load_before", load[0], "1-min load"), ("load_after", load[1], "1-min load"),
-    ]
-    if trl is not None:
-        rows += [("trl_multi_seconds_per_step", trl, "s"),
-                 ("ratio_bound_zero_rollout", trl / (flops / g_peak), "x"),
-                 ("rollout_budget_for_3x_at_measured_train", trl / 3 - t_train, "s"),
-                 ("rollout_budget_for_3x_at_peak_train", trl / 3 - flops / g_peak, "s")]
+    rows = report_rows(ids, counted, attention, times, _trl_multi_seconds(args.trl_csv))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
         csv.writer(f).writerows([("what", "value", "unit"), *rows])

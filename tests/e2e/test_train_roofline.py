@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.train_roofline import count_flops, episode_ids  # noqa: E402
+from benchmarks.train_roofline import count_flops, episode_ids
 
 
 @pytest.fixture(scope="module")
