@@ -143,12 +143,13 @@ def ensure_process_group(local_rank: int = 0) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
     for var in ("RANK", "LOCAL_RANK"):
         os.environ.setdefault(var, "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # The store's address goes in the init method, not in MASTER_ADDR / MASTER_PORT: this group
+    # holds its port for the life of the process, and a launcher started later in it (another
+    # fit, a test) must not inherit that port from the environment.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def refresh_tied_lm_head(worker: Any) -> int:

@@ -1,0 +1,26 @@
+"""The one-process group the vLLM backend makes for ``external_launcher`` leaves no launcher address
+behind: its port stays bound for the life of the process, and a launcher started later in it (a
+second fit, a test) would inherit ``MASTER_PORT`` and fail with EADDRINUSE."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+CHECK = """
+import os, torch.distributed as dist
+from earl_lightning.rollout.backends.vllm_support import ensure_process_group
+ensure_process_group()
+assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
+print(sorted(v for v in ("MASTER_ADDR", "MASTER_PORT") if v in os.environ),
+      os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"])
+"""
+
+
+def test_single_process_group_sets_ranks_but_no_master_address():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "0", "0", "1"]
