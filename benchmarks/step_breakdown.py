@@ -32,15 +32,15 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.vs_trl import LAUNCHER_VARS  # noqa: E402
 from benchmarks.vs_trl_sides import RESULT_TAG, RunSpec  # noqa: E402
+from earl_lightning.parallel.launch_env import standalone_env  # noqa: E402
 
 STAGES = ("rollout", "experience", "train")
 SETTINGS = ("on_policy_shortcut", "share_prefix", "share_prompts")
 
 
 def one_run(spec: RunSpec) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env = standalone_env()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_trl_sides", json.dumps(asdict(spec))], cwd=ROOT,
                           capture_output=True, text=True, timeout=900, env={**env, "PYTHONPATH": str(ROOT)})
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)), None)

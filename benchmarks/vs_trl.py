@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from earl_lightning.parallel.launch_env import standalone_env
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SIDES = ("earl", "trl")
@@ -110,18 +112,13 @@ def configs(args: argparse.Namespace) -> list[dict]:
     return out
 
 
-LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "NODE_RANK")
-
-
 def run_side(side: str, cfg: dict, args: argparse.Namespace) -> dict:
     """One side of one point in a fresh process; the parsed result plus the load around it."""
     spec = {"side": side, **cfg, "warmup": args.warmup, "batch": args.batch, "group": args.group, "lr": args.lr,
             "seed": args.seed, "threads": args.threads, "device": args.device}
     # Each side is one standalone process: no process-group variables from whoever launched us
     # (accelerate, under TRL, would try to join that group).
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
-    env = {**env, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+    env = {**standalone_env(), "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     load_before = os.getloadavg()[0]

@@ -20,20 +20,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from earl_lightning.parallel.launch_env import standalone_env
 
-# Set by an in-process Lightning run earlier in the session (its MASTER_PORT may still be bound by
-# this pytest process) or by an outer launcher; a child launcher must pick its own.
-_LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                  "NODE_RANK", "GROUP_RANK", "ROLE_RANK")
+
 _POLL_S = 0.2  # how often the parent checks that every rank is still alive while it waits
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """This process's environment minus distributed-launcher variables, plus ``extra``: what a
     test passes to a child that launches its own process group (``earl fit --trainer.devices 2``)."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
-    env.update(extra)
-    return env
+    # Set by an in-process Lightning run earlier in the session (its MASTER_PORT may still be bound
+    # by this pytest process) or by an outer launcher; a child launcher must pick its own.
+    return standalone_env(**extra)
 
 
 def free_port() -> int:

@@ -35,8 +35,8 @@ cd "$ROOT" || exit 64
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # Every part is a fresh one-process job: a launcher's variables inherited from the caller (a torchrun
 # or a test process) would point its process group at a port that is not its own.
-unset MASTER_ADDR MASTER_PORT RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK
-while read -r var; do unset "$var"; done < <(compgen -e | grep '^TORCHELASTIC_' || true)
+# The names are earl_lightning.parallel.launch_env's, the list the Python launchers use.
+while read -r var; do [[ -n "$var" ]] && unset "$var"; done < <("$PY" -m earl_lightning.parallel.launch_env)
 export TOKENIZERS_PARALLELISM=false VLLM_LOGGING_LEVEL=WARNING TRL_EXPERIMENTAL_SILENCE=1
 if [[ $DRY == 1 ]]; then
   DEV=(--device cpu --preset earl-tiny --steps 2)

@@ -24,3 +24,13 @@ def test_single_process_group_sets_ranks_but_no_master_address():
     out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]", "0", "0", "1"]
+
+
+def test_standalone_env_drops_every_launcher_variable():
+    from earl_lightning.parallel.launch_env import LAUNCHER_VARS, standalone_env
+
+    caller = {**{v: "1" for v in LAUNCHER_VARS}, "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin", "RANKING": "kept"}
+    assert standalone_env(caller, OMP_NUM_THREADS="2") == {"PATH": "/bin", "RANKING": "kept", "OMP_NUM_THREADS": "2"}
+    listed = subprocess.run([sys.executable, "-m", "earl_lightning.parallel.launch_env"], capture_output=True,
+                            text=True, env={**caller, "PATH": os.environ["PATH"]}, timeout=60)
+    assert listed.stdout.split() == sorted([*LAUNCHER_VARS, "TORCHELASTIC_RUN_ID"])
