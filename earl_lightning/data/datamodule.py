@@ -23,20 +23,45 @@ from earl_lightning.rollout.types import EpisodeSpec
 _SEED_STRIDE = 1_000_003  # keeps training seeds of different steps and eval seeds apart
 
 
-class EpisodeStream(IterableDataset):
-    """Infinite stream of global batches of :class:`EpisodeSpec`; G members of a group share a seed."""
+GROUP_SEEDS = ("shared", "distinct")
 
-    def __init__(self, env: str, env_kwargs: dict, batch_size: int, group_size: int, seed: int, start_step: int = 0):
+
+def member_seed(group_seed: int, index: int, member: int, group_size: int) -> int:
+    """The seed of member ``member`` of the group with seed ``group_seed`` under ``group_seeds="distinct"``.
+
+    ``index`` is the group's position in the stream (``group_seed - base``). The result is unique
+    per ``(index, member)``, never an eval seed (it lies above the stream's base), and has the
+    group seed's parity: an OpenSpiel game whose seat alternates with the seed's parity gives every
+    member of a group the same seat.
+    """
+    base = group_seed - index
+    return base + 2 * (index * group_size + member) + ((group_seed ^ base) & 1)
+
+
+class EpisodeStream(IterableDataset):
+    """Infinite stream of global batches of :class:`EpisodeSpec` in groups of ``group_size``.
+
+    ``group_seeds="shared"``: every member of a group plays the group's seed (the same problem, the
+    same opponent moves for the same actions). ``"distinct"``: each member has its own seed of the
+    group seed's parity (:func:`member_seed`), so only what the parity fixes is shared.
+    """
+
+    def __init__(self, env: str, env_kwargs: dict, batch_size: int, group_size: int, seed: int, start_step: int = 0,
+                 group_seeds: str = "shared"):
         self.env, self.env_kwargs = env, dict(env_kwargs)
         self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
-        self.start_step = start_step
+        self.start_step, self.group_seeds = start_step, group_seeds
 
     def batch(self, step: int) -> list[EpisodeSpec]:
         groups = self.batch_size // self.group_size
+        base = (self.seed + 1) * _SEED_STRIDE  # eval uses 0..n-1
         specs = []
         for g in range(groups):
-            env_seed = (self.seed + 1) * _SEED_STRIDE + step * groups + g  # eval uses 0..n-1
+            index = step * groups + g
             for m in range(self.group_size):
+                env_seed = base + index
+                if self.group_seeds == "distinct":
+                    env_seed = member_seed(env_seed, index, m, self.group_size)
                 specs.append(EpisodeSpec(env=self.env, seed=env_seed, group_id=g,
                                          episode_id=g * self.group_size + m, env_kwargs=self.env_kwargs))
         return specs
@@ -71,7 +96,12 @@ class EpisodeDataModule(L.LightningDataModule):
             ``recall``) or the import path of an Env class or factory (``my_package.envs.GuessGame``).
         env_kwargs: keyword arguments of the environment (e.g. ``{"opponent": "random"}``).
         batch_size: episodes per RL step, over all ranks.
-        group_size: episodes per GRPO group; they share a seed. Must divide ``batch_size``.
+        group_size: episodes per GRPO group. Must divide ``batch_size``.
+        group_seeds: what a group's members share. ``"shared"``: the group's seed (the same problem;
+            against a random opponent, the same opponent moves wherever the members play alike).
+            ``"distinct"``: each member its own seed of the group seed's parity: for the OpenSpiel
+            games only the seat (and so the start) is shared and each member's opponent draws its
+            own moves, so a near-deterministic policy still sees different games in a group.
         seed: base seed of the training episodes.
         eval_episodes: fixed evaluation seeds played greedily by ``validation_step`` (0 disables).
         eval_env_kwargs: overrides of ``env_kwargs`` for evaluation (e.g. another opponent).
@@ -80,7 +110,8 @@ class EpisodeDataModule(L.LightningDataModule):
 
     def __init__(self, env: str = "connect_four", env_kwargs: dict[str, Any] | None = None, batch_size: int = 64,
                  group_size: int = 8, seed: int = 0, eval_episodes: int = 128,
-                 eval_env_kwargs: dict[str, Any] | None = None, dispatch: DispatchConfig = DispatchConfig()):
+                 eval_env_kwargs: dict[str, Any] | None = None, dispatch: DispatchConfig = DispatchConfig(),
+                 group_seeds: str = "shared"):
         super().__init__()
         check_env_name(env, "--data.env")
         for name, v in (("batch_size", batch_size), ("group_size", group_size)):
@@ -92,27 +123,33 @@ class EpisodeDataModule(L.LightningDataModule):
                 f"each GRPO group of {group_size} episodes shares a seed; try batch_size="
                 f"{max(group_size, batch_size // group_size * group_size)}"
             )
+        if group_seeds not in GROUP_SEEDS:
+            raise ValueError(f"`--data.group_seeds` must be one of {', '.join(map(repr, GROUP_SEEDS))}, "
+                             f"got {group_seeds!r}")
         if eval_episodes < 0:
             raise ValueError(f"`--data.eval_episodes` must be >= 0, got {eval_episodes}")
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
         make_env(env, "--data.env", **self.env_kwargs)  # bad env kwargs fail now, not at step 1
         self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
-        self.eval_episodes = eval_episodes
+        self.eval_episodes, self.group_seeds = eval_episodes, group_seeds
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
         self.save_hyperparameters(ignore=["dispatch"])
         self.hparams["dispatch"] = to_dict(dispatch)
 
     def first_spec(self) -> EpisodeSpec:
-        return EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed).batch(0)[0]
+        return self._stream(0).batch(0)[0]
+
+    def _stream(self, start: int) -> EpisodeStream:
+        return EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, start,
+                             self.group_seeds)
 
     def train_dataloader(self) -> DataLoader:
         # One RL iteration is one optimizer step of the trainer: a resumed run has its global step
         # restored before this is called, and continues the stream there.
         start = self.trainer.global_step if self.trainer is not None else 0
-        stream = EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, start)
-        return DataLoader(stream, batch_size=1, collate_fn=_identity, num_workers=0)
+        return DataLoader(self._stream(start), batch_size=1, collate_fn=_identity, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes), batch_size=1,
