@@ -13,6 +13,7 @@ attain). From the FLOPs, the peak and TRL's measured seconds per multi-turn step
 time the 3× target would leave.
 
     python benchmarks/train_roofline.py --profile --compile   # 5 repeats, 2 threads; micro-batches of 16 and 8
+    python benchmarks/train_roofline.py --attention math eager --micro 8 --out benchmarks/results/train_attention.csv
     python benchmarks/train_roofline.py --repeats 3 --out benchmarks/results/train_roofline.csv
 
 Writes ``benchmarks/results/train_roofline.csv`` (``what,value,unit``).
@@ -97,35 +98,67 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators of one pass")
     p.add_argument("--compile", action="store_true",
                    help="also time the model under torch.compile (dynamic shapes), whole batch and micro-batched")
+    p.add_argument("--attention", nargs="*", default=[], choices=["math", "eager"],
+                   help="also time the whole batch and micro-batches of 8 with another attention kernel: "
+                        "SDPA's math path, or HF's eager attention (matmuls and a softmax)")
     p.add_argument("--trl-csv", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl.csv")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_roofline.csv")
     return p.parse_args()
 
 
-def measure(model, ids: torch.Tensor, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Interleaved repeats of: the two matmul probes (FLOP/s), the whole-batch pass and every
-    variant (micro-batched, compiled) in seconds; plus the 1-minute load before and after."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    x = torch.randn(ids.numel(), model.config.hidden_size)
-    w = torch.randn(model.config.hidden_size, model.config.intermediate_size)
-    variants = {"train_seconds": (model, len(ids)),
-                **{f"train_seconds_micro_{m}_episodes": (model, m) for m in args.micro}}
+def _variants(model, ids: torch.Tensor, args: argparse.Namespace) -> dict[str, tuple]:
+    """name -> (model, episodes per micro-batch, context factory) of every pass to time."""
+    from contextlib import nullcontext
+
+    none = nullcontext
+    variants = {"train_seconds": (model, len(ids), none),
+                **{f"train_seconds_micro_{m}_episodes": (model, m, none) for m in args.micro}}
     if args.compile:
         compiled = torch.compile(model, dynamic=True)
         start = time.perf_counter()
         for m in (len(ids), *args.micro):
             train_pass(compiled, ids[:m])
         print(f"torch.compile and first passes: {time.perf_counter() - start:.1f} s")
-        variants.update({"train_seconds_compiled": (compiled, len(ids)),
-                         **{f"train_seconds_compiled_micro_{m}_episodes": (compiled, m) for m in args.micro}})
+        variants.update({"train_seconds_compiled": (compiled, len(ids), none),
+                         **{f"train_seconds_compiled_micro_{m}_episodes": (compiled, m, none) for m in args.micro}})
+    for kernel in args.attention:
+        net, ctx = model, none
+        if kernel == "math":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            ctx = lambda: sdpa_kernel(SDPBackend.MATH)  # noqa: E731
+        else:  # the same weights under HF's eager attention
+            from transformers import AutoModelForCausalLM
+
+            net = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").train()
+            net.load_state_dict(model.state_dict())
+        variants.update({f"train_seconds_attention_{kernel}": (net, len(ids), ctx),
+                         f"train_seconds_attention_{kernel}_micro_8_episodes": (net, 8, ctx)})
+    return variants
+
+
+def measure(model, ids: torch.Tensor, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Interleaved repeats of: the two matmul probes (FLOP/s), the whole-batch pass and every
+    variant (micro-batched, compiled, another attention kernel) in seconds; plus the 1-minute load
+    before and after."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    x = torch.randn(ids.numel(), model.config.hidden_size)
+    w = torch.randn(model.config.hidden_size, model.config.intermediate_size)
+    variants = _variants(model, ids, args)
     train_pass(model, ids)  # warm-up
     out: dict[str, list[float]] = {"peak": [], "shaped": [], **{name: [] for name in variants},
                                    "load": [os.getloadavg()[0]]}
+
+    def run(net, m, ctx):
+        with ctx():
+            for i in range(0, len(ids), m):
+                train_pass(net, ids[i:i + m])
+
     for _ in range(args.repeats):
         out["peak"].append(2 * 2048 ** 3 / timed(lambda: a @ b, 3))
         out["shaped"].append(2 * x.shape[0] * x.shape[1] * w.shape[1] / timed(lambda: x @ w, 3))
-        for name, (net, m) in variants.items():
-            out[name].append(timed(lambda net=net, m=m: [train_pass(net, ids[i:i + m]) for i in range(0, len(ids), m)]))
+        for name, (net, m, ctx) in variants.items():
+            out[name].append(timed(lambda: run(net, m, ctx)))
     out["load"].append(os.getloadavg()[0])
     return out
 

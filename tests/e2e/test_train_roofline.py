@@ -54,7 +54,8 @@ def test_flop_count_is_three_times_the_linear_layers_forward_plus_causal_attenti
 def test_script_writes_its_csv(tmp_path):
     out = tmp_path / "roofline.csv"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_roofline.py"), "--batch", "2",
-                           "--turns", "2", "--repeats", "1", "--threads", "1", "--out", str(out)],
+                           "--turns", "2", "--repeats", "1", "--threads", "1", "--micro", "1", "--attention", "math",
+                           "eager", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with out.open() as f:
@@ -62,3 +63,26 @@ def test_script_writes_its_csv(tmp_path):
     assert rows["batch_tokens"] == 2 * rows["episode_tokens"]
     assert rows["train_seconds"] > 0 and rows["peak_2048_gflops"] > 0
     assert 0 < rows["train_share_of_peak"] < 2
+    for kernel in ("math", "eager"):
+        assert rows[f"train_seconds_attention_{kernel}"] > 0 and rows[f"train_seconds_attention_{kernel}_micro_8_episodes"] > 0
+
+
+def test_the_attention_kernels_compared_compute_the_same_log_probs(tiny):
+    """The script times SDPA's default CPU kernel against its math path and HF's eager attention:
+    the same function of the same weights, so only the speed may differ."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AutoModelForCausalLM
+
+    from earl_lightning.algorithms.logprobs import shifted_logprobs
+
+    tokenizer, model = tiny
+    ids = torch.tensor([episode_ids(tokenizer, turns=2, reply_len=8)] * 2)
+    eager = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager")
+    eager.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        ref = shifted_logprobs(model(input_ids=ids).logits, ids)
+        with sdpa_kernel(SDPBackend.MATH):
+            math = shifted_logprobs(model(input_ids=ids).logits, ids)
+        plain = shifted_logprobs(eager(input_ids=ids).logits, ids)
+    torch.testing.assert_close(math, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, ref, atol=1e-5, rtol=1e-5)
