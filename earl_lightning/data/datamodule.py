@@ -26,16 +26,15 @@ _SEED_STRIDE = 1_000_003  # keeps training seeds of different steps and eval see
 GROUP_SEEDS = ("shared", "distinct")
 
 
-def member_seed(group_seed: int, index: int, member: int, group_size: int) -> int:
-    """The seed of member ``member`` of the group with seed ``group_seed`` under ``group_seeds="distinct"``.
+def member_seed(base: int, index: int, member: int, group_size: int) -> int:
+    """The seed of member ``member`` of the group at position ``index`` of a stream whose groups
+    play ``base + index`` under ``group_seeds="shared"``, under ``group_seeds="distinct"``.
 
-    ``index`` is the group's position in the stream (``group_seed - base``). The result is unique
-    per ``(index, member)``, never an eval seed (it lies above the stream's base), and has the
-    group seed's parity: an OpenSpiel game whose seat alternates with the seed's parity gives every
-    member of a group the same seat.
+    The result is unique per ``(index, member)``, never an eval seed (it lies above ``base``), and
+    has the group seed's parity: an OpenSpiel game whose seat alternates with the seed's parity
+    gives every member of a group the same seat.
     """
-    base = group_seed - index
-    return base + 2 * (index * group_size + member) + ((group_seed ^ base) & 1)
+    return base + 2 * (index * group_size + member) + (index & 1)
 
 
 class EpisodeStream(IterableDataset):
@@ -59,9 +58,8 @@ class EpisodeStream(IterableDataset):
         for g in range(groups):
             index = step * groups + g
             for m in range(self.group_size):
-                env_seed = base + index
-                if self.group_seeds == "distinct":
-                    env_seed = member_seed(env_seed, index, m, self.group_size)
+                env_seed = (member_seed(base, index, m, self.group_size) if self.group_seeds == "distinct"
+                            else base + index)
                 specs.append(EpisodeSpec(env=self.env, seed=env_seed, group_id=g,
                                          episode_id=g * self.group_size + m, env_kwargs=self.env_kwargs))
         return specs
