@@ -34,7 +34,6 @@ import csv
 import ctypes
 import gc
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from earl_lightning.data.centralized import CentralizedDispatcher
 from earl_lightning.data.dispatcher import Dispatcher
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.parallel.layout import Layout
+from earl_lightning.parallel.launch_env import free_port
 
 PAPER_MIB = (46, 93, 187)
 METHODS = ("decentralized", "centralized-tensor", "centralized-object")
@@ -154,9 +154,7 @@ def run_world(world: int, sizes: list[float], methods: list[str], runs: int, war
               locality: bool = False) -> list[dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, sizes, methods, runs, warmup, locality, queue))
              for r in range(world)]
     for p in procs:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -27,6 +26,7 @@ import torch.multiprocessing as mp
 
 from earl_lightning.models import make_tiny_model
 from earl_lightning.parallel.layout import Layout
+from earl_lightning.parallel.launch_env import free_port
 from earl_lightning.parallel.parallelize import build_replica, parallelize_model
 from earl_lightning.parallel.reshard import Resharder, reshard_naive
 
@@ -102,12 +102,6 @@ def _worker(rank: int, world: int, port: int, jobs: dict, paths: dict, repeats: 
         torch.save(rows, os.path.join(out_dir, f"rows{world}.pt"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one pair per (world, model), 2 repeats")
@@ -121,7 +115,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
-            mp.spawn(_worker, args=(world, _free_port(), jobs, paths, 2 if args.quick else 3, tmp), nprocs=world)
+            mp.spawn(_worker, args=(world, free_port(), jobs, paths, 2 if args.quick else 3, tmp), nprocs=world)
             rows += torch.load(os.path.join(tmp, f"rows{world}.pt"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:

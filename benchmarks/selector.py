@@ -38,7 +38,6 @@ import argparse
 import csv
 import os
 import re
-import socket
 import statistics
 import sys
 import time
@@ -52,6 +51,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from earl_lightning.parallel.layout import Layout  # noqa: E402
+from earl_lightning.parallel.launch_env import free_port  # noqa: E402
 from earl_lightning.parallel.profile import layout_key  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -281,9 +281,7 @@ def run_profile(rank, out, repeats):
 def spawn(target, world: int, *args):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 import traceback
 from queue import Empty
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from earl_lightning.parallel.launch_env import standalone_env
+from earl_lightning.parallel.launch_env import free_port, standalone_env
 
 
 _POLL_S = 0.2  # how often the parent checks that every rank is still alive while it waits
@@ -32,12 +31,6 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     # Set by an in-process Lightning run earlier in the session (its MASTER_PORT may still be bound
     # by this pytest process) or by an outer launcher; a child launcher must pick its own.
     return standalone_env(**extra)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, fn, args, queue):

