@@ -37,7 +37,9 @@ def _coerce_nested(group: Any, arg: str) -> None:
             object.__setattr__(group, f.name, coerce(kind, getattr(group, f.name), f"{arg}.{f.name}"))
 
 
-def _number(arg: str, value: Any, *, low: float = 0.0, strict: bool = False, optional: bool = False) -> None:
+def check_number(arg: str, value: Any, *, low: float = 0.0, strict: bool = False, optional: bool = False) -> None:
+    """``value`` is a finite number >= ``low`` (> when ``strict``; None too when ``optional``), or the error
+    names ``arg``."""
     if optional and value is None:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -46,7 +48,8 @@ def _number(arg: str, value: Any, *, low: float = 0.0, strict: bool = False, opt
         raise ValueError(f"`{arg}` must be a number {what}{' or null' if optional else ''}, got {value!r}")
 
 
-def _count(arg: str, value: Any, low: int = 1) -> None:
+def check_count(arg: str, value: Any, low: int = 1) -> None:
+    """``value`` is an integer >= ``low``, or the error names ``arg``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"`{arg}` must be {'a positive integer' if low == 1 else f'an integer >= {low}'}, "
                          f"got {value!r}")
@@ -148,10 +151,10 @@ class RolloutConfig:
             if not vllm_available():
                 raise ImportError(f"`{arg}.backend vllm` needs vLLM, which is not installed; install it "
                                   f"with: {vllm_install_hint()}")
-        _count(f"{arg}.max_turns", self.max_turns)
-        _count(f"{arg}.max_context_tokens", self.max_context_tokens)
+        check_count(f"{arg}.max_turns", self.max_turns)
+        check_count(f"{arg}.max_context_tokens", self.max_context_tokens)
         check_history_turns(self.history_turns, f"{arg}.history_turns")
-        _number(f"{arg}.env_timeout_s", self.env_timeout_s, strict=True, optional=True)
+        check_number(f"{arg}.env_timeout_s", self.env_timeout_s, strict=True, optional=True)
         ms = self.max_failed_share
         if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms <= 1:
             raise ValueError(f"`{arg}.max_failed_share` must be a number in (0, 1], got {ms!r}")
@@ -231,9 +234,9 @@ class LossConfig:
         if self.clip_low is not None and not (isinstance(self.clip_low, (int, float)) and 0 <= self.clip_low < 1):
             raise ValueError(f"`{arg}.clip_low` must be a number in [0, 1) (the ratio's lower bound is "
                              f"1 - clip_low) or null, got {self.clip_low!r}")
-        _number(f"{arg}.clip_high", self.clip_high, optional=True)
-        _number(f"{arg}.dual_clip", self.dual_clip, low=1.0, strict=True, optional=True)
-        _number(f"{arg}.norm_constant", self.norm_constant, strict=True, optional=True)
+        check_number(f"{arg}.clip_high", self.clip_high, optional=True)
+        check_number(f"{arg}.dual_clip", self.dual_clip, low=1.0, strict=True, optional=True)
+        check_number(f"{arg}.norm_constant", self.norm_constant, strict=True, optional=True)
         get_loss_aggregation(self.aggregation, f"{arg}.aggregation")
         self.params  # noqa: B018 - resolves the loss and binds its parameters now, at config time
 
@@ -262,7 +265,7 @@ class KLConfig:
     in_reward: bool = False
 
     def __post_init__(self) -> None:
-        _number(f"{A}.algorithm.kl.coef", self.coef)
+        check_number(f"{A}.algorithm.kl.coef", self.coef)
         get_kl_estimator(self.estimator, f"{A}.algorithm.kl.estimator")
 
 
@@ -279,8 +282,8 @@ class ValueConfig:
     clip: Optional[float] = 0.2
 
     def __post_init__(self) -> None:
-        _number(f"{A}.algorithm.value.coef", self.coef)
-        _number(f"{A}.algorithm.value.clip", self.clip, optional=True)
+        check_number(f"{A}.algorithm.value.coef", self.coef)
+        check_number(f"{A}.algorithm.value.clip", self.clip, optional=True)
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,7 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         _coerce_nested(self, f"{A}.algorithm")
-        _number(f"{A}.algorithm.entropy_coef", self.entropy_coef)
+        check_number(f"{A}.algorithm.entropy_coef", self.entropy_coef)
 
     @property
     def needs_values(self) -> bool:
@@ -347,14 +350,14 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         arg = f"{A}.optim"
-        _number(f"{arg}.lr", self.lr, strict=True)
-        _number(f"{arg}.weight_decay", self.weight_decay)
-        _number(f"{arg}.max_grad_norm", self.max_grad_norm)
-        _count(f"{arg}.warmup_steps", self.warmup_steps, low=0)
+        check_number(f"{arg}.lr", self.lr, strict=True)
+        check_number(f"{arg}.weight_decay", self.weight_decay)
+        check_number(f"{arg}.max_grad_norm", self.max_grad_norm)
+        check_count(f"{arg}.warmup_steps", self.warmup_steps, low=0)
         if self.lr_schedule not in ("constant", "cosine", "linear"):
             raise ValueError(f"unknown `{arg}.lr_schedule` {self.lr_schedule!r}; valid: ['constant', 'cosine', 'linear']")
         for name in ("ppo_epochs", "mini_batches", "micro_batch_tokens"):
-            _count(f"{arg}.{name}", getattr(self, name))
+            check_count(f"{arg}.{name}", getattr(self, name))
 
     def lr_factor(self, step: int, total: int) -> float:
         """The learning rate's multiplier at optimizer step ``step`` of ``total``."""
@@ -398,22 +401,13 @@ def check_dtype_and_seed(dtype: str, seed: int) -> None:
     from earl_lightning.models import resolve_dtype
 
     resolve_dtype(dtype, f"{A}.dtype")
-    _count(f"{A}.seed", seed, low=0)
+    check_count(f"{A}.seed", seed, low=0)
 
 
 def check_module_args(dtype: str, seed: int, transcript_every_n_steps: int, logprob_mismatch_warn: float) -> None:
     check_dtype_and_seed(dtype, seed)
-    _count(f"{A}.transcript_every_n_steps", transcript_every_n_steps, low=0)
-    _number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, strict=True)
-
-
-def check_number(arg: str, value: Any, *, strict: bool = False) -> None:
-    """``value`` is a finite number >= 0 (> 0 when ``strict``), or the error names ``arg``."""
-    _number(arg, value, strict=strict)
-
-
-def check_count(arg: str, value: Any, low: int = 1) -> None:
-    _count(arg, value, low)
+    check_count(f"{A}.transcript_every_n_steps", transcript_every_n_steps, low=0)
+    check_number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, strict=True)
 
 
 def sampling_config(rollout: RolloutConfig, allowed_token_ids: Optional[list[int]]) -> SamplingConfig:
