@@ -33,6 +33,7 @@ _MARKS = {"connect_four": ("x", "o"), "tic_tac_toe": ("x", "o")}
 _UCT_C = 2.0  # OpenSpiel's own examples use this exploration constant for MCTSBot.
 # Registered with a game type that qualifies, but it is a loader for a game file, not a game.
 _NOT_STANDALONE = frozenset({"efg_game"})
+OPPONENTS = ("random", "win_or_random", "mcts")
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,8 +89,10 @@ class OpenSpielEnv:
     Args:
         game: OpenSpiel game name (optionally with parameters, ``"connect_four(rows=5)"``); must
             be 2-player, sequential, deterministic, perfect-information, terminal-reward.
-        opponent: ``"random"`` (uniform over legal moves, RNG seeded from the episode seed) or
-            ``"mcts"`` (OpenSpiel's ``MCTSBot`` with a random-rollout evaluator).
+        opponent: ``"random"`` (uniform over legal moves, RNG seeded from the episode seed),
+            ``"win_or_random"`` (a move that wins at once when it has one, else the random
+            opponent's move: it punishes every threat the agent leaves open) or ``"mcts"``
+            (OpenSpiel's ``MCTSBot`` with a random-rollout evaluator).
         mcts_simulations: MCTS simulations per opponent move.
         mcts_rollouts: random rollouts per MCTS leaf evaluation.
         seat: ``"alternate"`` (agent moves first on even seeds, second on odd), or 0 / 1.
@@ -105,13 +108,13 @@ class OpenSpielEnv:
             mid-game positions. 0 (default) starts from the initial position.
     """
 
-    def __init__(self, game: str = "connect_four", opponent: Literal["random", "mcts"] = "random",
+    def __init__(self, game: str = "connect_four", opponent: Literal["random", "win_or_random", "mcts"] = "random",
                  mcts_simulations: int = 50, mcts_rollouts: int = 1, seat: Seat = "alternate",
                  invalid_reward: float = -1.0, legal_move_reward: float = 0.0,
                  legal_format: Literal["slots", "list"] = "slots", random_opening: int = 0) -> None:
         self.game_name = game
         self.game = load_two_player_game(game)
-        self.opponent = check_choice(opponent, "opponent", ("random", "mcts"))
+        self.opponent = check_choice(opponent, "opponent", OPPONENTS)
         self.mcts_simulations = check_positive_int(mcts_simulations, "mcts_simulations")
         self.mcts_rollouts = check_positive_int(mcts_rollouts, "mcts_rollouts")
         self.seat = check_seat(seat)
@@ -158,9 +161,11 @@ class OpenSpielEnv:
 
     # ---- internals -----------------------------------------------------------------------
     def _make_opponent(self, seed: int) -> Callable[[pyspiel.State], int]:
-        if self.opponent == "random":
+        if self.opponent in ("random", "win_or_random"):
             rng = random.Random(seed)
-            return lambda state: rng.choice(state.legal_actions())
+            if self.opponent == "random":
+                return lambda state: rng.choice(state.legal_actions())
+            return functools.partial(_win_or_random, rng)
         rs = np.random.RandomState(seed)
         evaluator = mcts.RandomRolloutEvaluator(n_rollouts=self.mcts_rollouts, random_state=rs)
         bot = mcts.MCTSBot(self.game, _UCT_C, self.mcts_simulations, evaluator, random_state=rs)
@@ -202,6 +207,19 @@ class OpenSpielEnv:
         board = str(self._state).rstrip("\n")
         tail = f"Result: {outcome}." if outcome else f"Legal: {self._legal_line()}"
         return f"{head}\n{board}\n{tail}"
+
+
+def _win_or_random(rng: random.Random, state: pyspiel.State) -> int:
+    """A move after which the player to move has won, if one exists (the lowest id), else a
+    uniformly random legal move. The random draw is made either way, so the random stream, and
+    every later random move, is the ``"random"`` opponent's for the same seed."""
+    legal, player = state.legal_actions(), state.current_player()
+    move = rng.choice(legal)
+    for action in legal:
+        child = state.child(action)
+        if child.is_terminal() and child.returns()[player] > 0:
+            return action
+    return move
 
 
 def _aligned(legal: Sequence[int], num_actions: int) -> str:

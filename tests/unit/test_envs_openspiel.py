@@ -3,6 +3,7 @@ determinism, the MCTS opponent, and argument errors."""
 
 from __future__ import annotations
 
+import random
 import re
 
 import pyspiel
@@ -10,7 +11,7 @@ import pytest
 
 from earl_lightning.envs import (OpenSpielEnv, check_env_name, evaluate_policy, make_env,
                                  preference_policy, uniform_policy)
-from earl_lightning.envs.openspiel_env import legal_from_observation
+from earl_lightning.envs.openspiel_env import _win_or_random, legal_from_observation
 
 EMPTY_C4 = "\n".join(["......."] * 6)
 
@@ -156,7 +157,7 @@ def test_first_integer_in_text_is_the_action():
 
 
 def test_episode_is_deterministic_given_seed_and_actions():
-    for opponent in ("random", "mcts"):
+    for opponent in ("random", "win_or_random", "mcts"):
         make = lambda: OpenSpielEnv(opponent=opponent, mcts_simulations=10)
         for seed in (4, 5):
             a, b = play(make(), seed, preference_policy()), play(make(), seed, preference_policy())
@@ -174,6 +175,27 @@ def test_mcts_beats_random_play():
     env = OpenSpielEnv(opponent="mcts", mcts_simulations=25)
     stats = evaluate_policy(env, uniform_policy(0), range(6))
     assert stats["loss"] >= 5 / 6
+
+
+def test_win_or_random_takes_every_immediate_win_and_otherwise_plays_the_random_move():
+    game, walk, wins_taken = pyspiel.load_game("connect_four"), random.Random(1), 0
+    for episode in range(40):
+        state = game.new_initial_state()
+        while not state.is_terminal():
+            player, legal = state.current_player(), state.legal_actions()
+            winners = [a for a in legal if state.child(a).is_terminal() and state.child(a).returns()[player] > 0]
+            mine, plain = random.Random(episode), random.Random(episode)
+            random_move = plain.choice(legal)
+            assert _win_or_random(mine, state) == (min(winners) if winners else random_move)
+            assert mine.random() == plain.random()  # one draw either way: the stream stays the random opponent's
+            wins_taken += bool(winners)
+            state.apply_action(walk.choice(legal))
+    assert wins_taken >= 20
+    # A fixed column order never blocks: the opponent that takes its wins beats it far more often.
+    fixed = preference_policy((0, 1, 2, 3, 4, 5, 6))
+    plain_stats = evaluate_policy(OpenSpielEnv(opponent="random"), fixed, range(64))
+    greedy_stats = evaluate_policy(OpenSpielEnv(opponent="win_or_random"), fixed, range(64))
+    assert greedy_stats["win"] < plain_stats["win"] - 0.1 and greedy_stats["invalid"] == 0.0
 
 
 def test_scripted_baselines_against_random_opponent():
@@ -202,7 +224,7 @@ def test_registry_builds_connect_four_and_openspiel():
     ({"game": "conect_four"}, r"unknown `game` 'conect_four'; suitable OpenSpiel games: .*'connect_four'"),
     ({"game": "kuhn_poker"}, r"`game` 'kuhn_poker' is not a 2-player, sequential, deterministic.*'tic_tac_toe'"),
     ({"game": "connect_four(rowz=3)"}, r"`game` 'connect_four\(rowz=3\)' could not be loaded"),
-    ({"opponent": "alphazero"}, r"`opponent` must be one of \['random', 'mcts'\], got 'alphazero'"),
+    ({"opponent": "alphazero"}, r"`opponent` must be one of \['random', 'win_or_random', 'mcts'\], got 'alphazero'"),
     ({"seat": 2}, r"`seat` must be 'alternate', 0 or 1, got 2"),
     ({"mcts_simulations": 0}, r"`mcts_simulations` must be a positive int, got 0"),
     ({"mcts_rollouts": 1.5}, r"`mcts_rollouts` must be a positive int, got 1.5"),
@@ -260,7 +282,7 @@ def test_legal_move_reward_shapes_every_legal_move_only():
 
 def test_full_column_keeps_its_slot_in_the_legal_line():
     from earl_lightning.envs import make_env
-    from earl_lightning.envs.openspiel_env import legal_from_observation
+    from earl_lightning.envs.openspiel_env import _win_or_random, legal_from_observation
 
     env = make_env("connect_four", seat=0)
     env.reset(0)
