@@ -71,114 +71,134 @@ def full_copy(sharded, reference):
     return reference
 
 
-def main() -> None:
-    device = "cuda" if os.environ.get("EARL_SCENARIO_DEVICE") == "cuda" else "cpu"
-    if device == "cuda":  # vLLM's TP all-reduce runs on the world's device backend: NCCL on GPU
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("cpu:gloo,cuda:nccl")
-    else:
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out_dir = os.environ["EARL_SCENARIO_OUT"]
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
+class Run:
+    """What the steps share: the engine, the training copy (FSDP2), the HF reference, the tokenizer,
+    the first requests and their outputs, and ``res``, the measurements written at the end."""
 
-    from earl_lightning.models import load_tokenizer, make_tiny_model
+    def __init__(self, rank: int, world: int) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        from earl_lightning.models import load_tokenizer, make_tiny_model
+        from earl_lightning.rollout.backends.base import SamplingConfig
+        from earl_lightning.rollout.backends.vllm import VLLMBackend
+
+        path = str(make_tiny_model("earl-tiny"))
+        self.rank, self.world, self.tok = rank, world, load_tokenizer(path)
+        torch.manual_seed(0)
+        self.train = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        fully_shard(self.train)  # FSDP2: every parameter is a DTensor Shard(0) over the world
+        self.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.res: dict = {"rank": rank, "world": world}
+        self.backend = VLLMBackend(path, self.tok, tp=1, seed=0, kv_cache_gib=0.0625, max_model_len=1024)
+        self.sampling = SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123)
+        self.chat = self.encode_chat(f"hello from rank {rank}")
+        self.reqs: list = []
+        self.first: list = []
+
+    def encode_chat(self, content: str) -> list[int]:
+        text = self.tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=False)
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def mismatch(self, requests, outputs, allowed: list[int] | None = None) -> float:
+        return mismatch(self.ref, requests, outputs, 0.8, allowed)
+
+
+def tp1_generation(run: Run) -> None:
+    """Step 1: two turns with prefix caching, repeatability, greedy vs HF, allowed tokens, stop strings."""
     from earl_lightning.rollout.backends.base import GenRequest, SamplingConfig
-    from earl_lightning.rollout.backends.vllm import VLLMBackend
-    from earl_lightning.rollout.weight_sync import check_logprob_mismatch, sync_weights
 
-    path = str(make_tiny_model("earl-tiny"))
-    tok = load_tokenizer(path)
-    torch.manual_seed(0)
-    train = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    fully_shard(train)  # FSDP2: every parameter is a DTensor Shard(0) over the world
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    res: dict = {"rank": rank, "world": world}
-
-    backend = VLLMBackend(path, tok, tp=1, seed=0, kv_cache_gib=0.0625, max_model_len=1024)
+    backend, res, tok, sampling = run.backend, run.res, run.tok, run.sampling
     res["sleep_enabled"] = backend.enable_sleep
-    text = tok.apply_chat_template([{"role": "user", "content": f"hello from rank {rank}"}],
-                                   add_generation_prompt=True, tokenize=False)
-    chat = tok.encode(text, add_special_tokens=False)
-    sampling = SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123)
-    reqs = [GenRequest(key=10 * rank + i, prompt_ids=chat + [5 + i]) for i in range(3)]
+    run.reqs = reqs = [GenRequest(key=10 * run.rank + i, prompt_ids=run.chat + [5 + i]) for i in range(3)]
     t0 = time.perf_counter()
-    first = backend.generate(reqs, sampling)
+    run.first = first = backend.generate(reqs, sampling)
     res["tp1_first_generate_s"] = time.perf_counter() - t0
     res["tp1_build_s"] = backend.stats
-    res["tp1_mismatch_initial"] = mismatch(ref, reqs, first, 0.8)
+    res["tp1_mismatch_initial"] = run.mismatch(reqs, first)
     # Turn 2: the whole context so far + new tokens, like the rollout loop sends.
     reqs2 = [GenRequest(r.key, r.prompt_ids + o.token_ids + [1, 6, 7]) for r, o in zip(reqs, first)]
     second = backend.generate(reqs2, sampling)
-    res["tp1_mismatch_turn2"] = mismatch(ref, reqs2, second, 0.8)
+    res["tp1_mismatch_turn2"] = run.mismatch(reqs2, second)
     res["tp1_lengths"] = [len(o.token_ids) for o in first + second]
     res["tp1_finish"] = [o.finish_reason for o in first + second]
     res["tp1_repeat_same"] = [o.token_ids for o in backend.generate(reqs, sampling)] == [o.token_ids for o in first]
     greedy = backend.generate(reqs[:1], SamplingConfig(max_new_tokens=6, greedy=True))[0]
     with torch.no_grad():
-        g_ref = ref.generate(torch.tensor([reqs[0].prompt_ids]), max_new_tokens=6, do_sample=False)[0, len(reqs[0].prompt_ids):]
+        g_ref = run.ref.generate(torch.tensor([reqs[0].prompt_ids]), max_new_tokens=6,
+                                 do_sample=False)[0, len(reqs[0].prompt_ids):]
     res["greedy_equal_hf"] = greedy.token_ids == g_ref.tolist()[: len(greedy.token_ids)]
     res["greedy_logprobs"] = greedy.logprobs
     digits = [tok.convert_tokens_to_ids(str(d)) for d in range(7)]
     restricted = backend.generate(reqs, SamplingConfig(max_new_tokens=6, temperature=0.8, seed=5,
                                                        allowed_token_ids=digits))
     res["allowed"] = {"tokens": [t for o in restricted for t in o.token_ids], "ids": digits,
-                      "mismatch": mismatch(ref, reqs, restricted, 0.8, digits),
-                      "unrestricted_mismatch": mismatch(ref, reqs, restricted, 0.8)}
+                      "mismatch": run.mismatch(reqs, restricted, digits),
+                      "unrestricted_mismatch": run.mismatch(reqs, restricted)}
     stop_text = tok.decode([first[0].token_ids[3]])
-    stopped = backend.generate(reqs[:1], SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123, stop=[stop_text]))[0]
+    stopped = backend.generate(reqs[:1], SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123,
+                                                        stop=[stop_text]))[0]
     res["stop"] = {"text": stop_text, "finish": stopped.finish_reason, "ids": stopped.token_ids,
                    "decoded": tok.decode(stopped.token_ids), "unstopped": first[0].token_ids}
 
-    # A training step moves the weights; sync streams them bucket by bucket into the engine.
-    backend.sleep()
-    train_step(train, reqs[0].prompt_ids + first[0].token_ids, lr=2.0)
-    report = sync_weights(train, backend, bucket_bytes=1 << 16)
-    res["sync"] = {"tensors": report.num_tensors, "bytes": report.num_bytes, "seconds": report.seconds}
-    full_copy(train, ref)
-    after = backend.generate(reqs, sampling)
-    res["tp1_mismatch_after_sync"] = mismatch(ref, reqs, after, 0.8)
-    res["tp1_changed_by_sync"] = [o.token_ids for o in after] != [o.token_ids for o in first]
 
-    # Stale: train again, skip the sync on purpose.
-    train_step(train, reqs[1].prompt_ids + first[1].token_ids, lr=2.0)
-    full_copy(train, ref)
-    stale = backend.generate(reqs, sampling)
-    res["tp1_mismatch_stale"] = mismatch(ref, reqs, stale, 0.8)
+def sync_then_stale(run: Run) -> None:
+    """Steps 2 and 3: a training step, then the bucketed sync; another step without sync (stale)."""
+    from earl_lightning.rollout.weight_sync import check_logprob_mismatch, sync_weights
+
+    backend, res, reqs, first = run.backend, run.res, run.reqs, run.first
+    backend.sleep()
+    train_step(run.train, reqs[0].prompt_ids + first[0].token_ids, lr=2.0)
+    report = sync_weights(run.train, backend, bucket_bytes=1 << 16)
+    res["sync"] = {"tensors": report.num_tensors, "bytes": report.num_bytes, "seconds": report.seconds}
+    full_copy(run.train, run.ref)
+    after = backend.generate(reqs, run.sampling)
+    res["tp1_mismatch_after_sync"] = run.mismatch(reqs, after)
+    res["tp1_changed_by_sync"] = [o.token_ids for o in after] != [o.token_ids for o in first]
+    train_step(run.train, reqs[1].prompt_ids + first[1].token_ids, lr=2.0)
+    full_copy(run.train, run.ref)
+    res["tp1_mismatch_stale"] = run.mismatch(reqs, backend.generate(reqs, run.sampling))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res["stale_flagged"] = check_logprob_mismatch(res["tp1_mismatch_stale"])
     res["stale_warning"] = [str(w.message) for w in caught]
 
-    # Switch to TP 2 mid-run: both ranks now drive one engine with the same requests.
+
+def tp2_switch(run: Run) -> None:
+    """Step 4: both ranks drive one TP 2 engine with the same requests; then back to TP 1."""
+    from earl_lightning.rollout.backends.base import GenRequest
+    from earl_lightning.rollout.weight_sync import sync_weights
+
+    backend, res, sampling = run.backend, run.res, run.sampling
     res["tp2_switch_s"] = backend.set_tp(2)
-    sync_weights(train, backend)
-    common = tok.encode(tok.apply_chat_template([{"role": "user", "content": "same on every rank"}],
-                                                add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    sync_weights(run.train, backend)
+    common = run.encode_chat("same on every rank")
     shared = [GenRequest(key=100 + i, prompt_ids=[9 + i] + common) for i in range(4)]
     tp2 = backend.generate(shared, sampling)
-    res["tp2_mismatch"] = mismatch(ref, shared, tp2, 0.8)
+    res["tp2_mismatch"] = run.mismatch(shared, tp2)
     res["tp2_tokens"] = [o.token_ids for o in tp2]
     res["tp2_engine_ranks"] = backend._tp_group().ranks
-    mixed = [GenRequest(key=999, prompt_ids=chat + [rank + 5])]
     try:
-        backend.generate(mixed, sampling)
+        backend.generate([GenRequest(key=999, prompt_ids=run.chat + [run.rank + 5])], sampling)
         res["tp2_disagree_error"] = None
     except RuntimeError as err:
         res["tp2_disagree_error"] = str(err)
     res["tp1_back_switch_s"] = backend.set_tp(1)
-    sync_weights(train, backend)
-    res["tp1_back_mismatch"] = mismatch(ref, reqs, backend.generate(reqs, sampling), 0.8)
+    sync_weights(run.train, backend)
+    res["tp1_back_mismatch"] = run.mismatch(run.reqs, backend.generate(run.reqs, sampling))
     res["engines_built"] = backend.stats["engines_built"]
 
-    # An engine build that runs out of KV memory (what the selector's OOM retry catches) must not
-    # leave vLLM's parallel groups behind: the retry at another TP degree builds, gets the
-    # trainer's current weights (prepare syncs a fresh engine: the checkpoint on disk is stale by
-    # now) and generates correctly.
+
+def oom_then_retry(run: Run) -> None:
+    """Step 5: an engine build that runs out of KV memory (what the selector's OOM retry catches)
+    must not leave vLLM's parallel groups behind: the retry at another TP degree builds, gets the
+    trainer's current weights (prepare syncs a fresh engine: the checkpoint on disk is stale by
+    now) and generates correctly."""
     from earl_lightning.parallel.layout import Layout
     from earl_lightning.parallel.oom import is_oom_error
 
+    backend, res = run.backend, run.res
     backend.kv_cache_gib = 1 / 4096  # 256 tokens of KV, less than one max_model_len sequence
     try:
         backend.set_tp(2)
@@ -186,13 +206,24 @@ def main() -> None:
     except ValueError as err:
         res["oom_build_error"], res["oom_is_oom"] = str(err)[:300], is_oom_error(err)
     backend.kv_cache_gib = 0.0625
-    backend.weights_source = train
-    res["retry_switch_s"] = backend.prepare(Layout(dp=world, tp=1))
-    res["retry_mismatch"] = mismatch(ref, reqs, backend.generate(reqs, sampling), 0.8)
+    backend.weights_source = run.train
+    res["retry_switch_s"] = backend.prepare(Layout(dp=run.world, tp=1))
+    res["retry_mismatch"] = run.mismatch(run.reqs, backend.generate(run.reqs, run.sampling))
     res["retry_tp"] = backend.tp
-    backend.shutdown()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+
+
+def main() -> None:
+    if os.environ.get("EARL_SCENARIO_DEVICE") == "cuda":  # vLLM's TP all-reduce runs on NCCL on GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
+    run = Run(dist.get_rank(), dist.get_world_size())
+    for step in (tp1_generation, sync_then_stale, tp2_switch, oom_then_retry):
+        step(run)
+    run.backend.shutdown()
+    with open(os.path.join(os.environ["EARL_SCENARIO_OUT"], f"rank{run.rank}.json"), "w") as f:
+        json.dump(run.res, f)
     dist.barrier()
     dist.destroy_process_group()
 
