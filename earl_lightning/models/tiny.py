@@ -30,13 +30,15 @@ CHAT_TEMPLATE = (
 )
 
 # Sizes of the named presets. "earl-tiny" is the default of every recipe: small enough to learn
-# Connect Four on two CPU cores in minutes. "earl-tiny-100m" is the ~100M-parameter config the
-# reshard and memory-model benchmarks use.
+# Connect Four on two CPU cores in minutes. "earl-tiny-4l" is the same with 4 layers (0.8M
+# parameters), the Connect Four warm start's model (docs/experiments/warm_start.md).
+# "earl-tiny-100m" is the ~100M-parameter config the reshard and memory-model benchmarks use.
 _TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
 PRESETS: dict[str, dict[str, Any]] = {
     "earl-tiny": _TINY,
     "earl-tiny-local": {**_TINY, "sliding_window": 128},  # the same, every layer Mistral-style windowed
+    "earl-tiny-4l": {**_TINY, "num_hidden_layers": 4},
     "earl-tiny-100m": dict(
         hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=4,
