@@ -136,7 +136,7 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
     spec = dict(PRESETS[name]); spec.update(overrides)
     key = hashlib.sha256(json.dumps({"spec": spec, "seed": seed, "v": 2}, sort_keys=True).encode())
     out = Path(cache_dir) if cache_dir is not None else _cache_root() / f"{name}-{key.hexdigest()[:12]}"
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+    if _complete(out):
         return out
     from transformers import AutoModelForCausalLM
 
@@ -148,12 +148,25 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
+    # transformers >= 5.19 writes a model only from rank 0 once torch.distributed is initialized,
+    # and silently writes nothing elsewhere; here each rank builds its own copy (whichever renames
+    # first wins), so every rank must write a whole model.
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(tmp)
+    if not (tmp / "config.json").exists():
+        raise RuntimeError(f"save_pretrained wrote no config.json into {tmp}: cannot build the tiny model {name!r}")
     tok.save_pretrained(tmp)
+    import shutil
+
     try:
         os.replace(tmp, out)  # atomic: concurrent ranks racing here both end with a whole model
-    except OSError:
-        import shutil
-
+    except OSError:  # another rank was first, or `out` is what a killed build left: replace that
+        if not _complete(out):
+            shutil.rmtree(out, ignore_errors=True)
+            os.replace(tmp, out)
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _complete(directory: Path) -> bool:
+    return all((directory / name).exists() for name in ("config.json", "model.safetensors", "tokenizer.json"))
