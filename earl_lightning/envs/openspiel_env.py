@@ -161,11 +161,11 @@ class OpenSpielEnv:
 
     # ---- internals -----------------------------------------------------------------------
     def _make_opponent(self, seed: int) -> Callable[[pyspiel.State], int]:
-        if self.opponent in ("random", "win_or_random"):
+        if self.opponent == "win_or_random":
+            return functools.partial(_win_or_random, random.Random(seed))
+        if self.opponent == "random":
             rng = random.Random(seed)
-            if self.opponent == "random":
-                return lambda state: rng.choice(state.legal_actions())
-            return functools.partial(_win_or_random, rng)
+            return lambda state: rng.choice(state.legal_actions())
         rs = np.random.RandomState(seed)
         evaluator = mcts.RandomRolloutEvaluator(n_rollouts=self.mcts_rollouts, random_state=rs)
         bot = mcts.MCTSBot(self.game, _UCT_C, self.mcts_simulations, evaluator, random_state=rs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import string
 from pathlib import Path
 from typing import Any
@@ -156,8 +157,6 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
     if not (tmp / "config.json").exists():
         raise RuntimeError(f"save_pretrained wrote no config.json into {tmp}: cannot build the tiny model {name!r}")
     tok.save_pretrained(tmp)
-    import shutil
-
     try:
         os.replace(tmp, out)  # atomic: concurrent ranks racing here both end with a whole model
     except OSError:  # another rank was first, or `out` is what a killed build left: replace that
