@@ -9,7 +9,8 @@ recipe's own model) with ``seed_everything``, ``--model.seed`` and ``--data.seed
 Writes ``<out>/curves.csv`` (seed, step, metric, value: the greedy held-out evaluation, step 0 =
 the starting model), ``<out>/summary.csv`` (per seed: start and final figures, the warm start's
 sampled figures, wall times) and ``<out>/curves.png`` (each seed's curve and the mean). Extra
-arguments after ``--`` go to ``earl fit``. ``--warm-starts <dir>`` reuses the warm starts that an
+arguments after ``--`` go to ``earl fit``; ``--sft-arg=<flag>=<value>`` (repeatable) passes one to
+``earl sft`` (e.g. ``--sft-arg=--model.model=earl-tiny-4l``). ``--warm-starts <dir>`` reuses the warm starts that an
 earlier run with ``--sft`` saved there (the same warm starts for GRPO and PPO).
 """
 
@@ -54,7 +55,7 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
         warm = root / "warm_start"
         record["sft_wall_s"] = run([*earl, "sft", "--config", str(args.sft), *common, f"--model.seed={seed}",
                                     f"--data.seed={seed}", f"--output_dir={warm}", "--overwrite",
-                                    f"--trainer.default_root_dir={root / 'sft'}"], root / "sft.log")
+                                    f"--trainer.default_root_dir={root / 'sft'}", *args.sft_args], root / "sft.log")
         fit.append(f"--model.model={warm}")
         record.update(_sampled(warm))
     record["rl_wall_s"] = run([*fit, *args.fit_args], root / "fit.log")
@@ -146,6 +147,8 @@ def main() -> None:
     parser.add_argument("--sft", type=Path, default=None, help="the warm-start recipe (earl sft), run first")
     parser.add_argument("--warm-starts", type=Path, default=None,
                         help="start from the warm starts of an earlier seeds.py --sft output (<dir>/seed<s>/warm_start)")
+    parser.add_argument("--sft-arg", dest="sft_args", action="append", default=[], metavar="FLAG=VALUE",
+                        help="one more argument of earl sft, written --sft-arg=--data.num_episodes=500 (repeatable)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--report", action="store_true", help="run nothing: re-read the seeds under --out and report")
@@ -154,6 +157,8 @@ def main() -> None:
     for path, name in ((args.config, "--config"), (args.sft, "--sft")):
         if path is not None and not path.is_file():
             raise SystemExit(f"error: `{name}` {str(path)!r} is not a file")
+    if args.sft_args and args.sft is None:
+        raise SystemExit(f"error: `--sft-arg` {args.sft_args[0]!r} needs `--sft` (no warm start is run without it)")
     args.out.mkdir(parents=True, exist_ok=True)
     records = [(reread_seed if args.report else one_seed)(args, seed) for seed in args.seeds]
     write(records, args.out)

@@ -161,11 +161,12 @@ def test_seeds_script_runs_warm_start_then_rl_per_seed_and_reports_curves(tmp_pa
     script = Path(__file__).parents[2] / "scripts" / "seeds.py"
     small_sft = tmp_path / "sft.yaml"
     cfg = yaml.safe_load(SFT.read_text())
-    cfg["data"].update(num_episodes=8, eval_episodes=4, batch_size=16)
+    cfg["data"].update(eval_episodes=4, batch_size=16)
     small_sft.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run(
+    proc = subprocess.run(  # the demonstrations' count reaches earl sft through --sft-arg
         [sys.executable, str(script), "--sft", str(small_sft), "--config", str(RECIPES / "connect4_grpo_warm.yaml"),
-         "--seeds", "0", "1", "--out", str(tmp_path / "out"), "--", "--trainer.max_steps=2",
+         "--sft-arg=--data.num_episodes=8", "--seeds", "0", "1", "--out", str(tmp_path / "out"), "--",
+         "--trainer.max_steps=2",
          "--trainer.val_check_interval=2", "--data.eval_episodes=4", "--data.batch_size=8", "--data.group_size=4"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -179,7 +180,19 @@ def test_seeds_script_runs_warm_start_then_rl_per_seed_and_reports_curves(tmp_pa
     for r in summary:  # step 0 of the RL curve is the warm start's own greedy evaluation
         warm = json.loads((tmp_path / "out" / f"seed{r['seed']}" / "warm_start" / "warm_start.json").read_text())
         assert float(r["start_win_rate"]) == pytest.approx(warm["evaluation"]["val/win_rate"], abs=1e-4)
+        assert warm["demonstrations"]["demo/episodes"] == 8
     assert (tmp_path / "out" / "curves.png").stat().st_size > 10_000
+
+
+def test_seeds_script_refuses_sft_args_without_a_warm_start(tmp_path):
+    import subprocess
+
+    script = Path(__file__).parents[2] / "scripts" / "seeds.py"
+    proc = subprocess.run([sys.executable, str(script), "--config", str(RECIPES / "connect4_grpo_warm.yaml"),
+                           "--sft-arg=--data.num_episodes=8", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "`--sft-arg` '--data.num_episodes=8' needs `--sft`" in proc.stderr
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*_sft.yaml")), ids=lambda p: p.stem)

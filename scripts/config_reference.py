@@ -1,0 +1,121 @@
+"""Write docs/configuration.md: every setting of `earl fit`, its default and meaning, from the code.
+
+    python scripts/config_reference.py            # rewrite docs/configuration.md
+    python scripts/config_reference.py --check    # exit 1 if the file is out of date
+
+The table is read from the typed configs themselves (the dataclasses' fields and defaults, the
+``Args:`` sections of their docstrings, ``AgenticRLModule`` and ``EpisodeDataModule``'s signatures),
+so it cannot drift from the code; ``tests/unit/test_config_reference.py`` runs ``--check``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+HEADER = """# Configuration reference
+
+`earl fit | validate --config recipes/<recipe>.yaml` is LightningCLI: every setting below is a
+nested flag (`--model.algorithm.loss.clip_high 0.28`, `--model.optim.lr 5e-4`,
+`--data.dispatch.tp_mode direct`) or a key of the recipe's YAML, and `--print_config` prints a
+recipe's whole resolved tree. In Python each group is a frozen dataclass (`RolloutConfig`,
+`AlgorithmConfig`, `OptimConfig` in `earl_lightning.modules`; `DispatchConfig` in
+`earl_lightning.data.exchange`) for which a dict may stand. Every value is checked when the run is
+built, before any work: a bad one fails in one line that names the setting as written here. A
+parameter left `null` means the chosen function's own default (PPO's clip bounds are 0.2, GSPO's
+~1e-4); one the chosen function does not take fails at start-up.
+
+Generated from the code by `python scripts/config_reference.py` (a test keeps it in sync). The
+recipes in `recipes/` set what differs from these defaults; `earl sft` (the warm start) has its own
+`model:` / `data:` groups, shown by `earl sft --config recipes/connect4_sft.yaml --print_config`.
+"""
+
+
+def arg_docs(obj) -> dict[str, str]:
+    """``name -> description`` from the ``Args:`` section of ``obj``'s docstring."""
+    doc = inspect.getdoc(obj) or ""
+    if "Args:" not in doc:
+        return {}
+    out, name = {}, None
+    for line in doc.split("Args:", 1)[1].splitlines():
+        match = re.match(r"^    (\w+): ?(.*)$", line)
+        if match:
+            name, out[match.group(1)] = match.group(1), match.group(2).strip()
+        elif name and line.startswith("        "):
+            out[name] += " " + line.strip()
+        elif line.strip() and not line.startswith(" "):
+            break
+    return {k: " ".join(v.split()).replace("``", "`").replace("|", "\\|") for k, v in out.items()}
+
+
+def show(value) -> str:
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, (list, dict)) and not value:
+        return f"`{value!r}`"
+    return f"`{value}`"
+
+
+def field_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory()  # type: ignore[misc]
+
+
+def rows_of(prefix: str, params: list[tuple[str, object]], docs: dict[str, str]) -> list[str]:
+    """Table rows for ``params``; a dataclass-valued one is expanded under its own prefix."""
+    rows = []
+    for name, default in params:
+        flag = f"{prefix}.{name}"
+        if dataclasses.is_dataclass(default):
+            rows.append(f"| `{flag}` | (group) | {docs.get(name, '')} |")
+            rows += rows_of(flag, [(f.name, field_default(f)) for f in dataclasses.fields(default)],
+                            arg_docs(type(default)))
+        else:
+            doc = docs.get(name)
+            if doc is None:
+                raise SystemExit(f"error: {flag} has no entry in its docstring's Args: section")
+            rows.append(f"| `{flag}` | {show(default)} | {doc} |")
+    return rows
+
+
+def signature_params(cls) -> list[tuple[str, object]]:
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [(p.name, p.default) for p in params if p.name != "self"]
+
+
+def render() -> str:
+    from earl_lightning.data.datamodule import EpisodeDataModule
+    from earl_lightning.modules import AgenticRLModule
+
+    parts = [HEADER]
+    for title, prefix, cls in (("`model:` (AgenticRLModule)", "--model", AgenticRLModule),
+                               ("`data:` (EpisodeDataModule)", "--data", EpisodeDataModule)):
+        parts.append(f"\n## {title}\n\n| setting | default | meaning |\n| --- | --- | --- |")
+        parts += rows_of(prefix, signature_params(cls), arg_docs(cls))
+    return "\n".join(parts) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/configuration.md is out of date")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        if not DOC.is_file() or DOC.read_text() != text:
+            sys.exit(f"error: {DOC} is out of date; run python scripts/config_reference.py")
+        return
+    DOC.write_text(text)
+    print(f"wrote {DOC}")
+
+
+if __name__ == "__main__":
+    main()
