@@ -21,6 +21,7 @@ from torch import nn
 from torchmetrics import Metric
 from torchmetrics.aggregation import MaxMetric, SumMetric
 
+from earl_lightning.algorithms.moments import STAT_DTYPE, grouped_moments
 from earl_lightning.data.experience import ExperienceBatch
 
 # order of the entries of the count vector
@@ -172,6 +173,19 @@ def batch_stats(exp: ExperienceBatch, reduce: Any) -> dict[str, float]:
     top = reduce.max(torch.tensor([local["context_max"], local["context_p95"]], dtype=torch.float64))
     return {"num_seqs": int(n), "context_mean": total / max(n, 1), "context_max": float(top[0]),
             "context_p95": float(top[1])}
+
+
+def zero_spread_share(episodes: Sequence[Any], num_groups: int, reduce: Any) -> float:
+    """``reward/zero_std_groups``: the share of the step's groups of two or more episodes (over all
+    ranks) whose rewards are all equal, so that GRPO and RLOO give every token of theirs advantage 0
+    (TRL logs it as ``frac_reward_zero_std``). ``reduce``: the rollout stage's
+    ``Reducer.sum_moments`` (a group's members may be played on different ranks; TP peers count once)."""
+    rewards = torch.tensor([float(ep.reward) for ep in episodes], dtype=STAT_DTYPE)
+    ids = torch.tensor([ep.spec.group_id for ep in episodes], dtype=torch.long)
+    (group,) = reduce([grouped_moments(rewards, ids, num_groups)])
+    sized = group.count >= 2
+    flat = sized & (group.var() <= 1e-12 * (1.0 + group.mean().abs()))
+    return float(flat.sum()) / max(int(sized.sum()), 1)
 
 
 class StageTimer:

@@ -26,7 +26,8 @@ from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.modules import config as C
-from earl_lightning.modules.metrics import RunMetrics, StageTimer, batch_stats, log_transcripts, reported
+from earl_lightning.modules.metrics import (RunMetrics, StageTimer, batch_stats, log_transcripts, reported,
+                                            zero_spread_share)
 from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory, lost_peer_error
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
@@ -145,6 +146,7 @@ class AgenticRLModule(L.LightningModule):
                      self._stages().pop_stage_metrics(), exchanger.pop_metrics(), self._backend.metrics()):
             metrics.update(more)
         metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
+        metrics["reward/zero_std_groups"] = zero_spread_share(episodes, num_groups, rollout_ctx.reduce.sum_moments)
         metrics.update({"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)})
         self._log_step(metrics, episodes[:2], step)
 

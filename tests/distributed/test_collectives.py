@@ -7,6 +7,7 @@ figures of the whole batch, equal to one process computing them over every episo
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,6 +33,14 @@ def episodes(dp_rank: int, dp: int) -> list[Episode]:
                            truncated=i == 5, invalid_action=i == 2, outcome=OUTCOMES[i],
                            error="boom" if i == 6 else None, turn_starts=[1], messages=[]))
     return out
+
+
+def grouped(dp_rank: int, dp: int) -> list[Episode]:
+    """Episodes ``i`` of 8 in groups of two (``i // 2``), each group split over the dp ranks when
+    dp = 2; groups 0 and 2 have equal rewards (no spread), groups 1 and 3 do not."""
+    rewards = [1.0, 1.0, 0.0, 1.0, -2.0, -2.0, 0.3, 0.30001]
+    return [replace(e, spec=EpisodeSpec("x", i, i // 2, i), reward=rewards[i])
+            for e, i in zip(episodes(dp_rank, dp), range(dp_rank, 8, dp))]
 
 
 def experience(eps: list[Episode]) -> ExperienceBatch:
@@ -71,15 +80,23 @@ def check(rank: int, world: int, tp: int) -> dict:
         warnings.simplefilter("always")
         step, val = metrics_of(layout)
     assert not [w for w in caught if "sync" in str(w.message).lower()], [str(w.message) for w in caught]
-    return {"step": step, "val": val, "world": dist.get_world_size()}
+    from earl_lightning.modules.metrics import zero_spread_share
+
+    flat = zero_spread_share(grouped(dp_rank, layout.dp), 4, reducer.sum_moments)
+    return {"step": step, "val": val, "world": dist.get_world_size(), "flat": flat}
 
 
 @pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)])
 def test_reducer_and_run_metrics_equal_one_process(world, tp):
     results = run_distributed(check, world, tp)
+    from earl_lightning.modules.metrics import zero_spread_share
+
     step, val = metrics_of(None)  # one process, all 8 episodes
+    flat = zero_spread_share(grouped(0, 1), 4, lambda parts: parts)
+    assert flat == 0.5  # groups 0 and 2 of 4
     assert step["env/errors"] == 1.0 and step["env/win_rate"] == 3 / 8 and step["context/max"] == 10.0
     for res in results:
+        assert res["flat"] == flat
         assert res["step"].keys() == step.keys()
         for k, v in step.items():
             assert res["step"][k] == pytest.approx(v, rel=1e-6), k

@@ -35,6 +35,7 @@ def test_recipe_on_two_processes_with_earl_strategy(tmp_path, name):
     assert len(s["reward/mean"]) == 2 and "val/win_rate" in s
     assert max(s["logprob/mismatch"]) < 1e-4
     assert s["grad_norm"][0] > 0  # the dp ranks trained on their shards (gradients summed by FSDP)
+    assert len(s["reward/zero_std_groups"]) == 2 and all(0.0 <= v <= 1.0 for v in s["reward/zero_std_groups"])
     for tag in ("dispatch/bytes", "dispatch/seconds", "dispatch/imbalance", "reshard/bytes"):
         assert tag in s, tag
     # torchmetrics synchronize the run's metrics: Lightning has no epoch-level metric to warn about
