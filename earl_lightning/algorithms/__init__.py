@@ -6,6 +6,7 @@ name; the ``get_*`` lookups raise a ValueError listing the valid names, for conf
 
 from earl_lightning.algorithms.advantages import (
     GRPO_SCALES,
+    anchor_state_advantages,
     discounted_returns,
     gae_advantages,
     grpo_advantages,
@@ -55,7 +56,8 @@ from earl_lightning.algorithms.registry import Registry
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "GRPO_SCALES", "KL_ESTIMATORS", "LOSS_AGGREGATIONS", "POLICY_LOSSES",
     "AdvantageEstimator", "AdvantageInputs", "AdvantageOutput", "Moments", "PolicyLossStats", "Registry",
-    "aggregate", "check_clip_args", "discounted_returns", "entropy", "entropy_bonus", "gae_advantages",
+    "aggregate", "anchor_state_advantages", "check_clip_args", "discounted_returns", "entropy", "entropy_bonus",
+    "gae_advantages",
     "get_advantage_estimator", "get_kl_estimator", "get_loss_aggregation", "get_policy_loss",
     "grouped_moments", "grpo_advantages", "gspo_loss", "kl_divergence", "kl_k1", "kl_k2", "kl_k3",
     "kl_penalized_rewards", "local_counts", "logprobs_from_logits", "moments", "outcome_to_token_rewards",

@@ -71,6 +71,39 @@ def _normalize_in_groups(
     return (centered / (std + eps)).to(rewards.dtype)
 
 
+def anchor_state_advantages(
+    returns: Tensor, state_keys: Tensor, valid: Tensor, *, scale: GrpoScale = "group", eps: float = 1e-6
+) -> Tensor:
+    """GiGPO's step-level advantage (Feng et al., 2025, arXiv 2505.10978) -> [R].
+
+    ``returns`` [R]: each turn row's discounted return from that turn on; ``state_keys`` [R] int64:
+    equal for the rows of one group that acted in the same state (an *anchor state*); ``valid`` [R]
+    bool: rows that generated something. A valid row gets its return minus the mean return of the
+    valid rows sharing its key, divided by their std (``scale="group"``), by the std of every valid
+    return (``"batch"``) or not at all (``"none"``). A state visited by one row, and every invalid
+    row, gets 0. Rows are local: the caller keeps each group's rows together.
+    """
+    check_choice("scale", scale, GRPO_SCALES)
+    check_non_negative("eps", eps)
+    check_same_shape("returns", returns, state_keys=state_keys, valid=valid)
+    if returns.dim() != 1:
+        raise ValueError(f"`returns` must be 1-D [R] (one per turn row), got shape {tuple(returns.shape)}")
+    out = torch.zeros_like(returns, dtype=STAT_DTYPE)
+    keep = valid.bool()
+    if not keep.any():
+        return out.to(returns.dtype)
+    r = returns.detach().to(STAT_DTYPE)[keep]
+    _, ids = torch.unique(state_keys[keep], return_inverse=True)
+    states = grouped_moments(r, ids, int(ids.max()) + 1)
+    centered = r - states.mean()[ids]
+    if scale == "group":
+        centered = centered / (states.std()[ids] + eps)
+    elif scale == "batch":
+        centered = centered / (moments(r).std() + eps)
+    out[keep] = centered
+    return out.to(returns.dtype)
+
+
 def rloo_advantages(
     rewards: Tensor, group_ids: Tensor, *, num_groups: int, group: Moments | None = None
 ) -> Tensor:

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from earl_lightning.algorithms.advantages import (
     GrpoScale,
+    anchor_state_advantages,
     discounted_returns,
     gae_advantages,
     grpo_advantages,
@@ -48,6 +49,8 @@ class AdvantageInputs:
     statistics (an episode trained as one row per turn has several rows and one reward).
     ``token_rewards`` [B, T] hold each turn's reward on its last generated token, minus the KL
     penalty when it is part of the reward. ``values`` [B, T] only for estimators that need them.
+    ``state_keys`` [B] int64 only for estimators that need them (``needs_state_keys``): equal for
+    the turn rows of one group whose prompts are equal; then each group's rows are on this rank.
     """
 
     rewards: Tensor  # [B] the episode's reward, per row
@@ -57,6 +60,7 @@ class AdvantageInputs:
     token_rewards: Tensor  # [B, T]
     mask: Tensor  # [B, T] 1 on generated tokens
     values: Tensor | None = None  # [B, T]
+    state_keys: Tensor | None = None  # [B]
 
 
 @dataclass
@@ -71,6 +75,7 @@ class AdvantageEstimator:
 
     fn: Callable[..., AdvantageOutput]
     needs_values: bool = False
+    needs_state_keys: bool = False  # turn rows (history_turns set), each group's rows on one rank
 
     def __call__(self, inputs: AdvantageInputs, reduce: MomentsReduce = local_moments,
                  **params: Any) -> AdvantageOutput:
@@ -90,9 +95,12 @@ def _adapt(obj: Any, arg: str) -> AdvantageEstimator:
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimators", adapt=_adapt)
 
 
-def register_advantage_estimator(name: str, *, needs_values: bool = False) -> Callable[[Any], Any]:
-    """Decorator registering ``fn(inputs, reduce, **params) -> AdvantageOutput`` as ``name``."""
-    return ADVANTAGE_ESTIMATORS.register(name, entry=lambda fn: AdvantageEstimator(fn, needs_values))
+def register_advantage_estimator(name: str, *, needs_values: bool = False,
+                                 needs_state_keys: bool = False) -> Callable[[Any], Any]:
+    """Decorator registering ``fn(inputs, reduce, **params) -> AdvantageOutput`` as ``name``.
+    ``needs_state_keys``: the estimator compares turn rows that acted in the same state (GiGPO)."""
+    return ADVANTAGE_ESTIMATORS.register(name, entry=lambda fn: AdvantageEstimator(fn, needs_values,
+                                                                                   needs_state_keys))
 
 
 def get_advantage_estimator(name: str, arg: str = "advantage_estimator") -> AdvantageEstimator:
@@ -112,6 +120,25 @@ def grpo(inputs: AdvantageInputs, reduce: MomentsReduce, *, scale: GrpoScale = "
     group, whole = reduce([grouped_moments(r[first], g[first], inputs.num_groups), moments(r[first])])
     adv = grpo_advantages(r, g, num_groups=inputs.num_groups, scale=scale, eps=eps, group=group, batch=whole)
     return AdvantageOutput(_per_row(adv, inputs.mask))
+
+
+@register_advantage_estimator("gigpo", needs_state_keys=True)
+def gigpo(inputs: AdvantageInputs, reduce: MomentsReduce, *, gamma: float = 0.95, step_weight: float = 1.0,
+          scale: GrpoScale = "group", eps: float = 1e-6) -> AdvantageOutput:
+    """GiGPO (Feng et al., 2025): GRPO's episode advantage plus ``step_weight`` times a step-level
+    advantage that compares the turns of a group taken in the same state by their discounted
+    returns (``gamma``, applied where the turn rows are built), so a turn that differs from its
+    group-mates in that state gets the credit or the blame. Needs one row per turn."""
+    if inputs.state_keys is None:
+        raise ValueError("the 'gigpo' estimator needs one row per turn (`rollout.history_turns` set) and the "
+                         "rows' state keys; this batch has none")
+    r, g, first = inputs.rewards, inputs.group_ids, inputs.episode_rows
+    group, whole = reduce([grouped_moments(r[first], g[first], inputs.num_groups), moments(r[first])])
+    episode = grpo_advantages(r, g, num_groups=inputs.num_groups, scale=scale, eps=eps, group=group, batch=whole)
+    valid = inputs.mask.sum(dim=1) > 0
+    returns = (inputs.token_rewards * inputs.mask).sum(dim=1)  # a turn row's return sits on its last token
+    step = anchor_state_advantages(returns, inputs.state_keys, valid, scale=scale, eps=eps)
+    return AdvantageOutput(_per_row(episode + step_weight * step.to(episode.dtype), inputs.mask))
 
 
 @register_advantage_estimator("rloo")

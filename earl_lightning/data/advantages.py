@@ -10,6 +10,8 @@ the single-process one (up to float64 summation order).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from earl_lightning.algorithms import outcome_to_token_rewards
@@ -32,7 +34,8 @@ def estimate_advantages(batch: ExperienceBatch, estimator: AdvantageEstimator, p
     inputs = AdvantageInputs(
         rewards=seqs["rewards"], group_ids=seqs["group_ids"], num_groups=num_groups, episode_rows=first,
         token_rewards=token_rewards_padded(batch, mask, kl_penalty), mask=mask,
-        values=batch.padded("values", 0.0) if "values" in batch.tokens else None)
+        values=batch.padded("values", 0.0) if "values" in batch.tokens else None,
+        state_keys=state_keys(batch) if estimator.needs_state_keys and "turn_index" in seqs else None)
     out = estimator(inputs, reduce, **params)
     tokens = dict(batch.tokens)
     tokens["advantages"] = batch.unpad(out.advantages)
@@ -52,3 +55,27 @@ def token_rewards_padded(batch: ExperienceBatch, mask: torch.Tensor,
     if kl_penalty is not None:
         r = r - kl_penalty * mask
     return r
+
+
+def state_keys(batch: ExperienceBatch) -> torch.Tensor:
+    """[S] int64: one key per turn row, equal for the rows of one group whose prompts (the tokens
+    before the row's first generated token) are equal: the turns a group took in the same state.
+    A stable 64-bit hash of the group id and the prompt's token ids (the same on every rank)."""
+    ids, mask, cu = batch.tokens["input_ids"], batch.tokens["action_mask"], batch.cu_seqlens.tolist()
+    keys = []
+    for i, group in enumerate(batch.seqs["group_ids"].tolist()):
+        row, gen = ids[cu[i]:cu[i + 1]], mask[cu[i]:cu[i + 1]].nonzero()
+        prompt = row[:int(gen[0])] if gen.numel() else row
+        digest = hashlib.blake2b(prompt.to(torch.int64).numpy().tobytes(), digest_size=8,
+                                 key=group.to_bytes(8, "little", signed=True)).digest()
+        keys.append(int.from_bytes(digest, "little", signed=True))
+    return torch.tensor(keys, dtype=torch.long)
+
+
+def check_whole_groups(name: str, estimator: AdvantageEstimator, world_size: int, keep_groups: bool) -> None:
+    """An estimator that compares a group's turn rows (``needs_state_keys``) needs each group's rows
+    on one rank: on more than one process, ``--data.dispatch.keep_groups`` must be true."""
+    if estimator.needs_state_keys and world_size > 1 and not keep_groups:
+        raise ValueError(f"`--model.algorithm.advantage.name` {name!r} compares the turns of a group taken in the "
+                         f"same state, so each group's rows must stay on one rank: set "
+                         f"`--data.dispatch.keep_groups true` (this run has {world_size} processes)")

@@ -165,8 +165,9 @@ class AdvantageConfig:
     """The advantage estimator.
 
     Args:
-        name: registered name (``grpo``, ``rloo``, ``reinforce_pp``, ``gae``) or import path of
-            a function registered with ``register_advantage_estimator``. ``gae`` adds a value head.
+        name: registered name (``grpo``, ``rloo``, ``reinforce_pp``, ``gae``, ``gigpo``) or import
+            path of a function registered with ``register_advantage_estimator``. ``gae`` adds a value
+            head; ``gigpo`` (GRPO + a step-level advantage per state) needs ``rollout.history_turns``.
         gamma: discount over generated tokens (reinforce_pp, gae); null: the estimator's default.
         lam: GAE lambda (gae); null: the estimator's default.
         scale: GRPO's advantage scale: ``group`` std, ``batch`` std or ``none`` (Dr. GRPO).
@@ -384,6 +385,9 @@ def exactly_on_policy(rollout: RolloutConfig, algorithm: AlgorithmConfig, optim:
 def check_combination(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:
     """Settings that are valid alone but not together."""
     h = rollout.history_turns
+    if h is None and algorithm.advantage.estimator.needs_state_keys:
+        raise ValueError(f"`{A}.algorithm.advantage.name` {algorithm.advantage.name!r} compares turns taken in the "
+                         f"same state, so each turn must be its own row: set `{A}.rollout.history_turns` (e.g. 0)")
     if h is None:
         return
     lam = algorithm.advantage.effective("lam", 1.0)

@@ -18,7 +18,7 @@ import torch
 
 from earl_lightning.algorithms import get_kl_estimator
 from earl_lightning.callbacks.base import StageOOMHandler
-from earl_lightning.data.advantages import estimate_advantages
+from earl_lightning.data.advantages import check_whole_groups, estimate_advantages
 from earl_lightning.data.datamodule import EpisodeDataModule
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.exchange import Exchanger
@@ -113,8 +113,11 @@ class AgenticRLModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def setup(self, stage: str) -> None:
-        if isinstance(self.trainer.datamodule, EpisodeDataModule):  # a first observation too long fails now
-            C.check_first_observation(self.rollout_config, self.tokenizer, self.trainer.datamodule.first_spec())
+        dm = self.trainer.datamodule
+        if isinstance(dm, EpisodeDataModule):  # a first observation too long fails now
+            C.check_first_observation(self.rollout_config, self.tokenizer, dm.first_spec())
+            check_whole_groups(self.algorithm_config.advantage.name, self.algorithm_config.advantage.estimator,
+                               self.trainer.world_size, dm.exchanger.config.keep_groups)
 
     # ---- the RL iteration ----------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:

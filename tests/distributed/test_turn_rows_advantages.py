@@ -1,5 +1,6 @@
 """Turn rows (``history_turns``) on 2 processes: the rows of one episode split across ranks, the
-module's advantage path (``estimate_advantages`` with all-reduced moments) equals one process."""
+module's advantage path (``estimate_advantages`` with all-reduced moments) equals one process; so
+does GiGPO with each group's rows on one rank (``dispatch.keep_groups``), as it requires."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def episodes() -> list[Episode]:
     return out
 
 
-PARAMS = {"grpo": dict(scale="group"), "reinforce_pp": dict(gamma=0.9)}
+PARAMS = {"grpo": dict(scale="group"), "reinforce_pp": dict(gamma=0.9), "gigpo": dict(gamma=0.9)}
 
 
 def advantages(batch, name: str, **kw):
@@ -52,7 +53,13 @@ def _worker(rank: int, world: int) -> dict[str, list[float]]:
     for est in ("grpo", "reinforce_pp"):
         res = advantages(local, est, reduce=Reducer().sum_moments)
         out[est] = res.tokens["advantages"].tolist()
+    whole_groups = exp.select(_group_rows(exp, rank, world))  # keep_groups: group g on rank g % world
+    out["gigpo"] = advantages(whole_groups, "gigpo", reduce=Reducer().sum_moments).tokens["advantages"].tolist()
     return out
+
+
+def _group_rows(exp, rank: int, world: int) -> list[int]:
+    return [i for i, g in enumerate(exp.seqs["group_ids"].tolist()) if g % world == rank]
 
 
 def test_turn_row_advantages_split_across_ranks_equal_one_process():
@@ -65,3 +72,12 @@ def test_turn_row_advantages_split_across_ranks_equal_one_process():
             rows = [i for i in range(exp.num_seqs) if i % 2 == rank]
             expected = single[exp.token_positions(rows)]
             torch.testing.assert_close(torch.tensor(res[est]), expected, rtol=1e-6, atol=1e-6, msg=f"{est} {rank}")
+
+
+def test_gigpo_with_whole_groups_on_each_rank_equals_one_process():
+    exp = episodes_to_experience(episodes(), gamma=0.9)
+    single = advantages(exp, "gigpo").tokens["advantages"]
+    assert not torch.equal(single, advantages(exp, "grpo").tokens["advantages"])  # the groups share states
+    for rank, res in enumerate(run_distributed(_worker, 2)):
+        expected = single[exp.token_positions(_group_rows(exp, rank, 2))]
+        torch.testing.assert_close(torch.tensor(res["gigpo"]), expected, rtol=1e-6, atol=1e-6, msg=f"gigpo {rank}")

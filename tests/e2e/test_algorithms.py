@@ -59,6 +59,15 @@ def test_estimator_and_loss_from_yaml_fit_two_steps(tmp_path, estimator, loss):
     assert ("policy/dual_clip_frac" in logged) and "policy/clip_frac" in logged
 
 
+def test_gigpo_fits_two_steps_on_turn_rows(tmp_path):
+    cfg = recipe({"advantage": {"name": "gigpo", "kwargs": {"step_weight": 0.5}}, "loss": LOSSES["ppo_clip"]})
+    cfg["model"]["rollout"]["history_turns"] = 0  # one row per turn: GiGPO compares turns in the same state
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    main(["fit", "--config", str(path), "--trainer.default_root_dir", str(tmp_path / "run")])
+    check(scalars(tmp_path / "run"))
+
+
 def test_user_loss_and_estimator_by_import_path_fit_two_steps(tmp_path):
     logged = fit(tmp_path, {"advantage": {"name": "tests.plugins.algorithms.whole_batch_baseline"},
                             "loss": {"name": "tests.plugins.algorithms.centered_reinforce_loss",

@@ -219,7 +219,7 @@ def test_registry_lookup_and_unknown_name():
     torch.testing.assert_close(out.advantages, expected[0])
     torch.testing.assert_close(out.returns, expected[1])
     with pytest.raises(ValueError, match=r"unknown `advantage_estimator` 'ppo'; "
-                                         r"valid advantage estimators: \['gae', 'grpo'"):
+                                         r"valid advantage estimators: \['gae', 'gigpo', 'grpo'"):
         get_advantage_estimator("ppo")
     with pytest.raises(ValueError, match=r"unknown `algo.adv` 'x'"):
         get_advantage_estimator("x", arg="algo.adv")

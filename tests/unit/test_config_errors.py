@@ -24,7 +24,7 @@ def test_batch_size_not_multiple_of_group_size():
 
 def test_unknown_advantage_estimator():
     with pytest.raises(ValueError, match=r"unknown `--model.algorithm.advantage.name` 'gpro'; valid advantage "
-                                         r"estimators: \[.*'gae', 'grpo', 'reinforce_pp', 'rloo'.*\]"):
+                                         r"estimators: \[.*'gae', 'gigpo', 'grpo', 'reinforce_pp', 'rloo'.*\]"):
         AgenticRLModule(algorithm={"advantage": {"name": "gpro"}})
 
 
