@@ -5,7 +5,8 @@
 
 The table is read from the typed configs themselves (the dataclasses' fields and defaults, the
 ``Args:`` sections of their docstrings, ``AgenticRLModule`` and ``EpisodeDataModule``'s signatures),
-so it cannot drift from the code; ``tests/unit/test_config_reference.py`` runs ``--check``.
+so it cannot drift from the code; ``tests/unit/test_config_reference.py`` compares the file
+with ``render()``.
 """
 
 from __future__ import annotations

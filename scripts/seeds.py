@@ -10,8 +10,8 @@ Writes ``<out>/curves.csv`` (seed, step, metric, value: the greedy held-out eval
 the starting model), ``<out>/summary.csv`` (per seed: start and final figures, the warm start's
 sampled figures, wall times) and ``<out>/curves.png`` (each seed's curve and the mean). Extra
 arguments after ``--`` go to ``earl fit``; ``--sft-arg=<flag>=<value>`` (repeatable) passes one to
-``earl sft`` (e.g. ``--sft-arg=--model.model=earl-tiny-4l``). ``--warm-starts <dir>`` reuses the warm starts that an
-earlier run with ``--sft`` saved there (the same warm starts for GRPO and PPO).
+``earl sft`` (e.g. ``--sft-arg=--model.model=earl-tiny-4l``). ``--warm-starts <dir>`` reuses the
+warm starts that an earlier run with ``--sft`` saved there (the same warm starts for GRPO and PPO).
 """
 
 from __future__ import annotations

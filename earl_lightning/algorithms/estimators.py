@@ -132,13 +132,11 @@ def gigpo(inputs: AdvantageInputs, reduce: MomentsReduce, *, gamma: float = 0.95
     if inputs.state_keys is None:
         raise ValueError("the 'gigpo' estimator needs one row per turn (`rollout.history_turns` set) and the "
                          "rows' state keys; this batch has none")
-    r, g, first = inputs.rewards, inputs.group_ids, inputs.episode_rows
-    group, whole = reduce([grouped_moments(r[first], g[first], inputs.num_groups), moments(r[first])])
-    episode = grpo_advantages(r, g, num_groups=inputs.num_groups, scale=scale, eps=eps, group=group, batch=whole)
+    episode = grpo(inputs, reduce, scale=scale, eps=eps).advantages  # [B, T]
     valid = inputs.mask.sum(dim=1) > 0
     returns = (inputs.token_rewards * inputs.mask).sum(dim=1)  # a turn row's return sits on its last token
     step = anchor_state_advantages(returns, inputs.state_keys, valid, scale=scale, eps=eps)
-    return AdvantageOutput(_per_row(episode + step_weight * step.to(episode.dtype), inputs.mask))
+    return AdvantageOutput(episode + _per_row(step_weight * step, inputs.mask))
 
 
 @register_advantage_estimator("rloo")

@@ -385,10 +385,10 @@ def exactly_on_policy(rollout: RolloutConfig, algorithm: AlgorithmConfig, optim:
 def check_combination(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:
     """Settings that are valid alone but not together."""
     h = rollout.history_turns
-    if h is None and algorithm.advantage.estimator.needs_state_keys:
-        raise ValueError(f"`{A}.algorithm.advantage.name` {algorithm.advantage.name!r} compares turns taken in the "
-                         f"same state, so each turn must be its own row: set `{A}.rollout.history_turns` (e.g. 0)")
     if h is None:
+        if algorithm.advantage.estimator.needs_state_keys:
+            raise ValueError(f"`{A}.algorithm.advantage.name` {algorithm.advantage.name!r} compares turns taken in the "
+                             f"same state, so each turn must be its own row: set `{A}.rollout.history_turns` (e.g. 0)")
         return
     lam = algorithm.advantage.effective("lam", 1.0)
     if lam != 1.0:
