@@ -36,6 +36,14 @@ from earl_lightning.warnings_filter import install_warning_filters
 import earl_lightning.strategies  # noqa: F401,E402
 
 
+def say(line: str) -> None:
+    """Write one line to stderr in a single ``write``. Every rank of a multi-process run reports
+    its error at the same moment; ``print`` writes the text and the newline separately (stderr
+    is unbuffered under ``python -u``), and two ranks' lines then run into one another."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 @contextlib.contextmanager
 def disk_full_as_one_line(where: Callable[[], str]) -> Iterator[None]:
     """A full disk inside the block is re-raised as one :class:`DiskFullError` line naming
@@ -58,12 +66,12 @@ class EarlCLI(LightningCLI):
         path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
         keyword = str(path).lower() in ("best", "last", "hpc") or str(path).lower().startswith("registry")
         if path and not keyword and "://" not in str(path) and not Path(path).exists():
-            print(f"earl: error: `--ckpt_path`: checkpoint {str(path)!r} does not exist", file=sys.stderr)
+            say(f"earl: error: `--ckpt_path`: checkpoint {str(path)!r} does not exist")
             raise SystemExit(2)
         try:
             super()._parse_ckpt_path()
         except Exception as err:  # noqa: BLE001 - the torch.load of the file is all that can fail here
-            print(f"earl: error: {checkpoint_unreadable(path, err, arg='--ckpt_path')}", file=sys.stderr)
+            say(f"earl: error: {checkpoint_unreadable(path, err, arg='--ckpt_path')}")
             raise SystemExit(2) from None
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -85,15 +93,14 @@ class EarlCLI(LightningCLI):
         found = [p for p in root.rglob("last*.ckpt") if p.is_file() or (p / ".metadata").is_file()]
         kwargs["ckpt_path"] = str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
         if not found and self.trainer.is_global_zero:
-            print(f"earl: no checkpoint named last*.ckpt under {str(root)!r}: starting from the beginning",
-                  file=sys.stderr)
+            say(f"earl: no checkpoint named last*.ckpt under {str(root)!r}: starting from the beginning")
 
     def instantiate_classes(self) -> None:
         # Bad input is reported as one clear line naming the argument, not a traceback from deep inside.
         try:
             super().instantiate_classes()
         except (ValueError, FileNotFoundError, ImportError) as err:
-            print(f"earl: error: {err}", file=sys.stderr)
+            say(f"earl: error: {err}")
             raise SystemExit(2) from None
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
@@ -124,7 +131,7 @@ class SftCLI(EarlCLI):
     def before_instantiate_classes(self) -> None:
         problem = output_dir_problem(self.config.get("output_dir"), bool(self.config.get("overwrite")))
         if problem is not None:
-            print(f"earl: error: {problem}", file=sys.stderr)
+            say(f"earl: error: {problem}")
             raise SystemExit(2)
 
 
@@ -183,7 +190,7 @@ def main(args: list[str] | None = None) -> None:
             args=args,
         )
     except EarlError as err:  # the user's to fix (an environment, a file): one line, no traceback
-        print(f"earl: error: {err}", file=sys.stderr)
+        say(f"earl: error: {err}")
         raise SystemExit(1) from None
 
 

@@ -127,6 +127,24 @@ def test_missing_checkpoint_named_on_the_command_line(tmp_path, capsys):
     assert error_line(err) == f"earl: error: `--ckpt_path`: checkpoint '{missing}' does not exist"
 
 
+def test_an_error_line_reaches_stderr_in_one_write(tmp_path, monkeypatch):
+    # Every rank of a multi-process run reports its error at the same moment; `print` writes the
+    # text and the newline in two writes to the unbuffered stderr, and two ranks' lines then ran
+    # into one ("...another diskearl: error: ..."). One write per line cannot interleave.
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    missing = tmp_path / "nowhere" / "last.ckpt"
+    with pytest.raises(SystemExit):
+        main(fit(RECIPE, tmp_path / "run", 1, "--ckpt_path", str(missing)))
+    assert f"earl: error: `--ckpt_path`: checkpoint '{missing}' does not exist\n" in writes, writes
+
+
 def test_truncated_last_checkpoint_on_resume(trained, tmp_path, capsys):
     recipe, root = copy_run(trained, tmp_path)
     last = last_ckpt(root)
