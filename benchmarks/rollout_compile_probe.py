@@ -42,13 +42,17 @@ def compile_rollout_forward(mode: str) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and not sys.argv[2].isdigit()):
-        raise SystemExit("usage: rollout_compile_probe.py {eager|default|reduce-overhead|max-autotune} [STEPS >= 3]")
-    mode, steps = sys.argv[1], int(sys.argv[2]) if len(sys.argv) == 3 else 6
+    modes = ("eager", "default", "reduce-overhead", "max-autotune")
+    args = sys.argv[1:]
+    steps_ok = len(args) == 1 or (len(args) == 2 and args[1].isdigit() and int(args[1]) >= 3)
+    if not args or args[0] not in modes or not steps_ok:
+        raise SystemExit(f"usage: rollout_compile_probe.py MODE [STEPS]; MODE one of {', '.join(modes)}, "
+                         f"STEPS an integer >= 3 (default 6); got {' '.join(args)!r}")
+    mode, steps = args[0], int(args[1]) if len(args) == 2 else 6
     if mode != "eager":
         compile_rollout_forward(mode)
     torch.set_num_threads(2)
-    out = run_earl(RunSpec(side="earl", mode="multi", completion_len=8, turns=10, steps=max(3, steps), warmup=2))
+    out = run_earl(RunSpec(side="earl", mode="multi", completion_len=8, turns=10, steps=steps, warmup=2))
     rollout = [x["stage/rollout/seconds"] for x in out["stages"]]
     print(mode, "rollout per step", [round(r, 2) for r in rollout],
           "median after 2:", round(statistics.median(rollout[2:]), 3))

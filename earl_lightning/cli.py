@@ -39,7 +39,7 @@ import earl_lightning.strategies  # noqa: F401,E402
 def say(line: str) -> None:
     """Write one line to stderr in a single ``write``. Every rank of a multi-process run reports
     its error at the same moment; ``print`` writes the text and the newline separately (stderr
-    is unbuffered under ``python -u``), and two ranks' lines then run into one another."""
+    is write-through, so each is its own system call), and two ranks' lines then run together."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 

@@ -129,7 +129,7 @@ def test_missing_checkpoint_named_on_the_command_line(tmp_path, capsys):
 
 def test_an_error_line_reaches_stderr_in_one_write(tmp_path, monkeypatch):
     # Every rank of a multi-process run reports its error at the same moment; `print` writes the
-    # text and the newline in two writes to the unbuffered stderr, and two ranks' lines then ran
+    # text and the newline in two writes to the write-through stderr, and two ranks' lines then ran
     # into one ("...another diskearl: error: ..."). One write per line cannot interleave.
     writes: list[str] = []
 
