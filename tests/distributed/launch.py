@@ -33,7 +33,27 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return standalone_env(**extra)
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+# Imported once by the fork server, so that each rank starts forked with them in place instead of
+# importing them afresh (~3-9 s of CPU a rank on 2 cores, most of a short distributed test).
+_PRELOAD = ["torch", "torch.distributed.tensor", "lightning.pytorch", "transformers", "earl_lightning.modules",
+            "earl_lightning.strategies", "earl_lightning.callbacks", "tests.distributed.launch"]
+_CONTEXT = None
+
+
+def _context():
+    """The ranks' start method: ``forkserver`` with :data:`_PRELOAD` imported in the server (a clean
+    process: no threads, no process group, no CUDA), started once per test process."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def _worker(rank, world_size, port, fn, args, queue, environ):
+    os.environ.clear()  # the caller's environment now, not the fork server's when it started
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -54,10 +74,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
     Fails (RuntimeError) as soon as a rank reports an exception, dies without reporting (a segfault,
     ``os._exit``, the OOM killer: named with its exit code or signal), or when ``timeout`` seconds
     pass without every result; the other ranks are then killed, so a test never hangs."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, environ))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     try:
