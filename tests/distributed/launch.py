@@ -37,18 +37,15 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 # importing them afresh (~3-9 s of CPU a rank on 2 cores, most of a short distributed test).
 _PRELOAD = ["torch", "torch.distributed.tensor", "lightning.pytorch", "transformers", "earl_lightning.modules",
             "earl_lightning.strategies", "earl_lightning.callbacks", "tests.distributed.launch"]
-_CONTEXT = None
 
 
 def _context():
     """The ranks' start method: ``forkserver`` with :data:`_PRELOAD` imported in the server (a clean
-    process: no threads, no process group, no CUDA), started once per test process."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
-        _CONTEXT = ctx
-    return _CONTEXT
+    process: no threads, no process group, no CUDA). The server starts with the first rank and
+    serves every later call of this process (setting the same preload again changes nothing)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _worker(rank, world_size, port, fn, args, queue, environ):
