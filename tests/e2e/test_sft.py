@@ -154,6 +154,25 @@ def test_the_warm_family_differs_only_in_the_task():
             assert shared(other, algo) == first, f"{other.name} changes more than the task"
 
 
+def test_the_warm_starts_differ_only_in_the_task():
+    """Every `*_sft.yaml` trains the same model with the same optimizer, clipping, batch and epochs;
+    a task sets its env, its demonstration policy and how many demonstrations it plays."""
+    task_keys = {("model", "rollout"), ("data", "env"), ("data", "env_kwargs"), ("data", "eval_env_kwargs"),
+                 ("data", "policy"), ("data", "policy_kwargs"), ("data", "num_episodes"),
+                 ("trainer", "default_root_dir")}
+    recipes = sorted(RECIPES.glob("*_sft.yaml"))
+    assert len(recipes) >= 4
+
+    def shared(path: Path) -> dict:
+        cfg = yaml.safe_load(path.read_text())
+        return {(section, k): v for section in ("trainer", "model", "data") for k, v in cfg[section].items()
+                if (section, k) not in task_keys}
+
+    first = shared(recipes[0])
+    for other in recipes[1:]:
+        assert shared(other) == first, f"{other.name} changes more than the task"
+
+
 def test_seeds_script_runs_warm_start_then_rl_per_seed_and_reports_curves(tmp_path):
     import csv
     import subprocess
