@@ -23,8 +23,12 @@ BASELINES = [
     ("connect_four", "connect_four", {"opponent": "random", "seat": "alternate"}, "centre_first", {}),
     ("tic_tac_toe", "openspiel", {"game": "tic_tac_toe", "opponent": "random", "seat": "alternate"},
      "random_legal", {}),
+    ("tic_tac_toe", "openspiel", {"game": "tic_tac_toe", "opponent": "random", "seat": "alternate"},
+     "centre_first", {"order": (4, 0, 2, 6, 8, 1, 3, 5, 7)}),  # the centre, then corners, then edges
     ("hex(board_size=3)", "openspiel", {"game": "hex(board_size=3)", "opponent": "random", "seat": "alternate"},
      "random_legal", {}),
+    ("hex(board_size=3)", "openspiel", {"game": "hex(board_size=3)", "opponent": "random", "seat": "alternate"},
+     "centre_first", {"order": (4, 2, 6, 1, 3, 5, 7, 0, 8)}),  # the centre, then the short diagonal's ends
     ("calculator", "calculator", {"difficulty": "easy", "max_tool_calls": 3}, "imperfect_calculator",
      {"no_tool_share": 0.6}),
     ("calculator", "calculator", {"difficulty": "easy", "max_tool_calls": 3}, "imperfect_calculator",
