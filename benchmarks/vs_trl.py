@@ -15,6 +15,7 @@ generated tokens per step / seconds per step; peak RSS is the process's high-wat
 
     python benchmarks/vs_trl.py            # 3 runs per side and mode (~20 min on 2 cores)
     python benchmarks/vs_trl.py --quick    # 1 run, fewer steps (< 5 min)
+    python benchmarks/vs_trl.py --modes multi --host-memory   # + earl with malloc untouched, TRL with earl's setting
 
 Writes ``benchmarks/results/vs_trl.csv`` (medians) and ``vs_trl_runs.csv`` (every run), and
 prints a table with the earl/TRL speed ratio, the equal-work check (tokens generated per step
@@ -39,6 +40,12 @@ from earl_lightning.parallel.launch_env import standalone_env
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SIDES = ("earl", "trl")
+# --host-memory adds these sides: earl with glibc's malloc left as it is (as before it kept freed
+# host memory), and TRL with glibc set as earl sets it (earl_lightning/host_memory.py).
+HOST_MEMORY_SIDES = ("earl_glibc", "trl_retain")
+SIDE_ENV = {"earl": {"EARL_HOST_MEMORY": "retain"}, "trl": {}, "earl_glibc": {"EARL_HOST_MEMORY": "glibc"},
+            "trl_retain": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}}
+PAIRS = (("earl", "trl"), ("earl", "trl_retain"), ("earl_glibc", "trl"))
 RESULT_TAG = "VS_TRL_RESULT "  # printed by benchmarks/vs_trl_sides.py
 SLOW_FACTOR = 1.5
 WORK_TOLERANCE = 0.10
@@ -58,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="first steps left out of the timing (default 2, quick 1)")
     p.add_argument("--lengths", type=int, nargs="+", default=[8, 32], help="single-turn completion lengths")
     p.add_argument("--modes", nargs="+", default=["single", "multi"], help="single and/or multi")
+    p.add_argument("--host-memory", action="store_true",
+                   help="also run earl with EARL_HOST_MEMORY=glibc and TRL with glibc's malloc set as earl sets it")
     p.add_argument("--turns", type=int, default=10, help="turns per multi-turn episode")
     p.add_argument("--multi-length", type=int, default=8, help="tokens per multi-turn reply")
     p.add_argument("--batch", type=int, default=64, help="completions (episodes) per RL step")
@@ -114,13 +123,16 @@ def configs(args: argparse.Namespace) -> list[dict]:
 
 def run_side(side: str, cfg: dict, args: argparse.Namespace) -> dict:
     """One side of one point in a fresh process; the parsed result plus the load around it."""
-    spec = {"side": side, **cfg, "warmup": args.warmup, "batch": args.batch, "group": args.group, "lr": args.lr,
-            "seed": args.seed, "threads": args.threads, "device": args.device}
+    spec = {"side": side.split("_")[0], **cfg, "warmup": args.warmup, "batch": args.batch, "group": args.group,
+            "lr": args.lr, "seed": args.seed, "threads": args.threads, "device": args.device}
     # Each side is one standalone process: no process-group variables from whoever launched us
     # (accelerate, under TRL, would try to join that group).
     env = {**standalone_env(), "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    for name in ("EARL_HOST_MEMORY", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
+        env.pop(name, None)
+    env.update(SIDE_ENV[side])
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_trl_sides", json.dumps(spec)], cwd=ROOT, env=env,
@@ -162,11 +174,12 @@ def summarize(result: dict, warmup: int) -> dict:
 def run_all(args: argparse.Namespace) -> list[dict]:
     """Every run, the sides alternating A B / B A so that drifting load hits both alike."""
     rows = []
+    sides = SIDES + (HOST_MEMORY_SIDES if args.host_memory else ())
     for run in range(args.runs):
         for i, cfg in enumerate(configs(args)):
-            order = SIDES if (run + i) % 2 == 0 else SIDES[::-1]
+            order = sides if (run + i) % 2 == 0 else sides[::-1]
             for side in order:
-                row = {"run": run, **summarize(run_side(side, cfg, args), args.warmup)}
+                row = {"run": run, **summarize(run_side(side, cfg, args), args.warmup), "side": side}
                 rows.append(row)
                 print(f"run {run} {side:4s} {cfg['mode']:6s} len {cfg['completion_len']:2d}: "
                       f"{row['seconds_per_step']:.3f} s/step, reward {row['reward_first']:.2f} -> "
@@ -197,17 +210,22 @@ def verdicts(summary: list[dict]) -> list[dict]:
     """Per point: the speed ratio (TRL s/step over earl s/step: > 1 means earl is faster), equal
     work (tokens per step within 10%) and whether both sides' rewards rose."""
     out = []
-    for e in (r for r in summary if r["side"] == "earl"):
-        t = next((r for r in summary if r["side"] == "trl" and
-                  (r["mode"], r["completion_len"], r["turns"]) == (e["mode"], e["completion_len"], e["turns"])), None)
-        if t is None:
-            continue
-        work = abs(e["tokens_per_step"] - t["tokens_per_step"]) / max(t["tokens_per_step"], 1e-9)
-        out.append({"mode": e["mode"], "completion_len": e["completion_len"], "turns": e["turns"],
-                    "speedup": t["seconds_per_step"] / e["seconds_per_step"], "work_diff": work,
-                    "equal_work": work <= WORK_TOLERANCE, "noisy": e["only_flagged"] or t["only_flagged"],
-                    "both_learn": e["reward_last"] > e["reward_first"] and t["reward_last"] > t["reward_first"]})
+    for earl, trl in PAIRS:
+        out += [c for e in summary if e["side"] == earl for c in _verdict(e, summary, trl)]
     return out
+
+
+def _verdict(e: dict, summary: list[dict], trl: str) -> list[dict]:
+    t = next((r for r in summary if r["side"] == trl and
+              (r["mode"], r["completion_len"], r["turns"]) == (e["mode"], e["completion_len"], e["turns"])), None)
+    if t is None:
+        return []
+    work = abs(e["tokens_per_step"] - t["tokens_per_step"]) / max(t["tokens_per_step"], 1e-9)
+    return [{"pair": f"{e['side']} / {trl}", "mode": e["mode"], "completion_len": e["completion_len"],
+             "turns": e["turns"],
+             "speedup": t["seconds_per_step"] / e["seconds_per_step"], "work_diff": work,
+             "equal_work": work <= WORK_TOLERANCE, "noisy": e["only_flagged"] or t["only_flagged"],
+             "both_learn": e["reward_last"] > e["reward_first"] and t["reward_last"] > t["reward_first"]}]
 
 
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
@@ -226,11 +244,12 @@ def print_report(summary: list[dict], checks: list[dict], loads: tuple[float, fl
         print(f"| {r['mode']} | {r['completion_len']} | {r['turns']} | {r['side']} | {r['seconds_per_step']:.3f} | "
               f"{r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} | {r['tokens_per_step']:.0f} | "
               f"{r['reward_first']:.2f} -> {r['reward_last']:.2f} | {r['runs']} ({r['flagged_runs']} flagged) |")
-    print("\n| mode | tokens | turns | earl speed / TRL | tokens/step differ | equal work (<= 10%) | both rewards rose "
-          "| timing |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| earl side / TRL side | mode | tokens | turns | earl speed / TRL | tokens/step differ | equal work (<= 10%) "
+          "| both rewards rose | timing |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in checks:
-        print(f"| {c['mode']} | {c['completion_len']} | {c['turns']} | {c['speedup']:.2f}x | {100 * c['work_diff']:.1f}% | "
+        print(f"| {c['pair']} | {c['mode']} | {c['completion_len']} | {c['turns']} | {c['speedup']:.2f}x | "
+              f"{100 * c['work_diff']:.1f}% | "
               f"{'yes' if c['equal_work'] else 'NO'} | {'yes' if c['both_learn'] else 'NO'} | "
               f"{'NOISY: only flagged runs' if c['noisy'] else 'ok'} |")
     guards = [r["guard_s"] for r in rows]

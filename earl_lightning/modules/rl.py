@@ -24,6 +24,7 @@ from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.exchange import Exchanger
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs
+from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import (RunMetrics, StageTimer, batch_stats, log_transcripts, reported,
@@ -62,6 +63,7 @@ class AgenticRLModule(L.LightningModule):
         self.optim_config = C.coerce(C.OptimConfig, optim, "--model.optim")
         C.check_combination(self.rollout_config, self.algorithm_config)
         C.check_module_args(dtype, seed, transcript_every_n_steps, logprob_mismatch_warn)
+        host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
         self.save_hyperparameters(C.module_hparams(model, dtype, self.rollout_config, self.algorithm_config,
                                                    self.optim_config, seed, transcript_every_n_steps,
                                                    logprob_mismatch_warn))
@@ -113,6 +115,7 @@ class AgenticRLModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def setup(self, stage: str) -> None:
+        apply_host_memory()  # freed activations are kept for the next step (earl_lightning/host_memory.py)
         dm = self.trainer.datamodule
         if isinstance(dm, EpisodeDataModule):  # a first observation too long fails now
             C.check_first_observation(self.rollout_config, self.tokenizer, dm.first_spec())

@@ -17,6 +17,7 @@ import torch
 
 from earl_lightning.callbacks.base import StageOOMHandler
 from earl_lightning.errors import EnvironmentFailure, RankFailure
+from earl_lightning.host_memory import trim_host_memory
 from earl_lightning.modules.metrics import StageTimer
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.faults import is_peer_failure
@@ -76,12 +77,14 @@ class StageRunner:
 
 
 def free_memory(optimizers: Sequence[Any], backend: Any) -> None:
-    """After a failed attempt: drop gradients and cached generation state, return cached memory."""
+    """After a failed attempt: drop gradients and cached generation state, return cached memory
+    (the device allocator's and the host heap's)."""
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     if backend is not None:
         backend.release(None)
     gc.collect()
+    trim_host_memory()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -10,6 +10,7 @@ import torch
 
 from earl_lightning.algorithms.supervised import soft_token_cross_entropy
 from earl_lightning.groups import to_dict
+from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
 from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import FLAGS, RunMetrics, reported
@@ -49,6 +50,7 @@ class WarmStartModule(L.LightningModule):
         C.check_number("--model.weight_decay", weight_decay)
         C.check_count("--model.warmup_steps", warmup_steps, low=0)
         C.check_dtype_and_seed(dtype, seed)
+        host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
         self.save_hyperparameters(dict(model=model, dtype=dtype, rollout=to_dict(self.rollout_config), lr=lr,
                                        weight_decay=weight_decay, warmup_steps=warmup_steps, seed=seed))
         self.tokenizer = load_tokenizer(model, "--model.model")
@@ -56,6 +58,9 @@ class WarmStartModule(L.LightningModule):
         self.policy = None
         self.evaluated_at_step = -1  # the global step of the last evaluation (warm_start.json needs the final one)
         self.greedy_metrics, self.sampled_metrics = RunMetrics(), RunMetrics()
+
+    def setup(self, stage: str) -> None:
+        apply_host_memory()  # freed activations are kept for the next step (earl_lightning/host_memory.py)
 
     def configure_model(self) -> None:
         if self.policy is None:
