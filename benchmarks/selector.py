@@ -234,6 +234,7 @@ def bench_worker(rank, world, port, policies, rounds, budget, steps_per_phase, p
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), TOKENIZERS_PARALLELISM="false")
     torch.set_num_threads(1)
+    os.environ["EARL_HOST_MEMORY"] = "glibc"  # the module must not undo exact_rss_allocator (host_memory.py)
     exact_rss_allocator()
     import warnings
 
