@@ -47,13 +47,19 @@ def overrides(run: Path) -> Path:
     return path
 
 
+# One intra-op thread in every process of every launch: torchrun sets it for several processes per
+# node and not for one, and a process with two threads splits its matmuls' reductions otherwise
+# (measured on a 2-core machine: 2 nodes x 1 process then differed from 1 x 2 by 1.6e-7).
+ONE_THREAD = "1"
+
+
 def torchrun(run: Path, *launch: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [str(Path(sys.executable).with_name("torchrun")), *launch, "-m", "earl_lightning.cli", "fit",
            "--config", str(RECIPE), "--config", str(overrides(run)), *extra]
     log = run / f"launch{len(list(run.glob('launch*.log')))}.log"
     # its own session: a launch that outlives the test is killed with everything it started
-    proc = subprocess.Popen(cmd, env=subprocess_env(PYTHONPATH=str(ROOT)), stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=ONE_THREAD),
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     proc.log = log
     return proc
 
@@ -138,7 +144,8 @@ def srun_task(run: Path, rank: int, port: int) -> subprocess.Popen:
     srun gives it (no torchrun; Lightning's SLURMEnvironment reads them)."""
     slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="earl", SLURM_NTASKS="2", SLURM_NNODES="2",
                  SLURM_NTASKS_PER_NODE="1", SLURM_NODELIST="127.0.0.1", SLURM_PROCID=str(rank),
-                 SLURM_LOCALID="0", SLURM_NODEID=str(rank), MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+                 SLURM_LOCALID="0", SLURM_NODEID=str(rank), MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
+                 OMP_NUM_THREADS=ONE_THREAD)
     cmd = [sys.executable, "-m", "earl_lightning.cli", "fit", "--config", str(RECIPE), "--config",
            str(overrides(run)), "--trainer.num_nodes", "2", "--trainer.devices", "1"]
     log = run / f"srun{rank}.log"
