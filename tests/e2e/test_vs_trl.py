@@ -100,3 +100,40 @@ def test_bad_arguments_fail_with_a_message(argv, match, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert re.search(match, capsys.readouterr().err)
+
+
+def test_host_memory_sides_pair_and_run_with_their_malloc_settings(monkeypatch):
+    """``--host-memory``: each side runs in a process with its own malloc setting (nothing inherited
+    from the caller), and the ratio is taken for earl / TRL, earl / TRL with earl's setting and
+    earl with glibc's / TRL."""
+    import json
+
+    import benchmarks.vs_trl as vs
+
+    seen = []
+
+    def fake_run(cmd, env, **kwargs):
+        seen.append((json.loads(cmd[-1])["side"],
+                     {k: v for k, v in env.items() if k.startswith(("EARL_HOST", "MALLOC_"))}))
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="stop")
+
+    monkeypatch.setenv("EARL_HOST_MEMORY", "glibc")  # the caller's must not leak into a side
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "7")
+    monkeypatch.setattr(vs.subprocess, "run", fake_run)
+    args = vs.parse_args(["--quick", "--host-memory"])
+    sides = ("earl", "trl", "earl_glibc", "trl_retain")
+    for side in sides:
+        with pytest.raises(RuntimeError, match=f"the {side} run"):
+            vs.run_side(side, vs.configs(args)[0], args)
+    assert dict(zip(sides, seen)) == {
+        "earl": ("earl", {"EARL_HOST_MEMORY": "retain"}), "trl": ("trl", {}),
+        "earl_glibc": ("earl", {"EARL_HOST_MEMORY": "glibc"}),
+        "trl_retain": ("trl", {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)})}
+
+    def row(side, sec):
+        return {"side": side, "mode": "multi", "completion_len": 8, "turns": 10, "seconds_per_step": sec,
+                "tokens_per_step": 100.0, "reward_first": 0.1, "reward_last": 0.2, "only_flagged": False}
+
+    checks = vs.verdicts([row("earl", 1.0), row("trl", 4.0), row("earl_glibc", 2.0), row("trl_retain", 3.0)])
+    assert {c["pair"]: c["speedup"] for c in checks} == {"earl / trl": 4.0, "earl / trl_retain": 3.0,
+                                                         "earl_glibc / trl": 2.0}
