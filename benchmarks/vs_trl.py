@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from earl_lightning.host_memory import ENV as HOST_MEMORY_VAR
+from earl_lightning.host_memory import MALLOC_ENV, RETAIN_ENV
 from earl_lightning.parallel.launch_env import standalone_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,8 +45,8 @@ SIDES = ("earl", "trl")
 # --host-memory adds these sides: earl with glibc's malloc left as it is (as before it kept freed
 # host memory), and TRL with glibc set as earl sets it (earl_lightning/host_memory.py).
 HOST_MEMORY_SIDES = ("earl_glibc", "trl_retain")
-SIDE_ENV = {"earl": {"EARL_HOST_MEMORY": "retain"}, "trl": {}, "earl_glibc": {"EARL_HOST_MEMORY": "glibc"},
-            "trl_retain": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}}
+SIDE_ENV = {"earl": {HOST_MEMORY_VAR: "retain"}, "trl": {}, "earl_glibc": {HOST_MEMORY_VAR: "glibc"},
+            "trl_retain": RETAIN_ENV}
 PAIRS = (("earl", "trl"), ("earl", "trl_retain"), ("earl_glibc", "trl"))
 RESULT_TAG = "VS_TRL_RESULT "  # printed by benchmarks/vs_trl_sides.py
 SLOW_FACTOR = 1.5
@@ -130,7 +132,7 @@ def run_side(side: str, cfg: dict, args: argparse.Namespace) -> dict:
     env = {**standalone_env(), "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    for name in ("EARL_HOST_MEMORY", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
+    for name in (HOST_MEMORY_VAR, *MALLOC_ENV):  # a side's malloc setting is its own, not the caller's
         env.pop(name, None)
     env.update(SIDE_ENV[side])
     load_before = os.getloadavg()[0]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from typing import Optional
 
@@ -31,6 +32,11 @@ MODES = ("retain", "glibc")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc <malloc.h>
 _INT_MAX = 2**31 - 1
 _GLIBC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
+_RETAIN = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: _INT_MAX}
+# The same settings as glibc's environment variables, read when a process starts (for a process
+# earl does not set up itself, e.g. the other side of benchmarks/vs_trl.py).
+RETAIN_ENV = {"MALLOC_MMAP_MAX_": str(_RETAIN[_M_MMAP_MAX]), "MALLOC_TRIM_THRESHOLD_": str(_RETAIN[_M_TRIM_THRESHOLD])}
+MALLOC_ENV = (*RETAIN_ENV, "MALLOC_MMAP_THRESHOLD_")
 
 
 def host_memory_mode(value: Optional[str] = None) -> str:
@@ -42,6 +48,7 @@ def host_memory_mode(value: Optional[str] = None) -> str:
     return mode
 
 
+@functools.lru_cache(maxsize=None)
 def _glibc() -> Optional[ctypes.CDLL]:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -60,7 +67,7 @@ def apply_host_memory(mode: Optional[str] = None) -> bool:
     libc = _glibc()
     if host_memory_mode(mode) == "glibc" or libc is None:
         return False
-    return all(libc.mallopt(param, value) == 1 for param, value in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX)))
+    return all(libc.mallopt(param, value) == 1 for param, value in _RETAIN.items())
 
 
 def release_host_memory() -> bool:

@@ -134,24 +134,25 @@ def test_bad_input_is_one_line(args, message, tmp_path, capsys):
     assert not (tmp_path / "m").exists()  # nothing half-saved
 
 
+def _assert_one_family(recipes: list[Path], task_keys: set[tuple[str, str]]) -> None:
+    """Every recipe has the first one's trainer, model and data settings, ``task_keys`` aside."""
+    def shared(path: Path) -> dict:
+        cfg = yaml.safe_load(path.read_text())
+        return {(section, k): v for section in ("trainer", "model", "data") for k, v in cfg[section].items()
+                if (section, k) not in task_keys}
+
+    first = shared(recipes[0])
+    for other in recipes[1:]:
+        assert shared(other) == first, f"{other.name} changes more than the task"
+
+
 def test_the_warm_family_differs_only_in_the_task():
     task_keys = {("model", "model"), ("model", "rollout"), ("data", "env"), ("data", "env_kwargs"),
                  ("data", "eval_env_kwargs"), ("trainer", "default_root_dir")}
     family = sorted(RECIPES.glob("*_warm.yaml"))
     assert len(family) >= 2
-
-    def shared(path: Path, algo: str) -> dict:
-        cfg = yaml.safe_load(path.read_text())
-        out = {(section, k): v for section in ("trainer", "model", "data") for k, v in cfg[section].items()
-               if (section, k) not in task_keys}
-        assert path.stem.endswith(f"_{algo}_warm")
-        return out
-
     for algo in ("grpo", "ppo"):
-        members = [p for p in family if p.stem.endswith(f"_{algo}_warm")]
-        first = shared(members[0], algo)
-        for other in members[1:]:
-            assert shared(other, algo) == first, f"{other.name} changes more than the task"
+        _assert_one_family([p for p in family if p.stem.endswith(f"_{algo}_warm")], task_keys)
 
 
 def test_the_warm_starts_differ_only_in_the_task():
@@ -162,15 +163,7 @@ def test_the_warm_starts_differ_only_in_the_task():
                  ("trainer", "default_root_dir")}
     recipes = sorted(RECIPES.glob("*_sft.yaml"))
     assert len(recipes) >= 4
-
-    def shared(path: Path) -> dict:
-        cfg = yaml.safe_load(path.read_text())
-        return {(section, k): v for section in ("trainer", "model", "data") for k, v in cfg[section].items()
-                if (section, k) not in task_keys}
-
-    first = shared(recipes[0])
-    for other in recipes[1:]:
-        assert shared(other) == first, f"{other.name} changes more than the task"
+    _assert_one_family(recipes, task_keys)
 
 
 def test_seeds_script_runs_warm_start_then_rl_per_seed_and_reports_curves(tmp_path):
