@@ -38,6 +38,7 @@ import torch
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.train_roofline import write_rows  # noqa: E402
 from benchmarks.vs_trl_sides import RunSpec, run_earl  # noqa: E402
 
 CATEGORIES = ("attention", "matmul", "other_ops")
@@ -150,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reply-len", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--trl-csv", type=Path, default=None,
-                   help="a vs_trl.py medians CSV from the same machine (its TRL multi-turn row)")
+                   help="a vs_trl.py medians CSV from the same machine (its earl and TRL multi-turn rows)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_floor.csv")
     args = p.parse_args(argv)
     for name in ("steps", "warmup", "batch", "group", "turns", "reply_len", "threads"):
@@ -163,16 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     ratio = measured_ratio(args.trl_csv, args.reply_len, args.turns)
-    rows = report_rows(measure(args), ratio)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["what", "value", "unit"])
-        w.writerows((k, f"{v:.4g}", u) for k, v, u in rows)
-    print("| what | value | unit |\n| --- | --- | --- |")
-    for k, v, u in rows:
-        print(f"| {k} | {v:.3f} | {u} |")
-    print(f"wrote {args.out}")
+    write_rows(report_rows(measure(args), ratio), args.out)
 
 
 if __name__ == "__main__":

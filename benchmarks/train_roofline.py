@@ -203,14 +203,18 @@ def main() -> None:
     times = measure(model, ids, args)
     if args.profile:
         _profile(model, ids)
-    rows = report_rows(ids, counted, attention, times, _trl_multi_seconds(args.trl_csv))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
+    write_rows(report_rows(ids, counted, attention, times, _trl_multi_seconds(args.trl_csv)), args.out)
+
+
+def write_rows(rows: list[tuple[str, float, str]], out: Path) -> None:
+    """Write ``rows`` as a ``what,value,unit`` CSV at ``out`` and print them aligned."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
         csv.writer(f).writerows([("what", "value", "unit"), *rows])
     width = max(len(r[0]) for r in rows)
     for name, value, unit in rows:
         print(f"{name:<{width}}  {value:>10.3f}  {unit}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 def _profile(model, ids: torch.Tensor, top: int = 12) -> None:
