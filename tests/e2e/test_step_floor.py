@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.step_floor import StageProfiler, category, measured_ratio, op_seconds
+from benchmarks.step_floor import FAULT_SLACK, StageProfiler, category, fewest_faults, measured_ratio, op_seconds
 
 
 def test_profiler_events_fall_into_attention_matmul_other_or_none():
@@ -46,6 +46,16 @@ def test_python_time_is_overhead_and_operator_time_is_not():
     ops = call["attention"] + call["matmul"] + call["other_ops"]
     assert call["matmul"] > 0 and call["attention"] == 0
     assert call["wall"] >= 0.05 + ops * 0.99  # the sleep is outside every operator
+    assert call["page_faults"] >= 0
+
+
+def test_profiled_calls_that_took_page_faults_are_left_out():
+    # A call that grew the heap (tens of thousands of first touches) has its fault time inside its
+    # operators; the figures come from the calls with the fewest faults.
+    calls = [{"page_faults": 60000.0, "wall": 2.2}, {"page_faults": 2400.0, "wall": 1.9},
+             {"page_faults": 85000.0, "wall": 2.3}, {"page_faults": 2400.0 + FAULT_SLACK, "wall": 1.95}]
+    assert fewest_faults(calls) == [calls[1], calls[3]]
+    assert fewest_faults(calls[:1]) == calls[:1]  # a single call is used whatever its faults
 
 
 def test_ratio_comes_from_the_multi_turn_rows_and_a_missing_row_is_named(tmp_path):
@@ -74,6 +84,7 @@ def test_script_writes_its_csv_and_names_a_bad_argument(tmp_path):
     with out.open() as f:
         rows = {r["what"]: float(r["value"]) for r in csv.DictReader(f)}
     for stage in ("rollout", "train"):
+        assert rows[f"{stage}_calls_used"] == 1 and rows[f"{stage}_page_faults"] >= 0
         assert rows[f"{stage}_matmul"] > 0 and rows[f"{stage}_attention"] > 0
         assert rows[f"{stage}_ops"] == pytest.approx(
             rows[f"{stage}_attention"] + rows[f"{stage}_matmul"] + rows[f"{stage}_other_ops"], rel=1e-3)
