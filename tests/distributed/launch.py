@@ -4,7 +4,9 @@ Usage in a test: ``results = run_distributed(fn, world_size, *args)``; ``fn(rank
 runs after ``init_process_group("gloo")`` and its (picklable) return value comes back in rank order.
 An exception on any rank fails the test with that rank's traceback; a rank that dies without
 reporting (segfault, ``os._exit``, killed for memory) fails it within a fraction of a second, naming
-the rank and its exit code or signal.
+the rank and its exit code or signal. A group that never forms (gloo's rendezvous hung: seen once
+in CI, 4 ranks stuck in ``createAndConnectAllPairs`` for 300 s) is launched once more on a fresh
+port; a second hang fails the test.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from earl_lightning.parallel.launch_env import free_port, standalone_env
 
 
 _POLL_S = 0.2  # how often the parent checks that every rank is still alive while it waits
+JOIN_TIMEOUT_S = 120.0  # for every rank to be in the process group (normally seconds)
+STALL_ENV = "EARL_TEST_STALL_JOIN"  # launcher tests: "<file>:<n>": rank 0 never joins in the first n launches
+
+
+class RendezvousHang(RuntimeError):
+    """The process group did not form within the join timeout."""
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -55,7 +63,9 @@ def _worker(rank, world_size, port, fn, args, queue, environ):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
+        _stall(rank)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        queue.put((rank, "joined", None))
         out = fn(rank, world_size, *args)
         queue.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
@@ -65,12 +75,39 @@ def _worker(rank, world_size, port, fn, args, queue, environ):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+def _stall(rank: int) -> None:
+    """Launcher tests only: with :data:`STALL_ENV` set to ``<file>:<n>``, rank 0 of each of the first
+    ``n`` launches adds a line to the file and never joins (a rendezvous that hangs)."""
+    value = os.environ.get(STALL_ENV)
+    if rank != 0 or not value:
+        return
+    path, _, times = value.rpartition(":")
+    with open(path, "a+") as f:
+        f.seek(0)
+        if len(f.readlines()) >= int(times):
+            return
+        f.write("stalled\n")
+    time.sleep(3600)
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, join_timeout: float = JOIN_TIMEOUT_S):
     """``fn`` on ``world_size`` gloo processes; their return values in rank order.
 
     Fails (RuntimeError) as soon as a rank reports an exception, dies without reporting (a segfault,
     ``os._exit``, the OOM killer: named with its exit code or signal), or when ``timeout`` seconds
-    pass without every result; the other ranks are then killed, so a test never hangs."""
+    pass without every result; the other ranks are then killed, so a test never hangs. A process
+    group that has not formed after ``join_timeout`` seconds is launched once more."""
+    try:
+        return _launch(fn, world_size, args, timeout, join_timeout)
+    except RendezvousHang as first:
+        try:
+            return _launch(fn, world_size, args, timeout, join_timeout)
+        except RendezvousHang as second:
+            raise RuntimeError(f"distributed worker failed: the gloo group did not form, twice ({first}; then "
+                               f"{second})") from None
+
+
+def _launch(fn, world_size: int, args: tuple, timeout: float, join_timeout: float) -> list:
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
@@ -80,7 +117,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
     for p in procs:
         p.start()
     try:
-        results = _collect(queue, procs, timeout)
+        results = _collect(queue, procs, timeout, join_timeout)
     except BaseException:
         _stop(procs, grace_s=0.0)  # survivors may wait forever in a collective with a dead rank
         raise
@@ -88,15 +125,20 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
     return [results[r] for r in range(world_size)]
 
 
-def _collect(queue, procs, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
+def _collect(queue, procs, timeout: float, join_timeout: float = JOIN_TIMEOUT_S) -> dict:
+    start = time.monotonic()
+    deadline = start + timeout
     results: dict = {}
+    joined: set = set()
     while len(results) < len(procs):
-        if _receive(queue, results, _POLL_S):
+        if _receive(queue, results, _POLL_S, joined):
             continue
+        waiting = [r for r in range(len(procs)) if r not in joined and r not in results]
+        if waiting and time.monotonic() > start + min(join_timeout, timeout) and not _dead(procs, results):
+            raise RendezvousHang(f"rank(s) {waiting} not in the process group after {join_timeout:g} s")
         # Nothing arrived: is a rank gone? Its result may have reached the pipe just before it
         # exited, so read what is left before calling it dead.
-        if _dead(procs, results) and not _receive(queue, results, _POLL_S):
+        if _dead(procs, results) and not _receive(queue, results, _POLL_S, joined):
             rank, code = _dead(procs, results)[0]
             raise RuntimeError(f"distributed worker failed: rank {rank} died without reporting a result "
                                f"({_describe_exit(code)})")
@@ -106,12 +148,17 @@ def _collect(queue, procs, timeout: float) -> dict:
     return results
 
 
-def _receive(queue, results: dict, wait_s: float) -> bool:
-    """One report into ``results`` (False when none came within ``wait_s``); a rank's error raises."""
+def _receive(queue, results: dict, wait_s: float, joined: set | None = None) -> bool:
+    """One report into ``results`` (or ``joined``; False when none came within ``wait_s``); a rank's
+    error raises."""
     try:
         rank, status, payload = queue.get(timeout=wait_s)
     except Empty:
         return False
+    if status == "joined":
+        if joined is not None:
+            joined.add(rank)
+        return True
     if status != "ok":
         raise RuntimeError(f"distributed worker failed\nrank {rank}:\n{payload}")
     results[rank] = payload

@@ -1,6 +1,6 @@
 """The test launcher (tests/distributed/launch.py) never hangs: a rank that dies without reporting
 fails `run_distributed` within seconds, naming the rank and how it died, and a rank left waiting
-for the dead one is killed."""
+for the dead one is killed; a group that never forms is launched once more, and a second hang fails."""
 
 import os
 import signal
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.distributed.launch import run_distributed
+from tests.distributed.launch import STALL_ENV, run_distributed
 
 # Spawning two processes that import torch and join a gloo group takes a few seconds on a loaded
 # machine; a hang would take the whole `timeout` (300 s by default).
@@ -63,3 +63,20 @@ def test_an_exception_on_a_rank_fails_with_its_traceback():
 
 def test_a_normal_run_returns_every_rank_in_order():
     assert run_distributed(_returns, 2, 10) == [10, 11]
+
+
+def test_a_group_that_never_forms_is_launched_once_more(tmp_path, monkeypatch):
+    # Rank 0 of the first launch never joins (as when gloo's rendezvous hangs); the second forms.
+    marker = tmp_path / "stalled"
+    monkeypatch.setenv(STALL_ENV, f"{marker}:1")
+    start = time.monotonic()
+    assert run_distributed(_returns, 2, 5, join_timeout=10) == [5, 6]
+    assert marker.read_text() == "stalled\n" and time.monotonic() - start < 10 + BOUND_S
+
+
+def test_a_group_that_never_forms_twice_fails_naming_the_ranks(tmp_path, monkeypatch):
+    # rank 1 waits in the rendezvous for rank 0: neither is in the group
+    monkeypatch.setenv(STALL_ENV, f"{tmp_path / 'stalled'}:2")
+    with pytest.raises(RuntimeError, match=r"the gloo group did not form, twice \(rank\(s\) \[0, 1\] not in the process "
+                                           r"group after 6 s; then rank\(s\) \[0, 1\] not in the process group after 6 s\)"):
+        run_distributed(_returns, 2, 5, join_timeout=6)
