@@ -203,7 +203,7 @@ def main() -> None:
     times = measure(model, ids, args)
     if args.profile:
         _profile(model, ids)
-    write_rows(report_rows(ids, counted, attention, times, _trl_multi_seconds(args.trl_csv)), args.out)
+    write_rows(report_rows(ids, counted, attention, times, trl_multi_seconds(args.trl_csv, args.reply_len, args.turns)), args.out)
 
 
 def write_rows(rows: list[tuple[str, float, str]], out: Path) -> None:
@@ -225,12 +225,15 @@ def _profile(model, ids: torch.Tensor, top: int = 12) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
-def _trl_multi_seconds(path: Path) -> float | None:
+def trl_multi_seconds(path: Path, reply_len: int, turns: int) -> float | None:
+    """TRL's seconds per multi-turn step for ``turns`` turns of ``reply_len`` tokens from a
+    ``vs_trl.py`` medians CSV; None without the file or such a row (the report then leaves it out)."""
     if not path.exists():
         return None
     with path.open() as f:
         for row in csv.DictReader(f):
-            if row["side"] == "trl" and row["mode"] == "multi":
+            if (row["side"], row["mode"], int(row["completion_len"]), int(row["turns"])) == \
+                    ("trl", "multi", reply_len, turns):
                 return float(row["seconds_per_step"])
     return None
 

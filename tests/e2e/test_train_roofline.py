@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.train_roofline import count_flops, episode_ids
+from benchmarks.train_roofline import count_flops, episode_ids, trl_multi_seconds
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +86,13 @@ def test_the_attention_kernels_compared_compute_the_same_log_probs(tiny):
         plain = shifted_logprobs(eager(input_ids=ids).logits, ids)
     torch.testing.assert_close(math, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(plain, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_trls_seconds_come_from_the_multi_turn_row_of_the_same_point(tmp_path):
+    csv_path = tmp_path / "vs_trl.csv"
+    csv_path.write_text("side,mode,completion_len,turns,seconds_per_step\n"
+                        "trl,multi,8,4,1.5\ntrl,single,8,1,0.3\nearl,multi,8,10,2.0\ntrl,multi,8,10,5.0\n")
+    assert trl_multi_seconds(csv_path, 8, 10) == 5.0  # not the first TRL multi-turn row (4 turns)
+    assert trl_multi_seconds(csv_path, 8, 4) == 1.5
+    assert trl_multi_seconds(csv_path, 16, 10) is None
+    assert trl_multi_seconds(tmp_path / "missing.csv", 8, 10) is None
