@@ -32,7 +32,6 @@ Writes ``benchmarks/results/step_floor.csv`` (``what,value,unit``).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import resource
 import statistics
@@ -47,6 +46,7 @@ ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.train_roofline import write_rows  # noqa: E402
+from benchmarks.vs_trl import multi_turn_seconds  # noqa: E402
 from benchmarks.vs_trl_sides import RunSpec, run_earl  # noqa: E402
 
 CATEGORIES = ("attention", "matmul", "other_ops")
@@ -107,11 +107,7 @@ def measured_ratio(path: Path | None, completion_len: int, turns: int) -> float 
     """TRL's median seconds per multi-turn step over earl's, from a ``vs_trl.py`` medians CSV."""
     if path is None:
         return None
-    seconds = {}
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            if (row["mode"], int(row["completion_len"]), int(row["turns"])) == ("multi", completion_len, turns):
-                seconds[row["side"]] = float(row["seconds_per_step"])
+    seconds = multi_turn_seconds(path, completion_len, turns)
     if not {"earl", "trl"} <= set(seconds):
         raise SystemExit(f"--trl-csv {str(path)!r} has no earl and TRL multi-turn rows for {turns} turns of "
                          f"{completion_len} tokens (found sides: {sorted(seconds) or 'none'})")

@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.vs_trl import multi_turn_seconds
 from benchmarks.vs_trl_env import DigitTurns
 
 
@@ -203,7 +204,8 @@ def main() -> None:
     times = measure(model, ids, args)
     if args.profile:
         _profile(model, ids)
-    write_rows(report_rows(ids, counted, attention, times, trl_multi_seconds(args.trl_csv, args.reply_len, args.turns)), args.out)
+    trl = trl_multi_seconds(args.trl_csv, args.reply_len, args.turns)
+    write_rows(report_rows(ids, counted, attention, times, trl), args.out)
 
 
 def write_rows(rows: list[tuple[str, float, str]], out: Path) -> None:
@@ -228,14 +230,7 @@ def _profile(model, ids: torch.Tensor, top: int = 12) -> None:
 def trl_multi_seconds(path: Path, reply_len: int, turns: int) -> float | None:
     """TRL's seconds per multi-turn step for ``turns`` turns of ``reply_len`` tokens from a
     ``vs_trl.py`` medians CSV; None without the file or such a row (the report then leaves it out)."""
-    if not path.exists():
-        return None
-    with path.open() as f:
-        for row in csv.DictReader(f):
-            if (row["side"], row["mode"], int(row["completion_len"]), int(row["turns"])) == \
-                    ("trl", "multi", reply_len, turns):
-                return float(row["seconds_per_step"])
-    return None
+    return multi_turn_seconds(path, reply_len, turns).get("trl") if path.exists() else None
 
 
 if __name__ == "__main__":

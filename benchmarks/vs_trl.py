@@ -230,6 +230,14 @@ def _verdict(e: dict, summary: list[dict], trl: str) -> list[dict]:
              "both_learn": e["reward_last"] > e["reward_first"] and t["reward_last"] > t["reward_first"]}]
 
 
+def multi_turn_seconds(path: Path, completion_len: int, turns: int) -> dict[str, float]:
+    """Seconds per step by side of one multi-turn point (``turns`` turns of ``completion_len``
+    tokens) in a medians CSV this script wrote; sides without such a row are absent."""
+    with path.open() as f:
+        return {row["side"]: float(row["seconds_per_step"]) for row in csv.DictReader(f)
+                if (row["mode"], int(row["completion_len"]), int(row["turns"])) == ("multi", completion_len, turns)}
+
+
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:

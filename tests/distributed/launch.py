@@ -127,15 +127,15 @@ def _launch(fn, world_size: int, args: tuple, timeout: float, join_timeout: floa
 
 def _collect(queue, procs, timeout: float, join_timeout: float = JOIN_TIMEOUT_S) -> dict:
     start = time.monotonic()
-    deadline = start + timeout
+    deadline, join_limit = start + timeout, min(join_timeout, timeout)
     results: dict = {}
     joined: set = set()
     while len(results) < len(procs):
         if _receive(queue, results, _POLL_S, joined):
             continue
         waiting = [r for r in range(len(procs)) if r not in joined and r not in results]
-        if waiting and time.monotonic() > start + min(join_timeout, timeout) and not _dead(procs, results):
-            raise RendezvousHang(f"rank(s) {waiting} not in the process group after {join_timeout:g} s")
+        if waiting and time.monotonic() > start + join_limit and not _dead(procs, results):
+            raise RendezvousHang(f"rank(s) {waiting} not in the process group after {join_limit:g} s")
         # Nothing arrived: is a rank gone? Its result may have reached the pipe just before it
         # exited, so read what is left before calling it dead.
         if _dead(procs, results) and not _receive(queue, results, _POLL_S, joined):
@@ -148,16 +148,15 @@ def _collect(queue, procs, timeout: float, join_timeout: float = JOIN_TIMEOUT_S)
     return results
 
 
-def _receive(queue, results: dict, wait_s: float, joined: set | None = None) -> bool:
-    """One report into ``results`` (or ``joined``; False when none came within ``wait_s``); a rank's
+def _receive(queue, results: dict, wait_s: float, joined: set) -> bool:
+    """One report into ``results`` or ``joined`` (False when none came within ``wait_s``); a rank's
     error raises."""
     try:
         rank, status, payload = queue.get(timeout=wait_s)
     except Empty:
         return False
     if status == "joined":
-        if joined is not None:
-            joined.add(rank)
+        joined.add(rank)
         return True
     if status != "ok":
         raise RuntimeError(f"distributed worker failed\nrank {rank}:\n{payload}")
