@@ -75,10 +75,10 @@ def _power(base: Fraction, exponent: Fraction) -> Fraction:
     return _bounded(base ** int(exponent))
 
 
-def _bounded(value: Fraction) -> Fraction:
+def _bounded(value: Fraction | int) -> Fraction:
     if abs(value.numerator) > MAX_ABS or value.denominator > MAX_ABS:
         raise CalcError("number too large")
-    return value
+    return Fraction(value)  # Fraction // Fraction is an int
 
 
 def format_number(value: Fraction) -> str:

@@ -101,7 +101,8 @@ def test_first_call_in_the_text_wins_and_nested_parentheses_are_kept():
     ("7/2", Fraction(7, 2)), ("2**-2", Fraction(1, 4)), (" ( 1 + 2 ) * 3 ", 9),
 ])
 def test_safe_eval_arithmetic(expr, value):
-    assert safe_eval(expr) == value
+    got = safe_eval(expr)
+    assert got == value and isinstance(got, Fraction)  # floor division too (int // on Fractions is an int)
 
 
 @pytest.mark.parametrize("expr, match", [
