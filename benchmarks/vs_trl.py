@@ -17,9 +17,10 @@ generated tokens per step / seconds per step; peak RSS is the process's high-wat
     python benchmarks/vs_trl.py --quick    # 1 run, fewer steps (< 5 min)
     python benchmarks/vs_trl.py --modes multi --host-memory   # + earl with malloc untouched, TRL with earl's setting
 
-Writes ``benchmarks/results/vs_trl.csv`` (medians) and ``vs_trl_runs.csv`` (every run), and
-prints a table with the earl/TRL speed ratio, the equal-work check (tokens generated per step
-within 10%) and whether both rewards rose.
+Writes ``benchmarks/results/vs_trl.csv`` (medians), ``vs_trl_runs.csv`` (every run) and
+``vs_trl_ratios.csv`` (per point: the earl/TRL speed ratio of the medians, the lowest and highest
+ratio of the run-by-run pairs, the equal-work check (tokens generated per step within 10%) and
+whether both rewards rose), and prints them as tables.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ PAIRS = (("earl", "trl"), ("earl", "trl_retain"), ("earl_glibc", "trl"))
 RESULT_TAG = "VS_TRL_RESULT "  # printed by benchmarks/vs_trl_sides.py
 SLOW_FACTOR = 1.5
 WORK_TOLERANCE = 0.10
+RATIO_COLUMNS = ["pair", "mode", "completion_len", "turns", "speedup", "pairs", "ratio_min", "ratio_max",
+                 "work_diff", "equal_work", "both_learn", "noisy"]
 COLUMNS = ["side", "mode", "completion_len", "turns", "seconds_per_step", "tokens_per_s", "peak_rss_mib",
            "tokens_per_step", "reward_first", "reward_last", "runs", "flagged_runs"]
 RUN_COLUMNS = ["run", "side", "mode", "completion_len", "turns", "seconds_per_step", "tokens_per_s", "peak_rss_mib",
@@ -208,26 +211,46 @@ def medians(rows: list[dict]) -> list[dict]:
     return out
 
 
-def verdicts(summary: list[dict]) -> list[dict]:
+def verdicts(summary: list[dict], rows: list[dict] | None = None) -> list[dict]:
     """Per point: the speed ratio (TRL s/step over earl s/step: > 1 means earl is faster), equal
-    work (tokens per step within 10%) and whether both sides' rewards rose."""
+    work (tokens per step within 10%) and whether both sides' rewards rose. Given the runs, also
+    the ratio of each run's two sides (:func:`paired_ratios`): their lowest and highest."""
     out = []
     for earl, trl in PAIRS:
-        out += [c for e in summary if e["side"] == earl for c in _verdict(e, summary, trl)]
+        out += [c for e in summary if e["side"] == earl for c in _verdict(e, summary, trl, rows or [])]
     return out
 
 
-def _verdict(e: dict, summary: list[dict], trl: str) -> list[dict]:
-    t = next((r for r in summary if r["side"] == trl and
-              (r["mode"], r["completion_len"], r["turns"]) == (e["mode"], e["completion_len"], e["turns"])), None)
+def _point(r: dict) -> tuple:
+    return r["mode"], r["completion_len"], r["turns"]
+
+
+def paired_ratios(rows: list[dict], earl: str, trl: str, point: tuple) -> list[float]:
+    """TRL's seconds per step over earl's within each run index (the two ran back to back) at
+    ``point`` (mode, completion_len, turns), for the runs where the guard flagged neither side.
+    With n such pairs, all n above a target puts the median ratio above it with confidence
+    1 - 2**-n (97% for 5), whatever the noise's distribution."""
+    by_run: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        if _point(r) == point and r["side"] in (earl, trl):
+            by_run.setdefault(r["run"], {})[r["side"]] = r
+    return [p[trl]["seconds_per_step"] / p[earl]["seconds_per_step"] for _, p in sorted(by_run.items())
+            if len(p) == 2 and not (p[earl]["slow_machine"] or p[trl]["slow_machine"])]
+
+
+def _verdict(e: dict, summary: list[dict], trl: str, rows: list[dict]) -> list[dict]:
+    t = next((r for r in summary if r["side"] == trl and _point(r) == _point(e)), None)
     if t is None:
         return []
     work = abs(e["tokens_per_step"] - t["tokens_per_step"]) / max(t["tokens_per_step"], 1e-9)
+    paired = paired_ratios(rows, e["side"], trl, _point(e))
     return [{"pair": f"{e['side']} / {trl}", "mode": e["mode"], "completion_len": e["completion_len"],
              "turns": e["turns"],
              "speedup": t["seconds_per_step"] / e["seconds_per_step"], "work_diff": work,
              "equal_work": work <= WORK_TOLERANCE, "noisy": e["only_flagged"] or t["only_flagged"],
-             "both_learn": e["reward_last"] > e["reward_first"] and t["reward_last"] > t["reward_first"]}]
+             "both_learn": e["reward_last"] > e["reward_first"] and t["reward_last"] > t["reward_first"],
+             "pairs": len(paired), "ratio_min": min(paired, default=math.nan),
+             "ratio_max": max(paired, default=math.nan)}]
 
 
 def multi_turn_seconds(path: Path, completion_len: int, turns: int) -> dict[str, float]:
@@ -254,12 +277,12 @@ def print_report(summary: list[dict], checks: list[dict], loads: tuple[float, fl
         print(f"| {r['mode']} | {r['completion_len']} | {r['turns']} | {r['side']} | {r['seconds_per_step']:.3f} | "
               f"{r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} | {r['tokens_per_step']:.0f} | "
               f"{r['reward_first']:.2f} -> {r['reward_last']:.2f} | {r['runs']} ({r['flagged_runs']} flagged) |")
-    print("\n| earl side / TRL side | mode | tokens | turns | earl speed / TRL | tokens/step differ | equal work (<= 10%) "
-          "| both rewards rose | timing |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| earl side / TRL side | mode | tokens | turns | earl speed / TRL | run by run (pairs) | tokens/step differ "
+          "| equal work (<= 10%) | both rewards rose | timing |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in checks:
         print(f"| {c['pair']} | {c['mode']} | {c['completion_len']} | {c['turns']} | {c['speedup']:.2f}x | "
-              f"{100 * c['work_diff']:.1f}% | "
+              f"{c['ratio_min']:.2f}-{c['ratio_max']:.2f}x ({c['pairs']}) | {100 * c['work_diff']:.1f}% | "
               f"{'yes' if c['equal_work'] else 'NO'} | {'yes' if c['both_learn'] else 'NO'} | "
               f"{'NOISY: only flagged runs' if c['noisy'] else 'ok'} |")
     guards = [r["guard_s"] for r in rows]
@@ -277,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_all(args)
     loads.append(os.getloadavg()[0])
     summary = medians(rows)
-    checks = verdicts(summary)
-    write_csv(args.out, summary, COLUMNS)
-    write_csv(args.out.with_name(args.out.stem + "_runs.csv"), rows, RUN_COLUMNS)
+    checks = verdicts(summary, rows)
+    paths = [args.out, *(args.out.with_name(f"{args.out.stem}_{kind}.csv") for kind in ("runs", "ratios"))]
+    for path, table, columns in zip(paths, (summary, rows, checks), (COLUMNS, RUN_COLUMNS, RATIO_COLUMNS)):
+        write_csv(path, table, columns)
     print_report(summary, checks, (loads[0], loads[1]), rows)
-    print(f"\n{len(rows)} runs in {time.perf_counter() - t0:.0f} s; wrote {args.out} and "
-          f"{args.out.with_name(args.out.stem + '_runs.csv')}")
+    print(f"\n{len(rows)} runs in {time.perf_counter() - t0:.0f} s; wrote {', '.join(map(str, paths))}")
     return 0
 
 

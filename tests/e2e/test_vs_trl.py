@@ -30,11 +30,11 @@ def smoke(tmp_path_factory):
         with path.open() as f:
             return list(csv.DictReader(f))
 
-    return read(out), read(out.with_name("vs_trl_runs.csv")), proc.stdout
+    return read(out), read(out.with_name("vs_trl_runs.csv")), proc.stdout, read(out.with_name("vs_trl_ratios.csv"))
 
 
 def test_csv_has_both_sides_and_modes_with_sane_values(smoke):
-    rows, runs, stdout = smoke
+    rows, runs, stdout, ratios = smoke
     assert list(rows[0])[:7] == ["side", "mode", "completion_len", "turns", "seconds_per_step", "tokens_per_s",
                                  "peak_rss_mib"]
     assert sorted((r["side"], r["mode"]) for r in rows) == [("earl", "multi"), ("earl", "single"),
@@ -50,6 +50,11 @@ def test_csv_has_both_sides_and_modes_with_sane_values(smoke):
         assert 0.0 <= float(r["reward_first"]) <= 1.0 and 0.0 <= float(r["reward_last"]) <= 1.0
     assert all(0 < float(r["cpu_share"]) < 2 and float(r["guard_s"]) > 0 for r in runs)
     assert "earl speed / TRL" in stdout and "machine-speed guard" in stdout
+    # one run per side: the one pair's ratio is the ratio of the medians
+    assert sorted(r["mode"] for r in ratios) == ["multi", "single"]
+    for r in ratios:
+        assert r["pair"] == "earl / trl" and int(r["pairs"]) == 1
+        assert float(r["ratio_min"]) == float(r["ratio_max"]) == pytest.approx(float(r["speedup"]), rel=1e-3)
 
 
 def test_trl_turn_tokens_match_the_chat_template():
@@ -137,3 +142,24 @@ def test_host_memory_sides_pair_and_run_with_their_malloc_settings(monkeypatch):
     checks = vs.verdicts([row("earl", 1.0), row("trl", 4.0), row("earl_glibc", 2.0), row("trl_retain", 3.0)])
     assert {c["pair"]: c["speedup"] for c in checks} == {"earl / trl": 4.0, "earl / trl_retain": 3.0,
                                                          "earl_glibc / trl": 2.0}
+
+
+def test_paired_ratios_take_each_run_s_two_sides_and_skip_flagged_runs():
+    """The run-by-run ratios pair the earl and TRL runs of one run index at one point; a run the
+    machine-speed guard flagged drops its pair; other points and sides do not mix in."""
+    import benchmarks.vs_trl as vs
+
+    def run(i, side, sec, slow=False, turns=10):
+        return {"run": i, "side": side, "mode": "multi", "completion_len": 8, "turns": turns,
+                "seconds_per_step": sec, "slow_machine": slow}
+
+    rows = [run(0, "earl", 2.0), run(0, "trl", 7.0), run(1, "trl", 9.0), run(1, "earl", 3.0),
+            run(2, "earl", 2.0, slow=True), run(2, "trl", 8.0), run(3, "earl", 2.5), run(3, "trl_retain", 5.0),
+            run(4, "earl", 1.0, turns=5), run(4, "trl", 9.0, turns=5)]
+    assert vs.paired_ratios(rows, "earl", "trl", ("multi", 8, 10)) == [3.5, 3.0]
+    summary = [{"side": s, "mode": "multi", "completion_len": 8, "turns": 10, "seconds_per_step": sec,
+                "tokens_per_step": 100.0, "reward_first": 0.1, "reward_last": 0.2, "only_flagged": False}
+               for s, sec in (("earl", 2.5), ("trl", 8.0))]
+    (check,) = vs.verdicts(summary, rows)
+    assert (check["speedup"], check["pairs"], check["ratio_min"], check["ratio_max"]) == (3.2, 2, 3.0, 3.5)
+
