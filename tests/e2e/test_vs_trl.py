@@ -50,11 +50,14 @@ def test_csv_has_both_sides_and_modes_with_sane_values(smoke):
         assert 0.0 <= float(r["reward_first"]) <= 1.0 and 0.0 <= float(r["reward_last"]) <= 1.0
     assert all(0 < float(r["cpu_share"]) < 2 and float(r["guard_s"]) > 0 for r in runs)
     assert "earl speed / TRL" in stdout and "machine-speed guard" in stdout
-    # one run per side: the one pair's ratio is the ratio of the medians
+    # one run per side: the one pair's ratio is the ratio of the medians, unless the machine-speed
+    # guard flagged one of its runs (a busy CI machine), which leaves no pair
     assert sorted(r["mode"] for r in ratios) == ["multi", "single"]
     for r in ratios:
-        assert r["pair"] == "earl / trl" and int(r["pairs"]) == 1
-        assert float(r["ratio_min"]) == float(r["ratio_max"]) == pytest.approx(float(r["speedup"]), rel=1e-3)
+        flagged = any(x["slow_machine"] == "True" for x in runs if x["mode"] == r["mode"])
+        assert r["pair"] == "earl / trl" and int(r["pairs"]) == (0 if flagged else 1)
+        if not flagged:
+            assert float(r["ratio_min"]) == float(r["ratio_max"]) == pytest.approx(float(r["speedup"]), rel=1e-3)
 
 
 def test_trl_turn_tokens_match_the_chat_template():
