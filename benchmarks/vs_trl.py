@@ -200,9 +200,9 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 def medians(rows: list[dict]) -> list[dict]:
     """One row per (side, mode, length): medians over the runs the guard did not flag."""
     out = []
-    keys = sorted({(r["mode"], r["completion_len"], r["turns"], r["side"]) for r in rows})
+    keys = sorted({(*_point(r), r["side"]) for r in rows})
     for mode, n, turns, side in keys:
-        group = [r for r in rows if (r["mode"], r["completion_len"], r["turns"], r["side"]) == (mode, n, turns, side)]
+        group = [r for r in rows if (*_point(r), r["side"]) == (mode, n, turns, side)]
         kept = [r for r in group if not r["slow_machine"]] or group
         med = {c: statistics.median(r[c] for r in kept) for c in COLUMNS[4:10]}
         out.append({"side": side, "mode": mode, "completion_len": n, "turns": turns, **med, "runs": len(kept),
