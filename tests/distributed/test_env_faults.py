@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.distributed.launch import run_distributed, subprocess_env
-from tests.e2e.test_multiprocess import scalars
+from tests.e2e.test_multiprocess import scalars, two_process_recipe
 
 pytestmark = pytest.mark.distributed
 P = "tests.plugins.faulty_envs."
@@ -68,19 +67,8 @@ def test_a_share_under_one_trains_on_and_counts_errors_over_both_ranks():
 def test_earl_fit_on_two_processes_trains_through_env_faults(tmp_path):
     """Half of the groups (even seeds) fail at their second step; the run completes, the step's
     ``env/errors`` is the count over both ranks, and the fault is logged (once per process)."""
-    recipe = tmp_path / "faulty.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 2, "val_check_interval": 2,
-                    "check_val_every_n_epoch": None, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
-                    "enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")},
-        "model": {"model": "earl-tiny", "transcript_every_n_steps": 0,
-                  "rollout": {"max_turns": 3, "max_context_tokens": 512,
-                              "sampling": {"max_new_tokens": 1, "allowed_tokens": list("0123456789")}},
-                  "algorithm": {"advantage": {"name": "grpo"}}},
-        "data": {"env": P + "RaisesInStep", "env_kwargs": {"num_turns": 3, "lag": 0, "every": 2, "turn": 1},
-                 "batch_size": 16, "group_size": 4, "eval_episodes": 8},
-    }))
+    recipe = two_process_recipe(tmp_path, P + "RaisesInStep", {"num_turns": 3, "lag": 0, "every": 2, "turn": 1},
+                                allowed="0123456789")
     earl = Path(sys.executable).with_name("earl")
     proc = subprocess.run([str(earl), "fit", "--config", str(recipe)], env=subprocess_env(PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=900)

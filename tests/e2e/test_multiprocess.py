@@ -21,6 +21,24 @@ def scalars(root: Path) -> dict[str, list[float]]:
     return {t: [e.value for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
 
+def two_process_recipe(tmp_path: Path, env: str, env_kwargs: dict, allowed: str) -> Path:
+    """A 2-step GRPO recipe of earl-tiny on 2 CPU processes, one-token actions from ``allowed``, run
+    directory ``tmp_path / "run"``; written to ``tmp_path / "recipe.yaml"``."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 2, "val_check_interval": 2,
+                    "check_val_every_n_epoch": None, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
+                    "enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")},
+        "model": {"model": "earl-tiny", "transcript_every_n_steps": 0,
+                  "rollout": {"max_turns": 3, "max_context_tokens": 512,
+                              "sampling": {"max_new_tokens": 1, "allowed_tokens": list(allowed)}},
+                  "algorithm": {"advantage": {"name": "grpo"}}},
+        "data": {"env": env, "env_kwargs": env_kwargs, "batch_size": 16, "group_size": 4, "eval_episodes": 8},
+    }))
+    return recipe
+
+
 @pytest.mark.parametrize("name", ["connect4_ppo", "connect4_grpo"])
 def test_recipe_on_two_processes_with_earl_strategy(tmp_path, name):
     earl = Path(sys.executable).with_name("earl")
@@ -46,19 +64,8 @@ def test_env_by_import_path_on_two_processes(tmp_path):
     """A user's environment, defined in a test module and named by import path in the recipe, under
     a plain (DDP-free) Lightning strategy on 2 processes: every rank builds it from the path, the
     data-parallel stage context stands in, and the run trains and evaluates."""
-    recipe = tmp_path / "guess.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "seed_everything": 0,
-        "trainer": {"accelerator": "cpu", "devices": 2, "max_steps": 2, "val_check_interval": 2,
-                    "check_val_every_n_epoch": None, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
-                    "enable_progress_bar": False, "default_root_dir": str(tmp_path / "run")},
-        "model": {"model": "earl-tiny", "transcript_every_n_steps": 0,
-                  "rollout": {"max_turns": 3, "max_context_tokens": 512,
-                              "sampling": {"max_new_tokens": 1, "allowed_tokens": list("123456789")}},
-                  "algorithm": {"advantage": {"name": "grpo"}}},
-        "data": {"env": "tests.plugins.envs.GuessGame", "env_kwargs": {"low": 1, "high": 9, "max_guesses": 3},
-                 "batch_size": 16, "group_size": 4, "eval_episodes": 8},
-    }))
+    recipe = two_process_recipe(tmp_path, "tests.plugins.envs.GuessGame", {"low": 1, "high": 9, "max_guesses": 3},
+                                allowed="123456789")
     earl = Path(sys.executable).with_name("earl")
     root = str(Path(__file__).parents[2])  # where `tests.plugins` is importable from
     proc = subprocess.run([str(earl), "fit", "--config", str(recipe)], env=subprocess_env(PYTHONPATH=root),
