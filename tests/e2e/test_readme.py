@@ -1,0 +1,138 @@
+"""README.md is the user's manual: what it shows must work as written. Its Python API example
+trains (2 steps here); every ``earl`` command of its shell blocks and every flag of its configuration
+section parses to the configuration it names; every link of README and docs/ reaches its file and
+heading."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import lightning
+import pytest
+import yaml
+
+from earl_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PLACEHOLDER = re.compile(r"<|\$|my_package|my_recipe")
+
+
+def section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start: end if end > 0 else None]
+
+
+def earl_commands() -> list[list[str]]:
+    """Each ``earl`` command of README's bash blocks and inline code, as argv after ``earl``
+    (continuations joined, ``&&`` chains split, comments dropped)."""
+    out = []
+    text = README.read_text()
+    shell = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    shell += re.findall(r"`((?:\.venv/bin/)?earl (?:fit|validate|sft) [^`]+)`", prose)  # inline commands
+    for block in shell:
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                words = shlex.split(part, comments=True)
+                for i, w in enumerate(words):
+                    if w.endswith("/earl") or w == "earl":
+                        out.append(words[i + 1:])
+                        break
+    return out
+
+
+def test_python_api_example_trains(monkeypatch, tmp_path):
+    api = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if "AgenticRLModule(" in b)
+    made = []
+
+    class TwoSteps(lightning.Trainer):  # the example as written, for 2 steps instead of 200
+        def __init__(self, **kwargs):
+            kwargs.update(max_steps=2, val_check_interval=2, default_root_dir=str(tmp_path), enable_progress_bar=False)
+            super().__init__(**kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(lightning, "Trainer", TwoSteps)
+    exec(compile(api, str(README), "exec"), {})
+    trainer = made[0]
+    assert trainer.global_step == 2
+    assert 0.0 <= float(trainer.callback_metrics["val/win_rate"]) <= 1.0
+    assert "reward/mean" in trainer.logged_metrics or "reward/mean" in trainer.callback_metrics
+
+
+def _flag_values(argv: list[str]) -> dict[str, str]:
+    flags = {}
+    for flag, value in zip(argv, argv[1:] + [""]):
+        if flag.startswith(("--model.", "--data.", "--trainer.")) and value and not value.startswith("--"):
+            flags[flag[2:]] = value
+    return flags
+
+
+def _check_print_config(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--print_config"])
+    printed = capsys.readouterr()
+    assert exc.value.code == 0, f"earl {shlex.join(argv)}: {printed.err[-2000:]}"
+    cfg = yaml.safe_load(printed.out)
+    for dotted, value in _flag_values(argv).items():
+        got = cfg
+        for key in dotted.split("."):
+            got = got[key]
+        assert got == _scalar(value) or str(got) == value, (dotted, got, value)  # devices: str | int
+
+
+def _scalar(value: str):
+    """A flag's value as the CLI reads it (YAML, with ``5e-4`` a float as in YAML 1.2)."""
+    try:
+        return float(value) if re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value) else yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
+def test_every_earl_command_in_readme_parses(capsys):
+    commands = [c for c in earl_commands() if not any(PLACEHOLDER.search(w) for w in c)]
+    assert len(commands) >= 8, commands  # the two main commands, warm start, resume, several processes, vLLM
+    for argv in commands:
+        assert argv[0] in ("fit", "validate", "sft"), argv
+        assert (ROOT / argv[argv.index("--config") + 1]).is_file(), argv
+        _check_print_config(argv, capsys)
+
+
+def test_configuration_flags_in_readme_set_what_they_name(capsys):
+    flags = [shlex.split(s) for s in re.findall(r"`(--(?:model|data|trainer)\.[^`]+)`", section("Recipes and configuration"))]
+    assert len(flags) >= 3, flags
+    _check_print_config(["fit", "--config", "recipes/connect4_grpo.yaml", *[w for f in flags for w in f]], capsys)
+
+
+def _slugs(md: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file."""
+    out, seen = set(), {}
+    text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)
+    for heading in re.findall(r"^#{1,6}\s+(.*)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_links_of_readme_and_docs_reach_their_file_and_heading():
+    files = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+    broken, checked = [], 0
+    for md in files:
+        text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (md.parent / path).resolve() if path else md
+            checked += 1
+            if not dest.exists():
+                broken.append(f"{md.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _slugs(dest):
+                broken.append(f"{md.relative_to(ROOT)}: {target} (no such heading)")
+    assert checked >= 50 and not broken, broken
