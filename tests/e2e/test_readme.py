@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning
@@ -14,6 +16,7 @@ import pytest
 import yaml
 
 from earl_lightning.cli import main
+from tests.distributed.launch import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -136,3 +139,22 @@ def test_links_of_readme_and_docs_reach_their_file_and_heading():
             elif anchor and dest.suffix == ".md" and anchor not in _slugs(dest):
                 broken.append(f"{md.relative_to(ROOT)}: {target} (no such heading)")
     assert checked >= 50 and not broken, broken
+
+
+def test_plugin_and_adaptive_examples_run_as_written(tmp_path):
+    """The registration example registers its loss and estimator; the adaptive-parallelism example
+    builds its Trainer (fitting needs the profile `earl profile` writes). In a fresh process: the
+    registries are process-wide."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    plugin = next(b for b in blocks if "@register_policy_loss" in b)
+    adaptive = next(b for b in blocks if "AdaptiveParallelism(" in b)
+    check = ("from earl_lightning.algorithms.losses import POLICY_LOSSES\n"
+             "from earl_lightning.algorithms.estimators import ADVANTAGE_ESTIMATORS\n"
+             "assert 'my_loss' in POLICY_LOSSES.names() and 'my_adv' in ADVANTAGE_ESTIMATORS.names()\n"
+             "assert not ADVANTAGE_ESTIMATORS.get('my_adv', 'advantage').needs_values\n")
+    script = tmp_path / "examples.py"
+    script.write_text(plugin + check + adaptive.replace("Trainer(", "trainer = Trainer(", 1)
+                      + "assert isinstance(trainer.strategy, EarlStrategy) and trainer.num_devices == 2\nprint('ok')\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
