@@ -1,7 +1,7 @@
 """README.md is the user's manual: what it shows must work as written. Its Python API example
 trains (2 steps here); every ``earl`` command of its shell blocks and every flag of its configuration
 section parses to the configuration it names; every link of README and docs/ reaches its file and
-heading."""
+heading; every script command of README and docs/ names a script and flags that exist."""
 
 from __future__ import annotations
 
@@ -158,3 +158,23 @@ def test_plugin_and_adaptive_examples_run_as_written(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env=subprocess_env(PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_scripts_and_flags_named_in_readme_and_docs_exist():
+    """Every ``python benchmarks/… | scripts/….py`` command of README and docs/ names a script that
+    exists, with flags the script defines (flags after a bare ``--`` go to ``earl`` and are left out)."""
+    missing, checked = [], 0
+    for md in [README, *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = md.read_text().replace("\\\n", " ")
+        for script, rest in re.findall(r"python ((?:benchmarks|scripts)/\w+\.py)([^`\n]*)", text):
+            source = ROOT / script
+            checked += 1
+            if not source.is_file():
+                missing.append(f"{md.relative_to(ROOT)}: {script} (no such script)")
+                continue
+            code = source.read_text()
+            words = rest.split("#")[0].split()
+            for flag in words[: words.index("--")] if "--" in words else words:
+                if flag.startswith("--") and f'"{flag}"' not in code and f"'{flag}'" not in code:
+                    missing.append(f"{md.relative_to(ROOT)}: {script} {flag} (no such flag)")
+    assert checked >= 30 and not missing, missing
