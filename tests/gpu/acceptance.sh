@@ -17,7 +17,9 @@
 #   PARTS="fit_hf oom" bash tests/gpu/acceptance.sh ...  # only these parts (default: all four)
 #
 # Needs the project installed with a CUDA torch, TRL and vLLM (pip install -e '.[vllm]');
-# PYTHON picks the interpreter (default .venv/bin/python, else python). Exit status: 0 when every
+# PYTHON picks the interpreter (default .venv/bin/python, else python). On a lent GPU machine with
+# no network, tests/gpu/device_run.sh installs carried wheels and runs this (without fit_vllm: vLLM's
+# wheel is too large to carry). Exit status: 0 when every
 # part passed, 1 when one failed (the others still run), 2 when there is no GPU.
 set -uo pipefail
 
