@@ -200,9 +200,9 @@ def run_all(args: argparse.Namespace) -> list[dict]:
 def medians(rows: list[dict]) -> list[dict]:
     """One row per (side, mode, length): medians over the runs the guard did not flag."""
     out = []
-    keys = sorted({(*_point(r), r["side"]) for r in rows})
+    keys = sorted({(*point_of(r), r["side"]) for r in rows})
     for mode, n, turns, side in keys:
-        group = [r for r in rows if (*_point(r), r["side"]) == (mode, n, turns, side)]
+        group = [r for r in rows if (*point_of(r), r["side"]) == (mode, n, turns, side)]
         kept = [r for r in group if not r["slow_machine"]] or group
         med = {c: statistics.median(r[c] for r in kept) for c in COLUMNS[4:10]}
         out.append({"side": side, "mode": mode, "completion_len": n, "turns": turns, **med, "runs": len(kept),
@@ -221,7 +221,8 @@ def verdicts(summary: list[dict], rows: list[dict] | None = None) -> list[dict]:
     return out
 
 
-def _point(r: dict) -> tuple:
+def point_of(r: dict) -> tuple:
+    """A row's point: (mode, completion_len, turns)."""
     return r["mode"], r["completion_len"], r["turns"]
 
 
@@ -232,24 +233,24 @@ def paired_ratios(rows: list[dict], earl: str, trl: str, point: tuple) -> list[f
     1 - 2**-n (97% for 5), whatever the noise's distribution."""
     by_run: dict[int, dict[str, dict]] = {}
     for r in rows:
-        if _point(r) == point and r["side"] in (earl, trl):
+        if point_of(r) == point and r["side"] in (earl, trl):
             by_run.setdefault(r["run"], {})[r["side"]] = r
     return [p[trl]["seconds_per_step"] / p[earl]["seconds_per_step"] for _, p in sorted(by_run.items())
             if len(p) == 2 and not (p[earl]["slow_machine"] or p[trl]["slow_machine"])]
 
 
 def _verdict(e: dict, summary: list[dict], trl: str, rows: list[dict]) -> list[dict]:
-    t = next((r for r in summary if r["side"] == trl and _point(r) == _point(e)), None)
+    t = next((r for r in summary if r["side"] == trl and point_of(r) == point_of(e)), None)
     if t is None:
         return []
     work = abs(e["tokens_per_step"] - t["tokens_per_step"]) / max(t["tokens_per_step"], 1e-9)
-    paired = paired_ratios(rows, e["side"], trl, _point(e))
+    paired = paired_ratios(rows, e["side"], trl, point_of(e))
     return [{"pair": f"{e['side']} / {trl}", "mode": e["mode"], "completion_len": e["completion_len"],
              "turns": e["turns"],
              "speedup": t["seconds_per_step"] / e["seconds_per_step"], "work_diff": work,
              "equal_work": work <= WORK_TOLERANCE, "noisy": e["only_flagged"] or t["only_flagged"],
              "both_learn": e["reward_last"] > e["reward_first"] and t["reward_last"] > t["reward_first"],
-             "pairs": len(paired), "ratio_min": min(paired, default=math.nan),
+             "pairs": len(paired), "ratios": paired, "ratio_min": min(paired, default=math.nan),
              "ratio_max": max(paired, default=math.nan)}]
 
 

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.vs_trl import RESULTS, medians, paired_ratios, verdicts, write_csv  # noqa: E402
+from benchmarks.vs_trl import RESULTS, medians, point_of, verdicts, write_csv  # noqa: E402
 
 TARGETS = {"single": 1.5, "multi": 3.0}
 SET_COLUMNS = ["set", "mode", "completion_len", "turns", "target", "guard_s", "runs_earl", "runs_trl", "speedup",
@@ -50,6 +50,17 @@ def read_runs(path: Path) -> list[dict]:
     return out
 
 
+def _against_target(ratios: list[float], target: float, min_pairs: int) -> dict:
+    """How many pairs reach ``target``, whether all of at least ``min_pairs`` do (settled), and then
+    the confidence that the median pair is above it; ``pair_ratios`` keeps the floats, ``ratios``
+    is their text for the CSV."""
+    at = sum(x >= target for x in ratios)
+    settled = len(ratios) >= min_pairs and at == len(ratios)
+    return {"target": target, "pairs": len(ratios), "pairs_at_target": at, "settled": settled,
+            "confidence": 1 - 2.0 ** -len(ratios) if settled else math.nan, "pair_ratios": ratios,
+            "ratios": " ".join(f"{x:.2f}" for x in ratios)}
+
+
 def set_points(name: str, rows: list[dict], min_pairs: int) -> list[dict]:
     """One row per point of a set where both earl and TRL (as shipped) ran."""
     summary = medians(rows)
@@ -57,19 +68,11 @@ def set_points(name: str, rows: list[dict], min_pairs: int) -> list[dict]:
     for c in verdicts(summary, rows):
         if c["pair"] != "earl / trl":
             continue
-        point = (c["mode"], c["completion_len"], c["turns"])
-        ratios = paired_ratios(rows, "earl", "trl", point)
-        target = TARGETS[c["mode"]]
-        runs = {r["side"]: r["runs"] for r in summary if (r["mode"], r["completion_len"], r["turns"]) == point}
-        at = sum(x >= target for x in ratios)
-        settled = len(ratios) >= min_pairs and at == len(ratios)
+        runs = {r["side"]: r["runs"] for r in summary if point_of(r) == point_of(c)}
         out.append({"set": name, "mode": c["mode"], "completion_len": c["completion_len"], "turns": c["turns"],
-                    "target": target, "guard_s": statistics.median(r["guard_s"] for r in rows),
-                    "runs_earl": runs["earl"], "runs_trl": runs["trl"], "speedup": c["speedup"],
-                    "pairs": len(ratios), "ratio_min": c["ratio_min"], "ratio_max": c["ratio_max"],
-                    "pairs_at_target": at, "settled": settled,
-                    "confidence": 1 - 2.0 ** -len(ratios) if settled else math.nan,
-                    "ratios": " ".join(f"{x:.2f}" for x in ratios)})
+                    "guard_s": statistics.median(r["guard_s"] for r in rows), "runs_earl": runs["earl"],
+                    "runs_trl": runs["trl"], "speedup": c["speedup"], "ratio_min": c["ratio_min"],
+                    "ratio_max": c["ratio_max"], **_against_target(c["ratios"], TARGETS[c["mode"]], min_pairs)})
     return out
 
 
@@ -78,20 +81,15 @@ def pooled(points: list[dict], min_pairs: int) -> list[dict]:
     sides on one machine, so with n pairs all at the target the median pair over these machines and
     runs is above it with confidence 1 - 2**-n. ``speedup`` is then the median pair."""
     out = []
-    for key in dict.fromkeys((p["mode"], p["completion_len"], p["turns"]) for p in points):
-        rows = [p for p in points if (p["mode"], p["completion_len"], p["turns"]) == key]
-        ratios = [float(x) for p in rows for x in p["ratios"].split()]
+    for key in dict.fromkeys(point_of(p) for p in points):
+        rows = [p for p in points if point_of(p) == key]
+        ratios = sorted(x for p in rows for x in p["pair_ratios"])
         if not ratios:
             continue
-        target = rows[0]["target"]
-        at = sum(x >= target for x in ratios)
-        settled = len(ratios) >= min_pairs and at == len(ratios)
-        out.append({"set": "all sets", "mode": key[0], "completion_len": key[1], "turns": key[2], "target": target,
-                    "guard_s": math.nan, "runs_earl": sum(p["runs_earl"] for p in rows),
-                    "runs_trl": sum(p["runs_trl"] for p in rows), "speedup": statistics.median(ratios),
-                    "pairs": len(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios), "pairs_at_target": at,
-                    "settled": settled, "confidence": 1 - 2.0 ** -len(ratios) if settled else math.nan,
-                    "ratios": " ".join(f"{x:.2f}" for x in sorted(ratios))})
+        out.append({"set": "all sets", "mode": key[0], "completion_len": key[1], "turns": key[2], "guard_s": math.nan,
+                    "runs_earl": sum(p["runs_earl"] for p in rows), "runs_trl": sum(p["runs_trl"] for p in rows),
+                    "speedup": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1],
+                    **_against_target(ratios, rows[0]["target"], min_pairs)})
     return out
 
 
@@ -100,13 +98,12 @@ def plot(points: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({(p["mode"], p["completion_len"], p["turns"]) for p in points}, key=lambda k: (k[0] != "single", k))
+    keys = sorted({point_of(p) for p in points}, key=lambda k: (k[0] != "single", k))
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        rows = [p for p in points if (p["mode"], p["completion_len"], p["turns"]) == key]
+        rows = [p for p in points if point_of(p) == key]
         for i, p in enumerate(rows):
-            ratios = [float(x) for x in p["ratios"].split()]
-            ax.scatter([i] * len(ratios), ratios, s=14, color="tab:blue", zorder=3)
+            ax.scatter([i] * p["pairs"], p["pair_ratios"], s=14, color="tab:blue", zorder=3)
             ax.hlines(p["speedup"], i - 0.3, i + 0.3, color="black", lw=2, zorder=2)
         ax.axhline(rows[0]["target"], color="tab:red", ls="--", lw=1)
         ax.set_xticks(range(len(rows)), [p["set"].removeprefix("vs_trl_") for p in rows], rotation=60, ha="right",
