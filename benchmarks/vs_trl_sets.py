@@ -10,7 +10,7 @@ with confidence 1 - 2**-n whatever the noise. Rows ``all sets`` pool every set's
 (:func:`pooled`). The guard's median seconds (a fixed matmul workload)
 says how fast the set's machine was: lower is faster.
 
-    python benchmarks/vs_trl_sets.py          # every benchmarks/results/vs_trl*_runs.csv, by name
+    python benchmarks/vs_trl_sets.py          # every benchmarks/results/vs_trl*_runs.csv, oldest first
     python benchmarks/vs_trl_sets.py A_runs.csv B_runs.csv ...   # these, in this order (the plot's)
 
 Writes ``benchmarks/results/vs_trl_sets.csv`` and ``vs_trl_sets.png`` (each pair's ratio per set,
@@ -23,6 +23,7 @@ import argparse
 import csv
 import math
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +49,19 @@ def read_runs(path: Path) -> list[dict]:
                      else float(v) if v != "" else math.nan) for k, v in r.items()}
         out.append(typed)
     return out
+
+
+def recorded_order(files: list[Path]) -> list[Path]:
+    """``files`` oldest first: by the time of the commit that added each (a fresh clone keeps it; file
+    times do not), else by the file's modification time, then by name."""
+    def when(f: Path) -> float:
+        try:
+            out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%ct", "--", f.name], cwd=f.parent,
+                                 capture_output=True, text=True, timeout=30).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            out = []
+        return float(out[-1]) if out else f.stat().st_mtime
+    return sorted(files, key=lambda f: (when(f), f.name))
 
 
 def _against_target(ratios: list[float], target: float, min_pairs: int) -> dict:
@@ -135,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.min_pairs < 1:
         ap.error(f"--min-pairs must be >= 1, got {args.min_pairs}")
-    files = args.runs_files or sorted(RESULTS.glob("vs_trl*_runs.csv"))
+    files = args.runs_files or recorded_order(list(RESULTS.glob("vs_trl*_runs.csv")))
     missing = [str(f) for f in files if not f.is_file()]
     if not files or missing:
         ap.error(f"runs_files: no such file: {', '.join(missing)}" if missing else "runs_files: none found")

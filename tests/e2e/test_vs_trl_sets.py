@@ -11,7 +11,7 @@ import re
 import pytest
 
 from benchmarks.vs_trl import RUN_COLUMNS, write_csv
-from benchmarks.vs_trl_sets import main, read_runs
+from benchmarks.vs_trl_sets import main, read_runs, recorded_order
 
 
 def _run(run: int, side: str, mode: str, seconds: float, *, slow: bool = False, turns: int = 10) -> dict:
@@ -89,3 +89,23 @@ def test_a_csv_that_is_not_a_runs_file_is_named_in_the_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(bad), "--out", str(tmp_path / "o.csv")])
     assert re.search(r"runs_files: .*medians\.csv: not a vs_trl\.py runs CSV", capsys.readouterr().err)
+
+
+def test_sets_default_to_the_order_they_were_recorded_in(tmp_path):
+    """By the commit that added each file (what a fresh clone keeps), not by name; outside git by time."""
+    import os
+    import subprocess
+
+    names = ["vs_trl_z_runs.csv", "vs_trl_a_runs.csv", "vs_trl_m_runs.csv"]  # recorded in this order
+    rows = [_run(0, s, "multi", sec) for s, sec in (("earl", 1.0), ("trl", 3.0))]
+    for i, name in enumerate(names):
+        write_csv(tmp_path / name, rows, RUN_COLUMNS)
+        os.utime(tmp_path / name, (1_000_000 + i, 1_000_000 + i))
+    assert [f.name for f in recorded_order(list(tmp_path.glob("*.csv")))] == names  # no git here: by time
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    for i, name in enumerate(reversed(names)):  # committed in the other order; file times stay
+        env = {**os.environ, "GIT_COMMITTER_DATE": f"@{2_000_000 + i} +0000"}
+        subprocess.run(git + ["add", name], check=True)
+        subprocess.run(git + ["commit", "-q", "-m", name], check=True, env=env)
+    assert [f.name for f in recorded_order(list(tmp_path.glob("*.csv")))] == list(reversed(names))
