@@ -149,6 +149,11 @@ class EpisodeDataModule(L.LightningDataModule):
         start = self.trainer.global_step if self.trainer is not None else 0
         return DataLoader(self._stream(start), batch_size=1, collate_fn=_identity, num_workers=0)
 
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        """A batch is a step number and episode specs, plain Python with no tensor: nothing to move.
+        (Lightning's default walks it and deep-copies every spec, a few milliseconds a step.)"""
+        return batch
+
     def val_dataloader(self) -> DataLoader:
         return DataLoader(EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes), batch_size=1,
                           collate_fn=_identity, num_workers=0)

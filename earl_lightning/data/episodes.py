@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from earl_lightning.data.experience import ExperienceBatch
@@ -27,24 +28,34 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
     are the episode's returns-to-go). Per-row fields: ``rewards`` (the episode's), ``group_ids``,
     ``episode_ids``, ``truncated``, ``num_turns`` and ``turn_index`` (0 for a whole-episode row).
     """
-    tokens: dict[str, list[torch.Tensor]] = {"input_ids": [], "action_mask": [], "rollout_logprobs": [],
-                                             "token_rewards": []}
+    fields = ("input_ids", "action_mask", "rollout_logprobs", "token_rewards")
+    flat: dict[str, list] = {name: [] for name in fields}  # every row's values, one list per field
+    lengths: list[int] = []
     rows: list[tuple[Episode, int]] = []
+    turn_ends: list[int] = []  # whole-episode rows: each turn's end in the flat batch, its reward, its row's start
+    turn_values: list[float] = []
+    turn_rows_at: list[int] = []
     for ep in episodes:
         if ep.turn_prompts and len(ep.turn_prompts) == len(ep.turn_starts):
-            for k, row in enumerate(_turn_rows(ep, gamma)):
-                for name, value in zip(("input_ids", "action_mask", "rollout_logprobs", "token_rewards"), row):
-                    tokens[name].append(value)
-                rows.append((ep, k))
-            continue
-        mask = torch.tensor(ep.action_mask, dtype=torch.float32)
-        if ep.error is not None:
-            mask.zero_()
-        tokens["input_ids"].append(torch.tensor(ep.token_ids, dtype=torch.long))
-        tokens["action_mask"].append(mask)
-        tokens["rollout_logprobs"].append(torch.tensor(ep.logprobs, dtype=torch.float32))
-        tokens["token_rewards"].append(turn_token_rewards(ep, mask))
-        rows.append((ep, 0))
+            per_row = _turn_rows(ep, gamma)
+        else:
+            row_start, n = sum(lengths), len(ep.token_ids)
+            mask = [0] * n if ep.error is not None else ep.action_mask
+            for end, r in zip([*ep.turn_starts[1:], n], _rewards_per_turn(ep)):
+                turn_ends.append(row_start + end)
+                turn_values.append(r)
+                turn_rows_at.append(row_start)
+            per_row = [(ep.token_ids, mask, ep.logprobs, [0.0] * n)]
+        for k, row in enumerate(per_row):
+            for name, values in zip(fields, row):
+                flat[name].extend(values)
+            lengths.append(len(row[0]))
+            rows.append((ep, k))
+    arrays = {name: np.array(flat[name], dtype=np.int64 if name == "input_ids" else np.float32) for name in fields}
+    _place_turn_rewards(arrays["token_rewards"], arrays["action_mask"], turn_ends, turn_values, turn_rows_at)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    if lengths:
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
     seqs = {
         "rewards": torch.tensor([ep.reward for ep, _ in rows], dtype=torch.float32),
         "group_ids": torch.tensor([ep.spec.group_id for ep, _ in rows], dtype=torch.long),
@@ -53,10 +64,24 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
         "num_turns": torch.tensor([ep.num_turns for ep, _ in rows], dtype=torch.long),
         "turn_index": torch.tensor([k for _, k in rows], dtype=torch.long),
     }
-    return ExperienceBatch.from_sequences(tokens, seqs)
+    return ExperienceBatch(cu, {name: torch.from_numpy(a) for name, a in arrays.items()}, seqs)
 
 
-def _turn_rows(ep: Episode, gamma: float) -> list[tuple[torch.Tensor, ...]]:
+def _place_turn_rewards(out: np.ndarray, mask: np.ndarray, ends: list[int], values: list[float],
+                        row_starts: list[int]) -> None:
+    """Add each turn's reward (at flat end ``ends[i]``) on the last generated token before that end
+    within its row (``row_starts[i]`` on), in turn order, in float32: :func:`turn_token_rewards`
+    for a whole batch at once."""
+    if not ends:
+        return
+    generated = np.flatnonzero(mask)
+    last = np.searchsorted(generated, np.asarray(ends), side="left") - 1
+    pos = generated[np.maximum(last, 0)] if generated.size else np.zeros(len(ends), dtype=np.int64)
+    keep = (last >= 0) & (pos >= np.asarray(row_starts)) if generated.size else np.zeros(len(ends), dtype=bool)
+    np.add.at(out, pos[keep], np.asarray(values, dtype=np.float32)[keep])
+
+
+def _turn_rows(ep: Episode, gamma: float) -> list[tuple[list, list[float], list[float], list[float]]]:
     """One (input_ids, action_mask, rollout_logprobs, token_rewards) row per turn, in turn order.
     Built from the last turn backwards, so that each row's final reward can include the discounted
     return of the turns after it."""
@@ -68,23 +93,26 @@ def _turn_rows(ep: Episode, gamma: float) -> list[tuple[torch.Tensor, ...]]:
             n += 1
         spans.append((start, n))
     rewards = _rewards_per_turn(ep)
-    out: list[tuple[torch.Tensor, ...]] = []
+    out = []
     after = 0.0  # return at the first generated token of the next turn
     for k in reversed(range(len(spans))):
         start, n = spans[k]
         prompt = ep.turn_prompts[k]
-        ids = torch.tensor(prompt + ep.token_ids[start:start + n], dtype=torch.long)
-        mask = torch.zeros(len(ids), dtype=torch.float32)
-        lps = torch.zeros(len(ids), dtype=torch.float32)
-        rew = torch.zeros(len(ids), dtype=torch.float32)
+        ids = list(prompt) + list(ep.token_ids[start:start + n])
+        mask, lps, rew = [0.0] * len(ids), [0.0] * len(ids), [0.0] * len(ids)
         last_return = rewards[k] + gamma * after
         if n and ep.error is None:
-            mask[len(prompt):] = 1.0
-            lps[len(prompt):] = torch.tensor(ep.logprobs[start:start + n], dtype=torch.float32)
-            rew[-1] = last_return
+            mask[len(prompt):] = [1.0] * n
+            lps[len(prompt):] = ep.logprobs[start:start + n]
+            rew[-1] = _f32(last_return)
         after = last_return * gamma ** max(n - 1, 0)
         out.append((ids, mask, lps, rew))
     return out[::-1]
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as a Python float."""
+    return float(np.float32(x))
 
 
 def _rewards_per_turn(ep: Episode) -> list[float]:
@@ -102,16 +130,11 @@ def turn_token_rewards(ep: Episode, mask: torch.Tensor) -> torch.Tensor:
     episode without per-turn rewards (or whose turn count does not match) gets its whole reward on
     its last generated token. A row without generated tokens (a failed episode) stays all zero.
     """
-    out = torch.zeros(len(ep.token_ids), dtype=torch.float32)
-    gen = mask.nonzero().squeeze(1)
-    if gen.numel() == 0:
-        return out
-    ends = [*ep.turn_starts[1:], len(ep.token_ids)]
-    for end, r in zip(ends, _rewards_per_turn(ep)):
-        before = gen[gen < end]
-        if before.numel():
-            out[before[-1]] += r
-    return out
+    n = len(ep.token_ids)
+    out = np.zeros(n, dtype=np.float32)
+    rewards = _rewards_per_turn(ep)
+    _place_turn_rewards(out, mask.numpy(), [*ep.turn_starts[1:], n], rewards, [0] * len(rewards))
+    return torch.from_numpy(out)
 
 
 class SupervisedRow(NamedTuple):
@@ -137,7 +160,7 @@ def supervised_rows(episodes: list[Episode]) -> list[list[SupervisedRow]]:
             for k, (ids, mask, _, _) in enumerate(_turn_rows(ep, 1.0)):
                 n = len(ep.turn_prompts[k])
                 heads = [(k, n)] if n < len(ids) else []
-                rows.append(SupervisedRow(ids.tolist(), [int(m) for m in mask.tolist()], heads))
+                rows.append(SupervisedRow(ids, [int(m) for m in mask], heads))
             out.append(rows)
         else:
             heads = [(k, s) for k, s in enumerate(ep.turn_starts) if s < len(ep.token_ids) and ep.action_mask[s]]

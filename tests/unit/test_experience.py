@@ -144,6 +144,16 @@ def test_turn_token_rewards_by_hand():
     assert turn_token_rewards(legacy, torch.tensor(mask, dtype=torch.float32)).tolist() == [0] * 9 + [1.5]
     # a failed episode's mask is zeroed by episodes_to_experience: nothing to put a reward on
     assert turn_token_rewards(ep, torch.zeros(10)).tolist() == [0.0] * 10
+    # turn 1 generated nothing: its reward joins turn 0's on turn 0's last generated token
+    quiet = [0, 0, 1, 1, 0, 0, 0, 0, 1, 1]
+    ep = _episode(list(range(10)), quiet, [2, 5, 8], [0.5, -1.0, 2.0], 1.5)
+    assert turn_token_rewards(ep, torch.tensor(quiet, dtype=torch.float32)).tolist() == \
+        [0, 0, 0, -0.5, 0, 0, 0, 0, 0, 2.0]
+    # nothing generated before the first turn's end: that reward has no token to sit on
+    late = [0, 0, 0, 0, 0, 1, 0, 0, 1, 1]
+    ep = _episode(list(range(10)), late, [2, 5, 8], [0.5, -1.0, 2.0], 1.5)
+    assert turn_token_rewards(ep, torch.tensor(late, dtype=torch.float32)).tolist() == \
+        [0, 0, 0, 0, 0, -1.0, 0, 0, 0, 2.0]
 
 
 def test_gae_and_reinforce_pp_discount_per_turn_rewards_by_hand():
