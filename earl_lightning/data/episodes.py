@@ -31,6 +31,7 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
     fields = ("input_ids", "action_mask", "rollout_logprobs", "token_rewards")
     flat: dict[str, list] = {name: [] for name in fields}  # every row's values, one list per field
     lengths: list[int] = []
+    total = 0  # tokens so far: where the next row starts in the flat batch
     rows: list[tuple[Episode, int]] = []
     turn_ends: list[int] = []  # whole-episode rows: each turn's end in the flat batch, its reward, its row's start
     turn_values: list[float] = []
@@ -39,17 +40,18 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
         if ep.turn_prompts and len(ep.turn_prompts) == len(ep.turn_starts):
             per_row = _turn_rows(ep, gamma)
         else:
-            row_start, n = sum(lengths), len(ep.token_ids)
+            n = len(ep.token_ids)
             mask = [0] * n if ep.error is not None else ep.action_mask
             for end, r in zip([*ep.turn_starts[1:], n], _rewards_per_turn(ep)):
-                turn_ends.append(row_start + end)
+                turn_ends.append(total + end)
                 turn_values.append(r)
-                turn_rows_at.append(row_start)
+                turn_rows_at.append(total)
             per_row = [(ep.token_ids, mask, ep.logprobs, [0.0] * n)]
         for k, row in enumerate(per_row):
             for name, values in zip(fields, row):
                 flat[name].extend(values)
             lengths.append(len(row[0]))
+            total += lengths[-1]
             rows.append((ep, k))
     arrays = {name: np.array(flat[name], dtype=np.int64 if name == "input_ids" else np.float32) for name in fields}
     _place_turn_rewards(arrays["token_rewards"], arrays["action_mask"], turn_ends, turn_values, turn_rows_at)
@@ -72,12 +74,12 @@ def _place_turn_rewards(out: np.ndarray, mask: np.ndarray, ends: list[int], valu
     """Add each turn's reward (at flat end ``ends[i]``) on the last generated token before that end
     within its row (``row_starts[i]`` on), in turn order, in float32: :func:`turn_token_rewards`
     for a whole batch at once."""
-    if not ends:
-        return
     generated = np.flatnonzero(mask)
+    if not ends or not generated.size:
+        return
     last = np.searchsorted(generated, np.asarray(ends), side="left") - 1
-    pos = generated[np.maximum(last, 0)] if generated.size else np.zeros(len(ends), dtype=np.int64)
-    keep = (last >= 0) & (pos >= np.asarray(row_starts)) if generated.size else np.zeros(len(ends), dtype=bool)
+    pos = generated[np.maximum(last, 0)]
+    keep = (last >= 0) & (pos >= np.asarray(row_starts))
     np.add.at(out, pos[keep], np.asarray(values, dtype=np.float32)[keep])
 
 
@@ -104,15 +106,10 @@ def _turn_rows(ep: Episode, gamma: float) -> list[tuple[list, list[float], list[
         if n and ep.error is None:
             mask[len(prompt):] = [1.0] * n
             lps[len(prompt):] = ep.logprobs[start:start + n]
-            rew[-1] = _f32(last_return)
+            rew[-1] = last_return  # rounded to float32 when packed
         after = last_return * gamma ** max(n - 1, 0)
         out.append((ids, mask, lps, rew))
     return out[::-1]
-
-
-def _f32(x: float) -> float:
-    """``x`` rounded to float32, as a Python float."""
-    return float(np.float32(x))
 
 
 def _rewards_per_turn(ep: Episode) -> list[float]:
