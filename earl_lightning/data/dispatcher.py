@@ -258,12 +258,13 @@ class Dispatcher:
                       schema: tuple[FieldSpec, ...]) -> tuple[dict[torch.dtype, torch.Tensor], int]:
         """Members of a broadcast-mode TP group take the root's received buffers (and unpack them
         as the root does, so the group ends with identical batches)."""
+        self._create_subgroups(plan)
         g = plan.dst.coords(rank)[0]
         if plan.tp_mode[g] != "broadcast" or plan.dst.tp == 1:
             return received, rank
         root = plan.root[g]
         members = sorted(broadcast_chain(plan, g))
-        pg = self._subgroup(members)
+        pg = self._subgroups[tuple(members)]
         out = {}
         for dtype, fields in wire_schema(schema).items():
             buffer = received[dtype]
@@ -274,13 +275,26 @@ class Dispatcher:
             out[dtype] = buffer
         return out, root
 
-    def _subgroup(self, ranks: list[int]) -> dist.ProcessGroup:
-        key = tuple(ranks)
-        if key not in self._subgroups:
-            global_ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in ranks]
-            # Only the members call new_group: other TP groups may be in direct mode.
-            self._subgroups[key] = dist.new_group(global_ranks, use_local_synchronization=True)
-        return self._subgroups[key]
+    def _create_subgroups(self, plan: DispatchPlan) -> None:
+        """Every rank creates every broadcast group of the plan it has not made yet, in one order.
+
+        ``new_group`` is collective over all processes. Members-only creation
+        (``use_local_synchronization``) names a group by its ranks and by how many groups the calling
+        rank already has: members that had joined different earlier groups (TP groups in direct mode
+        make none) named one group differently and waited for each other in gloo's rendezvous forever.
+        """
+        if plan.dst.tp == 1:
+            return
+        for g, mode in enumerate(plan.tp_mode):
+            key = tuple(sorted(broadcast_chain(plan, g)))
+            if mode != "broadcast" or key in self._subgroups:
+                continue
+            if self.group is not None and dist.get_world_size(self.group) != dist.get_world_size():
+                raise ValueError(f"Dispatcher(group=...): a TP broadcast needs the group to span every process "
+                                 f"(got {dist.get_world_size(self.group)} of {dist.get_world_size()}); "
+                                 f"use tp_mode='direct' or the default group")
+            global_ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in key]
+            self._subgroups[key] = dist.new_group(global_ranks)
 
 
 def _elements(plan: DispatchPlan, fields: list[FieldSpec], rows: list[int]) -> int:

@@ -20,6 +20,7 @@ import hashlib
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -182,3 +183,21 @@ def test_dispatch_properties_world_3():
 
 def test_dispatch_properties_world_4():
     check_world(4)
+
+
+def run_after_uneven_groups(rank: int, world: int, case: dict) -> list[dict]:
+    """Ranks 0 and 1 first make a group of their own (as a TP pair in broadcast mode does while the
+    other pair is in direct mode), then all four take a TP-4 broadcast: members-only group creation
+    named that group differently on the two pairs, and the four waited for each other forever."""
+    if rank < 2:
+        dist.new_group([0, 1], use_local_synchronization=True)
+    return run_cases(rank, world, [case, case])  # the second exchange reuses the broadcast group
+
+
+def test_broadcast_group_forms_after_ranks_made_different_groups():
+    case = {"world": 4, "src": (4, 1), "dst": (1, 4), "counts": [5, 3, 0, 7], "max_len": 300, "groups": 4,
+            "keep_groups": False, "tp_mode": "broadcast", "locality": True, "seed": 7}
+    results = run_distributed(run_after_uneven_groups, 4, case, timeout=120.0)
+    for i in range(2):
+        check_case(case, [results[r][i] for r in range(4)])
+        assert len({results[r][i]["digest"] for r in range(4)}) == 1  # the TP-4 group holds one batch
