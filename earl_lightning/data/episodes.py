@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.data.experience import ExperienceBatch, cu_seqlens_of
 from earl_lightning.rollout.types import Episode
 
 
@@ -55,9 +55,6 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
             rows.append((ep, k))
     arrays = {name: np.array(flat[name], dtype=np.int64 if name == "input_ids" else np.float32) for name in fields}
     _place_turn_rewards(arrays["token_rewards"], arrays["action_mask"], turn_ends, turn_values, turn_rows_at)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    if lengths:
-        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
     seqs = {
         "rewards": torch.tensor([ep.reward for ep, _ in rows], dtype=torch.float32),
         "group_ids": torch.tensor([ep.spec.group_id for ep, _ in rows], dtype=torch.long),
@@ -66,7 +63,7 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
         "num_turns": torch.tensor([ep.num_turns for ep, _ in rows], dtype=torch.long),
         "turn_index": torch.tensor([k for _, k in rows], dtype=torch.long),
     }
-    return ExperienceBatch(cu, {name: torch.from_numpy(a) for name, a in arrays.items()}, seqs)
+    return ExperienceBatch(cu_seqlens_of(lengths), {name: torch.from_numpy(a) for name, a in arrays.items()}, seqs)
 
 
 def _place_turn_rewards(out: np.ndarray, mask: np.ndarray, ends: list[int], values: list[float],

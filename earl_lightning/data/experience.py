@@ -23,6 +23,14 @@ TOKEN_FIELDS_REQUIRED = ("input_ids", "action_mask")
 SEQ_FIELDS_REQUIRED = ("rewards", "group_ids", "episode_ids")
 
 
+def cu_seqlens_of(lengths: list[int]) -> torch.Tensor:
+    """[len(lengths) + 1] int64 offsets of sequences of these lengths packed end to end, from 0."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
+    if lengths:
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
+    return cu
+
+
 @dataclass
 class ExperienceBatch:
     cu_seqlens: torch.Tensor  # [S+1] int64, cu_seqlens[0] == 0
@@ -36,9 +44,7 @@ class ExperienceBatch:
     @classmethod
     def from_sequences(cls, token_fields: dict[str, list[torch.Tensor]], seq_fields: dict[str, torch.Tensor]):
         lengths = [len(t) for t in next(iter(token_fields.values()))]
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-        if lengths:
-            cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0)
+        cu = cu_seqlens_of(lengths)
         tokens = {}
         for name, parts in token_fields.items():
             if len(parts) != len(lengths):

@@ -4,10 +4,11 @@ Usage in a test: ``results = run_distributed(fn, world_size, *args)``; ``fn(rank
 runs after ``init_process_group("gloo")`` and its (picklable) return value comes back in rank order.
 An exception on any rank fails the test with that rank's traceback; a rank that dies without
 reporting (segfault, ``os._exit``, killed for memory) fails it within a fraction of a second, naming
-the rank and its exit code or signal. A group that never forms is launched once more on a fresh port; a second hang fails the test. (The
-two CI hangs of 4 ranks in gloo's ``createAndConnectAllPairs`` were not the launcher's: they were the
-dispatcher's TP broadcast subgroups, named differently on different members; fixed in
-``Dispatcher._create_subgroups`` and pinned in ``tests/distributed/test_dispatch_properties.py``.)
+the rank and its exit code or signal. A group that never forms is launched once more on a fresh
+port; a second hang fails the test. (The two CI hangs of 4 ranks in gloo's
+``createAndConnectAllPairs`` were not the launcher's: they were the dispatcher's TP broadcast
+subgroups, named differently on different members; fixed in ``Dispatcher._create_subgroups`` and
+pinned in ``tests/distributed/test_dispatch_properties.py``.)
 """
 
 from __future__ import annotations
