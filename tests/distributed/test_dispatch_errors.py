@@ -73,3 +73,23 @@ def check_errors(rank: int, world: int) -> str:
 def test_dispatcher_errors_are_clear_and_collective():
     results = run_distributed(check_errors, 2)
     assert sorted(results[0] + results[1]) == [0, 1, 2, 3]
+
+
+def check_subgroup_broadcast_refused(rank: int, world: int) -> str:
+    """A dispatcher over a group of 2 of the 4 processes cannot make TP broadcast groups (``new_group``
+    is collective over every process): each pair's ranks get the same error, nobody hangs."""
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    d = Dispatcher(pairs[rank // 2], tp_mode="broadcast")
+    with pytest.raises(ValueError) as err:
+        d.exchange(small_batch(rank % 2), Layout(dp=1, tp=2))
+    direct = Dispatcher(pairs[rank // 2], tp_mode="direct").exchange(small_batch(rank % 2), Layout(dp=1, tp=2))
+    assert sorted(direct.seqs["episode_ids"].tolist()) == [0, 1, 2, 100, 101, 102]
+    return str(err.value)
+
+
+def test_broadcast_over_a_group_that_does_not_span_the_world_is_refused():
+    results = run_distributed(check_subgroup_broadcast_refused, 4)
+    assert results == ["Dispatcher(group=...): a TP broadcast needs the group to span every process (got 2 of 4); "
+                       "use tp_mode='direct' or the default group"] * 4
