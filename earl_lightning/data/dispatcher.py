@@ -230,6 +230,7 @@ class Dispatcher:
         plan = make_plan(lengths, group_ids, src=src, dst=to, token_bytes=token_bytes,
                          seq_bytes=seq_bytes, keep_groups=keep_groups, tp_mode=self.tp_mode,
                          locality=self.locality)
+        self._create_subgroups(plan)  # collective; refuses a group it cannot serve before data moves
         received = self._all_to_all(batch, plan, rank)
         received, as_rank = self._tp_broadcast(plan, received, rank, batch.schema())
         out = unpack_received(plan, as_rank, received, batch.schema())
@@ -258,7 +259,6 @@ class Dispatcher:
                       schema: tuple[FieldSpec, ...]) -> tuple[dict[torch.dtype, torch.Tensor], int]:
         """Members of a broadcast-mode TP group take the root's received buffers (and unpack them
         as the root does, so the group ends with identical batches)."""
-        self._create_subgroups(plan)
         g = plan.dst.coords(rank)[0]
         if plan.tp_mode[g] != "broadcast" or plan.dst.tp == 1:
             return received, rank

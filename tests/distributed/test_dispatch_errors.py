@@ -77,13 +77,18 @@ def test_dispatcher_errors_are_clear_and_collective():
 
 def check_subgroup_broadcast_refused(rank: int, world: int) -> str:
     """A dispatcher over a group of 2 of the 4 processes cannot make TP broadcast groups (``new_group``
-    is collective over every process): each pair's ranks get the same error, nobody hangs."""
+    is collective over every process): each pair's ranks get the same error before any data moves,
+    nobody hangs."""
     import torch.distributed as dist
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     d = Dispatcher(pairs[rank // 2], tp_mode="broadcast")
+    moved = []  # the refusal comes before the all-to-all: no rank sends its rows into a failed exchange
+    all_to_all = d._all_to_all
+    d._all_to_all = lambda *args: moved.append(args) or all_to_all(*args)
     with pytest.raises(ValueError) as err:
         d.exchange(small_batch(rank % 2), Layout(dp=1, tp=2))
+    assert moved == []
     direct = Dispatcher(pairs[rank // 2], tp_mode="direct").exchange(small_batch(rank % 2), Layout(dp=1, tp=2))
     assert sorted(direct.seqs["episode_ids"].tolist()) == [0, 1, 2, 100, 101, 102]
     return str(err.value)
