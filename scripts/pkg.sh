@@ -4,8 +4,8 @@
 # uv resolves the same versions as pip here (the two venvs' `pip list` were identical) and installs
 # them in parallel: a fresh `scripts/setup.sh` took 1 min 30 s against 3 min 42 s with pip on the
 # 2-core machine (2026-12-03, docs/benchmarks.md "Set-up and CI"). uv reads no pip.conf, so pip's
-# find-links, index and extra indexes (its config files or PIP_* variables) are handed to uv as the
-# UV_* variables; bytecode is compiled as pip does. EARL_INSTALLER=pip keeps pip. If uv cannot be
+# find-links, index, extra indexes, trusted hosts, no-index and certificate (its config files or PIP_*
+# variables) are handed to uv as the UV_* variables; bytecode is compiled as pip does. EARL_INSTALLER=pip keeps pip. If uv cannot be
 # installed, or an install by uv fails, the same install runs with pip (a message says so).
 
 _pip_setting() {  # $1: pip's option name; the PIP_ variable wins over pip's config files
@@ -23,15 +23,18 @@ _use_uv() {
 }
 
 _uv_env() {  # the UV_* settings that make uv install what pip would, one KEY=VALUE a line
-  local find_links index extra
+  local find_links index extra trusted no_index
   find_links=$(echo $(_pip_setting find-links)) index=$(echo $(_pip_setting index-url))
-  extra=$(echo $(_pip_setting extra-index-url))
+  extra=$(echo $(_pip_setting extra-index-url)) trusted=$(echo $(_pip_setting trusted-host))
+  no_index=$(echo $(_pip_setting no-index) | tr 'A-Z' 'a-z')
   echo "UV_PYTHON=$VIRTUAL_ENV/bin/python"
   echo "UV_COMPILE_BYTECODE=1"
   echo "UV_INDEX_STRATEGY=unsafe-best-match"  # as pip: the best version over every index
   [ -z "$find_links" ] || echo "UV_FIND_LINKS=${find_links// /,}"
   [ -z "$extra" ] || echo "UV_EXTRA_INDEX_URL=$extra"
   [ -z "$index" ] || echo "UV_INDEX_URL=$index"
+  [ -z "$trusted" ] || echo "UV_INSECURE_HOST=$trusted"
+  case "$no_index" in 1|true|yes|on) echo "UV_NO_INDEX=1" ;; esac
   [ -z "${PIP_CERT:-}" ] || echo "SSL_CERT_FILE=$PIP_CERT"
 }
 

@@ -29,12 +29,14 @@ def clean_env(virtual_env: Path, **extra: str) -> dict[str, str]:
 def test_uv_gets_pips_indexes_find_links_and_cert():
     this_venv = Path(sys.executable).parent.parent
     env = clean_env(this_venv, PIP_FIND_LINKS="/wheels/a /wheels/b", PIP_INDEX_URL="https://index.example/simple",
-                    PIP_EXTRA_INDEX_URL="file:///x/simple file:///y/simple", PIP_CERT="/certs/ca.pem")
+                    PIP_EXTRA_INDEX_URL="file:///x/simple file:///y/simple", PIP_CERT="/certs/ca.pem",
+                    PIP_TRUSTED_HOST="mirror.example", PIP_NO_INDEX="true")
     lines = bash("_uv_env", env).stdout.splitlines()
     assert lines == [f"UV_PYTHON={this_venv}/bin/python", "UV_COMPILE_BYTECODE=1",
                      "UV_INDEX_STRATEGY=unsafe-best-match", "UV_FIND_LINKS=/wheels/a,/wheels/b",
                      "UV_EXTRA_INDEX_URL=file:///x/simple file:///y/simple",
-                     "UV_INDEX_URL=https://index.example/simple", "SSL_CERT_FILE=/certs/ca.pem"]
+                     "UV_INDEX_URL=https://index.example/simple", "UV_INSECURE_HOST=mirror.example",
+                     "UV_NO_INDEX=1", "SSL_CERT_FILE=/certs/ca.pem"]
     # No settings anywhere (pip reads no config file): uv is given none either.
     lines = bash("_uv_env", clean_env(this_venv, PIP_CONFIG_FILE=os.devnull)).stdout.splitlines()
     assert [line.split("=")[0] for line in lines] == ["UV_PYTHON", "UV_COMPILE_BYTECODE", "UV_INDEX_STRATEGY"]
