@@ -2,11 +2,12 @@
 # installs packages into it with uv when uv can be had, else with pip.
 #
 # uv resolves the same versions as pip here (the two venvs' `pip list` were identical) and installs
-# them in parallel: a fresh `scripts/setup.sh` took 1 min 30 s against 3 min 42 s with pip on the
+# them in parallel: a fresh `scripts/setup.sh` took 1 min 40 s against 3 min 42 s with pip on the
 # 2-core machine (2026-12-03, docs/benchmarks.md "Set-up and CI"). uv reads no pip.conf, so pip's
-# find-links, index, extra indexes, trusted hosts, no-index and certificate (its config files or PIP_*
-# variables) are handed to uv as the UV_* variables; bytecode is compiled as pip does. EARL_INSTALLER=pip keeps pip. If uv cannot be
-# installed, or an install by uv fails, the same install runs with pip (a message says so).
+# find-links, index, extra indexes, trusted hosts, no-index and certificate (its config files or
+# PIP_* variables) are handed to uv as UV_* variables; bytecode is compiled as pip does.
+# EARL_INSTALLER=pip keeps pip. If uv cannot be installed, or an install by uv fails, the same
+# install runs with pip (a message says so).
 
 _pip_setting() {  # $1: pip's option name; the PIP_ variable wins over pip's config files
   local var="PIP_$(echo "$1" | tr 'a-z-' 'A-Z_')"
