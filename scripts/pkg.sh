@@ -2,8 +2,8 @@
 # installs packages into it with uv when uv can be had, else with pip.
 #
 # uv resolves the same versions as pip here (the two venvs' `pip list` were identical) and installs
-# them in parallel: a fresh `scripts/setup.sh` took 1 min 40 s against 3 min 42 s with pip on the
-# 2-core machine (2026-12-03, docs/benchmarks.md "Set-up and CI"). uv reads no pip.conf, so pip's
+# them in parallel: a fresh `scripts/setup.sh` took 1 min 41-45 s against 3 min 42 s - 4 min 29 s
+# with pip on the 2-core machine (2026-12-03, docs/benchmarks.md "Set-up and CI"). uv reads no pip.conf, so pip's
 # find-links, index, extra indexes, trusted hosts, no-index and certificate (its config files or
 # PIP_* variables) are handed to uv as UV_* variables; bytecode is compiled as pip does.
 # EARL_INSTALLER=pip keeps pip. If uv cannot be installed, or an install by uv fails, the same
