@@ -16,7 +16,12 @@ _pip_setting() {  # $1: pip's option name; the PIP_ variable wins over pip's con
 }
 
 _use_uv() {
-  [ "${EARL_INSTALLER:-uv}" = uv ] || return 1
+  case "${EARL_INSTALLER:-uv}" in
+    uv) ;;
+    pip) return 1 ;;
+    *) echo "setup: EARL_INSTALLER='${EARL_INSTALLER}' is not an installer this set-up knows; use 'uv' (the default) or 'pip'" >&2
+       exit 2 ;;
+  esac
   [ -x "$VIRTUAL_ENV/bin/uv" ] && return 0
   python -m pip install -q "uv>=0.9,<1" >/dev/null 2>&1 && return 0
   echo "setup: uv could not be installed; using pip"
@@ -24,10 +29,10 @@ _use_uv() {
 }
 
 _uv_env() {  # the UV_* settings that make uv install what pip would, one KEY=VALUE a line
-  local find_links index extra trusted no_index
+  local find_links index extra trusted no_index cert
   find_links=$(echo $(_pip_setting find-links)) index=$(echo $(_pip_setting index-url))
   extra=$(echo $(_pip_setting extra-index-url)) trusted=$(echo $(_pip_setting trusted-host))
-  no_index=$(echo $(_pip_setting no-index) | tr 'A-Z' 'a-z')
+  no_index=$(echo $(_pip_setting no-index) | tr 'A-Z' 'a-z') cert=$(echo $(_pip_setting cert))
   echo "UV_PYTHON=$VIRTUAL_ENV/bin/python"
   echo "UV_COMPILE_BYTECODE=1"
   echo "UV_INDEX_STRATEGY=unsafe-best-match"  # as pip: the best version over every index
@@ -36,7 +41,7 @@ _uv_env() {  # the UV_* settings that make uv install what pip would, one KEY=VA
   [ -z "$index" ] || echo "UV_INDEX_URL=$index"
   [ -z "$trusted" ] || echo "UV_INSECURE_HOST=$trusted"
   case "$no_index" in 1|true|yes|on) echo "UV_NO_INDEX=1" ;; esac
-  [ -z "${PIP_CERT:-}" ] || echo "SSL_CERT_FILE=$PIP_CERT"
+  [ -z "$cert" ] || echo "SSL_CERT_FILE=$cert"
 }
 
 pkg_install() {

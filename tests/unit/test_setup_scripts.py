@@ -81,3 +81,10 @@ def test_pip_installs_when_uv_fails_or_is_not_wanted(tmp_path, scratch_venv, cas
         assert calls.read_text().startswith("pip install -q --no-index")
     else:
         assert not calls.exists() and "trying pip" not in run.stdout
+
+
+def test_an_unknown_installer_is_refused_by_name(scratch_venv):
+    run = bash("pkg_install earl-setup-probe", clean_env(scratch_venv, EARL_INSTALLER="poetry"))
+    assert run.returncode == 2
+    assert run.stderr.strip() == ("setup: EARL_INSTALLER='poetry' is not an installer this set-up knows; "
+                                  "use 'uv' (the default) or 'pip'")
