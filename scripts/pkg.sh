@@ -3,9 +3,10 @@
 #
 # uv resolves the same versions as pip here (the two venvs' `pip list` were identical) and installs
 # them in parallel: a fresh `scripts/setup.sh` took 1 min 41-45 s against 3 min 42 s - 4 min 29 s
-# with pip on the 2-core machine (2026-12-03, docs/benchmarks.md "Set-up and CI"). uv reads no pip.conf, so pip's
-# find-links, index, extra indexes, trusted hosts, no-index and certificate (its config files or
-# PIP_* variables) are handed to uv as UV_* variables; bytecode is compiled as pip does.
+# with pip on the 2-core machine (2026-12-03, docs/benchmarks.md "Set-up and CI"). uv reads no
+# pip.conf, so pip's find-links, index, extra indexes, trusted hosts, no-index and certificate (its
+# config files or PIP_* variables) are handed to uv as UV_* variables; bytecode is compiled as pip
+# does.
 # EARL_INSTALLER=pip keeps pip. If uv cannot be installed, or an install by uv fails, the same
 # install runs with pip (a message says so).
 
@@ -57,7 +58,7 @@ pkg_install() {
 }
 
 pkg_uninstall() {
-  if [ "${EARL_INSTALLER:-uv}" = uv ] && [ -x "$VIRTUAL_ENV/bin/uv" ]; then
+  if _use_uv; then
     env UV_PYTHON="$VIRTUAL_ENV/bin/python" "$VIRTUAL_ENV/bin/uv" pip uninstall -q "$@" 2>/dev/null || true
   else
     python -m pip uninstall -q -y "$@" || true
