@@ -11,7 +11,10 @@ Each run is one side in a fresh process (``benchmarks/vs_trl_sides.py``); the si
 than 1.5x slower on it than the fastest run is flagged and left out of the medians (unless every run
 is flagged); the share of its cores a run got (CPU time / wall time / threads) is recorded too.
 Seconds per step are wall-clock intervals between step ends after ``--warmup`` steps; tokens/s =
-generated tokens per step / seconds per step; peak RSS is the process's high-water mark.
+generated tokens per step / seconds per step; peak RSS is the process's high-water mark. Each
+step is also split: earl's ``stage/rollout/seconds`` and ``stage/train/seconds``; TRL's
+generation and scoring (``_generate_and_score_completions``) and the rest of its ``training_step``
+(the loss forward and backward), recorded as ``rollout_s`` and ``train_s``.
 
     python benchmarks/vs_trl.py            # 3 runs per side and mode (~20 min on 2 cores)
     python benchmarks/vs_trl.py --quick    # 1 run, fewer steps (< 5 min)
@@ -53,9 +56,9 @@ RESULT_TAG = "VS_TRL_RESULT "  # printed by benchmarks/vs_trl_sides.py
 SLOW_FACTOR = 1.5
 WORK_TOLERANCE = 0.10
 RATIO_COLUMNS = ["pair", "mode", "completion_len", "turns", "speedup", "pairs", "ratio_min", "ratio_max",
-                 "work_diff", "equal_work", "both_learn", "noisy"]
+                 "work_diff", "equal_work", "both_learn", "noisy", "rollout_speedup", "train_speedup"]
 COLUMNS = ["side", "mode", "completion_len", "turns", "seconds_per_step", "tokens_per_s", "peak_rss_mib",
-           "tokens_per_step", "reward_first", "reward_last", "runs", "flagged_runs"]
+           "tokens_per_step", "reward_first", "reward_last", "runs", "flagged_runs", "rollout_s", "train_s"]
 RUN_COLUMNS = ["run", "side", "mode", "completion_len", "turns", "seconds_per_step", "tokens_per_s", "peak_rss_mib",
                "tokens_per_step", "reward_first", "reward_last", "guard_s", "slow_machine", "load_before",
                "load_after", "cpu_share", "rollout_s", "experience_s", "train_s", "peak_gpu_mib"]
@@ -166,7 +169,8 @@ def summarize(result: dict, warmup: int) -> dict:
     tokens = statistics.fmean(result["tokens"][warmup:])
     k = max(1, min(3, len(ends) // 4))
     stages = result["stages"][warmup:]
-    stage = {f"{s}_s": statistics.fmean(x.get(f"stage/{s}/seconds", 0.0) for x in stages) if stages else ""
+    stage = {f"{s}_s": statistics.fmean(x[f"stage/{s}/seconds"] for x in stages)
+             if stages and all(f"stage/{s}/seconds" in x for x in stages) else ""
              for s in ("rollout", "experience", "train")}
     return {"side": spec["side"], "mode": spec["mode"], "completion_len": spec["completion_len"],
             "turns": spec["turns"], "seconds_per_step": sec, "tokens_per_s": tokens / sec,
@@ -205,6 +209,8 @@ def medians(rows: list[dict]) -> list[dict]:
         group = [r for r in rows if (*point_of(r), r["side"]) == (mode, n, turns, side)]
         kept = [r for r in group if not r["slow_machine"]] or group
         med = {c: statistics.median(r[c] for r in kept) for c in COLUMNS[4:10]}
+        for c in ("rollout_s", "train_s"):  # "" where a side did not record its stages
+            med[c] = statistics.median(r[c] for r in kept) if all(r.get(c) not in ("", None) for r in kept) else ""
         out.append({"side": side, "mode": mode, "completion_len": n, "turns": turns, **med, "runs": len(kept),
                     "flagged_runs": sum(r["slow_machine"] for r in group),
                     "only_flagged": all(r["slow_machine"] for r in kept)})
@@ -251,7 +257,9 @@ def _verdict(e: dict, summary: list[dict], trl: str, rows: list[dict]) -> list[d
              "equal_work": work <= WORK_TOLERANCE, "noisy": e["only_flagged"] or t["only_flagged"],
              "both_learn": e["reward_last"] > e["reward_first"] and t["reward_last"] > t["reward_first"],
              "pairs": len(paired), "ratios": paired, "ratio_min": min(paired, default=math.nan),
-             "ratio_max": max(paired, default=math.nan)}]
+             "ratio_max": max(paired, default=math.nan),
+             **{f"{s}_speedup": t[f"{s}_s"] / e[f"{s}_s"] if "" not in (t.get(f"{s}_s", ""), e.get(f"{s}_s", ""))
+                else "" for s in ("rollout", "train")}}]
 
 
 def multi_turn_seconds(path: Path, completion_len: int, turns: int) -> dict[str, float]:
@@ -286,12 +294,30 @@ def print_report(summary: list[dict], checks: list[dict], loads: tuple[float, fl
               f"{c['ratio_min']:.2f}-{c['ratio_max']:.2f}x ({c['pairs']}) | {100 * c['work_diff']:.1f}% | "
               f"{'yes' if c['equal_work'] else 'NO'} | {'yes' if c['both_learn'] else 'NO'} | "
               f"{'NOISY: only flagged runs' if c['noisy'] else 'ok'} |")
+    print_stages(summary, checks)
     guards = [r["guard_s"] for r in rows]
     print(f"\nload average (1 min): {loads[0]:.2f} before, {loads[1]:.2f} after; per run "
           f"{min(r['load_before'] for r in rows):.2f}-{max(r['load_after'] for r in rows):.2f}; machine-speed guard "
           f"{min(guards):.3f}-{max(guards):.3f} s, {sum(r['slow_machine'] for r in rows)} of {len(rows)} runs flagged "
           f"(> {SLOW_FACTOR}x the fastest); share of the cores a run got: "
           f"{min(r['cpu_share'] for r in rows):.2f}-{max(r['cpu_share'] for r in rows):.2f}")
+
+
+def print_stages(summary: list[dict], checks: list[dict]) -> None:
+    """Where each side's step goes (medians): earl's rollout and train stages, TRL's generation
+    and scoring and the rest of its training step, and the ratio of each part."""
+    rows = [c for c in checks if "" not in (c["rollout_speedup"], c["train_speedup"])]
+    if not rows:
+        return
+    print("\n| earl side / TRL side | mode | tokens | turns | earl rollout s | TRL generation s | ratio "
+          "| earl train s | TRL rest of training_step s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for c in rows:
+        earl, trl = c["pair"].split(" / ")
+        e, t = (next(r for r in summary if r["side"] == side and point_of(r) == point_of(c)) for side in (earl, trl))
+        print(f"| {c['pair']} | {c['mode']} | {c['completion_len']} | {c['turns']} | {e['rollout_s']:.3f} | "
+              f"{t['rollout_s']:.3f} | {c['rollout_speedup']:.2f}x | {e['train_s']:.3f} | {t['train_s']:.3f} | "
+              f"{c['train_speedup']:.2f}x |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,10 +135,14 @@ def _trl_clock():
 
     class StepClock(TrainerCallback):
         """Wall clock at the start of training and at the end of every optimizer step; the logged
-        ``reward`` and ``completions/mean_length`` of every step (``logging_steps=1``)."""
+        ``reward`` and ``completions/mean_length`` of every step (``logging_steps=1``); and the
+        step's split (:func:`_time_trl_stages`) under earl's stage names: ``rollout`` is TRL's
+        generation and scoring, ``train`` the rest of its ``training_step`` (loss forward and
+        backward)."""
 
         def __init__(self) -> None:
-            self.start, self.ends, self.cpu, self.logs = 0.0, [], [], []
+            self.start, self.ends, self.cpu, self.logs, self.stages = 0.0, [], [], [], []
+            self.generation_s = self.training_step_s = 0.0
 
         def on_train_begin(self, args, state, control, **kwargs) -> None:
             self.start = time.perf_counter()
@@ -146,12 +150,38 @@ def _trl_clock():
         def on_step_end(self, args, state, control, **kwargs) -> None:
             self.ends.append(time.perf_counter())
             self.cpu.append(time.process_time())
+            self.stages.append({"stage/rollout/seconds": self.generation_s,
+                                "stage/train/seconds": self.training_step_s - self.generation_s})
+            self.generation_s = self.training_step_s = 0.0
 
         def on_log(self, args, state, control, logs=None, **kwargs) -> None:
             if logs and "reward" in logs:
                 self.logs.append(dict(logs))
 
     return StepClock()
+
+
+def _time_trl_stages(trainer, clock) -> None:
+    """Time the trainer's ``training_step`` and, within it, ``_generate_and_score_completions``
+    (every step generates: ``steps_per_generation=1``, ``num_iterations=1``) into ``clock``; the
+    instance's wrappers call TRL's own methods."""
+    generate, step = trainer._generate_and_score_completions, trainer.training_step
+
+    def timed_generate(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            clock.generation_s += time.perf_counter() - t0
+
+    def timed_step(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            clock.training_step_s += time.perf_counter() - t0
+
+    trainer._generate_and_score_completions, trainer.training_step = timed_generate, timed_step
 
 
 def _trl_turn_text(tokenizer, observation: str, ended_eos: bool) -> list[int]:
@@ -261,11 +291,12 @@ def run_trl(spec: RunSpec) -> dict:
     trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tok,
                           callbacks=[clock], rollout_func=make_rollout_func(spec, seeds) if multi else None)
     trainer.remove_callback(PrinterCallback)  # it prints every log dict
+    _time_trl_stages(trainer, clock)
     trainer.train()
     out_dir.cleanup()
     logs = clock.logs[: len(clock.ends)]
     return {"start": clock.start, "ends": clock.ends, "cpu": clock.cpu, "rewards": [float(x["reward"]) for x in logs],
-            "tokens": [float(x["completions/mean_length"]) * spec.batch for x in logs], "stages": []}
+            "tokens": [float(x["completions/mean_length"]) * spec.batch for x in logs], "stages": clock.stages}
 
 
 def main(argv: list[str]) -> None:

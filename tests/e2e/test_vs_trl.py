@@ -49,6 +49,13 @@ def test_csv_has_both_sides_and_modes_with_sane_values(smoke):
         assert 0.5 * BATCH * LENGTH * turns <= float(r["tokens_per_step"]) <= BATCH * LENGTH * turns
         assert 0.0 <= float(r["reward_first"]) <= 1.0 and 0.0 <= float(r["reward_last"]) <= 1.0
     assert all(0 < float(r["cpu_share"]) < 2 and float(r["guard_s"]) > 0 for r in runs)
+    # both sides split their step: earl's rollout and train stages, TRL's generation and the rest of
+    # its training_step; the parts are timed inside the step, so they add up to at most its wall
+    for r in runs:
+        rollout, train = float(r["rollout_s"]), float(r["train_s"])
+        assert rollout > 0 and train > 0 and rollout + train <= 1.01 * float(r["seconds_per_step"]), r
+    assert "TRL generation s" in stdout
+    assert all(float(r["rollout_speedup"]) > 0 and float(r["train_speedup"]) > 0 for r in ratios)
     assert "earl speed / TRL" in stdout and "machine-speed guard" in stdout
     # one run per side: the one pair's ratio is the ratio of the medians, unless the machine-speed
     # guard flagged one of its runs (a busy CI machine), which leaves no pair
