@@ -115,6 +115,13 @@ class EarlCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
+# ``earl sft``'s own top-level arguments: help text (also docs/configuration.md's rows)
+SFT_ARGS = {
+    "output_dir": "Directory the warm-start model is saved to (save_pretrained, atomically, by rank 0); required.",
+    "overwrite": "Replace --output_dir when it exists and is not empty.",
+}
+
+
 class SftCLI(EarlCLI):
     """``earl sft``: the warm start. No subcommand: it fits, then saves the model and tokenizer to
     ``--output_dir`` (and ``warm_start.json``: the held-out evaluation and the demonstrations'
@@ -123,10 +130,8 @@ class SftCLI(EarlCLI):
     def add_arguments_to_parser(self, parser) -> None:
         from jsonargparse import ActionYesNo
 
-        parser.add_argument("--output_dir", type=Optional[str], default=None,
-                            help="Directory the warm-start model is saved to (save_pretrained); required.")
-        parser.add_argument("--overwrite", action=ActionYesNo, default=False,
-                            help="Replace --output_dir when it exists and is not empty.")
+        parser.add_argument("--output_dir", type=Optional[str], default=None, help=SFT_ARGS["output_dir"])
+        parser.add_argument("--overwrite", action=ActionYesNo, default=False, help=SFT_ARGS["overwrite"])
 
     def before_instantiate_classes(self) -> None:
         problem = output_dir_problem(self.config.get("output_dir"), bool(self.config.get("overwrite")))

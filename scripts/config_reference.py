@@ -33,9 +33,20 @@ parameter left `null` means the chosen function's own default (PPO's clip bounds
 ~1e-4); one the chosen function does not take fails at start-up.
 
 Generated from the code by `python scripts/config_reference.py` (a test keeps it in sync). The
-recipes in `recipes/` set what differs from these defaults; `earl sft` (the warm start) has its own
-`model:` / `data:` groups, shown by `earl sft --config recipes/connect4_sft.yaml --print_config`.
+recipes in `recipes/` set what differs from these defaults. `earl sft` (the warm start) has its own
+`model:` / `data:` groups and arguments ([below](#earl-sft-the-warm-start)), shown by
+`earl sft --config recipes/connect4_sft.yaml --print_config`.
 """
+
+SFT_HEADER = """
+## `earl sft` (the warm start)
+
+`earl sft --config recipes/<task>_sft.yaml` fits on demonstrations, then saves the model and
+tokenizer to `--output_dir` with `warm_start.json` (the held-out evaluation and the demonstrations'
+figures); `earl fit --model.model <dir>` starts RL from it.
+
+| setting | default | meaning |
+| --- | --- | --- |"""
 
 
 def arg_docs(obj) -> dict[str, str]:
@@ -71,12 +82,16 @@ def field_default(f: dataclasses.Field):
     return f.default_factory()  # type: ignore[misc]
 
 
-def rows_of(prefix: str, params: list[tuple[str, object]], docs: dict[str, str]) -> list[str]:
-    """Table rows for ``params``; a dataclass-valued one is expanded under its own prefix."""
+def rows_of(prefix: str, params: list[tuple[str, object]], docs: dict[str, str], expand: bool = True) -> list[str]:
+    """Table rows for ``params``; a dataclass-valued one is expanded under its own prefix (with
+    ``expand``; else one row that points to ``earl fit``'s table of the same group)."""
     rows = []
     for name, default in params:
         flag = f"{prefix}.{name}"
-        if dataclasses.is_dataclass(default):
+        if dataclasses.is_dataclass(default) and not expand:
+            rows.append(f"| `{flag}` | (group) | {docs.get(name, '')} Its settings and defaults are those of "
+                        f"`earl fit`'s `{flag}` (above). |")
+        elif dataclasses.is_dataclass(default):
             rows.append(f"| `{flag}` | (group) | {docs.get(name, '')} |")
             rows += rows_of(flag, [(f.name, field_default(f)) for f in dataclasses.fields(default)],
                             arg_docs(type(default)))
@@ -102,7 +117,19 @@ def render() -> str:
                                ("`data:` (EpisodeDataModule)", "--data", EpisodeDataModule)):
         parts.append(f"\n## {title}\n\n| setting | default | meaning |\n| --- | --- | --- |")
         parts += rows_of(prefix, signature_params(cls), arg_docs(cls))
-    return "\n".join(parts) + "\n"
+    return "\n".join(parts + sft_rows()) + "\n"
+
+
+def sft_rows() -> list[str]:
+    """``earl sft``'s table: its own arguments, then its ``model:`` and ``data:`` groups."""
+    from earl_lightning.cli import SFT_ARGS
+    from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
+
+    rows = [SFT_HEADER, f"| `--output_dir` | `null` | {SFT_ARGS['output_dir']} |",
+            f"| `--overwrite` | `false` | {SFT_ARGS['overwrite']} |"]
+    for prefix, cls in (("--model", WarmStartModule), ("--data", DemonstrationDataModule)):
+        rows += rows_of(prefix, signature_params(cls), arg_docs(cls), expand=False)
+    return rows
 
 
 def main() -> None:

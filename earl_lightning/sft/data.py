@@ -81,7 +81,8 @@ class DemonstrationDataModule(L.LightningDataModule):
         env_kwargs: keyword arguments of the environment.
         policy: the demonstration policy: ``random_legal``, ``centre_first``,
             ``imperfect_calculator``, or the import path of a callable ``observation -> action``
-            (or of a class building one).
+            (or of a class building one); one with a ``distribution(observation)`` method states
+            its distribution over actions (see ``targets``).
         policy_kwargs: keyword arguments of the policy (e.g. ``{no_tool_share: 0.6}``).
         num_episodes: demonstration episodes to play.
         batch_size: rows per optimizer step, over all ranks.
