@@ -1,5 +1,9 @@
 """Multi-turn rollout throughput: KV-cache reuse across turns vs re-prefilling the whole context.
 
+Three methods: ``kv_reuse`` (the default backend: each call takes the previous call's KV buffer
+whole when every request continues one of its rows), ``kv_repack`` (KV reuse with every episode's
+cache packed anew on each call: ``HFBackend(reuse_buffer=False)``) and ``reprefill``.
+
 Both methods play the same ``recall`` episodes (observations padded so the context reaches
 about two thousand tokens at 20 turns) with the same seed, so they generate identical tokens;
 the script checks that. Methods are interleaved per turn count (and their order alternates per
@@ -9,13 +13,15 @@ repeat) so that load on a shared machine hits both alike.
     python benchmarks/rollout_kv.py                # more episodes, 3 repeats
 
 Writes ``benchmarks/results/rollout_kv.csv`` (turns,method,tokens_per_s,seconds: the median
-repeat) and ``rollout_kv.png``, and prints a table with the speedup.
+repeat; then its CPU seconds and the 1-minute load average before and after the point) and
+``rollout_kv.png``, and prints a table with the speedups.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +32,8 @@ from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("kv_reuse", "reprefill")
+METHODS = ("kv_reuse", "kv_repack", "reprefill")
+BACKEND_KWARGS = {"kv_reuse": {}, "kv_repack": {"reuse_buffer": False}, "reprefill": {"reuse_kv": False}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,11 +77,12 @@ def measure(args: argparse.Namespace) -> list[dict]:
         torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model).eval()
-    backends = {m: HFBackend(model, tokenizer, reuse_kv=(m == "kv_reuse")) for m in METHODS}
+    backends = {m: HFBackend(model, tokenizer, **BACKEND_KWARGS[m]) for m in METHODS}
     run_once(backends["kv_reuse"], tokenizer, 2, args)  # warm-up: allocator, first-call overheads
     rows = []
     for turns in args.turns:
         times, cpus = {m: [] for m in METHODS}, {m: [] for m in METHODS}
+        load_before = os.getloadavg()[0]
         for rep in range(args.repeats):
             order = METHODS if rep % 2 == 0 else METHODS[::-1]
             outputs = {}
@@ -83,14 +91,15 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 times[method].append(seconds)
                 cpus[method].append(cpu)
                 outputs[method] = ids
-            if outputs["kv_reuse"] != outputs["reprefill"]:
-                raise RuntimeError(f"KV reuse and re-prefill generated different tokens at {turns} turns")
+            if not outputs["kv_reuse"] == outputs["kv_repack"] == outputs["reprefill"]:
+                raise RuntimeError(f"the methods generated different tokens at {turns} turns")
         for method in METHODS:
             seconds = statistics.median(times[method])
             rows.append({"turns": turns, "method": method, "tokens_per_s": generated / seconds, "seconds": seconds,
                          "cpu_seconds": statistics.median(cpus[method]),
                          "generated": generated, "context_mean": sum(lengths) / len(lengths),
-                         "context_max": max(lengths)})
+                         "context_max": max(lengths), "load_before": load_before,
+                         "load_after": os.getloadavg()[0]})
         print(f"  {turns} turns done: " + ", ".join(f"{m} {statistics.median(times[m]):.2f}s" for m in METHODS),
               flush=True)
     return rows
@@ -99,22 +108,27 @@ def measure(args: argparse.Namespace) -> list[dict]:
 def report(rows: list[dict], args: argparse.Namespace) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["turns", "method", "tokens_per_s", "seconds"])
+        writer = csv.DictWriter(f, fieldnames=["turns", "method", "tokens_per_s", "seconds", "cpu_seconds",
+                                               "load_before", "load_after"])
         writer.writeheader()
         for r in rows:
             writer.writerow({"turns": r["turns"], "method": r["method"], "tokens_per_s": f"{r['tokens_per_s']:.1f}",
-                             "seconds": f"{r['seconds']:.3f}"})
+                             "seconds": f"{r['seconds']:.3f}", "cpu_seconds": f"{r['cpu_seconds']:.3f}",
+                             "load_before": f"{r['load_before']:.2f}", "load_after": f"{r['load_after']:.2f}"})
     by = {(r["turns"], r["method"]): r for r in rows}
     print(f"\n{args.episodes} episodes, {args.max_new_tokens} new tokens/turn, recall padding {args.padding_chars}, "
           f"model {args.model}, torch threads {torch.get_num_threads()}")
     print(f"{'turns':>5} {'context mean/max':>17} {'kv_reuse tok/s':>15} {'reprefill tok/s':>16} {'speedup':>8} "
-          f"{'kv/ref CPU s':>14} {'CPU speedup':>12}")
+          f"{'kv/ref CPU s':>14} {'CPU speedup':>12} {'kv_repack tok/s':>16} {'reuse/repack':>13}")
     for turns in args.turns:
-        kv, ref = by[(turns, "kv_reuse")], by[(turns, "reprefill")]
+        kv, ref, rep = by[(turns, "kv_reuse")], by[(turns, "reprefill")], by[(turns, "kv_repack")]
         ctx = f"{kv['context_mean']:.0f}/{kv['context_max']}"
         print(f"{turns:>5} {ctx:>17} {kv['tokens_per_s']:>15.1f} {ref['tokens_per_s']:>16.1f} "
               f"{ref['seconds'] / kv['seconds']:>7.2f}x {kv['cpu_seconds']:>6.1f}/{ref['cpu_seconds']:<7.1f} "
-              f"{ref['cpu_seconds'] / kv['cpu_seconds']:>11.2f}x")
+              f"{ref['cpu_seconds'] / kv['cpu_seconds']:>11.2f}x {rep['tokens_per_s']:>16.1f} "
+              f"{rep['seconds'] / kv['seconds']:>12.3f}x")
+    loads = [r[k] for r in rows for k in ("load_before", "load_after")]
+    print(f"1-minute load average over the points: {min(loads):.2f}-{max(loads):.2f}")
     print(f"wrote {args.out}")
     plot(rows, args)
 

@@ -205,8 +205,8 @@ class MemoryModel:
         model_config: a transformers config or a :class:`ModelSizes`.
         dtype: parameter / activation dtype ("float32", "bfloat16", "float16").
         optimizer: "adamw" / "adam" (two fp32-or-param-dtype states per parameter) or "sgd".
-        rollout_backend: "hf" (padded per-call KV buffer, per-episode KV copies kept between
-            turns, chunked prefill with an explicit mask) or "vllm" (paged KV: only real tokens,
+        rollout_backend: "hf" (padded per-call KV buffer, the previous call's buffer or
+            per-episode KV copies kept between turns, chunked prefill with an explicit mask) or "vllm" (paged KV: only real tokens,
             prefill bounded by the layout's ``micro_batch_tokens``).
         reference_model: a frozen reference policy lives next to the policy in the experience stage.
         resident_train_state: the sharded weights and optimizer state of the train layout stay on

@@ -316,3 +316,36 @@ def test_shared_prompts_encode_once_and_equal_separate_encoding(lm, sampling):
     for x, y in zip(c, d):
         assert x.token_ids == y.token_ids
         assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0.0) < 1e-5
+
+
+def _continue(backend: HFBackend, ctx: dict[int, list[int]], keys: list[int], sampling: SamplingConfig, g):
+    """One call for ``keys`` (in that order); each context then grows by the reply and 7 tokens."""
+    outs = backend.generate([GenRequest(k, ctx[k]) for k in keys], sampling)
+    for k, o in zip(keys, outs):
+        ctx[k] = ctx[k] + o.token_ids + torch.randint(3, 100, (7,), generator=g).tolist()
+    return outs
+
+
+def test_previous_buffer_is_reused_whole_or_repacked_by_its_holes(lm):
+    """A call whose requests all continue rows of the previous call's buffer takes that buffer as
+    its prefix whole (rows reordered, an ended episode dropped); one whose rows would leave the
+    buffer mostly holes repacks them. Either way the draws equal re-encoding every context."""
+    model, tok = lm
+    sampling = SamplingConfig(max_new_tokens=6, seed=7, temperature=0.9)
+    calls = [[0, 1, 2, 3], [3, 1, 0, 2], [2, 0, 3], [0, 2, 3], [0]]  # key 1 ends; then only the shortest row
+    logs, stats = [], []
+    for reuse in (True, False):
+        backend, g = HFBackend(model, tok, reuse_kv=reuse), torch.Generator().manual_seed(11)
+        ctx = dict(enumerate(_prompts([5, 17, 9, 30])))
+        log = []
+        for keys in calls:
+            log.append(_continue(backend, ctx, keys, sampling, g))
+            stats.append(backend.stats["whole_buffer_calls"])
+        logs.append(log)
+    for a, b in zip(*logs):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+    # calls 2-4 reuse the buffer whole; call 5 keeps one row of 4 (its 30-token neighbour set the
+    # buffer's width), so it repacks; the reference path never has a buffer to reuse
+    assert stats[:5] == [0, 1, 2, 3, 3] and stats[5:] == [0] * 5

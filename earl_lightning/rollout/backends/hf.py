@@ -2,7 +2,8 @@
 
 With ``reuse_kv=True`` turn t prefills only the tokens added since turn t-1 (the previous
 turn's last generated token, the env's observation, the chat scaffolding): the episode's cached
-keys/values for turns 1..t-1 are packed into a batched buffer (see :mod:`.kv`) and reused.
+keys/values for turns 1..t-1 are reused, from the previous call's batched buffer as a whole when
+every request continues one of its rows, else packed anew per row (see :mod:`.kv`).
 ``reuse_kv=False`` is the reference path: the same batched forward, with every turn re-encoding
 its whole context. Both draw identical tokens for a given seed.
 
@@ -20,7 +21,8 @@ import torch
 
 from earl_lightning.models import eval_mode
 from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig, check_requests
-from earl_lightning.rollout.backends.kv import EpisodeKV, attention_masks, attention_windows, build_cache, gqa_attention
+from earl_lightning.rollout.backends.kv import (EpisodeKV, ResidentKV, attention_masks, attention_windows, build_cache,
+                                                common_resident, gqa_attention)
 from earl_lightning.rollout.backends.sampling import draw_uniforms, row_seed, sample_tokens
 
 
@@ -50,14 +52,18 @@ class HFBackend:
             prefills are split along the query axis so the attention mask stays small.
         share_prompts: encode a prompt that several requests of one call share (and none has
             cached) once; ``False`` encodes it for each.
+        reuse_buffer: take the previous call's KV buffer whole as the prefix when every request
+            continues one of its rows (and holes would not make it much wider than the longest
+            row); ``False`` packs every episode's cached KV anew on each call.
     """
 
     def __init__(self, model: Any, tokenizer: Any, reuse_kv: bool = True, prefill_chunk_elems: int = 1 << 24,
-                 share_prompts: bool = True):
+                 share_prompts: bool = True, reuse_buffer: bool = True):
         if prefill_chunk_elems < 1:
             raise ValueError(f"`prefill_chunk_elems` must be >= 1, got {prefill_chunk_elems!r}")
         self.model, self.tokenizer = model, tokenizer
         self.reuse_kv, self.prefill_chunk_elems, self.share_prompts = reuse_kv, prefill_chunk_elems, share_prompts
+        self.reuse_buffer = reuse_buffer
         self.eos_ids = _eos_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError("the tokenizer has no `eos_token_id`; generation needs one to end a turn")
@@ -68,7 +74,7 @@ class HFBackend:
         self._cache: dict[int, EpisodeKV] = {}
         # Cumulative counters; tests use them to check that turn t re-encodes nothing old.
         self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0, "forwards": 0,
-                      "shared_prompt_tokens": 0}
+                      "shared_prompt_tokens": 0, "whole_buffer_calls": 0}
 
     @property
     def device(self) -> torch.device:
@@ -111,11 +117,17 @@ class HFBackend:
     # ---- one call ------------------------------------------------------------------------
     def _generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
         entries = [self._reusable(r) for r in requests]
-        if self.share_prompts:
+        whole = common_resident(entries) if self.reuse_buffer else None  # all continue rows of one buffer
+        if whole is None and self.share_prompts:
             entries = self._shared_prompts(requests, entries)
-        batch = self._layout(requests, entries, sampling.max_new_tokens)
-        cache = build_cache(self.num_layers, batch.capacity, batch.prefix_cols, entries)
+        prefix_valid = None if whole is None else whole[0].valid.index_select(0, whole[1])
+        self.stats["whole_buffer_calls"] += whole is not None
+        batch = self._layout(requests, entries, sampling.max_new_tokens, prefix_valid)
+        cache = build_cache(self.num_layers, batch.capacity, batch.prefix_cols, entries, whole)
         logits = self._prefill(batch, cache)
+        # The prefixes are in the new buffer now: let the previous one go unless an episode absent
+        # from this call still points at it.
+        entries = whole = prefix_valid = None
         seeds = None if sampling.seed is None else [row_seed(sampling.seed, r.key, len(r.prompt_ids)) for r in requests]
         uniforms = draw_uniforms(seeds, len(requests), sampling.max_new_tokens, self.device)
         tokens, logps, lengths, stopped = self._decode(batch, cache, logits, sampling, uniforms)
@@ -155,16 +167,20 @@ class HFBackend:
         out = list(entries)
         for j, ids in enumerate(shared):
             cols = batch.valid[j].nonzero().flatten()
-            entry = EpisodeKV(list(ids[:-1]), [layer.extract(j, cols) for layer in cache.layers])
+            entry = EpisodeKV(list(ids[:-1]), layers=[layer.extract(j, cols) for layer in cache.layers])
             for i in groups[ids]:
                 out[i] = entry
             self.stats["shared_prompt_tokens"] += (len(groups[ids]) - 1) * len(heads[j].prompt_ids)
         return out
 
-    def _layout(self, requests: list[GenRequest], entries: list[EpisodeKV | None], max_new: int) -> _Batch:
+    def _layout(self, requests: list[GenRequest], entries: list[EpisodeKV | None], max_new: int,
+                prefix_valid: torch.Tensor | None = None) -> _Batch:
+        """The call's columns; ``prefix_valid`` [B, P]: the prefix is a resident buffer's first P
+        columns as they are (holes included), else each row's cache left-padded to the longest."""
         cached = [len(e.ids) if e is not None else 0 for e in entries]
         suffixes = [r.prompt_ids[c:] for r, c in zip(requests, cached)]
-        prefix_cols, width = max(cached), max(len(s) for s in suffixes)
+        prefix_cols = max(cached) if prefix_valid is None else prefix_valid.shape[1]
+        width = max(len(s) for s in suffixes)
         decode_start = prefix_cols + width
         capacity = decode_start + max_new - 1
         b = len(requests)
@@ -172,7 +188,8 @@ class HFBackend:
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         pos = torch.zeros(b, width, dtype=torch.long)
         for i, (c, s) in enumerate(zip(cached, suffixes)):
-            valid[i, prefix_cols - c:prefix_cols] = True
+            if prefix_valid is None:
+                valid[i, prefix_cols - c:prefix_cols] = True
             valid[i, decode_start - len(s):decode_start] = True
             ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
             pos[i, width - len(s):] = torch.arange(c, c + len(s))
@@ -180,7 +197,10 @@ class HFBackend:
         self.stats["reused_tokens"] += sum(cached)
         dev = self.device
         next_pos = torch.tensor([len(r.prompt_ids) for r in requests], dtype=torch.long)
-        return _Batch(prefix_cols, decode_start, capacity, valid.to(dev), ids.to(dev), pos.to(dev), next_pos.to(dev))
+        valid = valid.to(dev)
+        if prefix_valid is not None:
+            valid[:, :prefix_cols] = prefix_valid
+        return _Batch(prefix_cols, decode_start, capacity, valid, ids.to(dev), pos.to(dev), next_pos.to(dev))
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
         self.stats["forwards"] += 1
@@ -252,14 +272,16 @@ class HFBackend:
 
     def _store(self, requests: list[GenRequest], tokens: list[list[int]], lengths: list[int], batch: _Batch,
                cache: Any) -> None:
-        """Keep each row's fed columns: the prompt plus all generated tokens but the last (the
-        last one was sampled, never fed; the next turn's prefill starts with it)."""
+        """Keep the call's buffer, each request's episode pointing at its row: the fed columns are
+        the prompt plus all generated tokens but the last (the last one was sampled, never fed;
+        the next turn's prefill starts with it)."""
+        resident = ResidentKV([(layer.keys, layer.values) for layer in cache.layers], batch.valid)
+        counts = batch.valid.sum(1).tolist()
         for i, req in enumerate(requests):
-            cols = batch.valid[i].nonzero().flatten()
             ids = req.prompt_ids + tokens[i][: lengths[i] - 1]
-            if cols.numel() != len(ids):  # cannot happen unless the layout logic is broken
-                raise RuntimeError(f"KV cache of key {req.key}: {cols.numel()} columns for {len(ids)} ids")
-            self._cache[req.key] = EpisodeKV(ids, [layer.extract(i, cols) for layer in cache.layers])
+            if counts[i] != len(ids):  # cannot happen unless the layout logic is broken
+                raise RuntimeError(f"KV cache of key {req.key}: {counts[i]} columns for {len(ids)} ids")
+            self._cache[req.key] = EpisodeKV(ids, resident=resident, row=i)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

@@ -9,7 +9,10 @@ the model sees one ordinary batched forward::
 
 Holes (padding) are excluded by an explicit 4-D attention mask and explicit ``position_ids``
 (RoPE positions are each episode's true positions), so the numbers equal an unpadded forward.
-After the call each row's valid columns are copied out again, keyed by episode.
+After the call the buffer stays as it is (a :class:`ResidentKV`), each episode pointing at its row.
+When every request of the next call continues an episode of one such buffer, that buffer becomes
+the next call's prefix as a whole, rows selected in one copy per layer, holes and all (see
+:meth:`ResidentKV.fits`); otherwise each row's valid columns are copied out and packed again.
 """
 
 from __future__ import annotations
@@ -27,12 +30,41 @@ GQA_SDPA = "earl_sdpa_gqa"
 
 
 @dataclass
+class ResidentKV:
+    """The packed buffer one ``generate`` call left: per layer ``(keys, values)``, each
+    ``[B, kv_heads, capacity, head_dim]``, and ``valid`` ``[B, cols]``: the columns each row fed
+    (its prompt and all its generated tokens but the last)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    valid: torch.Tensor
+
+    # A buffer is reused whole while its width stays within this factor of the longest row it
+    # holds: holes (padding, a finished row's unused columns) cost attention work every step.
+    MAX_WIDTH_OVER_LONGEST = 1.25
+
+    def fits(self, rows: torch.Tensor) -> bool:
+        """Whether ``rows``' part of the buffer is worth reusing whole rather than repacking."""
+        longest = int(self.valid.index_select(0, rows).sum(1).max())
+        return self.valid.shape[1] <= self.MAX_WIDTH_OVER_LONGEST * max(longest, 1)
+
+
+@dataclass
 class EpisodeKV:
-    """One episode's cache: the token ids it encodes and per-layer ``(keys, values)``, each
-    ``[kv_heads, len(ids), head_dim]``."""
+    """One episode's cache: the token ids it encodes and either per-layer ``(keys, values)``,
+    each ``[kv_heads, len(ids), head_dim]``, or its ``row`` of a ``resident`` buffer."""
 
     ids: list[int]
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    resident: ResidentKV | None = None
+    row: int = -1
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s ``(keys, values)``, ``[kv_heads, len(ids), head_dim]``."""
+        if self.layers is not None:
+            return self.layers[i]
+        cols = self.resident.valid[self.row].nonzero().flatten()
+        keys, values = self.resident.layers[i]
+        return keys[self.row].index_select(1, cols), values[self.row].index_select(1, cols)
 
 
 class PaddedKVLayer(CacheLayerMixin):
@@ -41,9 +73,11 @@ class PaddedKVLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, capacity: int, prefix_cols: int, prefixes: list[tuple[torch.Tensor, torch.Tensor] | None]):
+    def __init__(self, capacity: int, prefix_cols: int, prefixes: list[tuple[torch.Tensor, torch.Tensor] | None],
+                 whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.capacity, self.prefix_cols, self.prefixes = capacity, prefix_cols, prefixes
+        self.whole = whole  # (keys, values, rows) of a resident buffer whose first prefix_cols columns are the prefix
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -52,6 +86,12 @@ class PaddedKVLayer(CacheLayerMixin):
         # their values by a zero weight, and 0 * NaN from uninitialised memory would be NaN.
         self.keys = key_states.new_zeros(b, h, self.capacity, d)
         self.values = value_states.new_zeros(b, h, self.capacity, d)
+        if self.whole is not None:
+            keys, values, rows = self.whole
+            n = self.prefix_cols
+            self.keys[:, :, :n] = keys[:, :, :n].index_select(0, rows)
+            self.values[:, :, :n] = values[:, :, :n].index_select(0, rows)
+            self.whole = None
         for row, kv in enumerate(self.prefixes):
             if kv is not None:
                 n = kv[0].shape[1]
@@ -86,13 +126,27 @@ class PaddedKVLayer(CacheLayerMixin):
         return self.keys[row].index_select(1, cols), self.values[row].index_select(1, cols)
 
 
-def build_cache(num_layers: int, capacity: int, prefix_cols: int, entries: list[EpisodeKV | None]) -> Cache:
-    """A transformers ``Cache`` whose layers are :class:`PaddedKVLayer` with the rows' prefixes."""
-    layers = [
-        PaddedKVLayer(capacity, prefix_cols, [e.layers[i] if e is not None else None for e in entries])
-        for i in range(num_layers)
-    ]
+def build_cache(num_layers: int, capacity: int, prefix_cols: int, entries: list[EpisodeKV | None],
+                whole: tuple[ResidentKV, torch.Tensor] | None = None) -> Cache:
+    """A transformers ``Cache`` whose layers are :class:`PaddedKVLayer` with the rows' prefixes:
+    ``whole`` = (a resident buffer, the rows to take from it, in order), else each entry's own."""
+    if whole is not None:
+        res, rows = whole
+        layers = [PaddedKVLayer(capacity, prefix_cols, [], (*res.layers[i], rows)) for i in range(num_layers)]
+    else:
+        layers = [PaddedKVLayer(capacity, prefix_cols, [e.layer(i) if e is not None else None for e in entries])
+                  for i in range(num_layers)]
     return Cache(layers=layers)
+
+
+def common_resident(entries: list[EpisodeKV | None]) -> tuple[ResidentKV, torch.Tensor] | None:
+    """(buffer, rows) when every entry is a row of one resident buffer worth reusing whole."""
+    first = entries[0] if entries else None
+    res = first.resident if first is not None else None
+    if res is None or any(e is None or e.resident is not res for e in entries):
+        return None
+    rows = torch.tensor([e.row for e in entries], dtype=torch.long, device=res.valid.device)
+    return (res, rows) if res.fits(rows) else None
 
 
 def additive_mask(valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.dtype,
