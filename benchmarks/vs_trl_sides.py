@@ -165,23 +165,21 @@ def _time_trl_stages(trainer, clock) -> None:
     """Time the trainer's ``training_step`` and, within it, ``_generate_and_score_completions``
     (every step generates: ``steps_per_generation=1``, ``num_iterations=1``) into ``clock``; the
     instance's wrappers call TRL's own methods."""
-    generate, step = trainer._generate_and_score_completions, trainer.training_step
+    trainer._generate_and_score_completions = _timed(trainer._generate_and_score_completions, clock, "generation_s")
+    trainer.training_step = _timed(trainer.training_step, clock, "training_step_s")
 
-    def timed_generate(*args, **kwargs):
+
+def _timed(fn, clock, attr: str):
+    """``fn``, adding the wall seconds of every call to ``clock.<attr>``."""
+
+    def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return generate(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            clock.generation_s += time.perf_counter() - t0
+            setattr(clock, attr, getattr(clock, attr) + time.perf_counter() - t0)
 
-    def timed_step(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return step(*args, **kwargs)
-        finally:
-            clock.training_step_s += time.perf_counter() - t0
-
-    trainer._generate_and_score_completions, trainer.training_step = timed_generate, timed_step
+    return wrapper
 
 
 def _trl_turn_text(tokenizer, observation: str, ended_eos: bool) -> list[int]:

@@ -120,7 +120,7 @@ class HFBackend:
         whole = common_resident(entries) if self.reuse_buffer else None  # all continue rows of one buffer
         if whole is None and self.share_prompts:
             entries = self._shared_prompts(requests, entries)
-        prefix_valid = None if whole is None else whole[0].valid.index_select(0, whole[1])
+        prefix_valid = None if whole is None else whole[2]
         self.stats["whole_buffer_calls"] += whole is not None
         batch = self._layout(requests, entries, sampling.max_new_tokens, prefix_valid)
         cache = build_cache(self.num_layers, batch.capacity, batch.prefix_cols, entries, whole)

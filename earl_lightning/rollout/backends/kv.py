@@ -42,10 +42,11 @@ class ResidentKV:
     # holds: holes (padding, a finished row's unused columns) cost attention work every step.
     MAX_WIDTH_OVER_LONGEST = 1.25
 
-    def fits(self, rows: torch.Tensor) -> bool:
-        """Whether ``rows``' part of the buffer is worth reusing whole rather than repacking."""
-        longest = int(self.valid.index_select(0, rows).sum(1).max())
-        return self.valid.shape[1] <= self.MAX_WIDTH_OVER_LONGEST * max(longest, 1)
+    def fits(self, rows_valid: torch.Tensor) -> bool:
+        """Whether the chosen rows' part of the buffer (their ``valid``, ``[b, cols]``) is worth
+        reusing whole rather than repacking."""
+        longest = int(rows_valid.sum(1).max())
+        return rows_valid.shape[1] <= self.MAX_WIDTH_OVER_LONGEST * max(longest, 1)
 
 
 @dataclass
@@ -63,8 +64,14 @@ class EpisodeKV:
         if self.layers is not None:
             return self.layers[i]
         cols = self.resident.valid[self.row].nonzero().flatten()
-        keys, values = self.resident.layers[i]
-        return keys[self.row].index_select(1, cols), values[self.row].index_select(1, cols)
+        return row_columns(*self.resident.layers[i], self.row, cols)
+
+
+def row_columns(keys: torch.Tensor, values: torch.Tensor, row: int,
+                cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous ``[kv_heads, len(cols), head_dim]`` copy of one row's chosen columns of a
+    ``[B, kv_heads, capacity, head_dim]`` buffer's keys and values."""
+    return keys[row].index_select(1, cols), values[row].index_select(1, cols)
 
 
 class PaddedKVLayer(CacheLayerMixin):
@@ -123,15 +130,16 @@ class PaddedKVLayer(CacheLayerMixin):
 
     def extract(self, row: int, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A contiguous ``[kv_heads, len(cols), head_dim]`` copy of one row's chosen columns."""
-        return self.keys[row].index_select(1, cols), self.values[row].index_select(1, cols)
+        return row_columns(self.keys, self.values, row, cols)
 
 
 def build_cache(num_layers: int, capacity: int, prefix_cols: int, entries: list[EpisodeKV | None],
-                whole: tuple[ResidentKV, torch.Tensor] | None = None) -> Cache:
+                whole: tuple[ResidentKV, torch.Tensor, torch.Tensor] | None = None) -> Cache:
     """A transformers ``Cache`` whose layers are :class:`PaddedKVLayer` with the rows' prefixes:
-    ``whole`` = (a resident buffer, the rows to take from it, in order), else each entry's own."""
+    ``whole`` = (a resident buffer, the rows to take from it, in order, and their ``valid``) as
+    :func:`common_resident` gives it, else each entry's own."""
     if whole is not None:
-        res, rows = whole
+        res, rows, _ = whole
         layers = [PaddedKVLayer(capacity, prefix_cols, [], (*res.layers[i], rows)) for i in range(num_layers)]
     else:
         layers = [PaddedKVLayer(capacity, prefix_cols, [e.layer(i) if e is not None else None for e in entries])
@@ -139,14 +147,16 @@ def build_cache(num_layers: int, capacity: int, prefix_cols: int, entries: list[
     return Cache(layers=layers)
 
 
-def common_resident(entries: list[EpisodeKV | None]) -> tuple[ResidentKV, torch.Tensor] | None:
-    """(buffer, rows) when every entry is a row of one resident buffer worth reusing whole."""
+def common_resident(entries: list[EpisodeKV | None]) -> tuple[ResidentKV, torch.Tensor, torch.Tensor] | None:
+    """(buffer, rows, the rows' ``valid`` [b, cols]) when every entry is a row of one resident
+    buffer worth reusing whole."""
     first = entries[0] if entries else None
     res = first.resident if first is not None else None
     if res is None or any(e is None or e.resident is not res for e in entries):
         return None
     rows = torch.tensor([e.row for e in entries], dtype=torch.long, device=res.valid.device)
-    return (res, rows) if res.fits(rows) else None
+    rows_valid = res.valid.index_select(0, rows)
+    return (res, rows, rows_valid) if res.fits(rows_valid) else None
 
 
 def additive_mask(valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.dtype,
