@@ -29,6 +29,7 @@ from earl_lightning.parallel.selector import Decision, Selector, bucket_of
 
 GIB = 2**30
 STATE_VERSION = 1
+CONTEXT_KEYS = ("context_mean", "context_max", "context_p95", "prompt_max", "turn_prefill_max")
 LayoutLike = Union[Layout, Mapping[str, Any]]
 
 
@@ -152,7 +153,8 @@ class AdaptiveParallelism(StageOOMHandler):
         strategy = trainer.strategy
         model, work = self._policy(pl_module, strategy), self._workload(pl_module)
         memory = MemoryModel(model.config, str(next(model.parameters()).dtype), self._optimizer_name(trainer),
-                             rollout_backend=work.backend, reference_model=work.reference_model)
+                             rollout_backend=work.backend, reference_model=work.reference_model,
+                             reuse_kv=getattr(work, "reuse_kv", True))
         self._default_context = float(work.max_context_tokens)
         per_stage = self._candidates(strategy, memory, work)
         if self.table is None and self.profile_budget_s is not None:
@@ -224,19 +226,19 @@ class AdaptiveParallelism(StageOOMHandler):
     # ---- deciding --------------------------------------------------------------------------
     def complete_stats(self, stage: str, stats: Mapping[str, Any] | None) -> dict[str, float]:
         """The stats the selector needs. Rollout starts before any context exists: its contexts
-        are predicted by the previous step's final contexts (what the KV cache held at the end),
-        or by the module's ``max_context_tokens`` on the first step (the safe bound)."""
+        are predicted by the previous step's final contexts (what the KV cache held at the end)
+        and its prefills by the previous step's longest prompt and turn, or all by the module's
+        ``max_context_tokens`` on the first step (the safe bound)."""
         s = {k: float(v) for k, v in (stats or {}).items()}
         s.setdefault("gen_len", 0.0)
         if "context_max" not in s:
-            prev = self._last_context or dict.fromkeys(("context_mean", "context_max", "context_p95"),
-                                                       self._default_context)
-            s.update({k: prev[k] for k in ("context_mean", "context_max", "context_p95")})
+            prev = self._last_context or dict.fromkeys(CONTEXT_KEYS, self._default_context)
+            s.update({k: prev.get(k, prev["context_max"]) for k in CONTEXT_KEYS})
         elif stage == "experience":  # the sequences the next rollout will grow to
-            self._last_context = {k: s[k] for k in ("context_mean", "context_max", "context_p95")}
+            self._last_context = {k: s.get(k, s["context_max"]) for k in CONTEXT_KEYS}
         s["num_seqs"] = max(1.0, s.get("num_seqs", 1.0))
-        for k in ("context_mean", "context_max", "context_p95"):
-            s[k] = max(1.0, s[k])
+        for k in CONTEXT_KEYS:
+            s[k] = max(0.0 if k == "turn_prefill_max" else 1.0, s.get(k, s["context_max"]))
         return s
 
     def decide(self, stage: str, stats: Mapping[str, Any] | None, current: Layout | None) -> Layout:

@@ -192,15 +192,45 @@ class ExperienceBatch:
         return sum(t.numel() * t.element_size() for t in [*self.tokens.values(), *self.seqs.values()])
 
     def context_stats(self) -> dict[str, float]:
+        """The sequences' lengths, for the memory model, and what an HF rollout with a KV cache
+        kept between turns encodes per call: ``prompt_max``, the longest first prompt, and
+        ``turn_prefill_max``, the longest later run of tokens the policy did not generate (a turn's
+        observation and template, or a whole-chat turn's prompt) plus the last sampled token."""
         lens = self.seq_lens.double()
         if lens.numel() == 0:
-            return {"num_seqs": 0, "context_mean": 0.0, "context_max": 0.0, "context_p95": 0.0}
+            return dict.fromkeys(("num_seqs", "context_mean", "context_max", "context_p95", "prompt_max",
+                                  "turn_prefill_max"), 0.0)
+        prompt, turn = self.prompt_runs()
         return {
             "num_seqs": int(lens.numel()),
             "context_mean": float(lens.mean()),
             "context_max": float(lens.max()),
             "context_p95": float(torch.quantile(lens, 0.95)),
+            "prompt_max": float(prompt),
+            "turn_prefill_max": float(min(float(lens.max()), turn + 1)) if turn else 0.0,
         }
+
+    def prompt_runs(self) -> tuple[int, int]:
+        """(longest first prompt, longest later run) of consecutive ``action_mask == 0`` tokens. A
+        first prompt opens the first row of its episode; a row of a later turn continues one."""
+        prompt = (self.tokens["action_mask"] == 0).cpu()
+        if not bool(prompt.any()):
+            return 0, 0
+        starts = prompt.clone()
+        starts[1:] &= ~prompt[:-1]  # a run starts after a generated token ...
+        seq_starts = self.cu_seqlens[:-1]
+        nonempty = self.seq_lens > 0
+        starts[seq_starts[nonempty]] = prompt[seq_starts[nonempty]]  # ... or where a row starts
+        run = torch.cumsum(starts.long(), 0) - 1
+        lengths = torch.bincount(run[prompt])
+        first = torch.zeros(lengths.numel(), dtype=torch.bool)  # the runs that open an episode
+        seen: set[int] = set()
+        episodes = self.seqs["episode_ids"].tolist() if "episode_ids" in self.seqs else range(self.num_seqs)
+        for row, (start, ep) in enumerate(zip(seq_starts.tolist(), episodes)):
+            if nonempty[row] and ep not in seen and bool(prompt[start]):
+                first[run[start]] = True
+            seen.add(ep)
+        return tuple(int(lengths[sel].max()) if bool(sel.any()) else 0 for sel in (first, ~first))
 
     # ---- dtype grouping (what the dispatcher packs into one buffer per dtype) ----------------
     def schema(self) -> tuple["FieldSpec", ...]:

@@ -170,9 +170,9 @@ def batch_stats(exp: ExperienceBatch, reduce: Any) -> dict[str, float]:
     local = exp.context_stats()
     lens = exp.seq_lens.double()
     total, n = reduce.sum_floats([float(lens.sum()), float(lens.numel())])
-    top = reduce.max(torch.tensor([local["context_max"], local["context_p95"]], dtype=torch.float64))
-    return {"num_seqs": int(n), "context_mean": total / max(n, 1), "context_max": float(top[0]),
-            "context_p95": float(top[1])}
+    keys = ("context_max", "context_p95", "prompt_max", "turn_prefill_max")
+    top = reduce.max(torch.tensor([local[k] for k in keys], dtype=torch.float64))
+    return {"num_seqs": int(n), "context_mean": total / max(n, 1), **{k: float(v) for k, v in zip(keys, top)}}
 
 
 def zero_spread_share(episodes: Sequence[Any], num_groups: int, reduce: Any) -> float:

@@ -89,7 +89,7 @@ class AgenticRLModule(L.LightningModule):
         r = self.rollout_config
         return Workload(backend=r.backend, max_context_tokens=r.max_context_tokens,
                         max_new_tokens=r.sampling.max_new_tokens, micro_batch_tokens=self.optim_config.micro_batch_tokens,
-                        reference_model=self.algorithm_config.kl.coef > 0)
+                        reference_model=self.algorithm_config.kl.coef > 0, reuse_kv=r.reuse_kv)
 
     def configure_model(self) -> None:
         if self.policy is not None:

@@ -3,7 +3,10 @@
 Every figure is a peak per rank, built from the model's sizes, the layout and the step's
 statistics (``stats``: ``num_seqs``, ``context_mean``, ``context_max``, ``context_p95``,
 ``gen_len``; the context lengths are the sequences as the stage sees them: the prompt so far in
-rollout, the whole sequence in experience and train).
+rollout, the whole sequence in experience and train). Optional, for the HF rollout:
+``prompt_max``, the longest first prompt, and ``turn_prefill_max``, the most new tokens a later turn
+encodes over the KV cache kept between turns (0: one call per sequence); without them every call
+may encode its whole context over a previous call's buffer (the safe bound).
 
 The per-token coefficients below were measured on the project's own code paths (the padded
 micro-batch forward of ``data/forward.py`` and the HF generation backend) with
@@ -22,6 +25,7 @@ from earl_lightning.parallel.layout import Layout, check_stage
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # state tensors per parameter
 STATS_KEYS = ("num_seqs", "context_mean", "context_max", "context_p95", "gen_len")
+OPTIONAL_STATS_KEYS = ("prompt_max", "turn_prefill_max")
 RolloutBackend = Literal["hf", "vllm"]
 
 # Framework memory of a stage beyond its tensors (allocator slack, autograd bookkeeping). On CPU,
@@ -136,10 +140,10 @@ def check_stats(stats: Mapping[str, Any], arg: str = "stats") -> dict[str, float
     if missing:
         raise ValueError(f"`{arg}` lacks {missing}; required keys: {list(STATS_KEYS)}")
     out = {}
-    for k in STATS_KEYS:
+    for k in (*STATS_KEYS, *(k for k in OPTIONAL_STATS_KEYS if k in stats)):
         v = stats[k]
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        lo = 0 if k == "gen_len" else 1
+        lo = 0 if k in ("gen_len", "turn_prefill_max") else 1
         if not ok or v < lo:
             raise ValueError(f"`{arg}['{k}']` must be a finite number >= {lo}, got {v!r}")
         out[k] = float(v)
@@ -148,6 +152,10 @@ def check_stats(stats: Mapping[str, Any], arg: str = "stats") -> dict[str, float
             f"`{arg}`: context_mean ({out['context_mean']:g}) and context_p95 ({out['context_p95']:g}) "
             f"must not exceed context_max ({out['context_max']:g})"
         )
+    for k in OPTIONAL_STATS_KEYS:
+        if out.get(k, 0) > out["context_max"]:
+            raise ValueError(f"`{arg}['{k}']` ({out[k]:g}) must not exceed context_max "
+                             f"({out['context_max']:g}): a call encodes at most the whole context")
     return out
 
 
@@ -155,7 +163,7 @@ def check_stats(stats: Mapping[str, Any], arg: str = "stats") -> dict[str, float
 class MemoryEstimate:
     """Predicted bytes per rank. ``total`` is the stage's peak, not the sum of the parts: phases
     that never overlap (a forward's activations vs the gradients that replace them during
-    backward; a prefill vs the KV copies stored after decoding) count as the larger of the two."""
+    backward) count as the larger of the two."""
 
     stage: str
     layout: str
@@ -188,14 +196,15 @@ def _gib(n: int) -> str:
 @dataclass(frozen=True)
 class Workload:
     """What an RL run declares for sizing its stages: the rollout engine, the longest context,
-    tokens generated per turn, the micro-batch budget, and whether a frozen reference model
-    runs in the experience stage."""
+    tokens generated per turn, the micro-batch budget, whether a frozen reference model runs in
+    the experience stage, and whether the HF backend keeps each episode's KV cache between turns."""
 
     backend: RolloutBackend = "hf"
     max_context_tokens: int = 4096
     max_new_tokens: int = 8
     micro_batch_tokens: int = 16384
     reference_model: bool = False
+    reuse_kv: bool = True
 
 
 class MemoryModel:
@@ -205,9 +214,12 @@ class MemoryModel:
         model_config: a transformers config or a :class:`ModelSizes`.
         dtype: parameter / activation dtype ("float32", "bfloat16", "float16").
         optimizer: "adamw" / "adam" (two fp32-or-param-dtype states per parameter) or "sgd".
-        rollout_backend: "hf" (padded per-call KV buffer, the previous call's buffer or
-            per-episode KV copies kept between turns, chunked prefill with an explicit mask) or "vllm" (paged KV: only real tokens,
-            prefill bounded by the layout's ``micro_batch_tokens``).
+        rollout_backend: "hf" (a padded KV buffer per call; the previous call's buffer, which the
+            episodes' caches point into, lives until the next call's prefill ends; chunked prefill
+            with an explicit mask) or "vllm" (paged KV: only real tokens, prefill bounded by the
+            layout's ``micro_batch_tokens``).
+        reuse_kv: the HF backend keeps each episode's KV cache between turns (false: every call
+            encodes its whole context into an empty buffer).
         reference_model: a frozen reference policy lives next to the policy in the experience stage.
         resident_train_state: the sharded weights and optimizer state of the train layout stay on
             the device during rollout and experience (no offload).
@@ -217,7 +229,7 @@ class MemoryModel:
 
     def __init__(self, model_config: Any, dtype: str = "float32",
                  optimizer: Literal["adamw", "adam", "sgd"] = "adamw", *,
-                 rollout_backend: RolloutBackend = "hf", reference_model: bool = False,
+                 rollout_backend: RolloutBackend = "hf", reference_model: bool = False, reuse_kv: bool = True,
                  resident_train_state: bool = False, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
                  prefill_chunk_elems: int = DEFAULT_PREFILL_CHUNK_ELEMS) -> None:
         self.sizes = ModelSizes.from_config(model_config)
@@ -235,6 +247,7 @@ class MemoryModel:
         self.dtype, self.optimizer, self.rollout_backend = dtype, optimizer, rollout_backend
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.reference_model, self.resident_train_state = bool(reference_model), bool(resident_train_state)
+        self.reuse_kv = bool(reuse_kv)
         self.overhead_bytes, self.prefill_chunk_elems = overhead_bytes, prefill_chunk_elems
 
     # ---- public -------------------------------------------------------------------------
@@ -301,14 +314,8 @@ class MemoryModel:
         kv_tok = z.kv_bytes_per_token(tp, b)
         logits = seqs * z.vocab_size * 4 * 3  # last-position logits, probabilities, sampling scratch
         if self.rollout_backend == "hf":
-            ctx = math.ceil(s["context_max"])
-            buffer = int(seqs * (ctx + s["gen_len"]) * kv_tok)  # one padded buffer per call
-            copies = int(seqs * (s["context_mean"] + s["gen_len"]) * kv_tok)  # kept per episode
-            query = max(1, min(ctx, self.prefill_chunk_elems // max(1, seqs * ctx)))
-            mask = seqs * query * ctx * b
-            prefill = int(mask + seqs * query * z.inference_per_token(tp) * b)
-            kv, transient = buffer + copies, max(prefill, copies)
-            total = weights + buffer + transient + logits + self.overhead_bytes + resident
+            kv, transient = self._hf_calls(seqs, s, tp)
+            total = weights + kv + transient + logits + self.overhead_bytes + resident
         else:
             kv = int(seqs * (s["context_mean"] + s["gen_len"]) * kv_tok)
             chunk = min(seqs * s["context_max"], layout.micro_batch_tokens)
@@ -316,6 +323,27 @@ class MemoryModel:
             total = weights + kv + transient + logits + self.overhead_bytes + resident
         return MemoryEstimate("rollout", layout.name, weights, 0, 0, 0, 0, 0, logits, kv, transient,
                               self.overhead_bytes, resident, int(total))
+
+    def _hf_calls(self, seqs: int, s: dict[str, float], tp: int) -> tuple[int, int]:
+        """(KV, prefill working set) of the HF backend's dearest call. The first call encodes the
+        prompts into an empty buffer. Each later call holds the previous call's buffer (as wide as
+        its longest row, which this context bounds: the episodes' caches point into it) until its
+        prefill has copied their prefixes, and encodes only the turn's new tokens. The prefill
+        builds a [seqs, query, key] mask, its queries bounded by ``prefill_chunk_elems``."""
+        z, b, gen = self.sizes, self.dtype_bytes, s["gen_len"]
+        kv_tok = z.kv_bytes_per_token(tp, b)
+        ctx = math.ceil(s["context_max"])
+        prompt = math.ceil(s.get("prompt_max", ctx)) if self.reuse_kv else ctx
+        turn = math.ceil(s.get("turn_prefill_max", ctx)) if self.reuse_kv else 0
+
+        def prefill(query: int, keys: int) -> int:
+            query = max(1, min(query, self.prefill_chunk_elems // max(1, seqs * keys)))
+            return int(seqs * query * (keys + z.inference_per_token(tp)) * b)
+
+        calls = [(int(seqs * (prompt + gen) * kv_tok), prefill(prompt, prompt))]
+        if turn:
+            calls.append((int(seqs * (2 * ctx + gen) * kv_tok), prefill(turn, ctx)))
+        return max(calls, key=sum)
 
     def _experience(self, layout: Layout, s: dict[str, float], resident: int) -> MemoryEstimate:
         z, b = self.sizes, self.dtype_bytes

@@ -105,7 +105,7 @@ def memory_model(module: AgenticRLModule) -> MemoryModel:
     """The memory model AdaptiveParallelism would build for this module."""
     work = module.workload
     return MemoryModel(module.policy.config, str(next(module.policy.parameters()).dtype), "adamw",
-                       rollout_backend=work.backend, reference_model=work.reference_model)
+                       rollout_backend=work.backend, reference_model=work.reference_model, reuse_kv=work.reuse_kv)
 
 
 class StepLog(L.Callback):

@@ -175,6 +175,25 @@ def test_resumed_run_decides_the_same(tmp_path, monkeypatch):
     assert resumed.state_dict()["selector"]["infeasible"] == full.state_dict()["selector"]["infeasible"]
 
 
+def test_rollout_is_sized_by_the_previous_steps_prompts_and_turns(tmp_path):
+    """The recall game's rollout: its first step is sized at ``max_context_tokens`` with every call
+    encoding its whole context; later steps by the previous step's final contexts, its longest
+    first prompt and its longest turn, which the experience batch measured."""
+    cb = AdaptiveParallelism(memory_budget_gb=1)
+    trainer(tmp_path, [cb], steps=2).fit(module(), datamodule())
+    rollouts = [h for h in cb.history if h["stage"] == "rollout"]
+    assert rollouts[0]["context_mean"] == 512
+    last = cb.state_dict()["last_context"]
+    assert 1 <= max(last["turn_prefill_max"], last["prompt_max"]) < last["context_max"] <= 512
+    assert cb.complete_stats("rollout", {"num_seqs": 4})["turn_prefill_max"] == last["turn_prefill_max"]
+    assert rollouts[1]["predicted_bytes"] < rollouts[0]["predicted_bytes"]
+    # a state saved before these stats existed: the safe bound, the whole context
+    cb._apply_state({"selector": cb.selector.state_dict(), "last_context": {
+        "context_mean": 90.0, "context_max": 100.0, "context_p95": 100.0}})
+    old = cb.complete_stats("rollout", {"num_seqs": 4})
+    assert old["prompt_max"] == old["turn_prefill_max"] == 100.0
+
+
 def test_state_version_error():
     with pytest.raises(ValueError, match=r"AdaptiveParallelism state must have version 1, got 7"):
         AdaptiveParallelism().load_state_dict({"version": 7})

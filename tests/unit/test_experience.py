@@ -175,3 +175,27 @@ def test_gae_and_reinforce_pp_discount_per_turn_rewards_by_hand():
     rpp = rpp.tokens["advantages"]
     g = torch.tensor([g1, g3, g5])
     torch.testing.assert_close(rpp[[1, 3, 5]], (g - g.mean()) / torch.sqrt(g.var() + 1e-8))
+
+
+def _masked(masks: list[list[int]], episodes: list[int]) -> ExperienceBatch:
+    n = len(masks)
+    return ExperienceBatch.from_sequences(
+        {"input_ids": [torch.arange(len(m)) for m in masks], "action_mask": [torch.tensor(m) for m in masks]},
+        {"rewards": torch.zeros(n), "group_ids": torch.zeros(n, dtype=torch.long),
+         "episode_ids": torch.tensor(episodes)})
+
+
+def test_context_stats_count_what_each_rollout_call_encodes():
+    """First prompts and later turns' new tokens, by hand: a multi-turn episode (prompt 4, then
+    observations of 3 and 5), a whole-chat episode whose second row continues its first (that
+    row's prompt of 6 is a turn), an errored episode (all prompt), and a single-turn one."""
+    exp = _masked([[0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1],
+                   [0, 0, 1, 1], [0, 0, 0, 0, 0, 0, 1],
+                   [0, 0, 0],
+                   [0, 0, 0, 0, 0, 1, 1]], episodes=[0, 1, 1, 2, 3])
+    assert exp.prompt_runs() == (5, 6)
+    stats = exp.context_stats()
+    assert stats["prompt_max"] == 5 and stats["turn_prefill_max"] == 7  # + the last sampled token
+    assert stats["context_max"] == 16 and stats["num_seqs"] == 5
+    single = _masked([[0, 0, 0, 1, 1], [0, 1]], episodes=[0, 1])
+    assert single.prompt_runs() == (3, 0) and single.context_stats()["turn_prefill_max"] == 0

@@ -127,12 +127,36 @@ def test_rollout_kv_cache_scales_with_sequences_context_and_layout():
     assert base.grads == base.optimizer == 0
 
 
-def test_rollout_hf_counts_padded_buffer_and_per_episode_copies():
+def test_rollout_hf_counts_this_and_the_previous_calls_buffers():
     mm = MemoryModel(QWEN_05B, "bfloat16", rollout_backend="hf")
     est = mm.estimate("rollout", Layout(), stats())
     per_tok = QWEN_05B.num_layers * QWEN_05B.num_kv_heads * QWEN_05B.head_dim * 2 * 2
-    assert est.kv_cache == 16 * (512 + 32) * per_tok + 16 * (400 + 32) * per_tok
-    assert est.total > est.weights + 16 * (512 + 32) * per_tok
+    # without the prefill stats: a call may encode its whole context while the previous call's
+    # buffer (its context) is still held, besides its own (context + generation)
+    assert est.kv_cache == 16 * (512 + 32) * per_tok + 16 * 512 * per_tok
+    assert est.total == est.weights + est.kv_cache + est.transient + est.logits + est.overhead
+
+
+def test_rollout_hf_sized_by_its_dearest_call():
+    """A KV cache kept between turns: the first call encodes the prompts into an empty buffer,
+    a later one only its turn's new tokens next to the previous buffer; single-turn has no later."""
+    mm = MemoryModel(QWEN_05B, "bfloat16", rollout_backend="hf")
+    per_tok = QWEN_05B.num_layers * QWEN_05B.num_kv_heads * QWEN_05B.head_dim * 2 * 2
+    whole = mm.estimate("rollout", Layout(), stats())
+    turns = mm.estimate("rollout", Layout(), stats(prompt_max=100, turn_prefill_max=64))
+    assert turns.kv_cache == whole.kv_cache and turns.transient < whole.transient
+    single = mm.estimate("rollout", Layout(), stats(prompt_max=480, turn_prefill_max=0))
+    assert single.kv_cache == 16 * (480 + 32) * per_tok < turns.kv_cache
+    # a long first prompt can be the dearest call
+    first = mm.estimate("rollout", Layout(), stats(context_max=600, prompt_max=600, turn_prefill_max=8))
+    assert first.kv_cache == 16 * (600 + 32) * per_tok
+    # without the kept cache every call encodes its whole context into an empty buffer
+    fresh = MemoryModel(QWEN_05B, "bfloat16", rollout_backend="hf", reuse_kv=False)
+    assert fresh.estimate("rollout", Layout(), stats(prompt_max=100, turn_prefill_max=64)).total == \
+        fresh.estimate("rollout", Layout(), stats(prompt_max=512, turn_prefill_max=0)).total
+    vllm = MemoryModel(QWEN_05B, "bfloat16", rollout_backend="vllm")
+    assert vllm.estimate("rollout", Layout(), stats(prompt_max=100, turn_prefill_max=64)).total == \
+        vllm.estimate("rollout", Layout(), stats()).total
 
 
 def test_experience_and_resident_train_state():
@@ -192,6 +216,9 @@ def test_model_config_errors():
     (stats(context_max=float("nan")), r"`stats\['context_max'\]` must be a finite number >= 1, got nan"),
     (stats(gen_len=-1), r"`stats\['gen_len'\]` must be a finite number >= 0, got -1"),
     (stats(context_mean=600), r"context_mean \(600\) and context_p95 \(500\) must not exceed context_max \(512\)"),
+    (stats(prompt_max=0), r"`stats\['prompt_max'\]` must be a finite number >= 1, got 0"),
+    (stats(turn_prefill_max=-1), r"`stats\['turn_prefill_max'\]` must be a finite number >= 0, got -1"),
+    (stats(turn_prefill_max=600), r"`stats\['turn_prefill_max'\]` \(600\) must not exceed context_max \(512\)"),
     ([1, 2], r"`stats` must be a mapping with keys"),
 ])
 def test_stats_errors(bad, match):

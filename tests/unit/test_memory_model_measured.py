@@ -1,6 +1,8 @@
 """The memory model against measured peaks: the project's real train step (padded micro-batch
 forward of ``data/forward``, backward, AdamW step) and real rollout (the HF generation
-backend) on the tiny model and the ~100M-parameter preset, each group in a fresh subprocess.
+backend, one call or several turns over its kept KV cache; a multi-turn rollout is sized as the
+selector sizes it, by the final sequences' ``context_stats``) on the tiny model and the
+~100M-parameter preset, each group in a fresh subprocess.
 
 On CPU the peak is the rise of the peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``)
 over the RSS before the stage, after one warm-up pass of every stage (a running trainer has its
@@ -32,6 +34,11 @@ SPECS = {
         dict(name="tiny train 8x256 ckpt", preset=TINY, stage="train", num_seqs=8, context=256, ckpt=True),
         dict(name="tiny rollout 32x512+32", preset=TINY, stage="rollout", num_seqs=32, context=512, gen_len=32),
         dict(name="tiny rollout 8x1024+16", preset=TINY, stage="rollout", num_seqs=8, context=1024, gen_len=16),
+        # multi-turn: the KV cache kept between turns, each turn encoding its observation only
+        dict(name="tiny 10 turns 64x(80+8+56)", preset=TINY, stage="rollout", num_seqs=64, context=80, gen_len=8,
+             turns=10, obs=56),
+        dict(name="tiny 6 turns 16x(200+32+100)", preset=TINY, stage="rollout", num_seqs=16, context=200,
+             gen_len=32, turns=6, obs=100),
         dict(name="wide-vocab train 4x256", preset=TINY, stage="train", num_seqs=4, context=256, **WIDE_VOCAB),
         dict(name="wide-vocab experience 16x256", preset=TINY, stage="experience", num_seqs=16, context=256,
              **WIDE_VOCAB),
@@ -113,11 +120,25 @@ def _run_rollout(spec: dict, device: str) -> None:
     from earl_lightning.rollout.backends import GenRequest, SamplingConfig
     from earl_lightning.rollout.backends.hf import HFBackend
 
+    from earl_lightning.data.experience import ExperienceBatch
+
     backend = HFBackend(_model(spec, device), build_char_tokenizer())
     g = torch.Generator().manual_seed(0)
-    reqs = [GenRequest(k, torch.randint(3, 100, (spec["context"],), generator=g).tolist())
-            for k in range(spec["num_seqs"])]
-    backend.generate(reqs, SamplingConfig(max_new_tokens=spec["gen_len"], seed=0))
+    ids = [torch.randint(3, 100, (spec["context"],), generator=g).tolist() for _ in range(spec["num_seqs"])]
+    masks = [[0] * len(c) for c in ids]
+    for turn in range(spec.get("turns", 1)):
+        if turn:  # the environment answers every episode
+            obs = [torch.randint(3, 100, (spec["obs"],), generator=g).tolist() for _ in ids]
+            ids, masks = [c + o for c, o in zip(ids, obs)], [m + [0] * len(o) for m, o in zip(masks, obs)]
+        outs = backend.generate([GenRequest(k, c) for k, c in enumerate(ids)],
+                                SamplingConfig(max_new_tokens=spec["gen_len"], seed=turn))
+        ids = [c + o.token_ids for c, o in zip(ids, outs)]
+        masks = [m + [1] * len(o.token_ids) for m, o in zip(masks, outs)]
+    n = len(ids)
+    exp = ExperienceBatch.from_sequences(  # what the next step's rollout is sized by
+        {"input_ids": [torch.tensor(c) for c in ids], "action_mask": [torch.tensor(m) for m in masks]},
+        {"rewards": torch.zeros(n), "group_ids": torch.arange(n), "episode_ids": torch.arange(n)})
+    return exp.context_stats()
 
 
 RUNNERS = {"train": _run_train, "experience": _run_experience, "rollout": _run_rollout}
@@ -138,9 +159,9 @@ def _measure(spec: dict, device: str) -> dict:
             f.write("5")  # resets VmHWM to the current RSS
         base = _proc_status("VmRSS")
     t0 = time.perf_counter()
-    RUNNERS[spec["stage"]](spec, device)
+    stats = RUNNERS[spec["stage"]](spec, device)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else _proc_status("VmHWM")
-    return {"measured": peak - base, "seconds": time.perf_counter() - t0}
+    return {"measured": peak - base, "seconds": time.perf_counter() - t0, "stats": stats}
 
 
 def worker(specs: list[dict], device: str) -> list[dict]:
@@ -163,6 +184,8 @@ def _estimate(spec: dict) -> int:
     c = spec["context"]
     stats = dict(num_seqs=spec["num_seqs"], context_mean=c, context_max=c, context_p95=c,
                  gen_len=spec.get("gen_len", 0))
+    if spec["stage"] == "rollout":  # sized as the selector sizes it: by the final sequences' stats
+        stats.update(spec["stats"])
     # one micro-batch holding the whole batch, as the worker runs it
     layout = Layout(micro_batch_tokens=1 << 20, activation_checkpointing=bool(spec.get("ckpt")))
     return MemoryModel(cfg).estimate(spec["stage"], layout, stats).total
