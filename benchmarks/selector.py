@@ -28,13 +28,15 @@ the phase's steps of all rounds; step 0 warms up and is not measured.
     python benchmarks/selector.py                 # 2 steps per phase, 3 rounds (~14 min)
 
 Writes benchmarks/results/selector.csv (phase,context_mean,policy,stage,layout,tokens_per_s,failed),
-selector_memory.csv (measured peaks), selector.png, the profile (selector_profile*.{json,png}) and
-prints the table and the targets' verdicts.
+selector_memory.csv (measured peaks, with the memory model's prediction where adaptive decided),
+selector.png, the profile (selector_profile*.{json,png}) and prints the table and the targets'
+verdicts.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import csv
 import os
 import re
@@ -302,8 +304,10 @@ def phase_rows(policy: str, rounds: list[dict], steps_per_phase: int) -> tuple[l
     """One row per (phase, stage) and one ``step`` row (all tokens / all stage seconds), each the
     median over the phase's steps of every round; the warm-up step 0 is left out."""
     rows, mem = [], []
+    predicted = [{(h["step"], h["stage"], h["layout"]): h["predicted_bytes"] for h in res["history"]}
+                 for res in rounds]  # the memory model's estimate of every adaptive decision
     for p in range(len(PHASES)):
-        steps = [s for res in rounds for s in res["steps"]
+        steps = [dict(s, predicted=pred) for res, pred in zip(rounds, predicted) for s in res["steps"]
                  if s["step"] > 0 and phase_of(s["step"], steps_per_phase) == p]
         ctx = statistics.mean(s["metrics"].get("context/mean", 0.0) for s in steps)
         failed_any = False
@@ -316,6 +320,7 @@ def phase_rows(policy: str, rounds: list[dict], steps_per_phase: int) -> tuple[l
                 failed |= any(r["over"] for r in recs) if policy != "adaptive" else bool(recs and recs[-1]["over"])
                 finals.append(recs[-1]["layout"] if recs else "?")
                 mem += [dict(phase=p + 1, policy=policy, stage=stage, layout=r["layout"], peak_mib=r["peak"] / MIB,
+                             predicted_mib=s["predicted"].get((s["step"], stage, r["layout"]), math.nan) / MIB,
                              over_budget=r["over"]) for r in recs]
             failed_any |= failed
             rows.append(dict(phase=p + 1, context_mean=round(ctx), policy=policy, stage=stage,
