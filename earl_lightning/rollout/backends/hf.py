@@ -55,15 +55,17 @@ class HFBackend:
         reuse_buffer: take the previous call's KV buffer whole as the prefix when every request
             continues one of its rows (and holes would not make it much wider than the longest
             row); ``False`` packs every episode's cached KV anew on each call.
+        gqa_decode_rows: in a decode step, attend with the query heads that share a KV head as
+            query rows of it, so each cached KV head is read once (``False``: SDPA's ``enable_gqa``).
     """
 
     def __init__(self, model: Any, tokenizer: Any, reuse_kv: bool = True, prefill_chunk_elems: int = 1 << 24,
-                 share_prompts: bool = True, reuse_buffer: bool = True):
+                 share_prompts: bool = True, reuse_buffer: bool = True, gqa_decode_rows: bool = True):
         if prefill_chunk_elems < 1:
             raise ValueError(f"`prefill_chunk_elems` must be >= 1, got {prefill_chunk_elems!r}")
         self.model, self.tokenizer = model, tokenizer
         self.reuse_kv, self.prefill_chunk_elems, self.share_prompts = reuse_kv, prefill_chunk_elems, share_prompts
-        self.reuse_buffer = reuse_buffer
+        self.reuse_buffer, self.gqa_decode_rows = reuse_buffer, gqa_decode_rows
         self.eos_ids = _eos_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError("the tokenizer has no `eos_token_id`; generation needs one to end a turn")
@@ -111,7 +113,7 @@ class HFBackend:
         check_requests(requests)
         if not requests:
             return []
-        with eval_mode(self.model), gqa_attention(self.model), torch.inference_mode():
+        with eval_mode(self.model), gqa_attention(self.model, self.gqa_decode_rows), torch.inference_mode():
             return self._generate(requests, sampling)
 
     # ---- one call ------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 GQA_SDPA = "earl_sdpa_gqa"
+GQA_SDPA_ROWS = "earl_sdpa_gqa_rows"
 
 
 @dataclass
@@ -228,18 +229,37 @@ def _sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     return out.transpose(1, 2).contiguous(), None
 
 
+def _sdpa_gqa_rows_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """:func:`_sdpa_gqa_attention`, and in a decode step (one query per row) the query heads that
+    share a KV head become query rows of that head, so the kernel reads each cached KV head once
+    instead of once per query head (CPU's flash kernel does the latter under ``enable_gqa``). The
+    numbers are the same attention: every head of a row has the same [B, 1, 1, K] mask, which
+    broadcasts over the rows."""
+    b, heads, q_len, d = query.shape
+    kv_heads = key.shape[1]
+    if q_len != 1 or heads == kv_heads or (attention_mask is not None and attention_mask.shape[1] != 1):
+        return _sdpa_gqa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    rows = query.reshape(b, kv_heads, heads // kv_heads, d)  # query head i -> KV head i // group
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, 1, heads, d), None
+
+
 AttentionInterface.register(GQA_SDPA, _sdpa_gqa_attention)
+AttentionInterface.register(GQA_SDPA_ROWS, _sdpa_gqa_rows_attention)
 
 
 @contextlib.contextmanager
-def gqa_attention(model: Any) -> Iterator[None]:
+def gqa_attention(model: Any, decode_rows: bool = True) -> Iterator[None]:
     """Route a ``sdpa`` model's attention through :func:`_sdpa_gqa_attention` for the duration
-    (generation only; other implementations are left alone)."""
+    (generation only; other implementations are left alone); with ``decode_rows`` through
+    :func:`_sdpa_gqa_rows_attention`."""
     config = model.config
     if config._attn_implementation != "sdpa":
         yield
         return
-    config._attn_implementation = GQA_SDPA
+    config._attn_implementation = GQA_SDPA_ROWS if decode_rows else GQA_SDPA
     try:
         yield
     finally:
