@@ -14,6 +14,7 @@ small batch first, and each request then continues from a copy of that cache lik
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,7 @@ class HFBackend:
         if prefill_chunk_elems < 1:
             raise ValueError(f"`prefill_chunk_elems` must be >= 1, got {prefill_chunk_elems!r}")
         self.model, self.tokenizer = model, tokenizer
+        self._tensor_parallel = _has_dtensor(model)
         self.reuse_kv, self.prefill_chunk_elems, self.share_prompts = reuse_kv, prefill_chunk_elems, share_prompts
         self.reuse_buffer, self.gqa_decode_rows = reuse_buffer, gqa_decode_rows
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -94,7 +96,7 @@ class HFBackend:
         """Bind the stage's model (the placement for ``layout``); KV cached under another model is
         dropped. Nothing to switch: returns 0.0."""
         if model is not self.model:
-            self.model = model
+            self.model, self._tensor_parallel = model, _has_dtensor(model)
             self._cache.clear()
         return 0.0
 
@@ -113,8 +115,17 @@ class HFBackend:
         check_requests(requests)
         if not requests:
             return []
-        with eval_mode(self.model), gqa_attention(self.model, self.gqa_decode_rows), torch.inference_mode():
-            return self._generate(requests, sampling)
+        try:
+            with eval_mode(self.model), gqa_attention(self.model, self.gqa_decode_rows), torch.inference_mode():
+                return self._generate(requests, sampling)
+        finally:
+            if self._tensor_parallel:
+                # DTensor's sharding propagation, on a shape it has not cached (every new prefill
+                # width), raises and catches an exception whose traceback holds the forward's
+                # frames: the call's mask and activations would live until the cycle collector
+                # next runs, after the next call has allocated its own. A young-generation pass
+                # (~1 ms) frees them now.
+                gc.collect(1)
 
     # ---- one call ------------------------------------------------------------------------
     def _generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
@@ -284,6 +295,12 @@ class HFBackend:
             if counts[i] != len(ids):  # cannot happen unless the layout logic is broken
                 raise RuntimeError(f"KV cache of key {req.key}: {counts[i]} columns for {len(ids)} ids")
             self._cache[req.key] = EpisodeKV(ids, resident=resident, row=i)
+
+
+def _has_dtensor(model: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
