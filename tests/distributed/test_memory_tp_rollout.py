@@ -18,17 +18,10 @@ import pytest
 import torch
 
 from tests.distributed.launch import run_distributed
+from tests.unit.test_memory_model_measured import TOLERANCE
+from tests.unit.test_memory_model_measured import _proc_status as _status
 
-TOLERANCE = 0.30
 SEQS, PROMPT, OBS, TURNS = 4, 600, 650, 8
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
 def _play(backend, local: int, libc) -> tuple[int, dict[str, float]]:
