@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import run_distributed
-from tests.unit.test_memory_model_measured import TOLERANCE
+from tests.unit.test_memory_model_measured import TOLERANCE, play_turns
 from tests.unit.test_memory_model_measured import _proc_status as _status
 
 SEQS, PROMPT, OBS, TURNS = 4, 600, 650, 8
@@ -26,30 +26,13 @@ SEQS, PROMPT, OBS, TURNS = 4, 600, 650, 8
 
 def _play(backend, local: int, libc) -> tuple[int, dict[str, float]]:
     """(peak bytes over the RSS before the rollout, the final sequences' stats)."""
-    from earl_lightning.data.experience import ExperienceBatch
-    from earl_lightning.rollout.backends import GenRequest, SamplingConfig
-
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(3, 100, (PROMPT,), generator=g).tolist() for _ in range(local)]
-    masks = [[0] * PROMPT for _ in ids]
     gc.collect()
     libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := the current RSS
     base = _status("VmRSS")
-    for turn in range(TURNS):
-        if turn:
-            obs = [torch.randint(3, 100, (OBS,), generator=g).tolist() for _ in ids]
-            ids, masks = [c + o for c, o in zip(ids, obs)], [m + [0] * OBS for m in masks]
-        outs = backend.generate([GenRequest(k, c) for k, c in enumerate(ids)], SamplingConfig(max_new_tokens=1, seed=turn))
-        ids = [c + o.token_ids for c, o in zip(ids, outs)]
-        masks = [m + [1] * len(o.token_ids) for m, o in zip(masks, outs)]
-    peak = _status("VmHWM") - base
-    n = len(ids)
-    exp = ExperienceBatch.from_sequences(
-        {"input_ids": [torch.tensor(c) for c in ids], "action_mask": [torch.tensor(m) for m in masks]},
-        {"rewards": torch.zeros(n), "group_ids": torch.arange(n), "episode_ids": torch.arange(n)})
-    return peak, exp.context_stats()
+    stats = play_turns(backend, dict(num_seqs=local, context=PROMPT, obs=OBS, turns=TURNS, gen_len=1))
+    return _status("VmHWM") - base, stats
 
 
 def _rollout_peak(rank: int, world: int, tp: int) -> dict:

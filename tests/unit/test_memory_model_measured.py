@@ -113,16 +113,15 @@ def _run_experience(spec: dict, device: str) -> None:
         forward_micro_batch(model, _batch(spec, device), temperature=1.0)
 
 
-def _run_rollout(spec: dict, device: str) -> None:
+def play_turns(backend, spec: dict) -> dict[str, float]:
+    """``spec["turns"]`` (default 1) calls of ``backend`` for ``spec["num_seqs"]`` random prompts of
+    ``spec["context"]`` tokens, each later turn adding ``spec["obs"]`` observation tokens; returns
+    the final sequences' ``context_stats``, by which the next step's rollout is sized."""
     import torch
 
-    from earl_lightning.models.tiny import build_char_tokenizer
-    from earl_lightning.rollout.backends import GenRequest, SamplingConfig
-    from earl_lightning.rollout.backends.hf import HFBackend
-
     from earl_lightning.data.experience import ExperienceBatch
+    from earl_lightning.rollout.backends import GenRequest, SamplingConfig
 
-    backend = HFBackend(_model(spec, device), build_char_tokenizer())
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(3, 100, (spec["context"],), generator=g).tolist() for _ in range(spec["num_seqs"])]
     masks = [[0] * len(c) for c in ids]
@@ -135,10 +134,17 @@ def _run_rollout(spec: dict, device: str) -> None:
         ids = [c + o.token_ids for c, o in zip(ids, outs)]
         masks = [m + [1] * len(o.token_ids) for m, o in zip(masks, outs)]
     n = len(ids)
-    exp = ExperienceBatch.from_sequences(  # what the next step's rollout is sized by
+    exp = ExperienceBatch.from_sequences(
         {"input_ids": [torch.tensor(c) for c in ids], "action_mask": [torch.tensor(m) for m in masks]},
         {"rewards": torch.zeros(n), "group_ids": torch.arange(n), "episode_ids": torch.arange(n)})
     return exp.context_stats()
+
+
+def _run_rollout(spec: dict, device: str) -> dict[str, float]:
+    from earl_lightning.models.tiny import build_char_tokenizer
+    from earl_lightning.rollout.backends.hf import HFBackend
+
+    return play_turns(HFBackend(_model(spec, device), build_char_tokenizer()), spec)
 
 
 RUNNERS = {"train": _run_train, "experience": _run_experience, "rollout": _run_rollout}
