@@ -36,8 +36,8 @@ verdicts.
 from __future__ import annotations
 
 import argparse
-import math
 import csv
+import math
 import os
 import re
 import statistics
