@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import torch
 
-from earl_lightning.algorithms import shifted_entropy, shifted_logprobs
+from earl_lightning.algorithms import entropy, logprobs_from_logits, shifted_entropy, shifted_logprobs
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.prefix import PrefixPlan, prefix_plan, shared_prefix_forward
+from earl_lightning.data.scored import (MAX_SCORED_SHARE, can_score_last_layer, scatter_scored, scored_last_layer,
+                                        scored_positions)
 from earl_lightning.models import eval_mode
 
 
 def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value_head=None,
                         with_entropy: bool = False, allowed: list[int] | None = None,
-                        plan: PrefixPlan | None = None) -> dict[str, torch.Tensor]:
+                        plan: PrefixPlan | None = None, scored: bool = False) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N].
 
     ``allowed``: the token ids the policy may generate (``--model.rollout.sampling.allowed_tokens``); log-probs and
     entropy are then over that set, as the rollout sampled them. ``plan``: run the prompts that
-    several sequences share once, as planned by :func:`prefix_plan` (:mod:`earl_lightning.data.prefix`)."""
+    several sequences share once, as planned by :func:`prefix_plan` (:mod:`earl_lightning.data.prefix`).
+    ``scored``: run the last decoder layer only where the logits score an action token
+    (:mod:`earl_lightning.data.scored`); log-probs and entropy elsewhere are then 0, for callers
+    that mask them with ``action_mask``. Taken only where it applies (no plan, no value head, a
+    model :func:`can_score_last_layer` accepts, actions at most half the positions)."""
     need_hidden = value_head is not None
     allowed_t = None if allowed is None else torch.as_tensor(allowed, dtype=torch.long, device=mb.tokens["input_ids"].device)
 
@@ -37,12 +43,36 @@ def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value
 
     if plan is not None:
         return shared_prefix_forward(model, mb, plan, per_position, need_hidden=need_hidden)
+    if scored and not need_hidden:
+        res = _scored_forward(model, mb, temperature=temperature, with_entropy=with_entropy, allowed=allowed_t)
+        if res is not None:
+            return res
     # Right padding needs no attention mask: under causal attention a real token never sees the
     # padding after it, and the padding's own outputs are dropped by ``unpad``. Without a mask the
     # attention runs its causal kernel instead of materialising an [S, heads, L, L] mask.
     input_ids = mb.padded("input_ids", 0)  # [S, L]
     out = model(input_ids=input_ids, output_hidden_states=need_hidden, use_cache=False)
     res = per_position(out.logits, input_ids, out.hidden_states[-1] if need_hidden else None)
+    return {k: mb.unpad(v) for k, v in res.items()}
+
+
+def _scored_forward(model, mb: ExperienceBatch, *, temperature: float, with_entropy: bool,
+                    allowed: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+    """:func:`forward_micro_batch` through :func:`scored_last_layer`, or None where it does not pay or apply."""
+    input_ids = mb.padded("input_ids", 0)  # [S, L]
+    length = input_ids.shape[1]
+    mask = mb.padded("action_mask", 0)
+    if length < 2 or not bool((mask[:, 1:] > 0).any()) or not can_score_last_layer(model):
+        return None
+    pos = scored_positions(mask)
+    if pos.width > MAX_SCORED_SHARE * length:
+        return None
+    with scored_last_layer(model, pos):
+        logits = model(input_ids=input_ids, use_cache=False).logits.float()  # [S, K, V]
+    labels = input_ids.gather(1, pos.index + 1)
+    res = {"logprobs": scatter_scored(logprobs_from_logits(logits, labels, temperature, allowed), pos, length)}
+    if with_entropy:
+        res["entropy"] = scatter_scored(entropy(logits, temperature, allowed), pos, length)
     return {k: mb.unpad(v) for k, v in res.items()}
 
 

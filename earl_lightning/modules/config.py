@@ -329,13 +329,13 @@ class OptimConfig:
         ppo_epochs: passes over each RL batch.
         mini_batches: optimizer steps per pass.
         micro_batch_tokens: padded-token budget of one forward/backward (gradient accumulation).
-        on_policy_shortcut: when the update is exactly on-policy (one epoch, one mini-batch, the
-            hf backend, no value head, no KL in the reward), skip the experience stage's forward for
-            the old log-probs and use the training forward's own, detached (the ratio is exactly 1,
-            as in TRL). False always recomputes them (the reference path).
-        share_prefix: a prompt several sequences of a micro-batch begin with runs once and they
-            continue from its KV cache, gradients included (``data/prefix.py``: when it saves >= 25%
-            of the tokens and the model allows it); false always runs whole sequences.
+        on_policy_shortcut: when the update is exactly on-policy (one epoch and mini-batch, hf backend,
+            no value head, no KL in the reward), skip the old log-probs' forward and use the training
+            forward's own, detached (the ratio is exactly 1, as in TRL); false always recomputes them.
+        share_prefix: a prompt several sequences of a micro-batch begin with runs once, from its KV
+            cache (``data/prefix.py``: when it saves >= 25% of the tokens); false runs whole sequences.
+        scored_last_layer: the train forward's last layer runs only where an action token is scored
+            (``data/scored.py``: Llama-pattern models; same loss and gradients); false: everywhere.
     """
 
     lr: float = 1e-3
@@ -348,6 +348,7 @@ class OptimConfig:
     micro_batch_tokens: int = 16384
     on_policy_shortcut: bool = True
     share_prefix: bool = True
+    scored_last_layer: bool = True
 
     def __post_init__(self) -> None:
         arg = f"{A}.optim"

@@ -205,7 +205,7 @@ class AgenticRLModule(L.LightningModule):
             kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef, kl_estimator=algo.kl.estimator,
             entropy_coef=algo.entropy_coef, value_coef=algo.value.coef, value_clip=algo.value.clip,
             max_grad_norm=opt.max_grad_norm, allowed_token_ids=self.allowed_token_ids, on_policy=self._on_policy,
-            share_prefix=opt.share_prefix)
+            share_prefix=opt.share_prefix, scored_last_layer=opt.scored_last_layer)
 
     # ---- helpers of the step -------------------------------------------------------------------
     def _stages(self):

@@ -44,6 +44,7 @@ class UpdateConfig:
     allowed_token_ids: Optional[list[int]] = None
     on_policy: bool = False  # old log-probs = this forward's, detached (modules.config.exactly_on_policy)
     share_prefix: bool = False  # a prompt shared by several sequences runs once (data.prefix)
+    scored_last_layer: bool = False  # the last layer only where an action token is scored (data.scored)
 
 
 @dataclass
@@ -76,7 +77,8 @@ def micro_batch_loss(models: Models, mb: ExperienceBatch, cfg: UpdateConfig, den
     mini-batch loss (``plan``: its shared prompts, see :mod:`earl_lightning.data.prefix`).
     Returns the loss and un-normalized stat sums."""
     res = forward_micro_batch(models.policy, mb, temperature=cfg.temperature, value_head=models.value_head,
-                              with_entropy=True, allowed=cfg.allowed_token_ids, plan=plan)
+                              with_entropy=True, allowed=cfg.allowed_token_ids, plan=plan,
+                              scored=cfg.scored_last_layer)
     mask = mb.padded("action_mask", 0.0)  # [B, T]
     logp = mb.pad(res["logprobs"], 0.0)  # [B, T]
     old = logp.detach() if cfg.on_policy else mb.padded("old_logprobs", 0.0)  # [B, T]

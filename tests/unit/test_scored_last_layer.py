@@ -1,0 +1,203 @@
+"""The scored last layer (``optim.scored_last_layer``, earl_lightning/data/scored.py): the train
+forward runs its last decoder layer only at the positions whose logits score an action token.
+Log-probs and entropy there, and the gradients a loss over action tokens gives, must equal the
+plain forward's for Qwen2, Llama, Qwen3 and Mistral, on single- and multi-turn batches with ragged
+rows and a row without a generated token; a PPO update must end at the same parameters with the
+same statistics. Where the path cannot run or does not pay it is not taken, and the numbers are
+the plain forward's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from earl_lightning.data import forward as forward_mod
+from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.data.forward import forward_micro_batch
+from earl_lightning.data.scored import can_score_last_layer, last_layer, scored_last_layer, scored_positions
+from earl_lightning.models import load_tokenizer, make_tiny_model
+from earl_lightning.modules.config import OptimConfig
+from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
+from earl_lightning.parallel.collectives import Reducer
+from earl_lightning.parallel.parallelize import apply_activation_checkpointing
+from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
+
+SMALL = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _qwen():
+    return AutoModelForCausalLM.from_pretrained(make_tiny_model("earl-tiny"))
+
+
+def _llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SMALL))
+
+
+def _qwen3():
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16))
+
+
+def _mistral():
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None))
+
+
+def _batch(rows=6, vocab=100, seed=0) -> ExperienceBatch:
+    """Multi-turn rows of different lengths: a prompt, then 3 turns of (reply, observation); the
+    replies are 1..4 tokens, the last row generated nothing."""
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = [], []
+    for r in range(rows):
+        parts, flags = [torch.randint(3, vocab, (10 + r,), generator=g)], [0.0]
+        for t in range(3):
+            n = 0 if r == rows - 1 else 1 + (r + t) % 4
+            parts += [torch.randint(3, vocab, (n,), generator=g), torch.randint(3, vocab, (5 + t,), generator=g)]
+            flags += [1.0, 0.0]
+        ids.append(torch.cat(parts))
+        mask.append(torch.cat([torch.full((len(p),), f) for p, f in zip(parts, flags)]))
+    adv = [torch.randn(len(m), generator=g) * m for m in mask]
+    return ExperienceBatch.from_sequences({"input_ids": ids, "action_mask": mask, "advantages": adv},
+                                          {"rewards": torch.zeros(rows), "group_ids": torch.arange(rows),
+                                           "episode_ids": torch.arange(rows)})
+
+
+def _run(model, mb, scored, **kw):
+    model.zero_grad(set_to_none=True)
+    res = forward_micro_batch(model, mb, with_entropy=True, scored=scored, **kw)
+    m = mb.tokens["action_mask"]
+    w = torch.linspace(0.5, 1.5, mb.num_tokens)  # every token position weighs differently
+    sum((v * w * m).sum() for v in res.values()).backward()
+    return {k: v.detach() for k, v in res.items()}, [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same(mb, a, b, tol=1e-5):
+    (ra, ga), (rb, gb) = a, b
+    m = mb.tokens["action_mask"] > 0
+    assert ra.keys() == rb.keys()
+    for k in ra:
+        torch.testing.assert_close(ra[k][m], rb[k][m], atol=tol, rtol=tol, msg=k)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=tol, rtol=1e-4)
+
+
+def test_scored_positions_are_those_before_each_action_token():
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    pos = scored_positions(mask)
+    assert pos.index.tolist() == [[1, 2, 4], [0, 0, 0], [0, 0, 0]]
+    assert pos.valid.tolist() == [[True, True, True], [True, False, False], [False, False, False]]
+
+
+@pytest.mark.parametrize("make", [_qwen, _llama, _qwen3, _mistral], ids=["qwen2", "llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_equals_plain_forward(make, temperature, monkeypatch):
+    model = make()
+    assert can_score_last_layer(model)
+    mb = _batch()
+    plain = _run(model, mb, False, temperature=temperature)
+    taken = []
+    real = forward_mod.scored_last_layer
+    monkeypatch.setattr(forward_mod, "scored_last_layer", lambda *a: taken.append(1) or real(*a))
+    scored = _run(model, mb, True, temperature=temperature)
+    assert taken == [1]
+    _assert_same(mb, plain, scored)
+    off = mb.tokens["action_mask"] == 0  # only the scored tokens carry numbers
+    assert not scored[0]["logprobs"][off].any() and not scored[0]["entropy"][off].any()
+
+
+def test_equals_plain_forward_over_allowed_tokens():
+    model, mb = _qwen(), _batch()
+    kw = dict(temperature=1.0, allowed=list(range(3, 60)))
+    _assert_same(mb, _run(model, mb, False, **kw), _run(model, mb, True, **kw))
+
+
+def test_equals_plain_forward_on_a_multi_turn_rollout():
+    path = make_tiny_model("earl-tiny")
+    model, tok = AutoModelForCausalLM.from_pretrained(path), load_tokenizer(str(path))
+    specs = [EpisodeSpec("recall", seed=i, group_id=i, episode_id=i, env_kwargs={"num_turns": 3}) for i in range(6)]
+    eps = rollout(specs, HFBackend(model, tok), tok, SamplingConfig(max_new_tokens=3, seed=5), max_turns=3,
+                  max_context_tokens=512)
+    exp = episodes_to_experience(eps)
+    assert scored_positions(exp.padded("action_mask")).width <= 9  # 3 turns of up to 3 tokens
+    _assert_same(exp, _run(model, exp, False, temperature=1.0), _run(model, exp, True, temperature=1.0))
+
+
+def _update(model, batch, scored, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Opt:  # what ppo_update uses of Lightning's optimizer wrapper
+        optimizer, param_groups = opt, opt.param_groups
+        step, zero_grad = opt.step, opt.zero_grad
+
+    cfg = UpdateConfig(micro_batch_tokens=64, max_grad_norm=0.0, scored_last_layer=scored, entropy_coef=0.01, **kw)
+    return ppo_update(Models(model), Opt, None, batch, cfg, Reducer(), lambda loss: loss.backward())
+
+
+@pytest.mark.parametrize("kw", [dict(on_policy=True), dict(ppo_epochs=2, mini_batches=2)],
+                         ids=["on-policy", "two-epochs-two-mini-batches"])
+def test_ppo_update_ends_at_the_same_parameters(kw):
+    base, mb = _qwen(), _batch()
+    if not kw.get("on_policy"):
+        with torch.no_grad():  # stale old log-probs, so the ratios are not 1 and clipping acts
+            mb.tokens["old_logprobs"] = forward_micro_batch(base, mb, temperature=1.0)["logprobs"] + 0.3
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    sa, sb = _update(a, mb, False, **kw), _update(b, mb, True, **kw)  # 64-token micro-batches: several each
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), k
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_on_by_default_and_passed_to_the_update():
+    assert OptimConfig().scored_last_layer and not OptimConfig(scored_last_layer=False).scored_last_layer
+
+
+def test_not_taken_where_it_cannot_run_or_does_not_pay():
+    model = _qwen()
+    apply_activation_checkpointing(model, enabled=False)  # wrapped: the last layer is not the model's own
+    assert not can_score_last_layer(model)
+    plain = _qwen()
+    plain.gradient_checkpointing_enable()
+    assert not can_score_last_layer(plain)
+    assert not can_score_last_layer(AutoModelForCausalLM.from_pretrained(make_tiny_model("earl-tiny-local")))
+    assert not can_score_last_layer(MistralForCausalLM(MistralConfig(**SMALL, sliding_window=16)))
+    assert not can_score_last_layer(GPT2LMHeadModel(GPT2Config(vocab_size=101, n_embd=32, n_layer=1, n_head=2)))
+    kw = dict(temperature=1.0, with_entropy=True, allowed=None)
+    assert forward_mod._scored_forward(model, _batch(), **kw) is None
+    dense = _batch().select([0])  # mostly actions: over half the positions are scored
+    dense.tokens["action_mask"] = torch.ones_like(dense.tokens["action_mask"])
+    assert forward_mod._scored_forward(_qwen(), dense, **kw) is None
+    silent = _batch().select([5])  # no action token at all
+    assert forward_mod._scored_forward(_qwen(), silent, **kw) is None
+    mb = _batch()  # a value head needs every position's hidden state: the plain forward, same numbers
+    q = _qwen()
+    vh = torch.nn.Linear(q.config.hidden_size, 1)
+    a = forward_micro_batch(q, mb, temperature=1.0, value_head=vh, scored=True)
+    b = forward_micro_batch(q, mb, temperature=1.0, value_head=vh, scored=False)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])
+
+
+def test_the_layer_is_restored_and_its_hooks_still_run():
+    model, mb = _qwen(), _batch()
+    layer = last_layer(model)
+    calls = []
+    layer.register_forward_hook(lambda mod, args, out: calls.append(tuple(out.shape)))
+    pos = scored_positions(mb.padded("action_mask"))
+    ids = mb.padded("input_ids")
+    with scored_last_layer(model, pos):
+        logits = model(input_ids=ids).logits
+    assert logits.shape[:2] == pos.index.shape and calls == [(*pos.index.shape, model.config.hidden_size)]
+    assert "forward" not in vars(layer)
+    with pytest.raises(RuntimeError, match="boom"), scored_last_layer(model, pos):
+        raise RuntimeError("boom")
+    assert "forward" not in vars(layer)
+    assert model(input_ids=ids).logits.shape[:2] == ids.shape
