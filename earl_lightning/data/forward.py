@@ -78,8 +78,10 @@ def _scored_forward(model, mb: ExperienceBatch, *, temperature: float, with_entr
 
 @torch.no_grad()
 def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: float, micro_batch_tokens: int,
-                  value_head=None, allowed: list[int] | None = None, share_prefix: bool = False) -> ExperienceBatch:
-    """Add per-token ``name`` log-probs (and ``values`` when a value head is given) to the batch."""
+                  value_head=None, allowed: list[int] | None = None, share_prefix: bool = False,
+                  scored: bool = False) -> ExperienceBatch:
+    """Add per-token ``name`` log-probs (and ``values`` when a value head is given) to the batch.
+    ``scored``: as in :func:`forward_micro_batch` (the tokens that are not actions then get 0)."""
     out = {name: torch.zeros(batch.num_tokens)}
     if value_head is not None:
         out["values"] = torch.zeros(batch.num_tokens)
@@ -87,7 +89,7 @@ def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: floa
         mb = batch.select(idx)
         with eval_mode(model):  # the distribution the rollout sampled from (no dropout)
             res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head, allowed=allowed,
-                                      plan=prefix_plan(model, mb, share_prefix))
+                                      plan=prefix_plan(model, mb, share_prefix), scored=scored)
         pos = batch.token_positions(idx)
         out[name][pos] = res["logprobs"].cpu()
         if value_head is not None:

@@ -334,7 +334,7 @@ class OptimConfig:
             forward's own, detached (the ratio is exactly 1, as in TRL); false always recomputes them.
         share_prefix: a prompt several sequences of a micro-batch begin with runs once, from its KV
             cache (``data/prefix.py``: when it saves >= 25% of the tokens); false runs whole sequences.
-        scored_last_layer: the train forward's last layer runs only where an action token is scored
+        scored_last_layer: the policy forwards' last layer runs only where an action token is scored
             (``data/scored.py``: Llama-pattern models; same loss and gradients); false: everywhere.
     """
 

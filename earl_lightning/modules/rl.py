@@ -180,7 +180,7 @@ class AgenticRLModule(L.LightningModule):
         """Old log-probs (and values), and reference log-probs when there is a KL term."""
         kw = dict(temperature=self.rollout_config.sampling.temperature, allowed=self.allowed_token_ids,
                   micro_batch_tokens=ctx.budget(self.optim_config.micro_batch_tokens),
-                  share_prefix=self.optim_config.share_prefix)
+                  share_prefix=self.optim_config.share_prefix, scored=self.optim_config.scored_last_layer)
         if not self._on_policy:  # else the training forward's own log-probs serve as the old ones
             exp = fill_logprobs(ctx.model("policy"), exp, name="old_logprobs", value_head=self.value_head, **kw)
         if self.ref_policy is not None:

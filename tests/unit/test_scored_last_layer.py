@@ -129,6 +129,17 @@ def test_equals_plain_forward_on_a_multi_turn_rollout():
     _assert_same(exp, _run(model, exp, False, temperature=1.0), _run(model, exp, True, temperature=1.0))
 
 
+def test_fill_logprobs_equals_plain_on_the_actions():
+    from earl_lightning.data.forward import fill_logprobs
+
+    model, mb = _qwen(), _batch()
+    kw = dict(name="old", temperature=1.0, micro_batch_tokens=4096)  # one micro-batch: the scored path
+    a, b = fill_logprobs(model, mb, **kw), fill_logprobs(model, mb, scored=True, **kw)
+    on = mb.tokens["action_mask"] > 0
+    torch.testing.assert_close(a.tokens["old"][on], b.tokens["old"][on], atol=1e-5, rtol=1e-5)
+    assert not b.tokens["old"][~on].any()
+
+
 def _update(model, batch, scored, **kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
