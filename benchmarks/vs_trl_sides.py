@@ -48,6 +48,7 @@ class RunSpec:
     on_policy_shortcut: bool = True  # earl only: False recomputes the old log-probs (benchmarks/step_breakdown.py)
     share_prefix: bool = True  # earl only: False runs every completion's prompt in the train forward
     share_prompts: bool = True  # earl only: False prefills every completion's prompt in the rollout
+    scored_last_layer: bool = True  # earl only: False runs the last layer at every position in the train forward
     micro_batch_tokens: int = 1 << 20  # earl only: the padded-token budget of one forward/backward
 
     def env_kwargs(self) -> dict:
@@ -117,7 +118,8 @@ def run_earl(spec: RunSpec) -> dict:
                    "kl": {"coef": 0.0}},
         optim={"lr": spec.lr, "weight_decay": 0.0, "lr_schedule": "constant", "max_grad_norm": 1.0,
                "ppo_epochs": 1, "mini_batches": 1, "micro_batch_tokens": spec.micro_batch_tokens,
-               "on_policy_shortcut": spec.on_policy_shortcut, "share_prefix": spec.share_prefix})
+               "on_policy_shortcut": spec.on_policy_shortcut, "share_prefix": spec.share_prefix,
+               "scored_last_layer": spec.scored_last_layer})
     data = EpisodeDataModule(env=ENV_PATHS[spec.mode], env_kwargs=spec.env_kwargs(), batch_size=spec.batch,
                              group_size=spec.group, seed=spec.seed, eval_episodes=0)
     clock = _earl_clock()
