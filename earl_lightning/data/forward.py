@@ -26,8 +26,9 @@ def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value
     several sequences share once, as planned by :func:`prefix_plan` (:mod:`earl_lightning.data.prefix`).
     ``scored``: run the last decoder layer only where the logits score an action token
     (:mod:`earl_lightning.data.scored`); log-probs and entropy elsewhere are then 0, for callers
-    that mask them with ``action_mask``. Taken only where it applies (no plan, no value head, a
-    model :func:`can_score_last_layer` accepts, actions at most half the positions)."""
+    that mask them with ``action_mask`` (values too: GAE reads them on actions only). Taken only
+    where it applies (no plan, a model :func:`can_score_last_layer` accepts, actions at most half
+    the positions)."""
     need_hidden = value_head is not None
     allowed_t = None if allowed is None else torch.as_tensor(allowed, dtype=torch.long, device=mb.tokens["input_ids"].device)
 
@@ -43,8 +44,9 @@ def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value
 
     if plan is not None:
         return shared_prefix_forward(model, mb, plan, per_position, need_hidden=need_hidden)
-    if scored and not need_hidden:
-        res = _scored_forward(model, mb, temperature=temperature, with_entropy=with_entropy, allowed=allowed_t)
+    if scored:
+        res = _scored_forward(model, mb, temperature=temperature, with_entropy=with_entropy, allowed=allowed_t,
+                              value_head=value_head)
         if res is not None:
             return res
     # Right padding needs no attention mask: under causal attention a real token never sees the
@@ -57,7 +59,7 @@ def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value
 
 
 def _scored_forward(model, mb: ExperienceBatch, *, temperature: float, with_entropy: bool,
-                    allowed: torch.Tensor | None) -> dict[str, torch.Tensor] | None:
+                    allowed: torch.Tensor | None, value_head=None) -> dict[str, torch.Tensor] | None:
     """:func:`forward_micro_batch` through :func:`scored_last_layer`, or None where it does not pay or apply."""
     input_ids = mb.padded("input_ids", 0)  # [S, L]
     length = input_ids.shape[1]
@@ -68,11 +70,15 @@ def _scored_forward(model, mb: ExperienceBatch, *, temperature: float, with_entr
     if pos.width > MAX_SCORED_SHARE * length:
         return None
     with scored_last_layer(model, pos):
-        logits = model(input_ids=input_ids, use_cache=False).logits.float()  # [S, K, V]
+        out = model(input_ids=input_ids, use_cache=False, output_hidden_states=value_head is not None)
+    logits = out.logits.float()  # [S, K, V]
     labels = input_ids.gather(1, pos.index + 1)
     res = {"logprobs": scatter_scored(logprobs_from_logits(logits, labels, temperature, allowed), pos, length)}
     if with_entropy:
         res["entropy"] = scatter_scored(entropy(logits, temperature, allowed), pos, length)
+    if value_head is not None:  # the value before choosing token t is read at t - 1: a scored position
+        hidden = out.hidden_states[-1]  # [S, K, H]
+        res["values"] = scatter_scored(value_head(hidden.float()).squeeze(-1), pos, length)
     return {k: mb.unpad(v) for k, v in res.items()}
 
 

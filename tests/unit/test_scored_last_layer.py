@@ -69,13 +69,17 @@ def _batch(rows=6, vocab=100, seed=0) -> ExperienceBatch:
                                            "episode_ids": torch.arange(rows)})
 
 
-def _run(model, mb, scored, **kw):
+def _run(model, mb, scored, value_head=None, **kw):
     model.zero_grad(set_to_none=True)
-    res = forward_micro_batch(model, mb, with_entropy=True, scored=scored, **kw)
+    params = list(model.parameters())
+    if value_head is not None:
+        value_head.zero_grad(set_to_none=True)
+        params += list(value_head.parameters())
+    res = forward_micro_batch(model, mb, with_entropy=True, scored=scored, value_head=value_head, **kw)
     m = mb.tokens["action_mask"]
     w = torch.linspace(0.5, 1.5, mb.num_tokens)  # every token position weighs differently
     sum((v * w * m).sum() for v in res.values()).backward()
-    return {k: v.detach() for k, v in res.items()}, [p.grad.clone() for p in model.parameters()]
+    return {k: v.detach() for k, v in res.items()}, [p.grad.clone() for p in params]
 
 
 def _assert_same(mb, a, b, tol=1e-5):
@@ -112,6 +116,16 @@ def test_equals_plain_forward(make, temperature, monkeypatch):
     assert not scored[0]["logprobs"][off].any() and not scored[0]["entropy"][off].any()
 
 
+def test_equals_plain_forward_with_a_value_head():
+    """PPO's critic reads the last hidden state where the logits are read: the value before token t."""
+    model, mb = _qwen(), _batch()
+    torch.manual_seed(0)
+    vh = torch.nn.Linear(model.config.hidden_size, 1)
+    plain, scored = _run(model, mb, False, vh, temperature=1.0), _run(model, mb, True, vh, temperature=1.0)
+    assert set(plain[0]) == {"logprobs", "entropy", "values"}
+    _assert_same(mb, plain, scored)
+
+
 def test_equals_plain_forward_over_allowed_tokens():
     model, mb = _qwen(), _batch()
     kw = dict(temperature=1.0, allowed=list(range(3, 60)))
@@ -140,15 +154,16 @@ def test_fill_logprobs_equals_plain_on_the_actions():
     assert not b.tokens["old"][~on].any()
 
 
-def _update(model, batch, scored, **kw):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def _update(model, batch, scored, value_head=None, **kw):
+    models = Models(model, value_head)
+    opt = torch.optim.SGD(models.parameters(), lr=0.1)
 
     class Opt:  # what ppo_update uses of Lightning's optimizer wrapper
         optimizer, param_groups = opt, opt.param_groups
         step, zero_grad = opt.step, opt.zero_grad
 
     cfg = UpdateConfig(micro_batch_tokens=64, max_grad_norm=0.0, scored_last_layer=scored, entropy_coef=0.01, **kw)
-    return ppo_update(Models(model), Opt, None, batch, cfg, Reducer(), lambda loss: loss.backward())
+    return ppo_update(models, Opt, None, batch, cfg, Reducer(), lambda loss: loss.backward())
 
 
 @pytest.mark.parametrize("kw", [dict(on_policy=True), dict(ppo_epochs=2, mini_batches=2)],
@@ -167,8 +182,43 @@ def test_ppo_update_ends_at_the_same_parameters(kw):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_on_by_default_and_passed_to_the_update():
-    assert OptimConfig().scored_last_layer and not OptimConfig(scored_last_layer=False).scored_last_layer
+def test_ppo_update_with_a_value_head_ends_at_the_same_parameters():
+    base, mb = _qwen(), _batch()
+    torch.manual_seed(0)
+    vh = torch.nn.Linear(base.config.hidden_size, 1)
+    with torch.no_grad():
+        mb.tokens["old_logprobs"] = forward_micro_batch(base, mb, temperature=1.0)["logprobs"]
+        mb.tokens["values"] = torch.randn(mb.num_tokens) * mb.tokens["action_mask"]
+        mb.tokens["returns"] = torch.randn(mb.num_tokens) * mb.tokens["action_mask"]
+    (a, va), (b, vb) = copy.deepcopy((base, vh)), copy.deepcopy((base, vh))
+    sa, sb = _update(a, mb, False, va), _update(b, mb, True, vb)
+    assert "loss/value" in sa and sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), k
+    for x, y in zip([*a.parameters(), *va.parameters()], [*b.parameters(), *vb.parameters()]):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shortcut", [True, False], ids=["on-policy", "old-log-probs-recomputed"])
+def test_a_fit_takes_it_by_default_and_ends_where_the_plain_fit_does(tmp_path, monkeypatch, shortcut):
+    """Through the module: ``optim.scored_last_layer`` reaches the train (and experience) forwards,
+    and two steps of a multi-turn fit end at the plain fit's parameters (AdamW: to float rounding)."""
+    from tests.unit.test_adaptive import datamodule, module, trainer
+
+    assert OptimConfig().scored_last_layer
+    taken = []
+    real = forward_mod.scored_last_layer
+    monkeypatch.setattr(forward_mod, "scored_last_layer", lambda *a: taken.append(1) or real(*a))
+    params = {}
+    for scored in (False, True):
+        taken.clear()
+        optim = dict(micro_batch_tokens=1024, on_policy_shortcut=shortcut, scored_last_layer=scored)
+        mod = module(optim=optim, rollout=dict(max_turns=3, max_context_tokens=512, sampling=dict(max_new_tokens=2)))
+        trainer(tmp_path / str(scored), [], steps=2).fit(mod, datamodule())
+        params[scored] = {k: v.detach().clone() for k, v in mod.policy.state_dict().items()}
+        assert bool(taken) == scored
+    for k in params[False]:
+        torch.testing.assert_close(params[True][k], params[False][k], atol=1e-4, rtol=1e-3, msg=k)
 
 
 def test_not_taken_where_it_cannot_run_or_does_not_pay():
@@ -188,15 +238,6 @@ def test_not_taken_where_it_cannot_run_or_does_not_pay():
     assert forward_mod._scored_forward(_qwen(), dense, **kw) is None
     silent = _batch().select([5])  # no action token at all
     assert forward_mod._scored_forward(_qwen(), silent, **kw) is None
-    mb = _batch()  # a value head needs every position's hidden state: the plain forward, same numbers
-    q = _qwen()
-    vh = torch.nn.Linear(q.config.hidden_size, 1)
-    a = forward_micro_batch(q, mb, temperature=1.0, value_head=vh, scored=True)
-    b = forward_micro_batch(q, mb, temperature=1.0, value_head=vh, scored=False)
-    for k in a:
-        torch.testing.assert_close(a[k], b[k])
-
-
 def test_the_layer_is_restored_and_its_hooks_still_run():
     model, mb = _qwen(), _batch()
     layer = last_layer(model)
