@@ -15,8 +15,10 @@ replaced for the one call, on the module itself, so hooks on the layer still run
 
 Supported where the layer is the Llama pattern (pre-norm attention with q/k/v/o projections and
 rotary embeddings, then a pre-norm MLP): model types in :data:`SUPPORTED`, full attention only,
-plain (not DTensor) parameters, no activation checkpointing. :func:`can_score_last_layer` says
-whether a model qualifies; elsewhere the caller runs the plain forward.
+no activation checkpointing. :func:`can_score_last_layer` says whether a model qualifies; elsewhere
+the caller runs the plain forward. Under FSDP2 the layer's hooks (all-gather, reshard) run as
+always; under tensor parallelism the projections are the parallel modules themselves and the heads
+are the rank's own (``view(..., -1, head_dim)``), as in the model's attention.
 
 No Lightning here.
 """
@@ -78,7 +80,6 @@ def last_layer(model: nn.Module) -> nn.Module | None:
 def can_score_last_layer(model: nn.Module) -> bool:
     """Whether :func:`scored_last_layer` can run on ``model`` (see the module doc)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.tensor import DTensor
 
     from earl_lightning.rollout.backends.kv import attention_windows
 
@@ -96,9 +97,7 @@ def can_score_last_layer(model: nn.Module) -> bool:
     attn = layer.self_attn
     if not all(hasattr(attn, p) for p in (*_ATTN_PARTS, "head_dim", "scaling")) or _rotate_half(attn) is None:
         return False
-    if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
-        return False
-    return not any(isinstance(p, DTensor) for p in model.parameters())
+    return not any(isinstance(m, CheckpointWrapper) for m in model.modules())
 
 
 def _rotate_half(attn: nn.Module):

@@ -1,0 +1,76 @@
+"""The scored last layer (``data/scored.py``) under the parallel layouts: FSDP2 over dp=2 (the
+layer's all-gather and reshard hooks run around the replaced forward), TP=2 (each rank's heads),
+and dp=2 with PPO's value head. One PPO update over multi-turn rows with the path on, on 2
+processes, must end at the parameters of the single-process update with the plain forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from earl_lightning.data import forward as forward_mod
+from earl_lightning.modules.update import Models, UpdateConfig
+from earl_lightning.parallel.collectives import Reducer
+from earl_lightning.parallel.layout import Layout
+from earl_lightning.parallel.parallelize import parallelize_model
+from tests.distributed.launch import run_distributed
+from tests.distributed.test_update_uneven import _params, update, value_head
+from tests.unit.test_scored_last_layer import _batch
+
+pytestmark = pytest.mark.distributed
+
+CFG = UpdateConfig(micro_batch_tokens=4096, max_grad_norm=0.0, value_coef=1.0, value_clip=None, entropy_coef=0.01)
+LAYOUTS = [(2, 1, False), (1, 2, False), (2, 1, True)]  # (dp, tp, with a value head)
+
+
+def _with_values(batch):
+    g = torch.Generator().manual_seed(11)
+    extra = {k: 0.1 * torch.randn(batch.num_tokens, generator=g) for k in ("old_logprobs", "values", "returns")}
+    return type(batch)(batch.cu_seqlens, {**batch.tokens, **extra}, batch.seqs)
+
+
+def _worker(rank: int, world: int, path: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    taken = []
+    real = forward_mod.scored_last_layer
+    forward_mod.scored_last_layer = lambda *a: taken.append(1) or real(*a)
+    out = {}
+    full = _with_values(_batch(rows=8))
+    for dp, tp, with_value in LAYOUTS:
+        taken.clear()
+        model = AutoModelForCausalLM.from_pretrained(path)
+        layout = Layout(dp=dp, tp=tp)
+        parallelize_model(model, mesh=init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), layout=layout)
+        dp_rank, _ = layout.coords(dist.get_rank())
+        per = full.num_seqs // dp
+        mine = full.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
+        models = Models(model, value_head() if with_value else None)
+        stats = update(models, mine, UpdateConfig(**{**CFG.__dict__, "scored_last_layer": True}), Reducer(layout))
+        params = _params(models)  # a collective: every rank gathers
+        out[(dp, tp, with_value)] = (({n: p.numpy() for n, p in params.items()}, stats["loss/policy"], len(taken))
+                                     if rank == 0 else None)
+    return out
+
+
+def test_scored_update_under_layouts_matches_one_process_plain():
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.test_invariance_layouts import tiny_path
+
+    path = tiny_path()
+    got = run_distributed(_worker, 2, path, timeout=300)[0]
+    for dp, tp, with_value in LAYOUTS:
+        ref = Models(AutoModelForCausalLM.from_pretrained(path), value_head() if with_value else None)
+        before = _params(ref)
+        stats = update(ref, _with_values(_batch(rows=8)), CFG, Reducer())
+        expected = _params(ref)
+        params, loss, taken = got[(dp, tp, with_value)]
+        assert taken >= 1, f"the scored path was not taken under dp={dp} tp={tp}"
+        assert loss == pytest.approx(stats["loss/policy"], rel=1e-4, abs=1e-7)
+        assert sum((expected[n] - before[n]).abs().sum().item() for n in before) > 0
+        for name, value in expected.items():
+            torch.testing.assert_close(torch.from_numpy(params[name]), value, rtol=1e-4, atol=1e-6,
+                                       msg=f"{name} dp={dp} tp={tp} value={with_value}")
