@@ -154,7 +154,8 @@ class AdaptiveParallelism(StageOOMHandler):
         model, work = self._policy(pl_module, strategy), self._workload(pl_module)
         memory = MemoryModel(model.config, str(next(model.parameters()).dtype), self._optimizer_name(trainer),
                              rollout_backend=work.backend, reference_model=work.reference_model,
-                             reuse_kv=getattr(work, "reuse_kv", True))
+                             reuse_kv=getattr(work, "reuse_kv", True),
+                             scored_last_layer=getattr(work, "scored_last_layer", False))
         self._default_context = float(work.max_context_tokens)
         per_stage = self._candidates(strategy, memory, work)
         if self.table is None and self.profile_budget_s is not None:

@@ -195,13 +195,18 @@ class ExperienceBatch:
         """The sequences' lengths, for the memory model, and what an HF rollout with a KV cache
         kept between turns encodes per call: ``prompt_max``, the longest first prompt, and
         ``turn_prefill_max``, the longest later run of tokens the policy did not generate (a turn's
-        observation and template, or a whole-chat turn's prompt) plus the last sampled token."""
+        observation and template, or a whole-chat turn's prompt) plus the last sampled token; and
+        what the scored last layer runs at: ``scored_max``, the most scored positions of a sequence,
+        and ``scored_share_max``, the largest share of its length they make (:meth:`scored_counts`)."""
         lens = self.seq_lens.double()
         if lens.numel() == 0:
             return dict.fromkeys(("num_seqs", "context_mean", "context_max", "context_p95", "prompt_max",
-                                  "turn_prefill_max"), 0.0)
+                                  "turn_prefill_max", "scored_max", "scored_share_max"), 0.0)
         prompt, turn = self.prompt_runs()
+        scored = self.scored_counts().double()
         return {
+            "scored_max": float(scored.max()),
+            "scored_share_max": float((scored / lens.clamp_min(1)).max()),
             "num_seqs": int(lens.numel()),
             "context_mean": float(lens.mean()),
             "context_max": float(lens.max()),
@@ -209,6 +214,15 @@ class ExperienceBatch:
             "prompt_max": float(prompt),
             "turn_prefill_max": float(min(float(lens.max()), turn + 1)) if turn else 0.0,
         }
+
+    def scored_counts(self) -> torch.Tensor:
+        """[S] the positions of each sequence whose logits score an action token: its action tokens
+        after the first position (data/scored.py)."""
+        mask = (self.tokens["action_mask"] > 0).long().cpu()
+        counts = torch.zeros(self.num_seqs, dtype=torch.long).index_add_(0, self.token_seq_index().cpu(), mask)
+        starts, nonempty = self.cu_seqlens[:-1], self.seq_lens > 0
+        counts[nonempty] -= mask[starts[nonempty]]
+        return counts
 
     def prompt_runs(self) -> tuple[int, int]:
         """(longest first prompt, longest later run) of consecutive ``action_mask == 0`` tokens. A

@@ -170,7 +170,7 @@ def batch_stats(exp: ExperienceBatch, reduce: Any) -> dict[str, float]:
     local = exp.context_stats()
     lens = exp.seq_lens.double()
     total, n = reduce.sum_floats([float(lens.sum()), float(lens.numel())])
-    keys = ("context_max", "context_p95", "prompt_max", "turn_prefill_max")
+    keys = ("context_max", "context_p95", "prompt_max", "turn_prefill_max", "scored_max", "scored_share_max")
     top = reduce.max(torch.tensor([local[k] for k in keys], dtype=torch.float64))
     return {"num_seqs": int(n), "context_mean": total / max(n, 1), **{k: float(v) for k, v in zip(keys, top)}}
 

@@ -24,6 +24,7 @@ from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.exchange import Exchanger
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs
+from earl_lightning.data.scored import can_score_last_layer
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.modules import config as C
@@ -89,7 +90,9 @@ class AgenticRLModule(L.LightningModule):
         r = self.rollout_config
         return Workload(backend=r.backend, max_context_tokens=r.max_context_tokens,
                         max_new_tokens=r.sampling.max_new_tokens, micro_batch_tokens=self.optim_config.micro_batch_tokens,
-                        reference_model=self.algorithm_config.kl.coef > 0, reuse_kv=r.reuse_kv)
+                        reference_model=self.algorithm_config.kl.coef > 0, reuse_kv=r.reuse_kv,
+                        scored_last_layer=self.optim_config.scored_last_layer and self.policy is not None
+                        and can_score_last_layer(self.policy))
 
     def configure_model(self) -> None:
         if self.policy is not None:

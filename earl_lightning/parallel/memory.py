@@ -25,7 +25,10 @@ from earl_lightning.parallel.layout import Layout, check_stage
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # state tensors per parameter
 STATS_KEYS = ("num_seqs", "context_mean", "context_max", "context_p95", "gen_len")
-OPTIONAL_STATS_KEYS = ("prompt_max", "turn_prefill_max")
+OPTIONAL_STATS_KEYS = ("prompt_max", "turn_prefill_max", "scored_max", "scored_share_max")
+# The share of a micro-batch's positions up to which data/scored.py runs its last layer at the
+# scored positions only (its MAX_SCORED_SHARE; a test pins that the two agree).
+MAX_SCORED_SHARE = 0.5
 RolloutBackend = Literal["hf", "vllm"]
 
 # Framework memory of a stage beyond its tensors (allocator slack, autograd bookkeeping). On CPU,
@@ -143,7 +146,7 @@ def check_stats(stats: Mapping[str, Any], arg: str = "stats") -> dict[str, float
     for k in (*STATS_KEYS, *(k for k in OPTIONAL_STATS_KEYS if k in stats)):
         v = stats[k]
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        lo = 0 if k in ("gen_len", "turn_prefill_max") else 1
+        lo = 0 if k in ("gen_len", "turn_prefill_max", "scored_max", "scored_share_max") else 1
         if not ok or v < lo:
             raise ValueError(f"`{arg}['{k}']` must be a finite number >= {lo}, got {v!r}")
         out[k] = float(v)
@@ -152,6 +155,9 @@ def check_stats(stats: Mapping[str, Any], arg: str = "stats") -> dict[str, float
             f"`{arg}`: context_mean ({out['context_mean']:g}) and context_p95 ({out['context_p95']:g}) "
             f"must not exceed context_max ({out['context_max']:g})"
         )
+    if out.get("scored_share_max", 0) > 1:
+        raise ValueError(f"`{arg}['scored_share_max']` must be a share in [0, 1] (the most a sequence's scored "
+                         f"positions make of its length), got {out['scored_share_max']:g}")
     for k in OPTIONAL_STATS_KEYS:
         if out.get(k, 0) > out["context_max"]:
             raise ValueError(f"`{arg}['{k}']` ({out[k]:g}) must not exceed context_max "
@@ -205,6 +211,7 @@ class Workload:
     micro_batch_tokens: int = 16384
     reference_model: bool = False
     reuse_kv: bool = True
+    scored_last_layer: bool = False  # the policy forwards run the last layer at scored positions only
 
 
 class MemoryModel:
@@ -221,6 +228,9 @@ class MemoryModel:
         reuse_kv: the HF backend keeps each episode's KV cache between turns (false: every call
             encodes its whole context into an empty buffer).
         reference_model: a frozen reference policy lives next to the policy in the experience stage.
+        scored_last_layer: the train and experience forwards run the last decoder layer and the LM
+            head only at the positions that score an action token (``data/scored.py``), where the
+            step's stats give ``scored_max`` and ``scored_share_max`` and the share allows it.
         resident_train_state: the sharded weights and optimizer state of the train layout stay on
             the device during rollout and experience (no offload).
         overhead_bytes: fixed framework memory per rank.
@@ -230,8 +240,8 @@ class MemoryModel:
     def __init__(self, model_config: Any, dtype: str = "float32",
                  optimizer: Literal["adamw", "adam", "sgd"] = "adamw", *,
                  rollout_backend: RolloutBackend = "hf", reference_model: bool = False, reuse_kv: bool = True,
-                 resident_train_state: bool = False, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
-                 prefill_chunk_elems: int = DEFAULT_PREFILL_CHUNK_ELEMS) -> None:
+                 scored_last_layer: bool = False, resident_train_state: bool = False,
+                 overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, prefill_chunk_elems: int = DEFAULT_PREFILL_CHUNK_ELEMS) -> None:
         self.sizes = ModelSizes.from_config(model_config)
         dtype = str(dtype).removeprefix("torch.")
         if dtype not in DTYPE_BYTES:
@@ -247,7 +257,7 @@ class MemoryModel:
         self.dtype, self.optimizer, self.rollout_backend = dtype, optimizer, rollout_backend
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.reference_model, self.resident_train_state = bool(reference_model), bool(resident_train_state)
-        self.reuse_kv = bool(reuse_kv)
+        self.reuse_kv, self.scored_last_layer = bool(reuse_kv), bool(scored_last_layer)
         self.overhead_bytes, self.prefill_chunk_elems = overhead_bytes, prefill_chunk_elems
 
     # ---- public -------------------------------------------------------------------------
@@ -289,13 +299,20 @@ class MemoryModel:
         grads = weights
         optimizer = OPTIMIZER_STATES[self.optimizer] * weights
         tokens, n_mb = self.micro_batches(layout, s)
+        scored = None if layout.activation_checkpointing else self._scored_positions(s, tokens)
         full = int(tokens * (z.num_layers * z.saved_per_token(layout.tp) + 3 * z.hidden_size + 6) * b)
+        if scored is not None:  # the last layer keeps its normed input, keys and values everywhere;
+            # its other activations, the final norm's and the head's input only at the scored positions
+            last = z.hidden_size + 2 + 4 * z.kv_dim / layout.tp
+            full = int((tokens * ((z.num_layers - 1) * z.saved_per_token(layout.tp) + last)
+                        + scored * (z.saved_per_token(layout.tp) + 3 * z.hidden_size + 6)) * b
+                       + scored * math.ceil(s["context_max"]) * 5)  # its [S, 1, K, L] mask, bool and float
         ckpt = int(tokens * (z.num_layers * z.hidden_size + 3 * z.hidden_size + 6
                              + z.recompute_per_token(layout.tp)) * b)
         mask = self._mask_bytes(layout, s)  # built once per forward, saved by SDPA for backward
         full, ckpt = full + mask, ckpt + mask
         acts = ckpt if layout.activation_checkpointing else full
-        logits = tokens * z.vocab_size * (4 * TRAIN_LOGIT_ROWS + (b if b != 4 else 0))
+        logits = (scored or tokens) * z.vocab_size * (4 * TRAIN_LOGIT_ROWS + (b if b != 4 else 0))
         # FSDP keeps the unit being computed and the prefetched one gathered, plus the unit's
         # unsharded gradient before its reduce-scatter.
         unit = max(z.layer_params, z.embedding_params) * b // layout.tp
@@ -353,11 +370,26 @@ class MemoryModel:
         # The fp32 logits of the micro-batch, plus one sequence's logsumexp scratch (TRL's
         # selective_log_softmax goes row by row); a bf16 model also holds its own-dtype logits.
         width = math.ceil(s["context_max"])
-        logits = tokens * z.vocab_size * (4 + (b if b != 4 else 0)) + width * z.vocab_size * 4
+        scored = self._scored_positions(s, tokens)
+        if scored is not None:  # the logits of the scored positions only; one row's scratch of them
+            width = max(1, math.ceil(s["scored_max"]))
+        logits = (scored or tokens) * z.vocab_size * (4 + (b if b != 4 else 0)) + width * z.vocab_size * 4
         mask = self._mask_bytes(layout, s)
         total = weights + max(acts, logits) + mask + self.overhead_bytes + resident
         return MemoryEstimate("experience", layout.name, weights, 0, 0, acts, acts, acts, logits, 0, mask,
                               self.overhead_bytes, resident, int(total))
+
+    def _scored_positions(self, s: dict[str, float], tokens: int) -> int | None:
+        """The positions the scored last layer runs at in the largest micro-batch of ``tokens``
+        padded tokens, or None where the plain forward runs. A micro-batch scores at most
+        ``scored_max`` positions per row and at most ``scored_share_max`` of its padded positions
+        (its rows are no longer than its width), so the path is taken in every micro-batch when
+        that share is within :data:`MAX_SCORED_SHARE`."""
+        share, most = s.get("scored_share_max"), s.get("scored_max")
+        if not self.scored_last_layer or share is None or most is None or not 0 < share <= MAX_SCORED_SHARE:
+            return None
+        rows = max(1, tokens // max(1, math.ceil(s["context_max"])))
+        return max(1, min(math.ceil(tokens * share), rows * math.ceil(most)))
 
     def _mask_bytes(self, layout: Layout, s: dict[str, float]) -> int:
         """The 4-D attention mask of a padded micro-batch: HF builds [S, 1, W, W] booleans and SDPA

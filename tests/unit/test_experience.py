@@ -199,3 +199,13 @@ def test_context_stats_count_what_each_rollout_call_encodes():
     assert stats["context_max"] == 16 and stats["num_seqs"] == 5
     single = _masked([[0, 0, 0, 1, 1], [0, 1]], episodes=[0, 1])
     assert single.prompt_runs() == (3, 0) and single.context_stats()["turn_prefill_max"] == 0
+
+
+def test_scored_counts_are_the_action_tokens_after_the_first_position():
+    """What the scored last layer runs at, by hand: an action token in position 0 has no logits
+    that predict it; a row without actions scores nothing."""
+    exp = _masked([[0, 0, 1, 1, 0, 1], [1, 1, 0], [0, 0, 0, 0], [1]], episodes=[0, 1, 2, 3])
+    assert exp.scored_counts().tolist() == [3, 1, 0, 0]
+    stats = exp.context_stats()
+    assert stats["scored_max"] == 3 and stats["scored_share_max"] == pytest.approx(0.5)  # 3 of 6
+    assert _masked([[0, 0]], episodes=[0]).context_stats()["scored_share_max"] == 0

@@ -171,6 +171,34 @@ def test_experience_and_resident_train_state():
     assert res.estimate("train", Layout(dp=2, tp=1), stats()).resident == 0
 
 
+def test_scored_last_layer_sizes_the_logits_and_the_last_layer_by_the_scored_positions():
+    """Multi-turn rows of 512 positions with 40 scored: the logits are those of 16 x 40 positions,
+    the last layer's saved activations mostly too; experience keeps only the scored logits."""
+    plain, scored = MemoryModel(QWEN_05B, "bfloat16"), MemoryModel(QWEN_05B, "bfloat16", scored_last_layer=True)
+    s = stats(context_mean=512, scored_max=40, scored_share_max=40 / 512)
+    a, b = plain.estimate("train", Layout(micro_batch_tokens=16 * 512), s), \
+        scored.estimate("train", Layout(micro_batch_tokens=16 * 512), s)
+    assert b.logits == 16 * 40 * QWEN_05B.vocab_size * (4 * 3 + 2) and a.logits == b.logits * 512 // 40
+    per_layer = QWEN_05B.saved_per_token(1) * 2 * 16 * 512
+    assert per_layer * 0.8 < a.activations - b.activations < per_layer  # the last layer, less K, V, input
+    assert b.total < 0.6 * a.total  # at 152k tokens of vocabulary the logits dominate
+    whole = Layout(micro_batch_tokens=16 * 512)
+    ea, eb = plain.estimate("experience", whole, s), scored.estimate("experience", whole, s)
+    assert eb.logits == 16 * 40 * QWEN_05B.vocab_size * (4 + 2) + 40 * QWEN_05B.vocab_size * 4
+    assert ea.logits > 10 * eb.logits
+    # not taken: without the stats, past half the positions, under checkpointing (wrapped layers)
+    for st, layout in ((stats(context_mean=512), Layout()), (stats(scored_max=300, scored_share_max=0.6), Layout()),
+                       (s, Layout(activation_checkpointing=True))):
+        assert scored.estimate("train", layout, st).total == plain.estimate("train", layout, st).total
+
+
+def test_scored_share_agrees_with_the_forward():
+    from earl_lightning.data.scored import MAX_SCORED_SHARE as forward_share
+    from earl_lightning.parallel.memory import MAX_SCORED_SHARE
+
+    assert MAX_SCORED_SHARE == forward_share
+
+
 def test_estimate_as_dict_and_summary():
     est = MemoryModel(QWEN_05B).estimate("train", Layout(), stats())
     d = est.as_dict()
@@ -219,6 +247,8 @@ def test_model_config_errors():
     (stats(prompt_max=0), r"`stats\['prompt_max'\]` must be a finite number >= 1, got 0"),
     (stats(turn_prefill_max=-1), r"`stats\['turn_prefill_max'\]` must be a finite number >= 0, got -1"),
     (stats(turn_prefill_max=600), r"`stats\['turn_prefill_max'\]` \(600\) must not exceed context_max \(512\)"),
+    (stats(scored_max=-1), r"`stats\['scored_max'\]` must be a finite number >= 0, got -1"),
+    (stats(scored_share_max=1.5), r"`stats\['scored_share_max'\]` must be a share in \[0, 1\]"),
     ([1, 2], r"`stats` must be a mapping with keys"),
 ])
 def test_stats_errors(bad, match):

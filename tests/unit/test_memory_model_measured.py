@@ -42,6 +42,12 @@ SPECS = {
         dict(name="wide-vocab train 4x256", preset=TINY, stage="train", num_seqs=4, context=256, **WIDE_VOCAB),
         dict(name="wide-vocab experience 16x256", preset=TINY, stage="experience", num_seqs=16, context=256,
              **WIDE_VOCAB),
+        # the scored last layer (data/scored.py): one position in 8 scores an action, as in a multi-turn chat
+        dict(name="tiny train 8x256 scored 1/8", preset=TINY, stage="train", num_seqs=8, context=256, scored=8),
+        dict(name="wide-vocab train 8x512 scored 1/8", preset=TINY, stage="train", num_seqs=8, context=512,
+             scored=8, **WIDE_VOCAB),
+        dict(name="wide-vocab experience 32x512 scored", preset=TINY, stage="experience", num_seqs=32, context=512,
+             scored=8, **WIDE_VOCAB),
     ],
     "100m": [
         dict(name="100M train 2x128", preset=M100, stage="train", num_seqs=2, context=128),
@@ -76,9 +82,10 @@ def _batch(spec: dict, device: str):
 
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 100, (spec["context"],), generator=g) for _ in range(spec["num_seqs"])]
-    n = len(seqs)
+    n, every = len(seqs), spec.get("scored", 1)  # every `every`-th token an action (all of them by default)
+    masks = [(torch.arange(len(s)) % every == every - 1).long() for s in seqs]
     return ExperienceBatch.from_sequences(
-        {"input_ids": seqs, "action_mask": [torch.ones_like(s) for s in seqs]},
+        {"input_ids": seqs, "action_mask": masks},
         {"rewards": torch.zeros(n), "group_ids": torch.arange(n), "episode_ids": torch.arange(n)}).to(device)
 
 
@@ -96,7 +103,7 @@ def _run_train(spec: dict, device: str) -> None:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    res = forward_micro_batch(model, _batch(spec, device), temperature=1.0)
+    res = forward_micro_batch(model, _batch(spec, device), temperature=1.0, scored="scored" in spec)
     (-res["logprobs"].mean()).backward()
     del res
     opt.step()
@@ -110,7 +117,7 @@ def _run_experience(spec: dict, device: str) -> None:
 
     model = _model(spec, device).eval()
     with torch.no_grad():
-        forward_micro_batch(model, _batch(spec, device), temperature=1.0)
+        forward_micro_batch(model, _batch(spec, device), temperature=1.0, scored="scored" in spec)
 
 
 def play_turns(backend, spec: dict) -> dict[str, float]:
@@ -192,9 +199,11 @@ def _estimate(spec: dict) -> int:
                  gen_len=spec.get("gen_len", 0))
     if spec["stage"] == "rollout":  # sized as the selector sizes it: by the final sequences' stats
         stats.update(spec["stats"])
+    if "scored" in spec:
+        stats.update(scored_max=c // spec["scored"], scored_share_max=(c // spec["scored"]) / c)
     # one micro-batch holding the whole batch, as the worker runs it
     layout = Layout(micro_batch_tokens=1 << 20, activation_checkpointing=bool(spec.get("ckpt")))
-    return MemoryModel(cfg).estimate(spec["stage"], layout, stats).total
+    return MemoryModel(cfg, scored_last_layer="scored" in spec).estimate(spec["stage"], layout, stats).total
 
 
 def _run_worker(specs: list[dict], device: str) -> list[dict]:
