@@ -17,7 +17,6 @@ Writes ``benchmarks/results/train_scored.csv`` (``what,value,unit``).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ import torch
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.train_roofline import write_rows
 from benchmarks.vs_trl_env import DigitTurns
 
 
@@ -135,17 +135,6 @@ def main() -> None:
             ("load_before", times["load"][0], "1-min load"), ("load_after", times["load"][1], "1-min load")]
     write_rows(rows, args.out)
     print("plain", [round(t, 3) for t in times["plain"]], "scored", [round(t, 3) for t in times["scored"]])
-
-
-def write_rows(rows: list[tuple[str, float, str]], out: Path) -> None:
-    """Write ``rows`` as a ``what,value,unit`` CSV at ``out`` and print them aligned."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        csv.writer(f).writerows([("what", "value", "unit"), *rows])
-    width = max(len(r[0]) for r in rows)
-    for name, value, unit in rows:
-        print(f"{name:<{width}}  {value:>10.4g}  {unit}")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -53,24 +53,30 @@ def _worker(rank: int, world: int, path: str):
     return out
 
 
-def test_shared_prefix_update_under_layouts_matches_one_process_plain():
+def assert_layouts_match_one_process(got: dict, path: str, batch, cfg: UpdateConfig) -> None:
+    """Every (dp, tp, with a value head) entry of ``got`` (rank 0's parameters and policy loss)
+    equals one process's update of the whole ``batch`` under ``cfg`` (the plain forward)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.distributed.test_invariance_layouts import tiny_path
-
-    path = tiny_path()
-    got = run_distributed(_worker, 2, path, timeout=300)[0]
-    for dp, tp, with_value in LAYOUTS:
+    for (dp, tp, with_value), (params, loss, *_) in got.items():
         ref = Models(AutoModelForCausalLM.from_pretrained(path), value_head() if with_value else None)
         before = _params(ref)
-        stats = update(ref, _with_values(_batch(GROUPS)), CFG, Reducer())
+        stats = update(ref, batch, cfg, Reducer())
         expected = _params(ref)
-        params, loss = got[(dp, tp, with_value)]
         assert loss == pytest.approx(stats["loss/policy"], rel=1e-4, abs=1e-7)
         assert sum((expected[n] - before[n]).abs().sum().item() for n in before) > 0
         for name, value in expected.items():
             torch.testing.assert_close(torch.from_numpy(params[name]), value, rtol=1e-4, atol=1e-6,
                                        msg=f"{name} dp={dp} tp={tp} value={with_value}")
+
+
+def test_shared_prefix_update_under_layouts_matches_one_process_plain():
+    from tests.distributed.test_invariance_layouts import tiny_path
+
+    path = tiny_path()
+    got = run_distributed(_worker, 2, path, timeout=300)[0]
+    assert set(got) == set(LAYOUTS)
+    assert_layouts_match_one_process(got, path, _with_values(_batch(GROUPS)), CFG)
 
 
 UNEVEN = {0: ((12, 4), (20, 4)), 1: ((16, 4),)}  # rank -> groups; budget below splits rank 0's batch
