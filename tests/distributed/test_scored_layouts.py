@@ -6,7 +6,6 @@ processes, must end at the parameters of the single-process update with the plai
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from earl_lightning.data import forward as forward_mod
