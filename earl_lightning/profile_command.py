@@ -77,7 +77,7 @@ def profile_recipe(config: str, *, out: str | None = None, budget_s: float = 600
     # `activation_checkpointing=[False, True]` chooses between them); the others skip those.
     layouts += [replace(lay, activation_checkpointing=True) for lay in layouts]
     run = profile_stages(factory, module.tokenizer, layouts=layouts, grid=grid, model_name=name, budget_s=budget_s,
-                         device=device, log=log)
+                         device=device, scored_last_layer=module.optim_config.scored_last_layer, log=log)
     target = Path(out or Path("profiles") / Path(config).stem)
     if global_rank() == 0:
         path = run.table.save(target / "profile.json")

@@ -334,7 +334,8 @@ class AdaptiveParallelism(StageOOMHandler):
         dtype, config = next(model.parameters()).dtype, model.config
         run = profile_stages(lambda: AutoModelForCausalLM.from_config(config).to(dtype), pl_module.tokenizer,
                              layouts=layouts, grid=grid, model_name=getattr(config, "_name_or_path", "") or "model",
-                             budget_s=self.profile_budget_s, device=trainer.strategy.root_device)
+                             budget_s=self.profile_budget_s, device=trainer.strategy.root_device,
+                             scored_last_layer=getattr(work, "scored_last_layer", False))
         if self.profile_out and trainer.global_rank == 0:
             out = Path(self.profile_out)
             out = out if out.is_absolute() else Path(trainer.default_root_dir) / out

@@ -15,7 +15,8 @@ replaced for the one call, on the module itself, so hooks on the layer still run
 
 Supported where the layer is the Llama pattern (pre-norm attention with q/k/v/o projections and
 rotary embeddings, then a pre-norm MLP): model types in :data:`SUPPORTED`, full attention only,
-no activation checkpointing. :func:`can_score_last_layer` says whether a model qualifies; elsewhere
+no activation checkpointing that recomputes (a switchable wrapper with recomputation off is fine).
+:func:`can_score_last_layer` says whether a model qualifies; elsewhere
 the caller runs the plain forward. Under FSDP2 the layer's hooks (all-gather, reshard) run as
 always; under tensor parallelism the projections are the parallel modules themselves and the heads
 are the rank's own (``view(..., -1, head_dim)``), as in the model's attention.
@@ -71,10 +72,13 @@ def _text_config(model: nn.Module):
 
 
 def last_layer(model: nn.Module) -> nn.Module | None:
-    """The last decoder layer of a transformers causal LM (None where it has no ``model.layers``)."""
+    """The last decoder layer of a transformers causal LM, inside its checkpoint wrapper if it has
+    one (None where the model has no ``model.layers``)."""
     body = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(body, "layers", None)
-    return layers[-1] if layers is not None and len(layers) else None
+    if layers is None or not len(layers):
+        return None
+    return getattr(layers[-1], "_checkpoint_wrapped_module", layers[-1])
 
 
 def can_score_last_layer(model: nn.Module) -> bool:
@@ -97,7 +101,9 @@ def can_score_last_layer(model: nn.Module) -> bool:
     attn = layer.self_attn
     if not all(hasattr(attn, p) for p in (*_ATTN_PARTS, "head_dim", "scaling")) or _rotate_half(attn) is None:
         return False
-    return not any(isinstance(m, CheckpointWrapper) for m in model.modules())
+    # A wrapper that recomputes would rerun the layer in backward after the forward is restored; a
+    # switchable one with recomputation off calls the layer as it is.
+    return not any(isinstance(m, CheckpointWrapper) and getattr(m, "enabled", True) for m in model.modules())
 
 
 def _rotate_half(attn: nn.Module):

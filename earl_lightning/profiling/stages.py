@@ -165,8 +165,9 @@ class StageProfiler:
     tokens done (global)."""
 
     def __init__(self, model_factory: Callable[[], nn.Module], tokenizer: Any, device: torch.device | str = "cpu",
-                 seed: int = 0) -> None:
+                 seed: int = 0, scored_last_layer: bool = True) -> None:
         self.device = torch.device(device)
+        self.scored = scored_last_layer  # the forwards as the trainer runs them (data/scored.py)
         self.placements = _Placements(model_factory, self.device)
         self.tokenizer, self.seed = tokenizer, seed
 
@@ -187,7 +188,7 @@ class StageProfiler:
             batch = _synthetic_batch(n, context, vocab, gen).to(self.device) if n else None
             if batch is not None:
                 fill_logprobs(model, batch, name="old_logprobs", temperature=1.0,
-                              micro_batch_tokens=layout.micro_batch_tokens)
+                              micro_batch_tokens=layout.micro_batch_tokens, scored=self.scored)
             work = float(n * context)
         else:
             work = self._train(model, opt, n, context, vocab, gen, layout)
@@ -215,7 +216,7 @@ class StageProfiler:
             if i >= len(micro):
                 zero_loss(model).backward()
                 continue
-            res = forward_micro_batch(model, micro[i], temperature=1.0)
+            res = forward_micro_batch(model, micro[i], temperature=1.0, scored=self.scored)
             adv, mask = micro[i].tokens["advantages"], micro[i].tokens["action_mask"]
             (-(res["logprobs"] * adv * mask).sum() / max(1.0, float(mask.sum()))).backward()
         opt.step()
@@ -230,12 +231,15 @@ def _sum_work(work: float, layout: Layout) -> float:
 
 def profile_stages(model_factory: Callable[[], nn.Module], tokenizer: Any, *, layouts: Sequence[Layout],
                    grid: ProfileGrid = ProfileGrid(), model_name: str = "model", budget_s: float | None = None,
-                   device: torch.device | str = "cpu", seed: int = 0,
+                   device: torch.device | str = "cpu", seed: int = 0, scored_last_layer: bool = True,
                    log: Callable[[str], None] | None = None) -> ProfileRun:
     """Measure every (stage, cell, layout) of ``grid`` until ``budget_s`` seconds are spent.
 
     ``model_factory()`` builds the model (its weights do not matter, only its shapes); it is called
     once per placement, on every rank, under the same seed. ``layouts`` must all span the world.
+    ``scored_last_layer``: the experience and train forwards take the scored last layer where it
+    applies, as the trainer's do under ``optim.scored_last_layer`` (a quarter of each synthetic
+    sequence is the policy's).
     """
     rank, world = _rank_world()
     layouts = _check_layouts(layouts, world, model_factory)
@@ -243,7 +247,7 @@ def profile_stages(model_factory: Callable[[], nn.Module], tokenizer: Any, *, la
                                  or not math.isfinite(budget_s) or budget_s <= 0):
         raise ValueError(f"`budget_s` must be a positive number of seconds or None, got {budget_s!r}")
     run = ProfileRun(ProfileTable(model_name, world, device=_describe(torch.device(device), world)))
-    prof = StageProfiler(model_factory, tokenizer, device, seed)
+    prof = StageProfiler(model_factory, tokenizer, device, seed, scored_last_layer)
     start = time.perf_counter()
     for stage in grid.stages:
         # Checkpointing changes only the train stage (the others run without autograd).

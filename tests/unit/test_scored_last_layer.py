@@ -223,7 +223,7 @@ def test_a_fit_takes_it_by_default_and_ends_where_the_plain_fit_does(tmp_path, m
 
 def test_not_taken_where_it_cannot_run_or_does_not_pay():
     model = _qwen()
-    apply_activation_checkpointing(model, enabled=False)  # wrapped: the last layer is not the model's own
+    apply_activation_checkpointing(model, enabled=True)  # recomputation would rerun the replaced layer
     assert not can_score_last_layer(model)
     plain = _qwen()
     plain.gradient_checkpointing_enable()
@@ -238,6 +238,18 @@ def test_not_taken_where_it_cannot_run_or_does_not_pay():
     assert forward_mod._scored_forward(_qwen(), dense, **kw) is None
     silent = _batch().select([5])  # no action token at all
     assert forward_mod._scored_forward(_qwen(), silent, **kw) is None
+def test_taken_inside_a_switchable_checkpoint_wrapper_while_it_does_not_recompute():
+    from earl_lightning.parallel.parallelize import set_activation_checkpointing
+
+    plain, wrapped, mb = _qwen(), _qwen(), _batch()
+    apply_activation_checkpointing(wrapped, enabled=False)
+    assert can_score_last_layer(wrapped)
+    _assert_same(mb, _run(plain, mb, False, temperature=1.0), _run(wrapped, mb, True, temperature=1.0))
+    set_activation_checkpointing(wrapped, True)
+    assert not can_score_last_layer(wrapped)
+    _assert_same(mb, _run(plain, mb, False, temperature=1.0), _run(wrapped, mb, True, temperature=1.0))
+
+
 def test_the_layer_is_restored_and_its_hooks_still_run():
     model, mb = _qwen(), _batch()
     layer = last_layer(model)
@@ -253,3 +265,22 @@ def test_the_layer_is_restored_and_its_hooks_still_run():
         raise RuntimeError("boom")
     assert "forward" not in vars(layer)
     assert model(input_ids=ids).logits.shape[:2] == ids.shape
+
+
+@pytest.mark.parametrize("scored", [True, False])
+def test_the_profiler_times_the_forwards_the_trainer_runs(monkeypatch, scored):
+    """``earl profile`` and AdaptiveParallelism's fit-start profile run the experience and train
+    forwards as the trainer does: through the scored last layer unless the option is off (and never
+    for a checkpointed layout, whose wrapped layers take the plain forward)."""
+    from earl_lightning.parallel.layout import Layout
+    from earl_lightning.profiling.stages import ProfileGrid, profile_stages
+
+    taken = []
+    real = forward_mod.scored_last_layer
+    monkeypatch.setattr(forward_mod, "scored_last_layer", lambda *a: taken.append(1) or real(*a))
+    path = make_tiny_model("earl-tiny")
+    grid = ProfileGrid(contexts=[64], num_seqs=[2], gen_len=1, repeats=1, stages=("experience", "train"))
+    run = profile_stages(lambda: AutoModelForCausalLM.from_pretrained(path), load_tokenizer(str(path)),
+                         layouts=[Layout()], grid=grid, scored_last_layer=scored)
+    assert run.measured == 2
+    assert len(taken) == (4 if scored else 0)  # a warm-up and a measured call per stage
