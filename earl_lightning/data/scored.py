@@ -81,8 +81,10 @@ def last_layer(model: nn.Module) -> nn.Module | None:
     return getattr(layers[-1], "_checkpoint_wrapped_module", layers[-1])
 
 
-def can_score_last_layer(model: nn.Module) -> bool:
-    """Whether :func:`scored_last_layer` can run on ``model`` (see the module doc)."""
+def can_score_last_layer(model: nn.Module, *, now: bool = True) -> bool:
+    """Whether :func:`scored_last_layer` can run on ``model`` (see the module doc); with
+    ``now=False``, whether it can once the layers do not recompute (a switchable wrapper's
+    recomputation is a per-step choice)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from earl_lightning.rollout.backends.kv import attention_windows
@@ -103,7 +105,8 @@ def can_score_last_layer(model: nn.Module) -> bool:
         return False
     # A wrapper that recomputes would rerun the layer in backward after the forward is restored; a
     # switchable one with recomputation off calls the layer as it is.
-    return not any(isinstance(m, CheckpointWrapper) and getattr(m, "enabled", True) for m in model.modules())
+    return not any(isinstance(m, CheckpointWrapper) and getattr(m, "enabled", True) and (now or not hasattr(m, "enabled"))
+                   for m in model.modules())
 
 
 def _rotate_half(attn: nn.Module):

@@ -92,7 +92,7 @@ class AgenticRLModule(L.LightningModule):
                         max_new_tokens=r.sampling.max_new_tokens, micro_batch_tokens=self.optim_config.micro_batch_tokens,
                         reference_model=self.algorithm_config.kl.coef > 0, reuse_kv=r.reuse_kv,
                         scored_last_layer=self.optim_config.scored_last_layer and self.policy is not None
-                        and can_score_last_layer(self.policy))
+                        and can_score_last_layer(self.policy, now=False))
 
     def configure_model(self) -> None:
         if self.policy is not None:

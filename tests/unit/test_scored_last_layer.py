@@ -217,6 +217,7 @@ def test_a_fit_takes_it_by_default_and_ends_where_the_plain_fit_does(tmp_path, m
         trainer(tmp_path / str(scored), [], steps=2).fit(mod, datamodule())
         params[scored] = {k: v.detach().clone() for k, v in mod.policy.state_dict().items()}
         assert bool(taken) == scored
+        assert mod.workload.scored_last_layer == scored  # what the memory model is told
     for k in params[False]:
         torch.testing.assert_close(params[True][k], params[False][k], atol=1e-4, rtol=1e-3, msg=k)
 
@@ -247,6 +248,12 @@ def test_taken_inside_a_switchable_checkpoint_wrapper_while_it_does_not_recomput
     _assert_same(mb, _run(plain, mb, False, temperature=1.0), _run(wrapped, mb, True, temperature=1.0))
     set_activation_checkpointing(wrapped, True)
     assert not can_score_last_layer(wrapped)
+    assert can_score_last_layer(wrapped, now=False)  # once a step turns recomputation off again
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    fixed = _qwen()
+    fixed.model.layers[-1] = checkpoint_wrapper(fixed.model.layers[-1])  # torch's own: always recomputes
+    assert not can_score_last_layer(fixed) and not can_score_last_layer(fixed, now=False)
     _assert_same(mb, _run(plain, mb, False, temperature=1.0), _run(wrapped, mb, True, temperature=1.0))
 
 
