@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.parallel.parallelize import recomputes_activations
 
 PerPosition = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], dict[str, torch.Tensor]]
 MIN_SAVING = 0.25  # share only when the two passes cost at most 75% of the plain pass's padded tokens
@@ -55,12 +56,8 @@ class PrefixPlan:
 
 def can_share_prefix(model: nn.Module) -> bool:
     """Whether the model's forward can continue from a cache with gradients (see the module doc)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    if any(isinstance(m, CheckpointWrapper) and getattr(m, "enabled", True) for m in model.modules()):
+    if recomputes_activations(model):
         return False  # a recomputed layer would append its keys to the cache a second time
-    if getattr(model, "is_gradient_checkpointing", False):
-        return False
     from earl_lightning.rollout.backends.kv import attention_windows  # the rollout's reading of the config
 
     try:

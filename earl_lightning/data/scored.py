@@ -35,8 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from earl_lightning.parallel.memory import MAX_SCORED_SHARE  # the memory model sizes by the same rule
+from earl_lightning.parallel.parallelize import recomputes_activations
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-MAX_SCORED_SHARE = 0.5  # above this share of the padded positions the plain forward is as cheap
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 
@@ -85,12 +87,12 @@ def can_score_last_layer(model: nn.Module, *, now: bool = True) -> bool:
     """Whether :func:`scored_last_layer` can run on ``model`` (see the module doc); with
     ``now=False``, whether it can once the layers do not recompute (a switchable wrapper's
     recomputation is a per-step choice)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
     from earl_lightning.rollout.backends.kv import attention_windows
 
+    # A layer that recomputes would rerun in backward after its forward is restored; a switchable
+    # wrapper with recomputation off calls the layer as it is.
     config = _text_config(model)
-    if getattr(config, "model_type", None) not in SUPPORTED or getattr(model, "is_gradient_checkpointing", False):
+    if getattr(config, "model_type", None) not in SUPPORTED or recomputes_activations(model, now=now):
         return False
     try:
         if any(w is not None for w in attention_windows(config).values()):
@@ -101,12 +103,7 @@ def can_score_last_layer(model: nn.Module, *, now: bool = True) -> bool:
     if layer is None or not all(hasattr(layer, p) for p in _LAYER_PARTS):
         return False
     attn = layer.self_attn
-    if not all(hasattr(attn, p) for p in (*_ATTN_PARTS, "head_dim", "scaling")) or _rotate_half(attn) is None:
-        return False
-    # A wrapper that recomputes would rerun the layer in backward after the forward is restored; a
-    # switchable one with recomputation off calls the layer as it is.
-    return not any(isinstance(m, CheckpointWrapper) and getattr(m, "enabled", True) and (now or not hasattr(m, "enabled"))
-                   for m in model.modules())
+    return all(hasattr(attn, p) for p in (*_ATTN_PARTS, "head_dim", "scaling")) and _rotate_half(attn) is not None
 
 
 def _rotate_half(attn: nn.Module):

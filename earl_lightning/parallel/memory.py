@@ -27,7 +27,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # state tensors per parame
 STATS_KEYS = ("num_seqs", "context_mean", "context_max", "context_p95", "gen_len")
 OPTIONAL_STATS_KEYS = ("prompt_max", "turn_prefill_max", "scored_max", "scored_share_max")
 # The share of a micro-batch's positions up to which data/scored.py runs its last layer at the
-# scored positions only (its MAX_SCORED_SHARE; a test pins that the two agree).
+# scored positions only (above it the plain forward is as cheap); defined here, read there.
 MAX_SCORED_SHARE = 0.5
 RolloutBackend = Literal["hf", "vllm"]
 

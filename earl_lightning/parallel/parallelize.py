@@ -109,6 +109,16 @@ def is_checkpoint_switchable(model: nn.Module) -> bool:
     return any(isinstance(m, SwitchableCheckpointWrapper) for m in model.modules())
 
 
+def recomputes_activations(model: nn.Module, *, now: bool = True) -> bool:
+    """Whether a layer of ``model`` reruns its forward in backward: HF gradient checkpointing, or a
+    checkpoint wrapper that recomputes. With ``now=False`` a switchable wrapper does not count (its
+    recomputation is a per-step choice); torch's own wrapper always does."""
+    if getattr(model, "is_gradient_checkpointing", False):
+        return True
+    return any(isinstance(m, CheckpointWrapper) and (not hasattr(m, "enabled") or (now and m.enabled))
+               for m in model.modules())
+
+
 def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
     """Turn recomputation of the wrapped decoder layers on or off (see :func:`apply_activation_checkpointing`)."""
     if not is_checkpoint_switchable(model):
