@@ -6,15 +6,12 @@ processes, must end at the parameters of the single-process update with the plai
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from earl_lightning.data import forward as forward_mod
 from earl_lightning.modules.update import Models, UpdateConfig
 from earl_lightning.parallel.collectives import Reducer
-from earl_lightning.parallel.layout import Layout
-from earl_lightning.parallel.parallelize import parallelize_model
 from tests.distributed.launch import run_distributed
-from tests.distributed.test_shared_prefix_layouts import _with_values, assert_layouts_match_one_process
+from tests.distributed.test_shared_prefix_layouts import _with_values, assert_layouts_match_one_process, placed
 from tests.distributed.test_update_uneven import _params, update, value_head
 from tests.unit.test_scored_last_layer import _batch
 
@@ -25,9 +22,6 @@ LAYOUTS = [(2, 1, False), (1, 2, False), (2, 1, True)]  # (dp, tp, with a value 
 
 
 def _worker(rank: int, world: int, path: str):
-    from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM
-
     taken = []
     real = forward_mod.scored_last_layer
     forward_mod.scored_last_layer = lambda *a: taken.append(1) or real(*a)
@@ -35,12 +29,7 @@ def _worker(rank: int, world: int, path: str):
     full = _with_values(_batch(rows=8))
     for dp, tp, with_value in LAYOUTS:
         taken.clear()
-        model = AutoModelForCausalLM.from_pretrained(path)
-        layout = Layout(dp=dp, tp=tp)
-        parallelize_model(model, mesh=init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), layout=layout)
-        dp_rank, _ = layout.coords(dist.get_rank())
-        per = full.num_seqs // dp
-        mine = full.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
+        model, layout, mine = placed(path, full, dp, tp)
         models = Models(model, value_head() if with_value else None)
         stats = update(models, mine, UpdateConfig(**{**CFG.__dict__, "scored_last_layer": True}), Reducer(layout))
         params = _params(models)  # a collective: every rank gathers

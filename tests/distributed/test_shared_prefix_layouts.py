@@ -31,19 +31,24 @@ def _with_values(batch):
     return type(batch)(batch.cu_seqlens, {**batch.tokens, **extra}, batch.seqs)
 
 
-def _worker(rank: int, world: int, path: str):
+def placed(path: str, full, dp: int, tp: int):
+    """(the model parallelized for dp x tp, its layout, this rank's share of ``full``'s rows)."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(path)
+    layout = Layout(dp=dp, tp=tp)
+    parallelize_model(model, mesh=init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), layout=layout)
+    dp_rank, _ = layout.coords(dist.get_rank())  # the ranks of one TP group hold the same rows
+    per = full.num_seqs // dp
+    return model, layout, full.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
+
+
+def _worker(rank: int, world: int, path: str):
     out = {}
     full = _with_values(_batch(GROUPS))
     for dp, tp, with_value in LAYOUTS:
-        model = AutoModelForCausalLM.from_pretrained(path)
-        layout = Layout(dp=dp, tp=tp)
-        parallelize_model(model, mesh=init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), layout=layout)
-        dp_rank, _ = layout.coords(dist.get_rank())
-        per = full.num_seqs // dp
-        mine = full.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
+        model, layout, mine = placed(path, full, dp, tp)
         assert plan_shared_prefix(mine) is not None  # the shared path is what runs here
         models = Models(model, value_head() if with_value else None)
         cfg = UpdateConfig(**{**CFG.__dict__, "share_prefix": True})
