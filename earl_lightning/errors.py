@@ -15,6 +15,11 @@ class EnvironmentFailure(EarlError):
     """Too many episodes of one RL step failed inside the environment (``rollout.max_failed_share``)."""
 
 
+class RewardFunctionFailure(EarlError):
+    """Too many episodes of one RL step could not be scored by a reward function
+    (``rollout.max_failed_share``)."""
+
+
 class CheckpointError(EarlError):
     """A checkpoint cannot be used: truncated or corrupt, or saved from another model."""
 

@@ -76,19 +76,43 @@ def show(value) -> str:
     return f"`{value}`"
 
 
+REQUIRED = object()  # a group's field without a default
+
+
 def field_default(f: dataclasses.Field):
     if f.default is not dataclasses.MISSING:
         return f.default
+    if f.default_factory is dataclasses.MISSING:
+        return REQUIRED
     return f.default_factory()  # type: ignore[misc]
 
 
-def rows_of(prefix: str, params: list[tuple[str, object]], docs: dict[str, str], expand: bool = True) -> list[str]:
+def optional_group(annotation) -> type | None:
+    """The dataclass inside an ``Optional[Union[Group, ...]]`` annotation (a group that may be unset)."""
+    import typing
+
+    for arg in typing.get_args(annotation):
+        found = arg if dataclasses.is_dataclass(arg) else optional_group(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def rows_of(prefix: str, params: list[tuple[str, object]], docs: dict[str, str], expand: bool = True,
+            groups: dict[str, type] | None = None) -> list[str]:
     """Table rows for ``params``; a dataclass-valued one is expanded under its own prefix (with
-    ``expand``; else one row that points to ``earl fit``'s table of the same group)."""
+    ``expand``; else one row that points to ``earl fit``'s table of the same group). ``groups``:
+    parameters that default to null but may be given as a group (their settings are listed too)."""
     rows = []
     for name, default in params:
         flag = f"{prefix}.{name}"
-        if dataclasses.is_dataclass(default) and not expand:
+        group = (groups or {}).get(name)
+        if group is not None and default is None and expand:
+            rows.append(f"| `{flag}` | `null` | {docs.get(name, '')} |")
+            rows += rows_of(flag, [(f.name, field_default(f)) for f in dataclasses.fields(group)], arg_docs(group))
+        elif default is REQUIRED:
+            rows.append(f"| `{flag}` | (required) | {docs[name]} |")
+        elif dataclasses.is_dataclass(default) and not expand:
             rows.append(f"| `{flag}` | (group) | {docs.get(name, '')} Its settings and defaults are those of "
                         f"`earl fit`'s `{flag}` (above). |")
         elif dataclasses.is_dataclass(default):
@@ -108,6 +132,13 @@ def signature_params(cls) -> list[tuple[str, object]]:
     return [(p.name, p.default) for p in params if p.name != "self"]
 
 
+def signature_groups(cls) -> dict[str, type]:
+    import typing
+
+    hints = typing.get_type_hints(cls.__init__)
+    return {name: g for name, hint in hints.items() if (g := optional_group(hint)) is not None}
+
+
 def render() -> str:
     from earl_lightning.data.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
@@ -116,7 +147,7 @@ def render() -> str:
     for title, prefix, cls in (("`model:` (AgenticRLModule)", "--model", AgenticRLModule),
                                ("`data:` (EpisodeDataModule)", "--data", EpisodeDataModule)):
         parts.append(f"\n## {title}\n\n| setting | default | meaning |\n| --- | --- | --- |")
-        parts += rows_of(prefix, signature_params(cls), arg_docs(cls))
+        parts += rows_of(prefix, signature_params(cls), arg_docs(cls), groups=signature_groups(cls))
     return "\n".join(parts + sft_rows()) + "\n"
 
 

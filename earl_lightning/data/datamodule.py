@@ -1,7 +1,10 @@
 """The DataModule: a stream of episode specs, one global RL batch per training step, and the
 exchanger that decides where episodes and experience rows live.
 
-Every rank sees the same global batch; the DataModule's :class:`~earl_lightning.data.exchange.Exchanger`
+A task is rows: the seeds of a built-in environment's episodes, or the rows of a prompt dataset
+(TRL's standard or conversational ``prompt`` plus any columns), each played single-turn or, with an
+environment, as a multi-turn episode whose ``reset`` gets the row's columns; reward functions with
+TRL's signature score them. Every rank sees the same global batch; the DataModule's :class:`~earl_lightning.data.exchange.Exchanger`
 gives each rank its share under the rollout layout of the moment (which can change between steps)
 and moves experience between stage layouts. Batch ``k`` is a pure function of ``(seed, k)``: a
 resumed run picks up at the trainer's restored step and sees exactly the batches an uninterrupted
@@ -10,15 +13,18 @@ run would have seen.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional, Union
 
+import datasets
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
 from earl_lightning.data.exchange import DispatchConfig, Exchanger
-from earl_lightning.groups import coerce, to_dict
 from earl_lightning.envs.base import check_env_name, make_env
+from earl_lightning.groups import coerce, to_dict
 from earl_lightning.rollout.types import EpisodeSpec
+from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, open_splits
+from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
 
 _SEED_STRIDE = 1_000_003  # keeps training seeds of different steps and eval seeds apart
 
@@ -45,11 +51,13 @@ class EpisodeStream(IterableDataset):
     group seed's parity (:func:`member_seed`), so only what the parity fixes is shared.
     """
 
-    def __init__(self, env: str, env_kwargs: dict, batch_size: int, group_size: int, seed: int, start_step: int = 0,
-                 group_seeds: str = "shared"):
+    def __init__(self, env: str | None, env_kwargs: dict, batch_size: int, group_size: int, seed: int,
+                 start_step: int = 0, group_seeds: str = "shared", rows: Any = None):
         self.env, self.env_kwargs = env, dict(env_kwargs)
         self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
         self.start_step, self.group_seeds = start_step, group_seeds
+        self.rows = rows  # a datasets.Dataset: group g of step k plays row order[k * groups + g]
+        self.order = RowOrder(len(rows), seed) if rows is not None else None
 
     def batch(self, step: int) -> list[EpisodeSpec]:
         groups = self.batch_size // self.group_size
@@ -57,11 +65,14 @@ class EpisodeStream(IterableDataset):
         specs = []
         for g in range(groups):
             index = step * groups + g
+            row_index = self.order[index] if self.order is not None else -1
+            row = self.rows[row_index] if self.rows is not None else None
             for m in range(self.group_size):
                 env_seed = (member_seed(base, index, m, self.group_size) if self.group_seeds == "distinct"
                             else base + index)
                 specs.append(EpisodeSpec(env=self.env, seed=env_seed, group_id=g,
-                                         episode_id=g * self.group_size + m, env_kwargs=self.env_kwargs))
+                                         episode_id=g * self.group_size + m, env_kwargs=self.env_kwargs,
+                                         row=row, row_index=row_index))
         return specs
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -72,14 +83,19 @@ class EpisodeStream(IterableDataset):
 
 
 class EvalEpisodes(IterableDataset):
-    """One batch of fixed evaluation seeds (0..n-1: the agent's seat alternates with the seed)."""
+    """One batch of fixed evaluation seeds (0..n-1: the agent's seat alternates with the seed), or
+    of the first ``n`` evaluation rows, each played once."""
 
-    def __init__(self, env: str, env_kwargs: dict, num_episodes: int):
-        self.env, self.env_kwargs, self.num_episodes = env, dict(env_kwargs), num_episodes
+    def __init__(self, env: str | None, env_kwargs: dict, num_episodes: int, rows: Any = None):
+        self.env, self.env_kwargs, self.rows = env, dict(env_kwargs), rows
+        self.num_episodes = num_episodes if rows is None else min(num_episodes, len(rows))
 
     def __iter__(self):
         yield {"step": -1, "specs": [EpisodeSpec(env=self.env, seed=i, group_id=i, episode_id=i,
-                                                 env_kwargs=self.env_kwargs) for i in range(self.num_episodes)]}
+                                                 env_kwargs=self.env_kwargs,
+                                                 row=self.rows[i] if self.rows is not None else None,
+                                                 row_index=i if self.rows is not None else -1)
+                                     for i in range(self.num_episodes)]}
 
 
 def _identity(batch):
@@ -87,11 +103,14 @@ def _identity(batch):
 
 
 class EpisodeDataModule(L.LightningDataModule):
-    """Episode specs for agentic RL.
+    """Episode specs for agentic RL: an environment's seeds, or a prompt dataset's rows.
 
     Args:
         env: registered environment name (``connect_four``, ``openspiel``, ``calculator``, ``textarena``,
             ``recall``) or the import path of an Env class or factory (``my_package.envs.GuessGame``).
+            With a ``dataset``, each row starts an episode of this environment (its ``reset(seed,
+            **columns)`` gets the row's columns); null there: each row is one turn. null without a
+            dataset: ``connect_four``.
         env_kwargs: keyword arguments of the environment (e.g. ``{"opponent": "random"}``).
         batch_size: episodes per RL step, over all ranks.
         group_size: episodes per GRPO group. Must divide ``batch_size``.
@@ -104,14 +123,33 @@ class EpisodeDataModule(L.LightningDataModule):
         eval_episodes: fixed evaluation seeds played greedily by ``validation_step`` (0 disables).
         eval_env_kwargs: overrides of ``env_kwargs`` for evaluation (e.g. another opponent).
         dispatch: how experience moves between stage layouts (the exchanger's options).
+        dataset: the rows to train on: a path or hub id, its settings (``{path, name, data_files,
+            train_split, eval_split, eval_size}``), or (Python) a ``datasets.Dataset`` or
+            ``DatasetDict``. Each row needs a ``prompt`` (a string, or a list of messages); every
+            other column travels with it. A group of ``group_size`` episodes plays one row; the
+            rows are visited in epochs, shuffled from ``seed``.
+        eval_dataset: (Python) the evaluation rows, a ``datasets.Dataset``; the first
+            ``eval_episodes`` of the evaluation rows are played greedily at each validation.
+        reward_funcs: reward functions with TRL's signature ``fn(prompts, completions,
+            completion_ids, **columns) -> list[float | None]``, by import path
+            (``trl.rewards.accuracy_reward``) or (Python) as callables; ``async def`` ones are
+            awaited together. Their weighted sum is added to the environment's reward, if any.
+        reward_weights: one weight per reward function (null: 1.0 each).
     """
 
-    def __init__(self, env: str = "connect_four", env_kwargs: dict[str, Any] | None = None, batch_size: int = 64,
+    def __init__(self, env: Optional[str] = None, env_kwargs: dict[str, Any] | None = None, batch_size: int = 64,
                  group_size: int = 8, seed: int = 0, eval_episodes: int = 128,
                  eval_env_kwargs: dict[str, Any] | None = None, dispatch: DispatchConfig = DispatchConfig(),
-                 group_seeds: str = "shared"):
+                 group_seeds: str = "shared",
+                 dataset: Optional[Union[DatasetConfig, str, datasets.Dataset, datasets.DatasetDict]] = None,
+                 eval_dataset: Optional[datasets.Dataset] = None,
+                 reward_funcs: Optional[list[Union[str, Callable[..., Any]]]] = None,
+                 reward_weights: Optional[list[float]] = None):
         super().__init__()
-        check_env_name(env, "--data.env")
+        if env is None and dataset is None:
+            env = "connect_four"
+        if env is not None:
+            check_env_name(env, "--data.env")
         for name, v in (("batch_size", batch_size), ("group_size", group_size)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"`--data.{name}` must be a positive integer, got {v!r}")
@@ -128,20 +166,27 @@ class EpisodeDataModule(L.LightningDataModule):
             raise ValueError(f"`--data.eval_episodes` must be >= 0, got {eval_episodes}")
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
-        make_env(env, "--data.env", **self.env_kwargs)  # bad env kwargs fail now, not at step 1
+        if env is not None:
+            make_env(env, "--data.env", **self.env_kwargs)  # bad env kwargs fail now, not at step 1
         self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
         self.eval_episodes, self.group_seeds = eval_episodes, group_seeds
+        self.splits: Splits | None = open_splits(dataset, eval_dataset) if dataset is not None else None
+        if self.splits is not None and self.splits.eval is None:
+            self.eval_episodes = 0  # no evaluation rows: nothing to evaluate on
+        self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
+        _check_task(self.splits, env, self.reward_funcs)
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
-        self.save_hyperparameters(ignore=["dispatch"])
-        self.hparams["dispatch"] = to_dict(dispatch)
+        self.save_hyperparameters(ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs"])
+        self.hparams.update(dispatch=to_dict(dispatch), dataset=_describe(dataset), eval_dataset=_describe(eval_dataset),
+                            reward_funcs=[_describe(f) for f in reward_funcs or []])
 
     def first_spec(self) -> EpisodeSpec:
         return self._stream(0).batch(0)[0]
 
     def _stream(self, start: int) -> EpisodeStream:
         return EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, start,
-                             self.group_seeds)
+                             self.group_seeds, rows=self.splits.train if self.splits is not None else None)
 
     def train_dataloader(self) -> DataLoader:
         # One RL iteration is one optimizer step of the trainer: a resumed run has its global step
@@ -155,5 +200,31 @@ class EpisodeDataModule(L.LightningDataModule):
         return batch
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes), batch_size=1,
-                          collate_fn=_identity, num_workers=0)
+        return DataLoader(self.eval_batches(), batch_size=1, collate_fn=_identity, num_workers=0)
+
+    def eval_batches(self) -> EvalEpisodes:
+        """The evaluation episodes: seeds 0..n-1, or the first ``eval_episodes`` evaluation rows."""
+        if self.splits is None:
+            return EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes)
+        rows = self.splits.eval if self.splits.eval is not None else self.splits.train.select([])
+        return EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes, rows=rows)
+
+
+def _check_task(splits: Splits | None, env: str | None, funcs: list[RewardFunction]) -> None:
+    if splits is not None:
+        check_columns(funcs, [c for c in splits.columns() if c != "prompt"])
+        if env is None and not funcs:
+            raise ValueError("`--data.reward_funcs` is empty, and `--data.env` is null: rows played without an "
+                             "environment get their rewards from reward functions only; name at least one "
+                             "(e.g. trl.rewards.accuracy_reward)")
+
+
+def _describe(value: Any) -> Any:
+    """A setting as plain data for the saved hyperparameters (a Dataset or a callable by name)."""
+    if value is None or isinstance(value, (str, int, float, bool, list, dict)):
+        return value
+    if isinstance(value, DatasetConfig):
+        return to_dict(value)
+    if isinstance(value, (datasets.Dataset, datasets.DatasetDict)):
+        return f"<{type(value).__name__} {value.num_rows}>"
+    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"

@@ -432,19 +432,19 @@ def module_hparams(model: str, dtype: str, rollout: RolloutConfig, algorithm: Al
 
 
 def check_first_observation(rollout: RolloutConfig, tokenizer: Any, spec: Any) -> None:
-    """``max_context_tokens`` smaller than the first observation fails before any work is done."""
-    from earl_lightning.envs import make_env
+    """``max_context_tokens`` smaller than the first prompt (an env's first observation, or the
+    first dataset row's prompt) fails before any work is done; so does an env whose reset fails."""
+    from earl_lightning.rollout.env_calls import EnvFault
+    from earl_lightning.rollout.loop import first_prompt_ids
 
-    obs = make_env(spec.env, "--data.env", **spec.env_kwargs).reset(spec.seed)
-    if not isinstance(obs, str):
-        raise ValueError(f"`--data.env` {spec.env!r}: reset(seed) returned {type(obs).__name__}; an Env's reset must "
-                         f"return the first observation as a str (a gymnasium reset returns (observation, info))")
-    msgs = [{"role": "system", "content": rollout.system_prompt}] if rollout.system_prompt else []
-    ids = tokenizer.apply_chat_template(msgs + [{"role": "user", "content": obs}], add_generation_prompt=True,
-                                        tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5 returns a BatchEncoding
+    try:
+        ids = first_prompt_ids(spec, tokenizer, rollout.system_prompt)
+    except EnvFault as fault:
+        raise ValueError(f"`--data.env` {spec.env!r}: {fault}") from None
     need = len(ids) + rollout.sampling.max_new_tokens
     if need > rollout.max_context_tokens:
-        raise ValueError(f"`{A}.rollout.max_context_tokens` ({rollout.max_context_tokens}) is smaller than the first "
-                         f"observation of env {spec.env!r} plus one turn: {len(ids)} prompt tokens + "
-                         f"{rollout.sampling.max_new_tokens} new tokens = {need}; raise it to at least {need}")
+        what = f"the first row's prompt (row {spec.row_index})" if spec.row is not None else \
+            f"the first observation of env {spec.env!r}"
+        raise ValueError(f"`{A}.rollout.max_context_tokens` ({rollout.max_context_tokens}) is smaller than {what} "
+                         f"plus one turn: {len(ids)} prompt tokens + {rollout.sampling.max_new_tokens} new tokens = "
+                         f"{need}; raise it to at least {need}")

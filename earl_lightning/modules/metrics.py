@@ -13,6 +13,7 @@ outcome) is not shown.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Iterator, Sequence
 
@@ -70,7 +71,7 @@ def episode_counts(episodes: Sequence[Any]) -> dict[str, float]:
         c["losses"] += ep.outcome == "loss"
         c["outcomes"] += ep.outcome is not None
         c["invalid"] += bool(ep.invalid_action)
-        c["errors"] += ep.error is not None
+        c["errors"] += ep.error is not None and getattr(ep, "error_kind", None) in (None, "env")
         c["truncated"] += bool(ep.truncated)
         c["turns"] += ep.num_turns
         info = getattr(ep, "info", None) or {}
@@ -161,6 +162,37 @@ class RunMetrics(nn.Module):
 
 def _applicable(values: dict[str, float], flags: dict[str, bool]) -> dict[str, float]:
     return {k: v for k, v in values.items() if flags.get(REPORTED_BY.get(k, ""), True)}
+
+
+FAILURE_KINDS = {"reward": "rewards/errors", "unscored": "rewards/unscored", "row": "data/skipped_rows"}
+
+
+def reward_metrics(episodes: Sequence[Any], names: Sequence[str], reduce: Any, prefix: str = "rewards/") -> dict[str, float]:
+    """Each reward function's mean and std over the episodes it scored (all ranks) and the episodes
+    dropped by kind (:data:`FAILURE_KINDS`). Every rank must call it with the same ``names`` (one
+    all-reduce)."""
+    sums: list[float] = []
+    for name in names:
+        vals = [ep.rewards[name] for ep in episodes if ep.rewards.get(name) is not None]
+        sums += [math.fsum(vals), math.fsum(v * v for v in vals), float(len(vals))]
+    sums += [float(sum(getattr(ep, "error_kind", None) == k for ep in episodes)) for k in FAILURE_KINDS]
+    totals = reduce.sum_floats(sums)
+    out = {}
+    for i, name in enumerate(names):
+        s, ss, n = totals[3 * i:3 * i + 3]
+        mean = s / n if n else 0.0
+        out[f"{prefix}{name}/mean"] = mean
+        out[f"{prefix}{name}/std"] = math.sqrt(max(ss / n - mean * mean, 0.0)) if n else 0.0
+    at = 3 * len(names)
+    out.update({metric: totals[at + j] for j, metric in enumerate(FAILURE_KINDS.values())})
+    return out
+
+
+def logged_by_reward_funcs(outcomes: Sequence[Any], names: Sequence[str]) -> dict[str, float]:
+    """The means of what each reward function passed to ``log_metric`` on this rank (logged from
+    rank 0 only: a function may log on some ranks and not others, so nothing is reduced)."""
+    return {f"rewards/{name}/{k}": math.fsum(v) / len(v) for name, o in zip(names, outcomes)
+            for k, v in o.metrics.items() if v}
 
 
 def batch_stats(exp: ExperienceBatch, reduce: Any) -> dict[str, float]:

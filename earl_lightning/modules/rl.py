@@ -28,13 +28,14 @@ from earl_lightning.data.scored import can_score_last_layer
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.modules import config as C
-from earl_lightning.modules.metrics import (RunMetrics, StageTimer, batch_stats, log_transcripts, reported,
-                                            zero_spread_share)
+from earl_lightning.modules.metrics import (RunMetrics, StageTimer, batch_stats, log_transcripts,
+                                            logged_by_reward_funcs, reported, reward_metrics, zero_spread_share)
 from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory, lost_peer_error
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import GENERATION_BACKENDS, BackendSpec, SamplingConfig
 from earl_lightning.rollout.loop import rollout
+from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
 from earl_lightning.strategies.stage import StageContext, stages_of
 
@@ -75,6 +76,7 @@ class AgenticRLModule(L.LightningModule):
         self.oom_recoveries = 0
         self.run_metrics = RunMetrics()
         self._backend = None
+        self._reward_outcomes: list = []  # the last scoring's outcomes on this rank (log_metric values)
 
     # ---- what the run is made of -------------------------------------------------------------
     @property
@@ -156,6 +158,10 @@ class AgenticRLModule(L.LightningModule):
             metrics.update(more)
         metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
         metrics["reward/zero_std_groups"] = zero_spread_share(episodes, num_groups, rollout_ctx.reduce.sum_moments)
+        names = [f.name for f in self._reward_funcs()]
+        if names:
+            metrics.update(reward_metrics(episodes, names, rollout_ctx.reduce))
+            metrics.update(logged_by_reward_funcs(self._reward_outcomes, names))
         metrics.update({"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)})
         self._log_step(metrics, episodes[:2], step)
 
@@ -173,11 +179,26 @@ class AgenticRLModule(L.LightningModule):
         sampling = SamplingConfig(**{**vars(self.sampling), "seed": seed, "greedy": greedy})
         r = self.rollout_config
         try:
-            return rollout(self._exchanger().rollout_share(specs, ctx.layout, self.global_rank), self._backend,
-                           self.tokenizer, sampling, max_turns=r.max_turns, max_context_tokens=r.max_context_tokens,
-                           system_prompt=r.system_prompt, history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
+            episodes = rollout(self._exchanger().rollout_share(specs, ctx.layout, self.global_rank), self._backend,
+                               self.tokenizer, sampling, max_turns=r.max_turns, max_context_tokens=r.max_context_tokens,
+                               system_prompt=r.system_prompt, history_turns=r.history_turns,
+                               env_timeout_s=r.env_timeout_s)
         finally:
             self._backend.release(None)
+        self._reward_outcomes = score_episodes(episodes, self._reward_funcs(), self.tokenizer, self._reward_extras())
+        return episodes
+
+    def _reward_funcs(self) -> list:
+        dm = self.trainer.datamodule
+        return dm.reward_funcs if isinstance(dm, EpisodeDataModule) else []
+
+    def _reward_extras(self) -> dict[str, Any]:
+        """TRL's ``trainer_state`` for reward functions that read the step (a transformers TrainerState)."""
+        from transformers import TrainerState
+
+        t = self.trainer
+        return {"trainer_state": TrainerState(global_step=t.global_step, max_steps=max(t.max_steps, 0),
+                                              epoch=float(t.current_epoch))}
 
     def _fill(self, exp: ExperienceBatch, ctx: StageContext) -> ExperienceBatch:
         """Old log-probs (and values), and reference log-probs when there is a KL term."""
@@ -256,25 +277,31 @@ class AgenticRLModule(L.LightningModule):
             log_transcripts(self.loggers, sample_episodes, step)
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluate(self, specs: list) -> dict[str, bool]:
-        """Play ``specs`` greedily into the validation metrics; which optional rates they report."""
+    def _evaluate(self, specs: list) -> tuple[dict[str, bool], dict[str, float]]:
+        """Play ``specs`` greedily into the validation metrics: which optional rates they report, and
+        the reward functions' means (``val/rewards/<name>``, already global)."""
         episodes, ctx = self._runner(StageTimer()).run(
             "rollout", self._spec_stats(specs), lambda ctx: (self._play(specs, ctx, seed=0, greedy=True), ctx))
         self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
-        return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
+        flags = {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
+        names = [f.name for f in self._reward_funcs()]
+        rewards = reward_metrics(episodes, names, ctx.reduce, prefix="val/rewards/") if names else {}
+        return flags, {k[:-len("/mean")]: v for k, v in rewards.items() if k.endswith("/mean")}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        flags = self._evaluate(batch["specs"])
+        flags, rewards = self._evaluate(batch["specs"])
         for name, metric in self.run_metrics.val_objects(flags).items():
             self.log(name, metric, prog_bar=name == "val/win_rate", on_step=False, on_epoch=True, batch_size=1)
+        for name, value in rewards.items():  # global already: every rank logs the same value
+            self.log(name, value, on_step=False, on_epoch=True, batch_size=1, sync_dist=False)
 
     def on_train_start(self) -> None:
         # The first evaluation, before any update: the learning curve's baseline at step 0.
         dm = self.trainer.datamodule
         if self.global_step == 0 and isinstance(dm, EpisodeDataModule) and dm.eval_episodes and \
                 self.trainer.val_dataloaders is not None and self.trainer.limit_val_batches:
-            flags = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
-            values = self.run_metrics.compute_val(flags)
+            flags, rewards = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
+            values = {**self.run_metrics.compute_val(flags), **rewards}
             for logger in self.loggers:
                 logger.log_metrics(values, step=0)
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 import torch
 
 from earl_lightning.callbacks.base import StageOOMHandler
-from earl_lightning.errors import EnvironmentFailure, RankFailure
+from earl_lightning.errors import EnvironmentFailure, RankFailure, RewardFunctionFailure
 from earl_lightning.host_memory import trim_host_memory
 from earl_lightning.modules.metrics import StageTimer
 from earl_lightning.parallel.collectives import Reducer
@@ -91,15 +91,22 @@ def free_memory(optimizers: Sequence[Any], backend: Any) -> None:
 
 def check_env_failures(episodes: Sequence[Any], reduce: Reducer, max_share: float, step: int) -> None:
     """Stop the run when at least ``max_share`` of the step's episodes (over all ranks) failed
-    inside their environment. Every rank must call it (one small all-reduce)."""
-    failed = [ep for ep in episodes if ep.error is not None]
-    n_failed, total = reduce.sum_floats([float(len(failed)), float(len(episodes))])
-    if total and n_failed / total >= max_share:
-        first = f"the first here: {failed[0].error}" if failed else "see another rank's log for the errors"
+    inside their environment, or could not be scored by a reward function (each counted on its
+    own, each with its own one-line error). Every rank must call it (one small all-reduce)."""
+    env = [ep for ep in episodes if ep.error is not None and ep.error_kind in (None, "env")]
+    reward = [ep for ep in episodes if ep.error_kind == "reward"]
+    n_env, n_reward, total = reduce.sum_floats([float(len(env)), float(len(reward)), float(len(episodes))])
+    share = f"(`--model.rollout.max_failed_share` {max_share:g})"
+    if total and n_env / total >= max_share:
+        first = f"the first here: {env[0].error}" if env else "see another rank's log for the errors"
         raise EnvironmentFailure(
-            f"{int(n_failed)} of {int(total)} episodes of RL step {step} failed inside the environment "
-            f"(`--model.rollout.max_failed_share` {max_share:g}); {first}. Fix the environment, or raise "
-            f"max_failed_share to train through failures")
+            f"{int(n_env)} of {int(total)} episodes of RL step {step} failed inside the environment {share}; "
+            f"{first}. Fix the environment, or raise max_failed_share to train through failures")
+    if total and n_reward / total >= max_share:
+        first = reward[0].error if reward else "a reward function failed on another rank; see its log"
+        raise RewardFunctionFailure(
+            f"{first} ({int(n_reward)} of {int(total)} episodes of RL step {step} could not be scored {share}). "
+            f"Fix the reward function, or raise max_failed_share to train on the rows it scores")
 
 
 def lost_peer_error(stage: str, err: BaseException, *, step: int, rank: int, last_checkpoint: str,

@@ -41,6 +41,7 @@ from typing import Any, Callable, TypeVar
 from earl_lightning.envs.base import Env, StepResult, check_env_name, make_env
 from earl_lightning.parallel.collectives import global_rank, is_distributed
 from earl_lightning.rollout.types import EpisodeSpec
+from earl_lightning.tasks.rows import reset_kwargs
 
 log = logging.getLogger("earl_lightning.rollout")
 T = TypeVar("T")
@@ -80,11 +81,20 @@ class EnvCalls:
             self._worker.stop()
             self._worker = None
 
-    def start(self, spec: EpisodeSpec) -> tuple[Env, str]:
-        """Build ``spec``'s env and reset it: the env and its first observation."""
+    def start(self, spec: EpisodeSpec) -> tuple[Env | None, str | None]:
+        """Build ``spec``'s env and reset it: the env and its first observation; (None, None) for a
+        row played without an environment. A row's env is reset with ``reset(seed, **columns)`` (the
+        columns its ``reset`` takes) and may return None: the row's prompt alone starts the chat."""
+        if spec.env is None:
+            return None, None
         check_env_name(spec.env)  # an unknown name or a bad import path is a config error: it raises
         env = self._call(spec, "make_env", lambda: make_env(spec.env, **spec.env_kwargs))
-        observation = self._call(spec, "reset", env.reset, spec.seed)
+        if spec.row is None:
+            observation = self._call(spec, "reset", env.reset, spec.seed)
+        else:
+            observation = self._call(spec, "reset", lambda: env.reset(spec.seed, **reset_kwargs(env.reset, spec.row)))
+            if observation is None:
+                return env, None
         if not isinstance(observation, str):
             gym = " (gymnasium's reset returns (observation, info))" if isinstance(observation, tuple) else ""
             raise self._fault(spec, "reset", f"returned {_what(observation)}; {_RESET_CONTRACT}{gym}",

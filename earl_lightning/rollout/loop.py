@@ -23,6 +23,7 @@ from earl_lightning.rollout.backends.base import GenerationBackend, GenOutput, G
 from earl_lightning.rollout.chat import ChatDeltas, Messages
 from earl_lightning.rollout.env_calls import EnvCalls, EnvFault
 from earl_lightning.rollout.types import Episode, EpisodeSpec
+from earl_lightning.tasks.rows import first_messages
 
 
 @dataclass
@@ -39,12 +40,15 @@ class _Live:
     turn_rewards: list[float] = field(default_factory=list)
     turn_prompts: list[list[int]] | None = None
     next_prompt: list[int] | None = None  # the windowed prompt of the next turn (history_turns only)
+    raw: bool = False  # a standard-form (string) prompt without an environment: plain text, no chat template
+    prompt_tokens: int = 0
     reward: float = 0.0
     done: bool = False
     truncated: bool = False
     invalid_action: bool = False
     outcome: str | None = None
     error: str | None = None
+    error_kind: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -56,8 +60,8 @@ class _Live:
         self.action_mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
-    def fail(self, fault: EnvFault) -> None:
-        self.error, self.done, self.reward = str(fault), True, 0.0
+    def fail(self, fault: EnvFault, kind: str = "env") -> None:
+        self.error, self.error_kind, self.done, self.reward = str(fault), kind, True, 0.0
         self.env = None  # never called again (after a time-out, its call may still be running)
         self.turn_rewards = [0.0] * len(self.turn_starts)
 
@@ -67,7 +71,8 @@ class _Live:
             reward=self.reward, num_turns=len(self.turn_starts), done=self.done, truncated=self.truncated,
             invalid_action=self.invalid_action, outcome=self.outcome, error=self.error,
             turn_starts=self.turn_starts, messages=self.messages, turn_rewards=self.turn_rewards,
-            turn_prompts=self.turn_prompts, info=self.info,
+            turn_prompts=self.turn_prompts, info=self.info, prompt_tokens=self.prompt_tokens,
+            error_kind=self.error_kind,
         )
 
     def prompt(self) -> list[int]:
@@ -111,6 +116,10 @@ def rollout(
     try:
         states = [_start(spec, calls, chat, system_prompt, history_turns) for spec in specs]
         for st in states:
+            if st.raw:
+                st.append(raw_prompt_ids(tokenizer, st.messages[0]["content"]), 0)
+            st.prompt_tokens = len(st.token_ids)
+        for st in states:
             _check_first_fit(st, sampling.max_new_tokens, max_context_tokens)
         for turn in range(max_turns):
             live = [st for st in states if not st.finished]
@@ -151,19 +160,47 @@ def _window(messages: Messages, history_turns: int) -> Messages:
     return head + messages[len(head):][-(2 * history_turns + 1):]
 
 
+def first_prompt_ids(spec: EpisodeSpec, tokenizer: Any, system_prompt: str | None = None) -> list[int]:
+    """The ids the first turn of ``spec`` is generated from, built as :func:`rollout` builds them
+    (its env is built and reset). Raises :class:`EnvFault` when that fails."""
+    calls = EnvCalls(None)
+    try:
+        st = _start(spec, calls, ChatDeltas(tokenizer), system_prompt, None)
+    finally:
+        calls.close()
+    if st.error is not None:
+        raise EnvFault(st.error)
+    return raw_prompt_ids(tokenizer, st.messages[0]["content"]) if st.raw else list(st.token_ids)
+
+
+def raw_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """A standard-form prompt's ids: the text as the tokenizer encodes it (with its BOS, if it adds
+    one), no chat template, as TRL tokenizes a standard prompt."""
+    return list(tokenizer(text)["input_ids"])
+
+
 def _start(spec: EpisodeSpec, calls: EnvCalls, chat: ChatDeltas, system_prompt: str | None,
            history_turns: int | None) -> _Live:
-    """Build the env, reset it and encode the first prompt; a fault there fails the episode."""
-    st = _Live(spec, None, [{"role": "system", "content": system_prompt}] if system_prompt is not None else [])
+    """Build the env, reset it and encode the first prompt; a fault there fails the episode.
+
+    The first chat is the env's first observation as a user message, or the row's prompt (with what
+    the env's reset returned added to its last message). A standard-form (string) prompt without
+    an environment is plain text (``raw``: the caller encodes it, no chat template)."""
+    st = _Live(spec, None, [])
     if history_turns is not None:
         st.turn_prompts = []
     try:
         st.env, observation = calls.start(spec)
     except EnvFault as fault:
-        st.messages = []
         st.fail(fault)
         return st
-    st.messages.append({"role": "user", "content": observation})
+    if spec.row is None:
+        st.messages = first_messages(observation, system_prompt)
+    elif spec.env is None and isinstance(spec.row["prompt"], str):
+        st.raw, st.messages = True, [{"role": "user", "content": spec.row["prompt"]}]
+        return st
+    else:
+        st.messages = first_messages(spec.row["prompt"], system_prompt, observation)
     st.append(chat.encode(chat.prompt(st.messages)), 0)
     if history_turns is not None:
         st.next_prompt = list(st.token_ids)  # nothing to window yet
@@ -171,10 +208,16 @@ def _start(spec: EpisodeSpec, calls: EnvCalls, chat: ChatDeltas, system_prompt: 
 
 
 def _check_first_fit(st: _Live, max_new_tokens: int, max_context_tokens: int) -> None:
+    """A first prompt too long for ``max_context_tokens`` is a configuration error for an env's own
+    first observation; a dataset row that is too long is skipped (its episode fails as ``row``)."""
     if st.finished:
         return
     need = len(st.token_ids) + max_new_tokens
-    if need > max_context_tokens:
+    if need > max_context_tokens and st.spec.row is not None:
+        st.fail(EnvFault(f"row {st.spec.row_index}: its prompt is {len(st.token_ids)} tokens, which with "
+                         f"{max_new_tokens} max_new_tokens exceeds max_context_tokens={max_context_tokens}; the row "
+                         f"is skipped"), kind="row")
+    elif need > max_context_tokens:
         raise ValueError(
             f"`max_context_tokens`={max_context_tokens} is too small: the first prompt of episode "
             f"{st.spec.episode_id} (env {st.spec.env!r}) needs {need} tokens ({len(st.token_ids)} prompt "
@@ -186,13 +229,17 @@ def _play_turn(st: _Live, out: GenOutput, calls: EnvCalls, chat: ChatDeltas, tok
                budget: int, history_turns: int | None = None) -> None:
     """Append one assistant turn, step the env, then either close the episode or append the next
     observation. ``budget`` is the longest context a next turn may start from."""
-    content, closing = _assistant_text(st.messages, out, chat, tokenizer)
+    content, closing = _assistant_text(st.messages, out, chat, tokenizer, st.raw)
     if st.turn_prompts is not None:
         st.turn_prompts.append(st.prompt())
     st.turn_starts.append(len(st.token_ids))
     st.append(list(out.token_ids), 1, [float(x) for x in out.logprobs])
     st.append(chat.encode(closing), 0)
     st.messages.append({"role": "assistant", "content": content})
+    if st.spec.env is None:  # a row without an environment is one turn; reward functions score it
+        st.turn_rewards.append(0.0)
+        st.done = True
+        return
     try:
         result = calls.step(st.spec, st.env, content)  # checked: reward a float, done a bool, info a dict
     except EnvFault as fault:
@@ -225,8 +272,10 @@ def _play_turn(st: _Live, out: GenOutput, calls: EnvCalls, chat: ChatDeltas, tok
     st.append(nxt, 0)
 
 
-def _assistant_text(messages: Messages, out: GenOutput, chat: ChatDeltas, tokenizer: Any) -> tuple[str, str]:
-    """The assistant message content and the mask-0 text that closes the turn.
+def _assistant_text(messages: Messages, out: GenOutput, chat: ChatDeltas, tokenizer: Any,
+                    raw: bool = False) -> tuple[str, str]:
+    """The assistant message content and the mask-0 text that closes the turn (none for a
+    ``raw`` text prompt: the completion is all there is).
 
     When the turn ended with eos and the template's end-of-turn text starts with the eos text
     (ChatML's ``<|im_end|>``), the sampled eos already is that text, so only the rest (``\\n``)
@@ -236,6 +285,8 @@ def _assistant_text(messages: Messages, out: GenOutput, chat: ChatDeltas, tokeni
     eos_id = tokenizer.eos_token_id
     ended_eos = bool(ids) and ids[-1] == eos_id
     content = tokenizer.decode(ids[:-1] if ended_eos else ids, skip_special_tokens=False)
+    if raw:
+        return content, ""
     end = chat.end_of_turn(messages, content)
     if ended_eos:
         eos_text = tokenizer.decode([eos_id], skip_special_tokens=False)

@@ -12,13 +12,20 @@ class EpisodeSpec:
 
     ``episode_id`` must be unique within one :func:`~earl_lightning.rollout.loop.rollout` call: it is
     the generation backend's request key (KV cache slot) for the whole episode.
+
+    ``row``: a dataset row (its ``prompt`` and every other column) the episode starts from, or None
+    for an environment's own first observation (``reset(seed)``). A row with ``env`` None is one
+    turn; with an environment, ``reset(seed, **columns)`` starts the episode from the row's prompt.
+    ``row_index``: the row's index in its split (-1 without a row).
     """
 
-    env: str
+    env: str | None
     seed: int
     group_id: int
     episode_id: int
     env_kwargs: dict[str, Any] = field(default_factory=dict)
+    row: dict[str, Any] | None = None
+    row_index: int = -1
 
 
 @dataclass
@@ -32,6 +39,11 @@ class Episode:
     chat template applied to it gives exactly ``token_ids`` (for tokenizers whose encoding of the
     generated text round-trips). ``info`` is what the env's last ``step`` returned as ``info``
     (e.g. the calculator's ``correct`` and ``tool_calls``).
+
+    ``prompt_tokens`` is the length of the first prompt (what the reward functions' completion ids
+    follow); ``rewards`` holds each reward function's value (None: not applicable, or not scored);
+    ``error_kind`` says where ``error`` arose: ``env`` (an environment call) or ``reward`` (a
+    reward function; the environment's own part of the episode went fine).
     """
 
     spec: EpisodeSpec
@@ -50,6 +62,9 @@ class Episode:
     turn_rewards: list[float] = field(default_factory=list)
     turn_prompts: list[list[int]] | None = None
     info: dict[str, Any] = field(default_factory=dict)  # the env's ``info`` of the last step
+    prompt_tokens: int = 0
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    error_kind: str | None = None
 
     @property
     def num_generated(self) -> int:

@@ -56,7 +56,7 @@ def test_max_context_tokens_smaller_than_first_observation():
     module = AgenticRLModule(rollout={"max_context_tokens": 20})
     dm = EpisodeDataModule()
     with pytest.raises(ValueError, match=r"`--model.rollout.max_context_tokens` \(20\) is smaller than the first "
-                                         r"observation"):
+                                         r"observation of env 'connect_four'"):
         check_first_observation(module.rollout_config, module.tokenizer, dm.first_spec())
 
 

@@ -1,0 +1,75 @@
+"""Scoring finished episodes with reward functions (TRL's signature), after the rollout.
+
+Each episode is handed to the functions as TRL hands a completion: its prompt in the row's form
+(a string, or the messages before the first assistant turn), its completion in the same form (the
+text generated; or the messages after the prompt: assistant turns and the environment's replies,
+the whole transcript), the token ids after the prompt, and the row's other columns. The weighted
+sum of the values (None: not applicable) is added to the episode's reward and to its last turn's.
+
+An episode that a function could not score fails (``error_kind="reward"``; it keeps its tokens
+and trains on nothing, like an environment failure); a row without an environment that no
+function scored is ``unscored`` and dropped the same way (TRL gives it advantage 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from earl_lightning.rollout.types import Episode
+from earl_lightning.tasks.rewards import RewardFunction, RewardOutcome, call_reward_funcs
+
+
+def is_raw(ep: Episode) -> bool:
+    """A standard-form (string) prompt played without an environment: plain text, no chat template."""
+    return ep.spec.row is not None and ep.spec.env is None and isinstance(ep.spec.row.get("prompt"), str)
+
+
+def transcript(ep: Episode, tokenizer: Any) -> tuple[Any, Any, list[int]]:
+    """(prompt, completion, completion ids) of ``ep`` in TRL's form."""
+    ids = list(ep.token_ids[ep.prompt_tokens:])
+    if is_raw(ep):
+        return ep.spec.row["prompt"], tokenizer.decode(ids, skip_special_tokens=True), ids
+    first = next((i for i, m in enumerate(ep.messages) if m["role"] == "assistant"), len(ep.messages))
+    if ep.spec.row is not None and isinstance(ep.spec.row.get("prompt"), str):
+        return ep.spec.row["prompt"], tokenizer.decode(ids, skip_special_tokens=False), ids
+    return [dict(m) for m in ep.messages[:first]], [dict(m) for m in ep.messages[first:]], ids
+
+
+def score_episodes(episodes: Sequence[Episode], funcs: Sequence[RewardFunction], tokenizer: Any,
+                   extras: Mapping[str, Any] | None = None) -> list[RewardOutcome]:
+    """Score ``episodes`` in place (see the module docstring); the functions' outcomes on the
+    episodes that were scored (those that did not fail in their environment), in order."""
+    scored = [ep for ep in episodes if ep.error is None]
+    if not funcs or not scored:
+        return []
+    prompts, completions, ids = map(list, zip(*(transcript(ep, tokenizer) for ep in scored)))
+    keys = sorted({k for ep in scored for k in (ep.spec.row or {}) if k != "prompt"})
+    columns = {k: [(ep.spec.row or {}).get(k) for ep in scored] for k in keys}
+    outcomes = call_reward_funcs(funcs, prompts, completions, ids, columns, extras)
+    for j, ep in enumerate(scored):
+        _apply(ep, funcs, [o.values[j] for o in outcomes], [o.errors[j] for o in outcomes])
+        for o in outcomes:
+            for column, values in o.extra.items():
+                if j < len(values):
+                    ep.info.setdefault("log_extra", {})[column] = values[j]
+    return outcomes
+
+
+def _apply(ep: Episode, funcs: Sequence[RewardFunction], values: list[float | None], errors: list[str | None]) -> None:
+    ep.rewards = {f.name: v for f, v in zip(funcs, values)}
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        _drop(ep, failed, "reward")
+        return
+    if all(v is None for v in values) and ep.spec.env is None:
+        _drop(ep, "no reward function returned a value for this row (each returned None)", "unscored")
+        return
+    total = sum(f.weight * v for f, v in zip(funcs, values) if v is not None)
+    ep.reward += total
+    if ep.turn_rewards:
+        ep.turn_rewards[-1] += total
+
+
+def _drop(ep: Episode, why: str, kind: str) -> None:
+    ep.error, ep.error_kind, ep.reward = why, kind, 0.0
+    ep.turn_rewards = [0.0] * len(ep.turn_rewards)

@@ -1,0 +1,257 @@
+"""Reward functions with TRL's signature, several at once with weights.
+
+A reward function is ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``
+(``None``: not applicable to that row), plain or ``async def``, given as a callable or by import
+path (``trl.rewards.accuracy_reward``, ``my_package.rewards.fmt``). It receives, by keyword, the
+prompts and completions in the prompts' form, the completions' token ids, every other column of
+the rows, and TRL's extras (``trainer_state``, ``log_metric``, ``log_extra``); a function without
+``**kwargs`` gets only the names it takes.
+
+:func:`call_reward_funcs` calls them all on one batch of rows: the ``async`` ones awaited together
+on one event loop (its own thread) while the plain ones run, one after another, on the caller's
+thread (``math_verify`` times itself out with ``signal.alarm``, which only the main thread may
+use). A function that raises is called again row by row, so that only the rows it cannot score
+are lost; a function that returns the wrong number of values, or a value that is not a number,
+loses the whole batch. Pure Python: no torch, no trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from earl_lightning.registry import import_object
+from earl_lightning.tasks.rows import accepted_kwargs
+
+# What a reward function is handed besides the rows' columns (TRL's names).
+CORE_ARGS = ("prompts", "completions", "completion_ids")
+EXTRA_ARGS = ("trainer_state", "log_metric", "log_extra")
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One reward function, its name (its metrics' name) and weight."""
+
+    fn: Callable[..., Any]
+    name: str
+    weight: float = 1.0
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))
+
+    def required(self) -> list[str]:
+        """The parameters it must be given (no default), in order."""
+        try:
+            params = inspect.signature(self.fn).parameters.values()
+        except (TypeError, ValueError):
+            return []
+        return [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+
+def resolve_reward_funcs(funcs: Sequence[Any] | None, weights: Sequence[float] | None,
+                         arg: str = "--data.reward_funcs") -> list[RewardFunction]:
+    """The reward functions of a config: callables, or import paths of callables, with their
+    weights (default 1.0 each). Names are the functions' ``__name__`` (made unique with a suffix)."""
+    funcs = list(funcs or [])
+    warg = arg.rsplit(".", 1)[0] + ".reward_weights"
+    if weights is not None:
+        weights = list(weights)
+        if len(weights) != len(funcs):
+            raise ValueError(f"`{warg}` has {len(weights)} weights for {len(funcs)} reward functions in `{arg}`; "
+                             f"give one weight per function (or leave it null: 1.0 each)")
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+                raise ValueError(f"`{warg}` must be a list of finite numbers, got {w!r} in {weights!r}")
+    out: list[RewardFunction] = []
+    for i, f in enumerate(funcs):
+        fn = import_object(f, f"{arg}[{i}]") if isinstance(f, str) else f
+        label = f if isinstance(f, str) else getattr(f, "__name__", type(f).__name__)
+        if not callable(fn):
+            raise ValueError(f"`{arg}[{i}]` {label!r} is {type(fn).__name__} {fn!r:.60}, not callable; a reward "
+                             f"function is fn(prompts, completions, completion_ids, **columns) -> list[float | None]")
+        _check_signature(fn, label, f"{arg}[{i}]")
+        name = _callable_name(fn)
+        taken = {r.name for r in out}
+        unique = name if name not in taken else next(f"{name}_{k}" for k in range(2, len(funcs) + 2)
+                                                     if f"{name}_{k}" not in taken)
+        out.append(RewardFunction(fn, unique, float(weights[i]) if weights is not None else 1.0))
+    return out
+
+
+def _callable_name(fn: Any) -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return "".join(c if c.isalnum() or c in "_-." else "_" for c in name)
+
+
+def _check_signature(fn: Callable[..., Any], label: str, arg: str) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to check before it is called
+    params = sig.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    takes = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                  inspect.Parameter.KEYWORD_ONLY)}
+    if "completions" not in takes:
+        raise ValueError(f"`{arg}` {label!r} has the signature {sig}, which takes no `completions`; a reward function "
+                         f"is fn(prompts, completions, completion_ids, **columns) -> list[float | None] (TRL's "
+                         f"signature: extra columns come as keyword arguments, so give it **kwargs)")
+    positional_only = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+    if positional_only:
+        raise ValueError(f"`{arg}` {label!r} takes {positional_only} positionally only; reward functions are called "
+                         f"with keyword arguments (prompts=, completions=, completion_ids=, <column>=)")
+
+
+def check_columns(funcs: Sequence[RewardFunction], columns: Sequence[str], arg: str = "--data.reward_funcs") -> None:
+    """Every parameter a function requires is something it will be given (a core argument, an extra
+    or a column of the rows), or the error names the function and the missing column."""
+    given = set(CORE_ARGS) | set(EXTRA_ARGS) | set(columns)
+    for i, f in enumerate(funcs):
+        missing = [name for name in f.required() if name not in given]
+        if missing:
+            raise ValueError(f"`{arg}[{i}]` {f.name!r} needs {missing}, which the rows do not have; their columns: "
+                             f"{sorted(columns)}")
+
+
+@dataclass
+class RewardOutcome:
+    """One function's results on a batch: ``values[i]`` (None: not applicable, or not scored)
+    and ``errors[i]`` (why row ``i`` could not be scored; None when it was)."""
+
+    values: list[Optional[float]]
+    errors: list[Optional[str]]
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # log_metric(name, value) calls
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra(column, values) calls
+
+
+class RewardFunctionError(Exception):
+    """A reward function's batch call went wrong in a way that no row can be scored by it."""
+
+
+def call_reward_funcs(funcs: Sequence[RewardFunction], prompts: list[Any], completions: list[Any],
+                      completion_ids: list[list[int]], columns: Mapping[str, list[Any]],
+                      extras: Mapping[str, Any] | None = None) -> list[RewardOutcome]:
+    """Every function of ``funcs`` on the same ``n`` rows: one :class:`RewardOutcome` each, in order.
+    ``columns``: the rows' other columns, a list of ``n`` values each; ``extras``: TRL's extras
+    (``trainer_state``, ...); ``log_metric`` is provided here, per function."""
+    n = len(prompts)
+    outcomes = [RewardOutcome([None] * n, [None] * n) for _ in funcs]
+    calls = [_Call(f, o, prompts, completions, completion_ids, columns, extras or {}) for f, o in zip(funcs, outcomes)]
+    pending = None
+    asyncs = [c for c in calls if c.func.is_async]
+    if asyncs:
+        pending = asyncio.run_coroutine_threadsafe(_gather([c.run_async() for c in asyncs]), _event_loop())
+    for c in calls:
+        if not c.func.is_async:
+            c.run_sync()
+    if pending is not None:
+        pending.result()
+    return outcomes
+
+
+async def _gather(coros: list[Any]) -> None:
+    await asyncio.gather(*coros)
+
+
+class _Call:
+    """One function's call on the batch, and its row-by-row retry when the batch call raises."""
+
+    def __init__(self, func: RewardFunction, out: RewardOutcome, prompts: list[Any], completions: list[Any],
+                 completion_ids: list[list[int]], columns: Mapping[str, list[Any]], extras: Mapping[str, Any]):
+        self.func, self.out = func, out
+        self.rows = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        self.extras = {**extras, "log_metric": self._log_metric, "log_extra": self._log_extra}
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self.out.metrics.setdefault(str(name), []).append(float(value))
+
+    def _log_extra(self, column: str, values: list[Any]) -> None:
+        self.out.extra[str(column)] = list(values)
+
+    def _kwargs(self, rows: slice) -> dict[str, Any]:
+        given = {k: v[rows] for k, v in self.rows.items()}
+        return accepted_kwargs(self.func.fn, {**given, **self.extras})
+
+    def run_sync(self) -> None:
+        self._run(lambda rows: self.func.fn(**self._kwargs(rows)))
+
+    async def run_async(self) -> None:
+        n = len(self.rows["prompts"])
+        try:
+            self._take(slice(0, n), await self.func.fn(**self._kwargs(slice(0, n))))
+        except RewardFunctionError as err:
+            self._fail(range(n), str(err))
+        except Exception:  # noqa: BLE001 - the user's function: find the rows it cannot score
+            for i in range(n):
+                try:
+                    self._take(slice(i, i + 1), await self.func.fn(**self._kwargs(slice(i, i + 1))))
+                except Exception as err:  # noqa: BLE001
+                    self._fail([i], _raised(err))
+
+    def _run(self, call: Callable[[slice], Any]) -> None:
+        n = len(self.rows["prompts"])
+        try:
+            self._take(slice(0, n), call(slice(0, n)))
+        except RewardFunctionError as err:
+            self._fail(range(n), str(err))
+        except Exception:  # noqa: BLE001 - the user's function: find the rows it cannot score
+            for i in range(n):
+                try:
+                    self._take(slice(i, i + 1), call(slice(i, i + 1)))
+                except RewardFunctionError as err:
+                    self._fail([i], str(err))
+                except Exception as err:  # noqa: BLE001
+                    self._fail([i], _raised(err))
+
+    def _take(self, rows: slice, values: Any) -> None:
+        n = rows.stop - rows.start
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "__len__"):
+            raise RewardFunctionError(f"returned {type(values).__name__} {values!r:.60}; it must return a list of "
+                                      f"{n} floats or None, one per completion")
+        values = list(values)
+        if len(values) != n:
+            raise RewardFunctionError(f"returned {len(values)} values for {n} completions; it must return one per "
+                                      f"completion")
+        checked = []
+        for v in values:
+            v = v.item() if hasattr(v, "item") and not isinstance(v, numbers.Real) else v  # numpy / torch scalars
+            if v is None or (isinstance(v, numbers.Real) and math.isnan(float(v))):
+                checked.append(None)
+            elif isinstance(v, numbers.Real) and math.isfinite(float(v)):
+                checked.append(float(v))
+            else:
+                raise RewardFunctionError(f"returned {v!r:.40} ({type(v).__name__}) among its values; each must be a "
+                                          f"finite number, or None where it does not apply")
+        self.out.values[rows] = checked
+
+    def _fail(self, rows: Any, why: str) -> None:
+        for i in rows:
+            self.out.values[i] = None
+            self.out.errors[i] = f"reward function {self.func.name!r} {why}"
+
+
+def _raised(err: BaseException) -> str:
+    return f"raised {type(err).__name__}: {str(err)[:200]}"
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop on a daemon thread for the process's async reward functions (and tools)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="earl-async", daemon=True).start()
+            _loop = loop
+        return _loop

@@ -1,0 +1,90 @@
+"""Rows as TRL writes them: a ``prompt`` in the standard form (a string) or the conversational
+form (a list of ``{"role", "content"}`` messages), plus any other columns, which travel with the
+row to the environment's ``reset`` and to the reward functions.
+
+Pure Python: no tokenizer, no torch. Every error names the setting and the row it came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+Messages = list[dict[str, Any]]
+PromptForm = Literal["standard", "conversational"]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def prompt_form(value: Any) -> PromptForm | None:
+    """``standard`` for a string, ``conversational`` for a list of messages, None for anything else."""
+    if isinstance(value, str):
+        return "standard"
+    if isinstance(value, (list, tuple)) and value and all(isinstance(m, Mapping) for m in value):
+        return "conversational"
+    return None
+
+
+def check_messages(value: Any, where: str) -> Messages:
+    """``value`` as a list of chat messages, each with a known ``role`` and a string ``content``
+    (an assistant message may carry ``tool_calls`` instead of content)."""
+    if prompt_form(value) != "conversational":
+        raise ValueError(f"{where} must be a non-empty list of messages such as [{{'role': 'user', 'content': "
+                         f"'...'}}], got {value!r:.120}")
+    out = []
+    for i, m in enumerate(value):
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ValueError(f"{where}, message {i}: role {role!r} is not one of {list(ROLES)}")
+        if not isinstance(content, str) and not (role == "assistant" and m.get("tool_calls")):
+            raise ValueError(f"{where}, message {i}: content must be a string, got {content!r:.80}")
+        out.append(dict(m))
+    return out
+
+
+def check_prompt(value: Any, where: str) -> PromptForm:
+    """The form of one ``prompt`` value, or an error naming ``where`` (e.g. "row 12 of split 'train'")."""
+    form = prompt_form(value)
+    if form is None:
+        raise ValueError(f"{where}: `prompt` must be a string (standard form) or a list of messages "
+                         f"(conversational form), got {type(value).__name__} {value!r:.80}")
+    if form == "conversational":
+        check_messages(value, f"{where}: `prompt`")
+    return form
+
+
+def first_messages(prompt: Any, system_prompt: str | None, appended: str | None = None) -> Messages:
+    """The chat a row starts from: its conversational prompt (a standard-form prompt becomes one
+    user message), ``system_prompt`` first when the prompt has no system message, and
+    ``appended`` (what an environment's ``reset`` returned) added to the last message's content,
+    as TRL's ``environment_factory`` does."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if appended:
+        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + appended}
+    return messages
+
+
+@functools.lru_cache(maxsize=256)
+def _accepted(fn: Callable[..., Any]) -> tuple[frozenset[str], bool]:
+    params = inspect.signature(fn).parameters.values()
+    names = frozenset(p.name for p in params
+                      if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+    return names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def accepted_kwargs(fn: Callable[..., Any], available: Mapping[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:
+    """The entries of ``available`` that ``fn`` takes by keyword (all of them when it has
+    ``**kwargs``), less ``skip``."""
+    try:
+        names, var_kw = _accepted(getattr(fn, "__func__", fn))
+    except (TypeError, ValueError):  # a builtin without a signature: give it everything
+        names, var_kw = frozenset(), True
+    return {k: v for k, v in available.items() if k not in skip and (var_kw or k in names)}
+
+
+def reset_kwargs(reset: Callable[..., Any], row: Mapping[str, Any]) -> dict[str, Any]:
+    """The row's columns that an environment's ``reset(seed, ...)`` takes by name (all of them
+    when it has ``**kwargs``); ``seed`` itself is always passed by the caller."""
+    return accepted_kwargs(reset, row, skip=("seed",))
