@@ -23,7 +23,7 @@ from earl_lightning.data.exchange import DispatchConfig, Exchanger
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.rollout.types import EpisodeSpec
-from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, open_splits
+from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
 
 _SEED_STRIDE = 1_000_003  # keeps training seeds of different steps and eval seeds apart
@@ -178,8 +178,8 @@ class EpisodeDataModule(L.LightningDataModule):
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
         self.save_hyperparameters(ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs"])
-        self.hparams.update(dispatch=to_dict(dispatch), dataset=_describe(dataset), eval_dataset=_describe(eval_dataset),
-                            reward_funcs=[_describe(f) for f in reward_funcs or []])
+        self.hparams.update(dispatch=to_dict(dispatch), dataset=describe(dataset), eval_dataset=describe(eval_dataset),
+                            reward_funcs=[describe(f) for f in reward_funcs or []])
 
     def first_spec(self) -> EpisodeSpec:
         return self._stream(0).batch(0)[0]
@@ -217,14 +217,3 @@ def _check_task(splits: Splits | None, env: str | None, funcs: list[RewardFuncti
             raise ValueError("`--data.reward_funcs` is empty, and `--data.env` is null: rows played without an "
                              "environment get their rewards from reward functions only; name at least one "
                              "(e.g. trl.rewards.accuracy_reward)")
-
-
-def _describe(value: Any) -> Any:
-    """A setting as plain data for the saved hyperparameters (a Dataset or a callable by name)."""
-    if value is None or isinstance(value, (str, int, float, bool, list, dict)):
-        return value
-    if isinstance(value, DatasetConfig):
-        return to_dict(value)
-    if isinstance(value, (datasets.Dataset, datasets.DatasetDict)):
-        return f"<{type(value).__name__} {value.num_rows}>"
-    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"

@@ -1,9 +1,12 @@
-"""Demonstration transcripts as a supervised dataset, and the held-out evaluation episodes."""
+"""The warm start's data: demonstration transcripts a scripted policy plays, or the rows of a
+dataset in TRL's SFT forms (``prompt``/``completion`` or ``messages``); and the held-out
+evaluation episodes (env seeds, or the dataset's evaluation rows scored by reward functions)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Optional, Union
 
+import datasets
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
@@ -14,8 +17,14 @@ from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
 from earl_lightning.modules.metrics import episode_counts
+from earl_lightning.rollout.chat import ChatDeltas
 from earl_lightning.rollout.demonstrations import play_demonstrations_with_targets
+from earl_lightning.rollout.transcripts import sft_row
 from earl_lightning.rollout.types import EpisodeSpec
+from earl_lightning.tasks.datasets import DatasetConfig, Splits, describe, open_splits
+from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
+
+SFT_FORMS = (("prompt", "completion"), ("messages",))
 
 # Demonstration seeds start here: far from the evaluation seeds (0..eval_episodes-1) and from the
 # RL training stream's ((seed + 1) * 1_000_003 + ...), so the warm start never sees a held-out game.
@@ -69,12 +78,26 @@ def training_rows(episodes: list, targets: list[list[dict[int, float] | None]], 
     return out
 
 
+def dataset_training_rows(rows: Any, tokenizer: Any, system_prompt: str | None) -> list[dict[str, Any]]:
+    """The supervised rows of a dataset in TRL's SFT forms (see :func:`~earl_lightning.rollout.transcripts.sft_row`):
+    ``input_ids`` and ``labels`` (the ids on the trained tokens, -100 elsewhere)."""
+    chat, out = ChatDeltas(tokenizer), []
+    for i, row in enumerate(rows):
+        ids, mask = sft_row(row, chat, system_prompt, f"`--data.dataset` row {i}")
+        out.append({"input_ids": ids, "soft": [], "labels": [t if m else -100 for t, m in zip(ids, mask)]})
+    return out
+
+
 class DemonstrationDataModule(L.LightningDataModule):
-    """Transcripts that a scripted policy plays in the environment, one row per trained sequence.
+    """Transcripts that a scripted policy plays in the environment, or a dataset's rows; one row
+    per trained sequence.
 
     The rows are exactly those the RL trainer makes of its own episodes (one per turn with
     ``history_turns``, else one per episode); the labels are the input ids on the assistant
-    tokens and -100 elsewhere, batched by TRL's ``DataCollatorForLanguageModeling``.
+    tokens and -100 elsewhere, batched by TRL's ``DataCollatorForLanguageModeling``. With a
+    ``dataset``, its ``prompt``/``completion`` or ``messages`` rows are rendered by the chat
+    template as the rollout renders them, and evaluation plays the held-out rows (``prompt``:
+    the conversation before the last assistant message), scored by ``reward_funcs``.
 
     Args:
         env: registered environment name or import path (as ``earl fit``'s ``--data.env``).
@@ -93,24 +116,47 @@ class DemonstrationDataModule(L.LightningDataModule):
             (``random_legal`` does), the first token of each turn is trained on that distribution:
             the expected loss over the actions the policy would play, of which the sampled action is
             one noisy draw; ``sampled``: on the actions played only (plain SFT on the transcripts).
+        dataset: train on a dataset instead of a policy's demonstrations (``policy`` and
+            ``num_episodes`` are then unused): as ``earl fit``'s ``--data.dataset``, with rows in
+            TRL's SFT forms, ``prompt`` + ``completion`` or ``messages``; every row once per epoch.
+        eval_dataset: (Python) the evaluation rows, a ``datasets.Dataset``.
+        reward_funcs: with a ``dataset``, what scores the evaluation (as ``earl fit``'s
+            ``--data.reward_funcs``): the held-out rows are played from their prompt.
+        reward_weights: one weight per reward function (null: 1.0 each).
     """
 
-    def __init__(self, env: str = "connect_four", env_kwargs: dict[str, Any] | None = None,
+    def __init__(self, env: Optional[str] = None, env_kwargs: dict[str, Any] | None = None,
                  policy: str = "random_legal", policy_kwargs: dict[str, Any] | None = None, num_episodes: int = 1000,
                  batch_size: int = 64, seed: int = 0, eval_episodes: int = 128,
                  eval_env_kwargs: dict[str, Any] | None = None,
-                 targets: Literal["expected", "sampled"] = "expected") -> None:
+                 targets: Literal["expected", "sampled"] = "expected",
+                 dataset: Optional[Union[DatasetConfig, str, datasets.Dataset, datasets.DatasetDict]] = None,
+                 eval_dataset: Optional[datasets.Dataset] = None,
+                 reward_funcs: Optional[list[Union[str, Callable[..., Any]]]] = None,
+                 reward_weights: Optional[list[float]] = None) -> None:
         super().__init__()
-        check_env_name(env, "--data.env")
-        make_env(env, "--data.env", **dict(env_kwargs or {}))
-        check_policy_name(policy, policy_kwargs, "--data.policy")
+        if env is None and dataset is None:
+            env = "connect_four"
+        if env is not None:
+            check_env_name(env, "--data.env")
+            make_env(env, "--data.env", **dict(env_kwargs or {}))
+        if dataset is None:
+            check_policy_name(policy, policy_kwargs, "--data.policy")
         for name, value, low in (("num_episodes", num_episodes, 1), ("batch_size", batch_size, 1),
                                  ("seed", seed, 0), ("eval_episodes", eval_episodes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`--data.{name}` must be an integer >= {low}, got {value!r}")
         if targets not in ("expected", "sampled"):
             raise ValueError(f"`--data.targets` must be 'expected' or 'sampled', got {targets!r}")
-        self.save_hyperparameters()
+        self.splits: Splits | None = None
+        if dataset is not None:
+            self.splits = open_splits(dataset, eval_dataset, required=SFT_FORMS)
+        self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
+        if self.splits is not None:
+            check_columns(self.reward_funcs, [c for c in self.splits.columns() if c not in ("prompt", "messages")])
+        self.save_hyperparameters(ignore=["dataset", "eval_dataset", "reward_funcs"])
+        self.hparams.update(dataset=describe(dataset), eval_dataset=describe(eval_dataset),
+                            reward_funcs=[describe(f) for f in reward_funcs or []])
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
         self.rows: list[dict[str, Any]] | None = None
@@ -138,6 +184,11 @@ class DemonstrationDataModule(L.LightningDataModule):
         if self.rows is not None or stage not in ("fit", None):
             return
         module = self.trainer.lightning_module
+        if self.splits is not None:
+            self.rows = dataset_training_rows(self.splits.train, module.tokenizer, module.rollout_config.system_prompt)
+            self.stats = {"demo/rows": float(len(self.rows)),
+                          "demo/assistant_tokens": float(sum(sum(t != -100 for t in r["labels"]) for r in self.rows))}
+            return
         episodes, targets = self.play(module)
         self.rows = training_rows(episodes, targets, self.hparams.targets == "expected")
         counts = episode_counts(episodes)
@@ -163,5 +214,24 @@ class DemonstrationDataModule(L.LightningDataModule):
                           generator=torch.Generator().manual_seed(self.hparams.seed))
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(EvalEpisodes(self.env, self.eval_env_kwargs, self.hparams.eval_episodes), batch_size=1,
-                          collate_fn=_identity, num_workers=0)
+        return DataLoader(self.eval_batches(), batch_size=1, collate_fn=_identity, num_workers=0)
+
+    def eval_batches(self) -> EvalEpisodes:
+        """Held-out seeds 0..n-1, or the dataset's first ``eval_episodes`` evaluation rows, each as a
+        row to play from its prompt (:func:`eval_prompt_row`)."""
+        if self.splits is None:
+            return EvalEpisodes(self.env, self.eval_env_kwargs, self.hparams.eval_episodes)
+        held = self.splits.eval
+        n = min(self.hparams.eval_episodes, len(held)) if held is not None else 0
+        rows = [eval_prompt_row(row) for row in held.select(range(n))] if n else []
+        return EvalEpisodes(self.env, self.eval_env_kwargs, n, rows=rows)
+
+
+def eval_prompt_row(row: dict[str, Any]) -> dict[str, Any]:
+    """An SFT row as a row to play: ``prompt`` kept (its ``completion`` becomes a column), or a
+    ``messages`` row's conversation before its last assistant message as the prompt."""
+    if "prompt" in row:
+        return row
+    messages = row["messages"]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return {**row, "prompt": messages[:last]}

@@ -223,3 +223,18 @@ class RowOrder:
 
     def epoch_of(self, k: int) -> float:
         return k / self.num_rows
+
+
+def describe(value: Any) -> Any:
+    """A data setting as plain data for saved hyperparameters: a Dataset by its size, a callable by
+    its import path, a :class:`DatasetConfig` as a dict; plain values as they are."""
+    import datasets
+    from dataclasses import asdict
+
+    if value is None or isinstance(value, (str, int, float, bool, list, dict)):
+        return value
+    if isinstance(value, DatasetConfig):
+        return asdict(value)
+    if isinstance(value, (datasets.Dataset, datasets.DatasetDict)):
+        return f"<{type(value).__name__} {value.num_rows}>"
+    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"

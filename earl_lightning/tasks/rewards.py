@@ -96,6 +96,10 @@ def _check_signature(fn: Callable[..., Any], label: str, arg: str) -> None:
     except (TypeError, ValueError):
         return  # a builtin or C callable: nothing to check before it is called
     params = sig.parameters.values()
+    positional_only = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
+    if positional_only:
+        raise ValueError(f"`{arg}` {label!r} takes {positional_only} positionally only; reward functions are called "
+                         f"with keyword arguments (prompts=, completions=, completion_ids=, <column>=)")
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return
     takes = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -104,10 +108,6 @@ def _check_signature(fn: Callable[..., Any], label: str, arg: str) -> None:
         raise ValueError(f"`{arg}` {label!r} has the signature {sig}, which takes no `completions`; a reward function "
                          f"is fn(prompts, completions, completion_ids, **columns) -> list[float | None] (TRL's "
                          f"signature: extra columns come as keyword arguments, so give it **kwargs)")
-    positional_only = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
-    if positional_only:
-        raise ValueError(f"`{arg}` {label!r} takes {positional_only} positionally only; reward functions are called "
-                         f"with keyword arguments (prompts=, completions=, completion_ids=, <column>=)")
 
 
 def check_columns(funcs: Sequence[RewardFunction], columns: Sequence[str], arg: str = "--data.reward_funcs") -> None:
@@ -141,24 +141,23 @@ def call_reward_funcs(funcs: Sequence[RewardFunction], prompts: list[Any], compl
                       extras: Mapping[str, Any] | None = None) -> list[RewardOutcome]:
     """Every function of ``funcs`` on the same ``n`` rows: one :class:`RewardOutcome` each, in order.
     ``columns``: the rows' other columns, a list of ``n`` values each; ``extras``: TRL's extras
-    (``trainer_state``, ...); ``log_metric`` is provided here, per function."""
+    (``trainer_state``, ...); ``log_metric`` and ``log_extra`` are provided here, per function.
+
+    Each ``async`` function is driven from a helper thread that waits on its coroutines, which all
+    run on one event loop, so they interleave; the plain functions run meanwhile on this thread."""
     n = len(prompts)
     outcomes = [RewardOutcome([None] * n, [None] * n) for _ in funcs]
     calls = [_Call(f, o, prompts, completions, completion_ids, columns, extras or {}) for f, o in zip(funcs, outcomes)]
-    pending = None
-    asyncs = [c for c in calls if c.func.is_async]
-    if asyncs:
-        pending = asyncio.run_coroutine_threadsafe(_gather([c.run_async() for c in asyncs]), _event_loop())
+    waiting = [threading.Thread(target=c.run, name=f"earl-reward-{c.func.name}", daemon=True)
+               for c in calls if c.func.is_async]
+    for t in waiting:
+        t.start()
     for c in calls:
         if not c.func.is_async:
-            c.run_sync()
-    if pending is not None:
-        pending.result()
+            c.run()
+    for t in waiting:
+        t.join()
     return outcomes
-
-
-async def _gather(coros: list[Any]) -> None:
-    await asyncio.gather(*coros)
 
 
 class _Call:
@@ -176,36 +175,23 @@ class _Call:
     def _log_extra(self, column: str, values: list[Any]) -> None:
         self.out.extra[str(column)] = list(values)
 
-    def _kwargs(self, rows: slice) -> dict[str, Any]:
+    def _call(self, rows: slice) -> Any:
         given = {k: v[rows] for k, v in self.rows.items()}
-        return accepted_kwargs(self.func.fn, {**given, **self.extras})
+        result = self.func.fn(**accepted_kwargs(self.func.fn, {**given, **self.extras}))
+        if self.func.is_async:
+            return asyncio.run_coroutine_threadsafe(result, _event_loop()).result()
+        return result
 
-    def run_sync(self) -> None:
-        self._run(lambda rows: self.func.fn(**self._kwargs(rows)))
-
-    async def run_async(self) -> None:
+    def run(self) -> None:
         n = len(self.rows["prompts"])
         try:
-            self._take(slice(0, n), await self.func.fn(**self._kwargs(slice(0, n))))
+            self._take(slice(0, n), self._call(slice(0, n)))
         except RewardFunctionError as err:
             self._fail(range(n), str(err))
         except Exception:  # noqa: BLE001 - the user's function: find the rows it cannot score
             for i in range(n):
                 try:
-                    self._take(slice(i, i + 1), await self.func.fn(**self._kwargs(slice(i, i + 1))))
-                except Exception as err:  # noqa: BLE001
-                    self._fail([i], _raised(err))
-
-    def _run(self, call: Callable[[slice], Any]) -> None:
-        n = len(self.rows["prompts"])
-        try:
-            self._take(slice(0, n), call(slice(0, n)))
-        except RewardFunctionError as err:
-            self._fail(range(n), str(err))
-        except Exception:  # noqa: BLE001 - the user's function: find the rows it cannot score
-            for i in range(n):
-                try:
-                    self._take(slice(i, i + 1), call(slice(i, i + 1)))
+                    self._take(slice(i, i + 1), self._call(slice(i, i + 1)))
                 except RewardFunctionError as err:
                     self._fail([i], str(err))
                 except Exception as err:  # noqa: BLE001
