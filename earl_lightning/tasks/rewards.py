@@ -74,7 +74,8 @@ def resolve_reward_funcs(funcs: Sequence[Any] | None, weights: Sequence[float] |
         fn = import_object(f, f"{arg}[{i}]") if isinstance(f, str) else f
         label = f if isinstance(f, str) else getattr(f, "__name__", type(f).__name__)
         if not callable(fn):
-            raise ValueError(f"`{arg}[{i}]` {label!r} is {type(fn).__name__} {fn!r:.60}, not callable; a reward "
+            named = f" {f!r}" if isinstance(f, str) else ""
+            raise ValueError(f"`{arg}[{i}]`{named} is {type(fn).__name__} {fn!r:.60}, not callable; a reward "
                              f"function is fn(prompts, completions, completion_ids, **columns) -> list[float | None]")
         _check_signature(fn, label, f"{arg}[{i}]")
         name = _callable_name(fn)

@@ -1,0 +1,134 @@
+"""A prompt dataset scored by reward functions through the `earl` command: the warm start from the
+dataset, RL from it, exact resume, and one clear line for each kind of bad input; the same in
+Python with a `datasets.Dataset` and callables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import lightning as L
+import pytest
+import torch
+
+from earl_lightning.cli import main
+from tests.e2e.test_resume import last_state, scalars
+
+ROOT = Path(__file__).parents[2]
+QUIET = ["--trainer.enable_progress_bar", "false"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """A small chain-sum dataset written by the project's own script."""
+    out = tmp_path_factory.mktemp("chain_sum")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_chain_sum.py"), "--out", str(out), "--train", "96",
+                    "--test", "16"], check=True, capture_output=True)
+    return out
+
+
+def _files(data: Path) -> list[str]:
+    return ["--data.dataset.data_files", json.dumps({"train": str(data / "train.jsonl"), "test": str(data / "test.jsonl")})]
+
+
+def _fit_args(data: Path, root: Path, model: str, steps: int, *extra: str) -> list[str]:
+    return ["fit", "--config", str(ROOT / "recipes" / "chain_sum_grpo_warm.yaml"), "--model.model", model,
+            *_files(data), "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root),
+            "--trainer.val_check_interval", "2", "--data.batch_size", "8", "--data.group_size", "4",
+            "--data.eval_episodes", "4", *QUIET, *extra]
+
+
+@pytest.fixture(scope="module")
+def warm_start(data, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sft")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["earl"])
+        main(["sft", "--config", str(ROOT / "recipes" / "chain_sum_sft.yaml"), "--output_dir", str(root / "model"),
+              "--trainer.default_root_dir", str(root), *_files(data), "--trainer.max_steps", "3",
+              "--trainer.val_check_interval", "3", "--data.batch_size", "16", "--data.eval_episodes", "8", *QUIET])
+    return root / "model"
+
+
+def test_the_dataset_warm_start_then_rl_logs_each_reward_function(warm_start, data, tmp_path):
+    record = json.loads((warm_start / "warm_start.json").read_text())
+    assert record["demonstrations"]["demo/rows"] == 96
+    assert "val/rewards/accuracy_reward" in record["evaluation"]
+    main(_fit_args(data, tmp_path, str(warm_start), 2, "--data.reward_funcs",
+                   '[trl.rewards.accuracy_reward, tests.plugins.rewards.brevity]', "--data.reward_weights", "[1.0, 0.5]"))
+    for tag in ("rewards/accuracy_reward/mean", "rewards/accuracy_reward/std", "rewards/brevity/mean",
+                "rewards/errors", "val/rewards/accuracy_reward", "reward/mean", "loss/policy"):
+        assert scalars(tmp_path, tag), f"{tag} not logged"
+    first = scalars(tmp_path, "val/rewards/accuracy_reward")[0]
+    assert first == pytest.approx(record["evaluation"]["val/rewards/accuracy_reward"], abs=1e-6), \
+        "step 0 of RL is the warm start's own held-out evaluation"
+    step = scalars(tmp_path, "reward/mean")
+    acc, brief = scalars(tmp_path, "rewards/accuracy_reward/mean"), scalars(tmp_path, "rewards/brevity/mean")
+    for k in step:
+        assert step[k] == pytest.approx(acc[k] + 0.5 * brief[k], abs=1e-5), "the reward is the weighted sum"
+
+
+def test_resume_over_a_dataset_matches_the_uninterrupted_run(warm_start, data, tmp_path):
+    every_step = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_last=true",
+                  "--trainer.callbacks.every_n_train_steps=1", "--trainer.limit_val_batches", "0"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    main(_fit_args(data, full, str(warm_start), 4, *every_step))
+    main(_fit_args(data, part, str(warm_start), 2, *every_step))
+    main(_fit_args(data, part, str(warm_start), 4, *every_step, "--ckpt_path", "last"))
+    a, b = last_state(full), last_state(part)
+    assert a["global_step"] == b["global_step"] == 4
+    for k, v in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][k], v, rtol=0, atol=0, msg=f"parameter {k} differs")
+    assert scalars(full, "reward/mean") == scalars(part, "reward/mean")
+
+
+def test_a_broken_reward_function_ends_the_run_in_one_line_naming_it(warm_start, data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(_fit_args(data, tmp_path, str(warm_start), 2, "--data.reward_funcs", "[tests.plugins.rewards.broken]"))
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("earl: error:")]
+    assert line == ["earl: error: reward function 'broken' raised ValueError: this reward function is broken (8 of 8 "
+                    "episodes of RL step 0 could not be scored (`--model.rollout.max_failed_share` 1)). Fix the reward "
+                    "function, or raise max_failed_share to train on the rows it scores"]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data.dataset.path", "no/such/dataset_here"], "earl: error: `--data.dataset.path` 'no/such/dataset_here': cannot "
+                                                     "load the dataset"),
+    (["--data.reward_funcs", "[tests.plugins.rewards.no_completions]"], "takes no `completions`"),
+    (["--data.reward_funcs", "[tests.plugins.rewards.exact_sum]"], "'exact_sum' needs ['answer'], which the rows do "
+                                                                   "not have; their columns: ['completion', 'solution']"),
+    (["--data.dataset.eval_split", "validation"], "earl: error: `--data.dataset.eval_split` 'validation' is not a split"),
+    (["--data.reward_funcs", "[]"], "earl: error: `--data.reward_funcs` is empty, and `--data.env` is null"),
+])
+def test_bad_input_is_one_line(args, message, warm_start, data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(_fit_args(data, tmp_path, str(warm_start), 1, *args))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_python_api_with_a_dataset_and_callables(tmp_path):
+    from earl_lightning.data.datamodule import EpisodeDataModule
+    from earl_lightning.modules import AgenticRLModule
+
+    def rows(lo, hi):
+        return datasets.Dataset.from_list([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(lo, hi)])
+
+    async def says_a_number(completions, **kwargs):
+        return [1.0 if c.strip()[:1].isdigit() else 0.0 for c in completions]
+
+    dm = EpisodeDataModule(dataset=rows(0, 20), eval_dataset=rows(50, 54), batch_size=8, group_size=4,
+                           reward_funcs=["tests.plugins.rewards.exact_sum", says_a_number], eval_episodes=4)
+    module = AgenticRLModule(rollout={"max_turns": 1, "sampling": {"max_new_tokens": 4}})
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, val_check_interval=2, check_val_every_n_epoch=None,
+                        num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    trainer.fit(module, dm)
+    metrics = trainer.callback_metrics
+    assert {"rewards/exact_sum/mean", "rewards/says_a_number/mean", "val/rewards/says_a_number"} <= set(metrics)
