@@ -212,7 +212,7 @@ class EpisodeDataModule(L.LightningDataModule):
 
 def _check_task(splits: Splits | None, env: str | None, funcs: list[RewardFunction]) -> None:
     if splits is not None:
-        check_columns(funcs, [c for c in splits.columns() if c != "prompt"])
+        check_columns(funcs, splits.columns())
         if env is None and not funcs:
             raise ValueError("`--data.reward_funcs` is empty, and `--data.env` is null: rows played without an "
                              "environment get their rewards from reward functions only; name at least one "

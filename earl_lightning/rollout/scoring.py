@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from earl_lightning.rollout.types import Episode
-from earl_lightning.tasks.rewards import RewardFunction, RewardOutcome, call_reward_funcs
+from earl_lightning.tasks.rewards import NOT_COLUMNS, RewardFunction, RewardOutcome, call_reward_funcs
 
 
 def is_raw(ep: Episode) -> bool:
@@ -43,7 +43,7 @@ def score_episodes(episodes: Sequence[Episode], funcs: Sequence[RewardFunction],
     if not funcs or not scored:
         return []
     prompts, completions, ids = map(list, zip(*(transcript(ep, tokenizer) for ep in scored)))
-    keys = sorted({k for ep in scored for k in (ep.spec.row or {}) if k != "prompt"})
+    keys = sorted({k for ep in scored for k in (ep.spec.row or {}) if k not in NOT_COLUMNS})
     columns = {k: [(ep.spec.row or {}).get(k) for ep in scored] for k in keys}
     outcomes = call_reward_funcs(funcs, prompts, completions, ids, columns, extras)
     for j, ep in enumerate(scored):

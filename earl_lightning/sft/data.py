@@ -153,7 +153,7 @@ class DemonstrationDataModule(L.LightningDataModule):
             self.splits = open_splits(dataset, eval_dataset, required=SFT_FORMS)
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
         if self.splits is not None:
-            check_columns(self.reward_funcs, [c for c in self.splits.columns() if c not in ("prompt", "messages")])
+            check_columns(self.reward_funcs, self.splits.columns())
         self.save_hyperparameters(ignore=["dataset", "eval_dataset", "reward_funcs"])
         self.hparams.update(dataset=describe(dataset), eval_dataset=describe(eval_dataset),
                             reward_funcs=[describe(f) for f in reward_funcs or []])

@@ -31,6 +31,9 @@ from earl_lightning.tasks.rows import accepted_kwargs
 # What a reward function is handed besides the rows' columns (TRL's names).
 CORE_ARGS = ("prompts", "completions", "completion_ids")
 EXTRA_ARGS = ("trainer_state", "log_metric", "log_extra")
+# Row columns not handed over by name (TRL leaves out the same): the prompt is ``prompts``, and an
+# SFT dataset's written completion is not the completion being scored.
+NOT_COLUMNS = ("prompt", "completion", "completion_ids")
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ def _check_signature(fn: Callable[..., Any], label: str, arg: str) -> None:
 def check_columns(funcs: Sequence[RewardFunction], columns: Sequence[str], arg: str = "--data.reward_funcs") -> None:
     """Every parameter a function requires is something it will be given (a core argument, an extra
     or a column of the rows), or the error names the function and the missing column."""
+    columns = [c for c in columns if c not in NOT_COLUMNS]
     given = set(CORE_ARGS) | set(EXTRA_ARGS) | set(columns)
     for i, f in enumerate(funcs):
         missing = [name for name in f.required() if name not in given]

@@ -101,7 +101,7 @@ def test_a_broken_reward_function_ends_the_run_in_one_line_naming_it(warm_start,
                                                      "load the dataset"),
     (["--data.reward_funcs", "[tests.plugins.rewards.no_completions]"], "takes no `completions`"),
     (["--data.reward_funcs", "[tests.plugins.rewards.exact_sum]"], "'exact_sum' needs ['answer'], which the rows do "
-                                                                   "not have; their columns: ['completion', 'solution']"),
+                                                                   "not have; their columns: ['solution']"),
     (["--data.dataset.eval_split", "validation"], "earl: error: `--data.dataset.eval_split` 'validation' is not a split"),
     (["--data.reward_funcs", "[]"], "earl: error: `--data.reward_funcs` is empty, and `--data.env` is null"),
 ])
