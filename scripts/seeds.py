@@ -28,6 +28,7 @@ from _rows import report_rows
 
 METRICS = ("val/win_rate", "val/invalid_rate", "val/accuracy", "val/tool_use_rate", "val/reward")
 SAMPLED = ("win_rate", "invalid_rate", "accuracy", "tool_use_rate", "reward")
+REWARD_FUNCTIONS = "val/rewards/"  # each reward function's evaluation (a dataset task) is read too
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -84,7 +85,7 @@ def _sampled(warm: Path) -> dict[str, float]:
     """The warm start's temperature-1 figures (its greedy ones are the RL curve's step 0)."""
     evaluation = json.loads((warm / "warm_start.json").read_text())["evaluation"]
     return {f"warm_sampled/{k.split('/', 1)[1]}": v for k, v in evaluation.items()
-            if k.startswith("val_sampled/") and k.split("/", 1)[1] in SAMPLED}
+            if k.startswith("val_sampled/") and (k.split("/", 1)[1] in SAMPLED or k.startswith("val_sampled/rewards/"))}
 
 
 def read_curves(root: Path) -> dict[str, list[tuple[int, float]]]:
@@ -95,7 +96,8 @@ def read_curves(root: Path) -> dict[str, list[tuple[int, float]]]:
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     # Lightning logs an evaluation run after update k at step k - 1; the one before any update at 0.
-    return {m: [(e.step + 1 if e.step else 0, e.value) for e in acc.Scalars(m)] for m in METRICS if m in tags}
+    wanted = [m for m in METRICS if m in tags] + sorted(t for t in tags if t.startswith(REWARD_FUNCTIONS))
+    return {m: [(e.step + 1 if e.step else 0, e.value) for e in acc.Scalars(m)] for m in wanted}
 
 
 def write(records: list[dict], out: Path) -> None:
@@ -124,7 +126,8 @@ def plot(records: list[dict], out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    shown = [m for m in METRICS[:4] if all(m in r["curves"] for r in records)] or [METRICS[-1]]
+    functions = sorted({m for r in records for m in r["curves"] if m.startswith(REWARD_FUNCTIONS)})
+    shown = [m for m in [*METRICS[:4], *functions] if all(m in r["curves"] for r in records)] or [METRICS[-1]]
     fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4), squeeze=False)
     for ax, metric in zip(axes[0], shown):
         for r in records:

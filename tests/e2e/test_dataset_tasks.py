@@ -23,9 +23,9 @@ QUIET = ["--trainer.enable_progress_bar", "false"]
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    """A small chain-sum dataset written by the project's own script."""
-    out = tmp_path_factory.mktemp("chain_sum")
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_chain_sum.py"), "--out", str(out), "--train", "96",
+    """A small addition dataset written by the project's own script."""
+    out = tmp_path_factory.mktemp("addition")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_addition.py"), "--out", str(out), "--train", "96",
                     "--test", "16"], check=True, capture_output=True)
     return out
 
@@ -35,7 +35,7 @@ def _files(data: Path) -> list[str]:
 
 
 def _fit_args(data: Path, root: Path, model: str, steps: int, *extra: str) -> list[str]:
-    return ["fit", "--config", str(ROOT / "recipes" / "chain_sum_grpo_warm.yaml"), "--model.model", model,
+    return ["fit", "--config", str(ROOT / "recipes" / "addition_grpo_warm.yaml"), "--model.model", model,
             *_files(data), "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root),
             "--trainer.val_check_interval", "2", "--data.batch_size", "8", "--data.group_size", "4",
             "--data.eval_episodes", "4", *QUIET, *extra]
@@ -46,7 +46,7 @@ def warm_start(data, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sft")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "argv", ["earl"])
-        main(["sft", "--config", str(ROOT / "recipes" / "chain_sum_sft.yaml"), "--output_dir", str(root / "model"),
+        main(["sft", "--config", str(ROOT / "recipes" / "addition_sft.yaml"), "--output_dir", str(root / "model"),
               "--trainer.default_root_dir", str(root), *_files(data), "--trainer.max_steps", "3",
               "--trainer.val_check_interval", "3", "--data.batch_size", "16", "--data.eval_episodes", "8", *QUIET])
     return root / "model"

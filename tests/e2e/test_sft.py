@@ -18,6 +18,11 @@ from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 SFT = RECIPES / "connect4_sft.yaml"
+
+
+def env_recipes(pattern: str) -> list[Path]:
+    """The recipes of environment tasks (a dataset task's recipes need its data: tests/e2e/test_dataset_tasks.py)."""
+    return sorted(p for p in RECIPES.glob(pattern) if "dataset" not in yaml.safe_load(p.read_text())["data"])
 SMALL = ["--data.num_episodes", "24", "--data.eval_episodes", "8", "--data.batch_size", "32",
          "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false"]
 
@@ -149,7 +154,7 @@ def _assert_one_family(recipes: list[Path], task_keys: set[tuple[str, str]]) -> 
 def test_the_warm_family_differs_only_in_the_task():
     task_keys = {("model", "model"), ("model", "rollout"), ("data", "env"), ("data", "env_kwargs"),
                  ("data", "eval_env_kwargs"), ("trainer", "default_root_dir")}
-    family = sorted(RECIPES.glob("*_warm.yaml"))
+    family = env_recipes("*_warm.yaml")
     assert len(family) >= 2
     for algo in ("grpo", "ppo"):
         _assert_one_family([p for p in family if p.stem.endswith(f"_{algo}_warm")], task_keys)
@@ -161,7 +166,7 @@ def test_the_warm_starts_differ_only_in_the_task():
     task_keys = {("model", "rollout"), ("data", "env"), ("data", "env_kwargs"), ("data", "eval_env_kwargs"),
                  ("data", "policy"), ("data", "policy_kwargs"), ("data", "num_episodes"),
                  ("trainer", "default_root_dir")}
-    recipes = sorted(RECIPES.glob("*_sft.yaml"))
+    recipes = env_recipes("*_sft.yaml")
     assert len(recipes) >= 4
     _assert_one_family(recipes, task_keys)
 
@@ -207,7 +212,7 @@ def test_seeds_script_refuses_sft_args_without_a_warm_start(tmp_path):
     assert "`--sft-arg` '--data.num_episodes=8' needs `--sft`" in proc.stderr
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*_sft.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", env_recipes("*_sft.yaml"), ids=lambda p: p.stem)
 def test_every_warm_start_recipe_smoke_runs(recipe, tmp_path):
     main(["sft", "--config", str(recipe), "--output_dir", str(tmp_path / "model"), "--trainer.default_root_dir",
           str(tmp_path), *SMALL, "--data.num_episodes", "4", "--data.eval_episodes", "2", "--data.batch_size", "16"])
@@ -216,7 +221,7 @@ def test_every_warm_start_recipe_smoke_runs(recipe, tmp_path):
     assert "val/reward" in record["evaluation"]
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*_warm.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", env_recipes("*_warm.yaml"), ids=lambda p: p.stem)
 def test_every_warm_rl_recipe_builds_from_a_warm_start(recipe, warm_start, tmp_path):
     """Every warm recipe's module and data module are built from its YAML (settings checked, the
     warm start loaded); one GRPO and one PPO recipe of another task also run a step."""

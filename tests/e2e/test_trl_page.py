@@ -1,6 +1,6 @@
 """docs/coming_from_trl.md shows one GRPO run as a TRL script, as earl_lightning in Python and as
 a YAML recipe: all three run as written (a tiny offline model for the hub id, 2 steps), on the
-chain-sum data the project's script writes, with TRL's own accuracy_reward."""
+addition data the project's script writes, with TRL's own accuracy_reward."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def blocks(kind: str) -> list[str]:
 
 @pytest.fixture()
 def workdir(tmp_path, monkeypatch):
-    """A directory holding data/chain_sum/{train,test}.jsonl (small), the page's relative paths."""
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_chain_sum.py"), "--out",
-                    str(tmp_path / "data" / "chain_sum"), "--train", "64", "--test", "8"], check=True,
+    """A directory holding data/addition/{train,test}.jsonl (small), the page's relative paths."""
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_addition.py"), "--out",
+                    str(tmp_path / "data" / "addition"), "--train", "64", "--test", "8"], check=True,
                    capture_output=True)
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -42,7 +42,7 @@ def _source(block: str) -> str:
 def test_the_trl_script_runs(workdir):
     trl = next(b for b in blocks("python") if "GRPOTrainer(" in b)
     scope: dict = {}
-    exec(compile(_source(trl).replace('output_dir="runs/trl_chain_sum"', 'output_dir="runs/trl", report_to=[], '
+    exec(compile(_source(trl).replace('output_dir="runs/trl_addition"', 'output_dir="runs/trl", report_to=[], '
                                       'use_cpu=True, disable_tqdm=True'), str(PAGE), "exec"), scope)
     assert scope["trainer"].state.global_step == 2
 
