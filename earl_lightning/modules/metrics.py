@@ -111,6 +111,15 @@ class RunMetrics(nn.Module):
         self.context_max = MaxMetric(dist_sync_on_step=True)
         self.generated = SumMetric(dist_sync_on_step=True)
         self.tokens = SumMetric(dist_sync_on_step=True)
+        self.reward_names: list[str] = []
+        self.val_rewards = nn.ModuleList()
+
+    def track_rewards(self, names: Sequence[str]) -> None:
+        """Evaluate each of these reward functions too (``val/rewards/<name>``: its mean over the
+        evaluation episodes it scored, over every rank). Called once the data (and so the reward
+        functions) are known, before the module is placed on its device."""
+        self.reward_names = list(names)
+        self.val_rewards = nn.ModuleList(Rate(dist_sync_on_step=False) for _ in self.reward_names)
 
     def step(self, episodes: Sequence[Any], episodes_counted: bool, exp: ExperienceBatch,
              rows_counted: bool) -> dict[str, float]:
@@ -138,6 +147,9 @@ class RunMetrics(nn.Module):
         self.val_episodes[_key("env/errors")].update(c["errors"])
         for flag in FLAGS:
             self.val_episodes[flag].update(c[flag])
+        for name, m in zip(self.reward_names, self.val_rewards):
+            values = [ep.rewards[name] for ep in episodes if counted and ep.rewards.get(name) is not None]
+            m.update(math.fsum(values), float(len(values)))
 
     def val_objects(self, flags: dict[str, bool]) -> dict[str, Metric]:
         """The validation metrics to log (Lightning computes, syncs and resets them); ``flags``:
@@ -145,12 +157,13 @@ class RunMetrics(nn.Module):
         named = {"val/" + name.split("/", 1)[1]: m for name, m in self._named(self.val_episodes)
                  if name not in FLAGS and flags.get(REPORTED_BY.get(name, ""), True)}
         named["val/reward"] = named.pop("val/mean")
+        named.update({f"val/rewards/{name}": m for name, m in zip(self.reward_names, self.val_rewards)})
         return named
 
     def compute_val(self, flags: dict[str, bool]) -> dict[str, float]:
         """The validation values now (synced), then reset: the evaluation before the first update."""
         out = {name: float(m.compute()) for name, m in self.val_objects(flags).items()}
-        for m in self.val_episodes.values():
+        for m in [*self.val_episodes.values(), *self.val_rewards]:
             m.reset()
         return out
 

@@ -122,6 +122,8 @@ class AgenticRLModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         apply_host_memory()  # freed activations are kept for the next step (earl_lightning/host_memory.py)
         dm = self.trainer.datamodule
+        if isinstance(dm, EpisodeDataModule) and not self.run_metrics.reward_names:
+            self.run_metrics.track_rewards([f.name for f in dm.reward_funcs])
         if isinstance(dm, EpisodeDataModule):  # a first observation too long fails now
             C.check_first_observation(self.rollout_config, self.tokenizer, dm.first_spec())
             check_whole_groups(self.algorithm_config.advantage.name, self.algorithm_config.advantage.estimator,
@@ -277,31 +279,25 @@ class AgenticRLModule(L.LightningModule):
             log_transcripts(self.loggers, sample_episodes, step)
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluate(self, specs: list) -> tuple[dict[str, bool], dict[str, float]]:
-        """Play ``specs`` greedily into the validation metrics: which optional rates they report, and
-        the reward functions' means (``val/rewards/<name>``, already global)."""
+    def _evaluate(self, specs: list) -> dict[str, bool]:
+        """Play ``specs`` greedily into the validation metrics; which optional rates they report."""
         episodes, ctx = self._runner(StageTimer()).run(
             "rollout", self._spec_stats(specs), lambda ctx: (self._play(specs, ctx, seed=0, greedy=True), ctx))
         self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
-        flags = {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
-        names = [f.name for f in self._reward_funcs()]
-        rewards = reward_metrics(episodes, names, ctx.reduce, prefix="val/rewards/") if names else {}
-        return flags, {k[:-len("/mean")]: v for k, v in rewards.items() if k.endswith("/mean")}
+        return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        flags, rewards = self._evaluate(batch["specs"])
+        flags = self._evaluate(batch["specs"])
         for name, metric in self.run_metrics.val_objects(flags).items():
             self.log(name, metric, prog_bar=name == "val/win_rate", on_step=False, on_epoch=True, batch_size=1)
-        for name, value in rewards.items():  # global already: every rank logs the same value
-            self.log(name, value, on_step=False, on_epoch=True, batch_size=1, sync_dist=False)
 
     def on_train_start(self) -> None:
         # The first evaluation, before any update: the learning curve's baseline at step 0.
         dm = self.trainer.datamodule
         if self.global_step == 0 and isinstance(dm, EpisodeDataModule) and dm.eval_episodes and \
                 self.trainer.val_dataloaders is not None and self.trainer.limit_val_batches:
-            flags, rewards = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
-            values = {**self.run_metrics.compute_val(flags), **rewards}
+            flags = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
+            values = self.run_metrics.compute_val(flags)
             for logger in self.loggers:
                 logger.log_metrics(values, step=0)
 

@@ -13,13 +13,12 @@ from earl_lightning.groups import to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
 from earl_lightning.modules import config as C
-from earl_lightning.modules.metrics import FLAGS, RunMetrics, reported, reward_metrics
+from earl_lightning.modules.metrics import FLAGS, RunMetrics, reported
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.sft.data import DemonstrationDataModule
-from earl_lightning.parallel.collectives import Reducer
 
 _SOFT = ("soft_rows", "soft_pos", "soft_owner", "soft_tokens", "soft_probs")
 
@@ -64,6 +63,10 @@ class WarmStartModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         apply_host_memory()  # freed activations are kept for the next step (earl_lightning/host_memory.py)
+        dm = self.trainer.datamodule
+        if isinstance(dm, DemonstrationDataModule) and not self.greedy_metrics.reward_names:
+            for metrics in (self.greedy_metrics, self.sampled_metrics):
+                metrics.track_rewards([f.name for f in dm.reward_funcs])
 
     def configure_model(self) -> None:
         if self.policy is None:
@@ -101,9 +104,7 @@ class WarmStartModule(L.LightningModule):
         flags = dict.fromkeys(FLAGS, False)
         dm = self.trainer.datamodule
         funcs = dm.reward_funcs if isinstance(dm, DemonstrationDataModule) else []
-        rewards: dict[str, float] = {}
-        for metrics, greedy, prefix in ((self.greedy_metrics, True, "val/"), (self.sampled_metrics, False,
-                                                                              "val_sampled/")):
+        for metrics, greedy in ((self.greedy_metrics, True), (self.sampled_metrics, False)):
             sampling = SamplingConfig(**{**vars(self.sampling), "greedy": greedy, "seed": self.hparams.seed})
             with eval_mode(self.policy), torch.no_grad():
                 episodes = rollout(specs, backend, self.tokenizer, sampling, max_turns=r.max_turns,
@@ -111,9 +112,6 @@ class WarmStartModule(L.LightningModule):
                                    history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
             score_episodes(episodes, funcs, self.tokenizer)
             metrics.update_val(episodes, True)
-            if funcs:
-                found = reward_metrics(episodes, [f.name for f in funcs], Reducer(), prefix=f"{prefix}rewards/")
-                rewards.update({k[:-len("/mean")]: v for k, v in found.items() if k.endswith("/mean")})
             now = reported(episodes)
             flags = {k: v or now[k] for k, v in flags.items()}
         flags = {k: self.trainer.strategy.reduce_boolean_decision(v, all=False) for k, v in flags.items()}
@@ -121,8 +119,6 @@ class WarmStartModule(L.LightningModule):
             for name, metric in metrics.val_objects(flags).items():
                 self.log(prefix + name.split("/", 1)[1], metric, prog_bar=name == "val/win_rate", on_step=False,
                          on_epoch=True, batch_size=1)
-        for name, value in rewards.items():  # over every rank's held-out rows (Reducer sums over them)
-            self.log(name, value, on_step=False, on_epoch=True, batch_size=1)
 
     def on_validation_epoch_end(self) -> None:
         self.evaluated_at_step = self.global_step

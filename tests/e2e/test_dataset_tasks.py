@@ -86,7 +86,8 @@ def test_resume_over_a_dataset_matches_the_uninterrupted_run(warm_start, data, t
 
 def test_a_broken_reward_function_ends_the_run_in_one_line_naming_it(warm_start, data, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(_fit_args(data, tmp_path, str(warm_start), 2, "--data.reward_funcs", "[tests.plugins.rewards.broken]"))
+        main(_fit_args(data, tmp_path, str(warm_start), 2, "--data.reward_funcs", "[tests.plugins.rewards.broken]",
+                       "--data.reward_weights", "null"))
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     line = [x for x in err.splitlines() if x.startswith("earl: error:")]
@@ -99,11 +100,15 @@ def test_a_broken_reward_function_ends_the_run_in_one_line_naming_it(warm_start,
 @pytest.mark.parametrize("args, message", [
     (["--data.dataset.path", "no/such/dataset_here"], "earl: error: `--data.dataset.path` 'no/such/dataset_here': cannot "
                                                      "load the dataset"),
-    (["--data.reward_funcs", "[tests.plugins.rewards.no_completions]"], "takes no `completions`"),
-    (["--data.reward_funcs", "[tests.plugins.rewards.exact_sum]"], "'exact_sum' needs ['answer'], which the rows do "
-                                                                   "not have; their columns: ['solution']"),
+    (["--data.reward_funcs", "[tests.plugins.rewards.no_completions]", "--data.reward_weights", "null"],
+     "takes no `completions`"),
+    (["--data.reward_funcs", "[tests.plugins.rewards.exact_sum]", "--data.reward_weights", "null"],
+     "'exact_sum' needs ['answer'], which the rows do not have; their columns: ['solution']"),
+    (["--data.reward_funcs", "[tests.plugins.rewards.exact_sum]"], "earl: error: `--data.reward_weights` has 2 "
+                                                                   "weights for 1 reward functions"),
     (["--data.dataset.eval_split", "validation"], "earl: error: `--data.dataset.eval_split` 'validation' is not a split"),
-    (["--data.reward_funcs", "[]"], "earl: error: `--data.reward_funcs` is empty, and `--data.env` is null"),
+    (["--data.reward_funcs", "[]", "--data.reward_weights", "null"],
+     "earl: error: `--data.reward_funcs` is empty, and `--data.env` is null"),
 ])
 def test_bad_input_is_one_line(args, message, warm_start, data, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -132,3 +137,30 @@ def test_python_api_with_a_dataset_and_callables(tmp_path):
     trainer.fit(module, dm)
     metrics = trainer.callback_metrics
     assert {"rewards/exact_sum/mean", "rewards/says_a_number/mean", "val/rewards/says_a_number"} <= set(metrics)
+
+
+@pytest.mark.parametrize("layouts", [None, "{rollout: {dp: 1, tp: 2}, experience: {dp: 2, tp: 1}, train: {dp: 2, tp: 1}}"])
+def test_a_dataset_task_on_two_processes(data, tmp_path, layouts):
+    """2 gloo processes under EarlStrategy (data parallel; or the rollout at tp 2): each rank scores
+    its own rows, the per-function figures are the global ones (one function at weight 1: its mean
+    is the step's reward), and the evaluation covers every evaluation row once."""
+    from tests.distributed.launch import subprocess_env
+    from tests.e2e.test_multiprocess import scalars as all_scalars
+
+    earl = Path(sys.executable).with_name("earl")
+    cmd = [str(earl), "fit", "--config", str(ROOT / "recipes" / "addition_grpo_warm.yaml"), "--model.model",
+           "earl-tiny", *_files(data), "--trainer.devices", "2", "--trainer.strategy",
+           "{class_path: earl_lightning.strategies.EarlStrategy, init_args: {layouts: %s}}" % (layouts or "null"),
+           "--trainer.max_steps",
+           "2", "--trainer.val_check_interval", "2", "--trainer.default_root_dir", str(tmp_path),
+           "--data.batch_size", "16", "--data.group_size", "4", "--data.eval_episodes", "8",
+           "--data.reward_funcs", "[trl.rewards.accuracy_reward, tests.plugins.rewards.brevity]",
+           "--data.reward_weights", "[1.0, 0.0]", *QUIET]
+    proc = subprocess.run(cmd, env=subprocess_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = all_scalars(tmp_path)
+    assert s["rewards/accuracy_reward/mean"] == pytest.approx(s["reward/mean"], abs=1e-6)
+    assert all(v < 0 for v in s["rewards/brevity/mean"]), "every rank's rows are scored"
+    assert s["val/rewards/accuracy_reward"] == pytest.approx(s["val/reward"], abs=1e-6)
+    assert max(s["logprob/mismatch"]) < 1e-4
+    assert "sync_dist" not in proc.stderr, proc.stderr[-4000:]
