@@ -29,9 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-from earl_lightning.parallel.launch_env import standalone_env
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages, `benchmarks` included
+
+from benchmarks.vs_trl import write_csv  # noqa: E402
+from earl_lightning.parallel.launch_env import standalone_env  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 RESULT_TAG = "VS_TRL_LEARNING "
 POINT_COLUMNS = ["seed", "side", "step", "train_s", "accuracy"]
@@ -124,17 +126,6 @@ def verdict(rows: list[dict]) -> list[str]:
             f"{'met' if md >= -2 * (se_d if se_d == se_d else 0.0) else 'NOT met'} (earl >= TRL within two SE)",
             f"earl's time to TRL's final accuracy / TRL's time: {', '.join(f'{x:.2f}' for x in ratios)} "
             f"(goal <= {1 / 1.5:.2f}): {'met' if all(x <= 1 / 1.5 for x in ratios) else 'NOT met'} on every seed"]
-
-
-def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
-    import csv
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()})
 
 
 def plot(runs: dict[tuple[int, str], dict], path: Path) -> None:

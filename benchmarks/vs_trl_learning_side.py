@@ -154,7 +154,7 @@ def run_trl(spec: LearnSpec) -> Clock:
         learning_rate=spec.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         optim="adamw_torch", loss_type="dapo", scale_rewards="group", epsilon=spec.clip_low,
         epsilon_high=spec.clip_high, logging_steps=1, save_strategy="no", seed=spec.seed, disable_tqdm=True,
-        dataloader_num_workers=0)
+        dataloader_num_workers=0, bf16=False, fp16=False, gradient_checkpointing=False)  # TRL's defaults: bf16, checkpointing
     trainer = GRPOTrainer(model=spec.model, reward_funcs=accuracy_reward, args=args, train_dataset=load_rows(spec.train),
                           processing_class=tok, callbacks=[Hooks()])
     trainer.remove_callback(PrinterCallback)
