@@ -36,6 +36,16 @@ class Env(Protocol):
     def step(self, action: str) -> StepResult: ...
 
 
+@runtime_checkable
+class ToolEnv(Env, Protocol):
+    """An Env that also offers tools (TRL's ``environment_factory`` exposes an environment's methods
+    the same way): ``tools()`` returns callables, usually its own bound methods, with type hints and
+    docstrings (or ``{"schema": ..., "fn": ...}`` pairs). The model's calls of them come back as
+    ``tool`` messages; ``step`` gets the turns that call no tool (e.g. the final answer)."""
+
+    def tools(self) -> list[Any]: ...
+
+
 class _NotCallable(ValueError):
     """Raised by the registry's ``adapt``, which is handed the object but not the path the user
     wrote; :func:`_factory` re-raises it with the path."""

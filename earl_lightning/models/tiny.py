@@ -21,13 +21,56 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 
-# Qwen-style ChatML. `{% generation %}` markers let HF compute assistant masks too.
+# ChatML, the format of Qwen2.5 and Hermes, written for these models. Without tools every message
+# renders as <|im_start|>role\ncontent<|im_end|>\n. With `tools`, the system message lists their
+# schemas and says how to call them; an assistant message's `tool_calls` render as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> after its content; consecutive `tool`
+# messages render together as one user message of <tool_response> blocks. `hermes` parses it.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{{ message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- set ns = namespace(rest=messages) -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{ messages[0]['content'] + '\n\n' }}{%- set ns.rest = messages[1:] -%}"
+    "{%- endif -%}"
+    "{{ '# Tools\n\nYou may call these functions. Their signatures, in <tools></tools>:\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\n</tools>\n\nTo call one, write <tool_call>\n{\"name\": <name>, \"arguments\": <arguments object>}\n'"
+    " + '</tool_call>; the result comes back in <tool_response></tool_response>.<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in ns.rest -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{ '<|im_end|>\n' }}{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set f = call['function'] if 'function' in call else call -%}"
+    "{%- if message['content'] or not loop.first -%}{{ '\n' }}{%- endif -%}"
+    "{{ '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+# The same, except that, as Qwen3's template does, an assistant message before the last user
+# message loses its <think>...</think> reasoning: rendering one more turn rewrites earlier text, so
+# the rollout trains each turn as its own row.
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- set ns = namespace(rest=messages) -%}",
+    "{%- set ns = namespace(rest=messages, last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}",
+).replace(
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}",
+    "{%- set content = message['content'] or '' -%}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content and "
+    "loop.index0 + (messages | length) - (ns.rest | length) < ns.last_user -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') -%}{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + content }}",
 )
 
 # Sizes of the named presets. "earl-tiny" is the default of every recipe: small enough to learn
@@ -40,6 +83,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "earl-tiny": _TINY,
     "earl-tiny-local": {**_TINY, "sliding_window": 128},  # the same, every layer Mistral-style windowed
     "earl-tiny-4l": {**_TINY, "num_hidden_layers": 4},
+    "earl-tiny-think": {**_TINY, "chat_template": "thinking"},  # a template that rewrites earlier turns
     "earl-tiny-100m": dict(
         hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=4,
@@ -74,8 +118,12 @@ def char_vocab() -> dict[str, int]:
     return vocab
 
 
-def build_char_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` with a ChatML chat template."""
+TEMPLATES = {"chatml": CHAT_TEMPLATE, "thinking": THINKING_CHAT_TEMPLATE}
+
+
+def build_char_tokenizer(chat_template: str = "chatml"):
+    """A character-level ``PreTrainedTokenizerFast`` with a ChatML chat template that speaks tools
+    (``thinking``: the variant that drops earlier turns' reasoning)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -90,7 +138,7 @@ def build_char_tokenizer():
         eos_token=IM_END,
         clean_up_tokenization_spaces=False,
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = TEMPLATES[chat_template]
     return tok
 
 
@@ -135,15 +183,16 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
     if name not in PRESETS:
         raise ValueError(f"unknown tiny model preset {name!r}; valid: {sorted(PRESETS)}")
     spec = dict(PRESETS[name]); spec.update(overrides)
-    key = hashlib.sha256(json.dumps({"spec": spec, "seed": seed, "v": 2}, sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps({"spec": spec, "seed": seed, "v": 3}, sort_keys=True).encode())
     out = Path(cache_dir) if cache_dir is not None else _cache_root() / f"{name}-{key.hexdigest()[:12]}"
     if _complete(out):
         return out
     from transformers import AutoModelForCausalLM
 
-    tok = build_char_tokenizer()
+    sizes = dict(spec)
+    tok = build_char_tokenizer(sizes.pop("chat_template", "chatml"))
     vocab = len(tok)
-    cfg = tiny_config(vocab_size=((vocab + 7) // 8) * 8, **spec)
+    cfg = tiny_config(vocab_size=((vocab + 7) // 8) * 8, **sizes)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

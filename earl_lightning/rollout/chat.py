@@ -1,10 +1,12 @@
 """Token deltas of a growing chat transcript, taken from the tokenizer's own chat template.
 
-Nothing here knows ChatML: every piece of scaffolding (end of an assistant turn, the next user
-message, the assistant generation prompt) is the difference between two renders of the
-transcript, with and without the new message. The template must therefore be append-only
-(rendering more messages only appends text), which holds for ChatML, Llama-3, Mistral and the
-usual single-turn-agnostic templates.
+Nothing here knows ChatML: every piece of scaffolding (end of an assistant turn, the next user or
+tool messages, the assistant generation prompt) is the difference between two renders of the
+transcript, with and without the new messages, each render given the episode's tools (``tools=``).
+Where the template is append-only (rendering more messages only appends text: ChatML, Llama-3,
+Mistral) the deltas are exact; a template that rewrites earlier turns (Qwen3's drops earlier
+``<think>`` blocks) raises :class:`NotAppendOnly`, and the rollout then generates each turn from
+the template's whole render of it (:meth:`ChatDeltas.prompt`) and trains it as its own row.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ _PLACEHOLDER = "x"
 MEMO_ENTRIES = 4096
 
 
+class NotAppendOnly(ValueError):
+    """Adding a message changed earlier text of the render: the template rewrites earlier turns."""
+
+
 class ChatDeltas:
     """Renders the pieces the rollout loop appends to an episode's token sequence.
 
@@ -28,12 +34,14 @@ class ChatDeltas:
 
     Args:
         tokenizer: a tokenizer with a chat template (``apply_chat_template``, ``encode``, ``decode``).
+        tools: the JSON schemas handed to the template (``apply_chat_template(..., tools=...)``) on
+            every render; None: no tools.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("`tokenizer` has no chat template; multi-turn rollout needs one")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.tools = tokenizer, tools or None
         self._renders: dict[tuple, str] = {}
         self._encodings: dict[str, tuple[int, ...]] = {}
 
@@ -44,7 +52,8 @@ class ChatDeltas:
         except TypeError:  # a message with unhashable values (e.g. a list of tool calls): no memo
             key, text = None, None
         if text is None:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
             if key is not None and len(self._renders) < MEMO_ENTRIES:
                 self._renders[key] = text
         return text
@@ -83,14 +92,28 @@ class ChatDeltas:
 
         ``messages`` ends with the assistant message just played.
         """
+        return self.next_messages(messages, [{"role": "user", "content": observation}])
+
+    def next_messages(self, messages: Messages, new: Messages) -> str:
+        """Text for ``new`` messages (a user message, or a turn's tool results) plus the assistant
+        generation prompt; raises :class:`NotAppendOnly` when they change earlier text."""
         before = self.render(messages, generation_prompt=False)
-        after = self.render([*messages, {"role": "user", "content": observation}], generation_prompt=True)
-        return _delta(before, after, "a user message")
+        after = self.render([*messages, *new], generation_prompt=True)
+        return _delta(before, after, f"{new[0]['role']} message(s)")
+
+    def rewritten_tail(self, messages: Messages, new: Messages) -> str:
+        """For a template that rewrote earlier text: the whole render after ``new`` from where it
+        first differs from the render before them (what the episode's whole-chat sequence, kept
+        for transcripts and metrics, appends; the turn itself is generated from :meth:`prompt`)."""
+        before = self.render(messages, generation_prompt=False)
+        after = self.render([*messages, *new], generation_prompt=True)
+        same = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+        return after[same:]
 
 
 def _delta(before: str, after: str, what: str) -> str:
     if not after.startswith(before):
-        raise ValueError(
+        raise NotAppendOnly(
             f"the chat template is not append-only: adding {what} changed earlier text "
             f"(render before ends {before[-40:]!r}, after has {after[len(before) - 40:len(before)]!r} there)"
         )

@@ -1,11 +1,16 @@
-"""Guarded environment calls: a fault inside an environment ends its episode, never the rollout.
+"""Guarded environment and tool calls: a fault inside one ends its episode (or becomes the tool's
+error message), never the rollout; the calls of all live episodes run at the same time.
 
-:class:`EnvCalls` builds, resets and steps the environments of one rollout. An exception, a
-return value of the wrong type, or (with ``timeout_s``) a call still running after ``timeout_s``
-seconds raises :class:`EnvFault`, whose message names the env, the seed, the call and the
-problem; the loop records it as the episode's ``error``. The first fault of each kind in the
-process is logged on the ``earl_lightning.rollout`` logger with its traceback (for a hang: the
-stack the call is stuck in); later ones are only counted (``env/errors``).
+:class:`EnvCalls` builds, resets and steps the environments of one rollout and runs their tool
+calls. Each batch method (:meth:`EnvCalls.start_all`, :meth:`EnvCalls.step_all`,
+:meth:`EnvCalls.tools_all`) hands every call to a pool of ``workers`` daemon threads and waits
+for all of them: a turn costs the slowest call, not the sum. An exception, a return value of the
+wrong type, or (with ``timeout_s``) a call still running ``timeout_s`` seconds after it started
+gives :class:`EnvFault`, whose message names the env, the seed, the call and the problem; the loop
+records it as the episode's ``error``. The first fault of each kind in the process is logged on the
+``earl_lightning.rollout`` logger with its traceback (for a hang: the stack the call is stuck in);
+later ones are only counted (``env/errors``). An ``async def`` reset, step or tool is awaited on
+the process's event loop, so such calls interleave there.
 
 Why :mod:`logging` and not :mod:`warnings`: a log record carries the traceback (``exc_info``),
 reaches stderr by default (Python's last-resort handler prints WARNING records when no handler is
@@ -13,41 +18,40 @@ configured) or the user's handlers when there are some, and is never turned into
 a ``-W error`` filter in the middle of a rollout; ``warnings``' own de-duplication is by source
 line, not by the kind of fault.
 
-Time limit. Python cannot stop a thread, so with ``timeout_s`` every call runs on a worker thread
-and the rollout waits for it at most ``timeout_s``. A call that does not return in time fails its
-episode, and its env is abandoned: it is never called again. The worker stuck in it is a daemon
-thread, left to run until the call returns (or the process exits), and a fresh worker takes the
-next calls. Calls still run one at a time, in the loop's order, as without a limit: envs may
-share global state (TextArena swaps the global ``random`` state around each call), and running
-them concurrently would make episodes depend on thread timing. The price: hangs are waited for
-one after another, so a turn in which ``n`` envs hang takes ``n * timeout_s`` longer. An abandoned
-call that returns later runs alongside the next calls: if it touches state shared with other envs,
-that step's episodes are no longer reproducible (a step without a hang is). With a limit, env calls
-run off the main thread (an env that installs signal handlers cannot use one). Without
-``timeout_s`` the calls are made directly on the caller's thread (no thread, no overhead).
+Time limit. Python cannot stop a thread: a call that does not return in time fails its episode,
+its env is abandoned (never called again), and the worker stuck in it is replaced by a fresh one;
+the stuck daemon thread runs on until the call returns (or the process exits) and then exits.
+An environment that shares state with others (TextArena swaps the global ``random`` state around
+each call) guards that state itself; the results of a step do not depend on which calls finished
+first. With ``workers=1`` the calls run one at a time in the loop's order.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 import queue
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import Future
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from earl_lightning.envs.base import Env, StepResult, check_env_name, make_env
 from earl_lightning.parallel.collectives import global_rank, is_distributed
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.tasks.rows import reset_kwargs
+from earl_lightning.tasks.tools import ToolCall, ToolResult, ToolSet
 
 log = logging.getLogger("earl_lightning.rollout")
 T = TypeVar("T")
 
 _STEP_CONTRACT = "an Env's step must return StepResult(observation, reward, done, info)"
 _RESET_CONTRACT = "an Env's reset(seed) must return the first observation as a str"
+DEFAULT_WORKERS = 16
 
 # The kinds of fault already logged in this process: the first of each is logged, later ones only
 # counted. Touched only by the thread that runs the rollout loop.
@@ -63,79 +67,147 @@ class EnvFault(Exception):
     """A call into an environment failed; ``str(fault)`` is the episode's ``error``."""
 
 
-class EnvCalls:
-    """The environment calls of one rollout, each ended by :class:`EnvFault` when it fails.
+class _Failed(Exception):
+    """Raised on a worker: ``call`` went wrong (``problem``, of ``kind``; ``exc``: what it raised)."""
 
-    :meth:`close` when the rollout ends lets the worker thread (if any) exit.
+    def __init__(self, call: str, problem: str, kind: str, exc: BaseException | None = None) -> None:
+        super().__init__(problem)
+        self.call, self.problem, self.kind, self.exc = call, problem, kind, exc
+
+    @classmethod
+    def raised(cls, call: str, exc: BaseException) -> "_Failed":
+        return cls(call, f"raised {exc!r}", f"{call}() raised {type(exc).__module__}.{type(exc).__qualname__}", exc)
+
+
+class EnvCalls:
+    """The environment and tool calls of one rollout. :meth:`close` when the rollout ends.
+
+    Args:
+        timeout_s: the longest a call may run (None: no limit).
+        workers: threads running calls at the same time (1: one at a time, in order).
     """
 
-    def __init__(self, timeout_s: float | None = None) -> None:
+    def __init__(self, timeout_s: float | None = None, workers: int = DEFAULT_WORKERS) -> None:
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or not math.isfinite(timeout_s) or timeout_s <= 0):
             raise ValueError(f"`env_timeout_s` must be a number > 0 or None, got {timeout_s!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"`call_workers` must be an integer >= 1, got {workers!r}")
         self.timeout_s = timeout_s
-        self._worker: _Worker | None = None
+        self._pool = _Pool(workers)
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.stop()
-            self._worker = None
+        self._pool.close()
 
+    # ---- calls in flight: submit now, collect when done ---------------------------------------
+    def submit_start(self, spec: EpisodeSpec) -> "Pending":
+        """Build and reset ``spec``'s env (see :meth:`start`); the result a ``(env, observation)``
+        pair or an :class:`EnvFault`."""
+        if spec.env is not None:
+            check_env_name(spec.env)  # an unknown name or a bad import path is a config error: it raises
+        return Pending([self._pool.submit(self._start, spec)], lambda jobs: self._outcome(jobs[0], spec, "reset"))
+
+    def submit_step(self, spec: EpisodeSpec, env: Env, action: str) -> "Pending":
+        """``env.step(action)``, checked; the result a :class:`StepResult` or an :class:`EnvFault`."""
+        return Pending([self._pool.submit(self._step, env, action)], lambda jobs: self._outcome(jobs[0], spec, "step"))
+
+    def submit_tools(self, tools: ToolSet, calls: Sequence[ToolCall]) -> "Pending":
+        """Every call of one turn; the result their :class:`ToolResult` list (a call that fails or
+        does not return in time is an error result: the model reads its message)."""
+        jobs = [self._pool.submit(tools.call, call) for call in calls]
+        return Pending(jobs, lambda done: [self._tool_result(j, c) for j, c in zip(done, calls)])
+
+    def wait(self, pending: Sequence["Pending"], *, first: bool = False) -> list["Pending"]:
+        """Wait until every one of ``pending`` is done (``first``: at least one), each call at most
+        ``timeout_s`` from its start; the done ones, in order."""
+        self._pool.wait([p.jobs for p in pending], self.timeout_s, first=first)
+        return [p for p in pending if p.done]
+
+    def start_all(self, specs: Sequence[EpisodeSpec]) -> list[tuple[Env | None, str | None] | EnvFault]:
+        """:meth:`start` for every spec (env None: no call), at the same time."""
+        return self._results([self.submit_start(s) for s in specs])
+
+    def step_all(self, items: Sequence[tuple[EpisodeSpec, Env, str]]) -> list[StepResult | EnvFault]:
+        """``env.step(action)`` for every ``(spec, env, action)``, at the same time."""
+        return self._results([self.submit_step(*item) for item in items])
+
+    def tools_all(self, items: Sequence[tuple[ToolSet, Sequence[ToolCall]]]) -> list[list[ToolResult]]:
+        """Every call of every episode's turn, at the same time."""
+        return self._results([self.submit_tools(*item) for item in items])
+
+    def _results(self, pending: list["Pending"]) -> list[Any]:
+        self.wait(pending)
+        return [p.result() for p in pending]
+
+    # ---- one call (the config-time checks use these) -----------------------------------------
     def start(self, spec: EpisodeSpec) -> tuple[Env | None, str | None]:
         """Build ``spec``'s env and reset it: the env and its first observation; (None, None) for a
         row played without an environment. A row's env is reset with ``reset(seed, **columns)`` (the
         columns its ``reset`` takes) and may return None: the row's prompt alone starts the chat."""
-        if spec.env is None:
-            return None, None
-        check_env_name(spec.env)  # an unknown name or a bad import path is a config error: it raises
-        env = self._call(spec, "make_env", lambda: make_env(spec.env, **spec.env_kwargs))
-        if spec.row is None:
-            observation = self._call(spec, "reset", env.reset, spec.seed)
-        else:
-            observation = self._call(spec, "reset", lambda: env.reset(spec.seed, **reset_kwargs(env.reset, spec.row)))
-            if observation is None:
-                return env, None
-        if not isinstance(observation, str):
-            gym = " (gymnasium's reset returns (observation, info))" if isinstance(observation, tuple) else ""
-            raise self._fault(spec, "reset", f"returned {_what(observation)}; {_RESET_CONTRACT}{gym}",
-                              f"reset() returned a {type(observation).__name__}")
-        return env, observation
+        (out,) = self.start_all([spec])
+        if isinstance(out, EnvFault):
+            raise out
+        return out
 
     def step(self, spec: EpisodeSpec, env: Env, action: str) -> StepResult:
-        """``env.step(action)``, checked (see :func:`_checked`): reward a finite float, done a bool."""
-        result = self._call(spec, "step", env.step, action)
+        (out,) = self.step_all([(spec, env, action)])
+        if isinstance(out, EnvFault):
+            raise out
+        return out
+
+    # ---- what runs on a worker ---------------------------------------------------------------
+    @staticmethod
+    def _start(spec: EpisodeSpec) -> tuple[Env | None, str | None]:
+        if spec.env is None:
+            return None, None
+        try:
+            env = make_env(spec.env, **spec.env_kwargs)
+        except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
+            raise _Failed.raised("make_env", exc) from exc
+        try:
+            observation = _awaited(env.reset(spec.seed, **(reset_kwargs(env.reset, spec.row) if spec.row else {})))
+        except Exception as exc:  # noqa: BLE001
+            raise _Failed.raised("reset", exc) from exc
+        if observation is None and spec.row is not None:
+            return env, None
+        if not isinstance(observation, str):
+            gym = " (gymnasium's reset returns (observation, info))" if isinstance(observation, tuple) else ""
+            raise _Failed("reset", f"returned {_what(observation)}; {_RESET_CONTRACT}{gym}",
+                          f"reset() returned a {type(observation).__name__}")
+        return env, observation
+
+    @staticmethod
+    def _step(env: Env, action: str) -> StepResult:
+        try:
+            result = _awaited(env.step(action))
+        except Exception as exc:  # noqa: BLE001
+            raise _Failed.raised("step", exc) from exc
         checked = _checked(result)
         if isinstance(checked, tuple):
-            raise self._fault(spec, "step", *checked)
+            raise _Failed("step", *checked)
         return checked
 
-    def _call(self, spec: EpisodeSpec, name: str, fn: Callable[..., T], *args: Any) -> T:
-        if self.timeout_s is None:
-            try:
-                return fn(*args)
-            except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
-                raise self._raised(spec, name, exc) from exc
-        if self._worker is None:
-            self._worker = _Worker()
-        future = self._worker.submit(fn, *args)
-        try:
-            # exception(timeout) raises TimeoutError only when the call is still running; a
-            # TimeoutError the env itself raised comes back as its value, like any other exception
-            exc = future.exception(timeout=self.timeout_s)
-        except TimeoutError:
-            stuck, self._worker = self._worker, None  # abandoned: the next call gets a fresh worker
-            stack = stuck.stack()
-            stuck.stop()
-            raise self._fault(spec, name, f"did not return within env_timeout_s={self.timeout_s:g}s; the env is "
-                                          f"abandoned (the call keeps running in a daemon thread)",
-                              f"{name}() timeout", stack=stack) from None
-        if isinstance(exc, Exception):
-            raise self._raised(spec, name, exc) from exc
-        return future.result()  # re-raises a KeyboardInterrupt or SystemExit, as a direct call would
+    # ---- outcomes ----------------------------------------------------------------------------
+    def _outcome(self, job: "_Job", spec: EpisodeSpec, name: str) -> Any:
+        if job.timed_out:
+            return self._fault(spec, name, f"did not return within env_timeout_s={self.timeout_s:g}s; the env is "
+                                           f"abandoned (the call keeps running in a daemon thread)",
+                               f"{name}() timeout", stack=job.stack)
+        exc = job.future.exception()
+        if isinstance(exc, _Failed):
+            return self._fault(spec, exc.call, exc.problem, exc.kind, exc.exc)
+        if exc is not None:
+            raise exc  # KeyboardInterrupt or SystemExit, as a direct call would
+        return job.future.result()
 
-    def _raised(self, spec: EpisodeSpec, name: str, exc: BaseException) -> EnvFault:
-        kind = f"{name}() raised {type(exc).__module__}.{type(exc).__qualname__}"
-        return self._fault(spec, name, f"raised {exc!r}", kind, exc)
+    def _tool_result(self, job: "_Job", call: ToolCall) -> ToolResult:
+        if job.timed_out:
+            return ToolResult(call.name, f"Error: {call.name!r} did not return within {self.timeout_s:g} s", True,
+                              float(self.timeout_s or 0.0))
+        exc = job.future.exception()
+        if exc is not None:  # ToolSet.call catches Exception: only BaseException gets here
+            raise exc
+        return job.future.result()
 
     def _fault(self, spec: EpisodeSpec, call: str, problem: str, kind: str, exc: BaseException | None = None,
                stack: str | None = None) -> EnvFault:
@@ -148,6 +220,19 @@ class EnvCalls:
                         "their episode and count in env/errors without a log line]%s", rank, fault, kind, where,
                         exc_info=exc)
         return fault
+
+
+def _awaited(value: Any) -> Any:
+    """An ``async def`` env method's result, awaited on the process's event loop (from a worker)."""
+    if inspect.isawaitable(value):
+        from earl_lightning.tasks.rewards import event_loop
+
+        return asyncio.run_coroutine_threadsafe(_await(value), event_loop()).result()
+    return value
+
+
+async def _await(value: Any) -> Any:
+    return await value
 
 
 def _checked(result: Any) -> StepResult | tuple[str, str]:
@@ -179,31 +264,109 @@ def _what(value: Any) -> str:
     return f"{type(value).__name__} {value!r:.60}"
 
 
-class _Worker:
-    """A daemon thread running submitted calls one at a time, in submission order."""
+class Pending:
+    """Calls in flight for one episode; :meth:`result` once :attr:`done`."""
 
-    def __init__(self) -> None:
+    def __init__(self, jobs: list["_Job"], finish: Callable[[list["_Job"]], Any]) -> None:
+        self.jobs, self._finish = jobs, finish
+
+    @property
+    def done(self) -> bool:
+        return all(j.future.done() or j.timed_out for j in self.jobs)
+
+    def result(self) -> Any:
+        return self._finish(self.jobs)
+
+
+class _Job:
+    """One submitted call: its future, when a worker started it, and that worker."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn, self.args, self.future = fn, args, Future()
+        self.started: float | None = None
+        self.thread: threading.Thread | None = None
+        self.timed_out, self.stack = False, ""
+
+
+class _Pool:
+    """Up to ``workers`` daemon threads running submitted calls in submission order, started as the
+    calls need them. A worker whose call is abandoned (:meth:`wait`'s time limit) retires once its
+    call returns, and no longer counts: a fresh worker may take its place at once."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="earl-env-call", daemon=True)
-        self._thread.start()
+        self._done = threading.Condition()
+        self._retired: set[int] = set()
+        self._live = 0  # workers not retired
+        self._queued = 0  # jobs submitted and not yet taken by a worker
+        self._busy = 0  # workers running a job (not retired)
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future:
-        future: Future = Future()
-        self._jobs.put((future, fn, args))
-        return future
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _Job:
+        job = _Job(fn, args)
+        with self._done:
+            self._queued += 1
+            if self._busy + self._queued > self._live and self._live < self.workers:
+                self._spawn()
+        self._jobs.put(job)
+        return job
 
-    def stop(self) -> None:
-        """Let the thread exit once its current call (if one hangs, whenever it returns) is done."""
-        self._jobs.put(None)
+    def wait(self, groups: Sequence[Sequence[_Job]], timeout_s: float | None, first: bool = False) -> None:
+        """Until every group of jobs is done (``first``: one group, when any is given) or, with
+        ``timeout_s``, has run that long since it started."""
+        jobs = [j for g in groups for j in g]
+        with self._done:
+            while True:
+                now = time.monotonic()
+                if timeout_s is not None:
+                    for j in jobs:
+                        if not j.future.done() and not j.timed_out and j.started is not None \
+                                and now - j.started >= timeout_s:
+                            self._abandon(j)
+                finished = [all(j.future.done() or j.timed_out for j in g) for g in groups]
+                if all(finished) or (first and any(finished)):
+                    return
+                starts = [j.started for j in jobs if not j.future.done() and not j.timed_out and j.started is not None]
+                # workers notify when they start and when they finish a call
+                self._done.wait(timeout=max(min(starts) + timeout_s - now, 0.0) if timeout_s and starts else None)
 
-    def stack(self) -> str:
-        frame = sys._current_frames().get(self._thread.ident)
-        return "".join(traceback.format_stack(frame)) if frame is not None else ""
+    def close(self) -> None:
+        for _ in range(self._live):
+            self._jobs.put(None)
+        self._live = 0
+
+    def _abandon(self, job: _Job) -> None:
+        """Called with the lock held: ``job`` ran too long; its worker retires, and a fresh one
+        starts when calls are waiting."""
+        job.timed_out = True
+        thread = job.thread
+        frame = sys._current_frames().get(thread.ident) if thread is not None else None
+        job.stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        self._retired.add(thread.ident)
+        self._live -= 1
+        self._busy -= 1
+        if self._queued:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        self._live += 1
+        threading.Thread(target=self._run, name="earl-env-call", daemon=True).start()
 
     def _run(self) -> None:
+        me = threading.current_thread()
         while (job := self._jobs.get()) is not None:
-            future, fn, args = job
+            with self._done:
+                job.thread, job.started = me, time.monotonic()
+                self._queued -= 1
+                self._busy += 1
+                self._done.notify_all()
             try:
-                future.set_result(fn(*args))
+                job.future.set_result(job.fn(*job.args))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting rollout
-                future.set_exception(exc)
+                job.future.set_exception(exc)
+            with self._done:
+                if me.ident in self._retired:
+                    self._done.notify_all()
+                    return
+                self._busy -= 1
+                self._done.notify_all()

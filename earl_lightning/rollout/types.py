@@ -43,7 +43,9 @@ class Episode:
     ``prompt_tokens`` is the length of the first prompt (what the reward functions' completion ids
     follow); ``rewards`` holds each reward function's value (None: not applicable, or not scored);
     ``error_kind`` says where ``error`` arose: ``env`` (an environment call) or ``reward`` (a
-    reward function; the environment's own part of the episode went fine).
+    reward function; the environment's own part of the episode went fine). ``tool_calls``,
+    ``tool_errors`` and ``tool_seconds`` count the episode's tool use; ``turn_calls[k]`` are the
+    calls turn ``k`` made (its assistant message in ``messages`` holds the text the model wrote).
     """
 
     spec: EpisodeSpec
@@ -65,6 +67,10 @@ class Episode:
     prompt_tokens: int = 0
     rewards: dict[str, float | None] = field(default_factory=dict)
     error_kind: str | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    turn_calls: list[list[Any]] = field(default_factory=list)  # each turn's parsed tool calls (ToolCall)
 
     @property
     def num_generated(self) -> int:

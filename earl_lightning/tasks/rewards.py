@@ -184,7 +184,7 @@ class _Call:
         given = {k: v[rows] for k, v in self.rows.items()}
         result = self.func.fn(**accepted_kwargs(self.func.fn, {**given, **self.extras}))
         if self.func.is_async:
-            return asyncio.run_coroutine_threadsafe(result, _event_loop()).result()
+            return asyncio.run_coroutine_threadsafe(result, event_loop()).result()
         return result
 
     def run(self) -> None:
@@ -237,7 +237,7 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
 
-def _event_loop() -> asyncio.AbstractEventLoop:
+def event_loop() -> asyncio.AbstractEventLoop:
     """One event loop on a daemon thread for the process's async reward functions (and tools)."""
     global _loop
     with _loop_lock:

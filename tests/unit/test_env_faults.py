@@ -155,7 +155,7 @@ def test_a_hung_call_is_abandoned_after_the_time_limit(lm, caplog, threads):
     t0 = time.perf_counter()
     reference = _run(lm, _specs("recall"), env_timeout_s=limit)
     healthy_s = time.perf_counter() - t0
-    assert len(threads) == 1  # one worker serves every call that returns in time
+    assert 1 <= len(threads) <= 6  # workers start as calls need them, at most one per episode here
     threads.clear()
     RELEASE.clear()
     try:
@@ -163,11 +163,12 @@ def test_a_hung_call_is_abandoned_after_the_time_limit(lm, caplog, threads):
         with caplog.at_level(logging.WARNING, logger="earl_lightning.rollout"):
             episodes = _run(lm, _specs(P + "HangsInStep", every=3, turn=1, sleep_s=60.0), env_timeout_s=limit)
         elapsed = time.perf_counter() - t0
-        assert threads[0].is_alive() and threads[1].is_alive()  # the two hung calls still run ...
+        stuck = [t for t in threads if t.is_alive()]
+        assert len(stuck) >= 2  # the two hung calls still run ...
     finally:
         RELEASE.set()
-    # ... and two of them (seeds 0 and 3) were waited for one after the other, for the limit each
-    assert elapsed < healthy_s + 2 * limit + 2.0, (elapsed, healthy_s)
+    # ... and the two of them (seeds 0 and 3), made in the same turn, were waited for together
+    assert elapsed < healthy_s + limit + 2.0, (elapsed, healthy_s)
     for ep, ref in zip(episodes, reference):
         if ep.spec.seed % 3:
             assert ep.error is None and ep.token_ids == ref.token_ids and ep.reward == ref.reward
@@ -178,8 +179,8 @@ def test_a_hung_call_is_abandoned_after_the_time_limit(lm, caplog, threads):
             assert ep.num_turns == 2 and ep.reward == 0.0
     (record,) = _fault_records(caplog)
     assert "where the call is stuck:" in record.getMessage() and "RELEASE.wait(" in record.getMessage()
-    assert len(threads) == 3 and all(t.daemon and t.name == "earl-env-call" for t in threads)  # 1 + one per hang
-    for t in threads:  # an abandoned worker exits once its call returns
+    assert all(t.daemon and t.name == "earl-env-call" for t in threads)
+    for t in threads:  # an abandoned worker exits once its call returns (the others when the rollout closes)
         t.join(timeout=10)
         assert not t.is_alive()
 
@@ -188,10 +189,10 @@ def test_results_do_not_depend_on_threads(lm, threads):
     specs = [EpisodeSpec(P + name if name else "recall", seed=s, group_id=s, episode_id=s,
                          env_kwargs={**RECALL, **({"turn": s % 2} if name else {})})
              for s, name in enumerate(["", *FAULTS, "", "BadStepResult"])]
-    direct = _run(lm, specs)
-    assert threads == []  # the default path makes no thread
+    direct = _run(lm, specs, call_workers=1)
+    assert len(threads) == 1  # one worker: the calls one at a time, in order
     threaded = _run(lm, specs, env_timeout_s=30.0)
-    assert len(threads) == 1
+    assert len(threads) > 2
     assert [ep.error is None for ep in direct] == [True, False, False, False, False, False, True, False]
     for a, b in zip(direct, threaded):
         assert (a.error, a.token_ids, a.reward, a.turn_rewards, a.messages) == \
