@@ -25,6 +25,7 @@ from earl_lightning.groups import coerce, to_dict
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
+from earl_lightning.tasks.tools import Tool, resolve_tools
 
 _SEED_STRIDE = 1_000_003  # keeps training seeds of different steps and eval seeds apart
 
@@ -135,6 +136,11 @@ class EpisodeDataModule(L.LightningDataModule):
             (``trl.rewards.accuracy_reward``) or (Python) as callables; ``async def`` ones are
             awaited together. Their weighted sum is added to the environment's reward, if any.
         reward_weights: one weight per reward function (null: 1.0 each).
+        tools: tools the model may call (TRL's ``tools=``): functions with type hints and a
+            docstring, by import path (``my_package.tools.lookup``) or (Python) as callables, or
+            ``{schema, fn}`` dicts; every turn's prompt renders them (``apply_chat_template(...,
+            tools=...)``), and ``--model.rollout.tool_parser`` reads the model's calls. An
+            environment may offer its own (``ToolEnv.tools()``).
     """
 
     def __init__(self, env: Optional[str] = None, env_kwargs: dict[str, Any] | None = None, batch_size: int = 64,
@@ -144,7 +150,8 @@ class EpisodeDataModule(L.LightningDataModule):
                  dataset: Optional[Union[DatasetConfig, str, datasets.Dataset, datasets.DatasetDict]] = None,
                  eval_dataset: Optional[datasets.Dataset] = None,
                  reward_funcs: Optional[list[Union[str, Callable[..., Any]]]] = None,
-                 reward_weights: Optional[list[float]] = None):
+                 reward_weights: Optional[list[float]] = None,
+                 tools: Optional[list[Union[str, Callable[..., Any], dict[str, Any]]]] = None):
         super().__init__()
         if env is None and dataset is None:
             env = "connect_four"
@@ -174,12 +181,13 @@ class EpisodeDataModule(L.LightningDataModule):
         if self.splits is not None and self.splits.eval is None:
             self.eval_episodes = 0  # no evaluation rows: nothing to evaluate on
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
+        self.tools: list[Tool] = resolve_tools(tools)
         _check_task(self.splits, env, self.reward_funcs)
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
-        self.save_hyperparameters(ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs"])
+        self.save_hyperparameters(ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs", "tools"])
         self.hparams.update(dispatch=to_dict(dispatch), dataset=describe(dataset), eval_dataset=describe(eval_dataset),
-                            reward_funcs=[describe(f) for f in reward_funcs or []])
+                            reward_funcs=[describe(f) for f in reward_funcs or []], tools=[t.name for t in self.tools])
 
     def first_spec(self) -> EpisodeSpec:
         return self._stream(0).batch(0)[0]

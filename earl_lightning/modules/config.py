@@ -124,9 +124,18 @@ class RolloutConfig:
         system_prompt: optional system message before the first observation.
         sampling: how each turn is sampled.
         env_timeout_s: building the env, ``reset()`` or ``step()`` taking longer ends that episode
-            as failed (``env/errors``; the env is abandoned); null: no limit (and no thread).
+            as failed (``env/errors``; the env is abandoned); a tool call taking longer returns an
+            error message to the model; null: no limit.
         max_failed_share: the run stops with a clear error when at least this share of one RL
             step's episodes failed inside the environment (1.0: only when all of them did).
+        tool_parser: how the model writes tool calls: ``hermes`` (Hermes, Qwen2.5, Qwen3 and the
+            offline tiny models), ``llama3_json``, ``mistral``, or an import path; null: no turn is
+            read as a tool call (then the task may offer no tools).
+        call_workers: threads running the env steps and tool calls of all live episodes at once
+            (1: one at a time).
+        continuous_turns: an episode whose calls have returned is generated for at once, without
+            waiting for the other episodes' calls (tensor-parallel rollouts always wait: their
+            ranks must generate the same batches); false: every turn waits for every call.
     """
 
     backend: Literal["hf", "vllm"] = "hf"
@@ -137,8 +146,11 @@ class RolloutConfig:
     history_turns: Optional[int] = None
     system_prompt: Optional[str] = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
-    env_timeout_s: Optional[float] = None
+    env_timeout_s: Optional[float] = 120.0
     max_failed_share: float = 1.0
+    tool_parser: Optional[str] = None
+    call_workers: int = 64
+    continuous_turns: bool = True
 
     def __post_init__(self) -> None:
         arg = f"{A}.rollout"
@@ -155,9 +167,30 @@ class RolloutConfig:
         check_count(f"{arg}.max_context_tokens", self.max_context_tokens)
         check_history_turns(self.history_turns, f"{arg}.history_turns")
         check_number(f"{arg}.env_timeout_s", self.env_timeout_s, strict=True, optional=True)
+        check_count(f"{arg}.call_workers", self.call_workers)
+        if self.tool_parser is not None:
+            from earl_lightning.tasks.tool_parsers import get_tool_parser
+
+            get_tool_parser(self.tool_parser, f"{arg}.tool_parser")
         ms = self.max_failed_share
         if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms <= 1:
             raise ValueError(f"`{arg}.max_failed_share` must be a number in (0, 1], got {ms!r}")
+
+
+def loop_kwargs(rollout: RolloutConfig, tools: Any = None, continuous: bool = False) -> dict[str, Any]:
+    """The keyword arguments of :func:`~earl_lightning.rollout.loop.rollout` these settings give
+    (``tools``: a :class:`~earl_lightning.rollout.loop.ToolUse` of the task's tools, or the task's
+    tools to pair with ``rollout.tool_parser``)."""
+    from earl_lightning.rollout.loop import ToolUse
+    from earl_lightning.tasks.tool_parsers import get_tool_parser
+
+    use = tools
+    if not isinstance(tools, ToolUse):
+        use = ToolUse(get_tool_parser(rollout.tool_parser), tuple(tools or ())) if rollout.tool_parser else None
+    return dict(max_turns=rollout.max_turns, max_context_tokens=rollout.max_context_tokens,
+                system_prompt=rollout.system_prompt, history_turns=rollout.history_turns,
+                env_timeout_s=rollout.env_timeout_s, call_workers=rollout.call_workers, tools=use,
+                continuous=continuous and rollout.continuous_turns)
 
 
 @dataclass(frozen=True)

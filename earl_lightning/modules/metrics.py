@@ -201,6 +201,16 @@ def reward_metrics(episodes: Sequence[Any], names: Sequence[str], reduce: Any, p
     return out
 
 
+def tool_metrics(episodes: Sequence[Any], reduce: Any) -> dict[str, float]:
+    """``tools/calls``, ``tools/errors`` (unknown tool, bad arguments, a failure or time-out, a call
+    that could not be read) and ``tools/seconds`` (spent in calls, summed) of the step, over every
+    rank (TP peers once). Every rank must call it (one all-reduce)."""
+    calls, errors, seconds = reduce.sum_floats([float(sum(ep.tool_calls for ep in episodes)),
+                                                float(sum(ep.tool_errors for ep in episodes)),
+                                                math.fsum(ep.tool_seconds for ep in episodes)])
+    return {"tools/calls": calls, "tools/errors": errors, "tools/seconds": seconds}
+
+
 def logged_by_reward_funcs(outcomes: Sequence[Any], names: Sequence[str]) -> dict[str, float]:
     """The means of what each reward function passed to ``log_metric`` on this rank (logged from
     rank 0 only: a function may log on some ranks and not others, so nothing is reduced)."""

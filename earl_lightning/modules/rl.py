@@ -29,7 +29,8 @@ from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import (RunMetrics, StageTimer, batch_stats, log_transcripts,
-                                            logged_by_reward_funcs, reported, reward_metrics, zero_spread_share)
+                                            logged_by_reward_funcs, reported, reward_metrics, tool_metrics,
+                                            zero_spread_share)
 from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory, lost_peer_error
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
@@ -160,6 +161,8 @@ class AgenticRLModule(L.LightningModule):
             metrics.update(more)
         metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
         metrics["reward/zero_std_groups"] = zero_spread_share(episodes, num_groups, rollout_ctx.reduce.sum_moments)
+        if self.rollout_config.tool_parser is not None:
+            metrics.update(tool_metrics(episodes, rollout_ctx.reduce))
         names = [f.name for f in self._reward_funcs()]
         if names:
             metrics.update(reward_metrics(episodes, names, rollout_ctx.reduce))
@@ -179,12 +182,13 @@ class AgenticRLModule(L.LightningModule):
             self._backend = factory(ctx.model("policy"), self.tokenizer, spec)
         self._backend.prepare(ctx.layout, ctx.model("policy"))
         sampling = SamplingConfig(**{**vars(self.sampling), "seed": seed, "greedy": greedy})
-        r = self.rollout_config
+        dm = self.trainer.datamodule
+        tools = dm.tools if isinstance(dm, EpisodeDataModule) else []
+        # tensor-parallel peers generate in lock step: every turn waits for every call
+        kwargs = C.loop_kwargs(self.rollout_config, tools, continuous=ctx.layout.tp == 1)
         try:
             episodes = rollout(self._exchanger().rollout_share(specs, ctx.layout, self.global_rank), self._backend,
-                               self.tokenizer, sampling, max_turns=r.max_turns, max_context_tokens=r.max_context_tokens,
-                               system_prompt=r.system_prompt, history_turns=r.history_turns,
-                               env_timeout_s=r.env_timeout_s)
+                               self.tokenizer, sampling, **kwargs)
         finally:
             self._backend.release(None)
         self._reward_outcomes = score_episodes(episodes, self._reward_funcs(), self.tokenizer, self._reward_extras())

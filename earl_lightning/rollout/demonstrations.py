@@ -152,18 +152,17 @@ def play_demonstrations(specs: list[EpisodeSpec], policy: str, policy_kwargs: Ma
 
 def play_demonstrations_with_targets(
         specs: list[EpisodeSpec], policy: str, policy_kwargs: Mapping[str, Any] | None, tokenizer: Any,
-        sampling: SamplingConfig, *, max_turns: int, max_context_tokens: int, system_prompt: str | None = None,
-        history_turns: int | None = None, env_timeout_s: float | None = None, arg: str = "--data.policy",
+        sampling: SamplingConfig, *, arg: str = "--data.policy", **rollout_kwargs: Any,
 ) -> tuple[list[Episode], list[list[dict[int, float] | None]]]:
     """Play ``specs`` with the demonstration policy ``policy`` (a registered name or an import
     path), one instance per episode, seeded from the episode's seed; episodes in spec order, and
     for each episode its turns' first-token targets (:attr:`PolicyBackend.first_token_targets`).
+    ``rollout_kwargs`` go to :func:`~earl_lightning.rollout.loop.rollout` (``max_turns``, ...).
 
     The policy's seed is derived from the episode's, not equal to it: an environment seeds its own
     randomness (a random opponent) with the episode seed, and a policy drawing from an identical
     stream would copy the opponent's moves."""
     policies = {s.episode_id: make_policy(policy, policy_kwargs, policy_seed(s.seed), arg) for s in specs}
     backend = PolicyBackend(policies, tokenizer, policy)
-    episodes = rollout(specs, backend, tokenizer, sampling, max_turns=max_turns, max_context_tokens=max_context_tokens,
-                       system_prompt=system_prompt, history_turns=history_turns, env_timeout_s=env_timeout_s)
+    episodes = rollout(specs, backend, tokenizer, sampling, **rollout_kwargs)
     return episodes, [backend.first_token_targets.get(ep.spec.episode_id, []) for ep in episodes]

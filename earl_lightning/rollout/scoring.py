@@ -32,7 +32,22 @@ def transcript(ep: Episode, tokenizer: Any) -> tuple[Any, Any, list[int]]:
     first = next((i for i, m in enumerate(ep.messages) if m["role"] == "assistant"), len(ep.messages))
     if ep.spec.row is not None and isinstance(ep.spec.row.get("prompt"), str):
         return ep.spec.row["prompt"], tokenizer.decode(ids, skip_special_tokens=False), ids
-    return [dict(m) for m in ep.messages[:first]], [dict(m) for m in ep.messages[first:]], ids
+    return [dict(m) for m in ep.messages[:first]], _with_calls(ep.messages[first:], ep.turn_calls), ids
+
+
+def _with_calls(messages: list[dict], turn_calls: list[list]) -> list[dict]:
+    """The messages in TRL's form: an assistant turn that called tools carries them as
+    ``tool_calls`` (its ``content`` is the text the model wrote, the calls included)."""
+    out, turn = [], 0
+    for m in messages:
+        m = dict(m)
+        if m["role"] == "assistant":
+            calls = turn_calls[turn] if turn < len(turn_calls) else []
+            if calls:
+                m["tool_calls"] = [c.as_message() for c in calls]
+            turn += 1
+        out.append(m)
+    return out
 
 
 def score_episodes(episodes: Sequence[Episode], funcs: Sequence[RewardFunction], tokenizer: Any,

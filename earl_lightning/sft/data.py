@@ -16,6 +16,7 @@ from earl_lightning.data.datamodule import EvalEpisodes
 from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
+from earl_lightning.modules.config import loop_kwargs
 from earl_lightning.modules.metrics import episode_counts
 from earl_lightning.rollout.chat import ChatDeltas
 from earl_lightning.rollout.demonstrations import play_demonstrations_with_targets
@@ -23,6 +24,7 @@ from earl_lightning.rollout.transcripts import sft_row
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.tasks.datasets import DatasetConfig, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
+from earl_lightning.tasks.tools import Tool, resolve_tools
 
 SFT_FORMS = (("prompt", "completion"), ("messages",))
 
@@ -78,10 +80,12 @@ def training_rows(episodes: list, targets: list[list[dict[int, float] | None]], 
     return out
 
 
-def dataset_training_rows(rows: Any, tokenizer: Any, system_prompt: str | None) -> list[dict[str, Any]]:
+def dataset_training_rows(rows: Any, tokenizer: Any, system_prompt: str | None,
+                          tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The supervised rows of a dataset in TRL's SFT forms (see :func:`~earl_lightning.rollout.transcripts.sft_row`):
-    ``input_ids`` and ``labels`` (the ids on the trained tokens, -100 elsewhere)."""
-    chat, out = ChatDeltas(tokenizer), []
+    ``input_ids`` and ``labels`` (the ids on the trained tokens, -100 elsewhere); ``tools``: the
+    schemas every row is rendered with."""
+    chat, out = ChatDeltas(tokenizer, tools), []
     for i, row in enumerate(rows):
         ids, mask = sft_row(row, chat, system_prompt, f"`--data.dataset` row {i}")
         out.append({"input_ids": ids, "soft": [], "labels": [t if m else -100 for t, m in zip(ids, mask)]})
@@ -123,6 +127,8 @@ class DemonstrationDataModule(L.LightningDataModule):
         reward_funcs: with a ``dataset``, what scores the evaluation (as ``earl fit``'s
             ``--data.reward_funcs``): the held-out rows are played from their prompt.
         reward_weights: one weight per reward function (null: 1.0 each).
+        tools: tools the model may call, as ``earl fit``'s ``--data.tools``: the demonstrations and
+            a dataset's rows are rendered with them (``apply_chat_template(..., tools=...)``).
     """
 
     def __init__(self, env: Optional[str] = None, env_kwargs: dict[str, Any] | None = None,
@@ -133,7 +139,8 @@ class DemonstrationDataModule(L.LightningDataModule):
                  dataset: Optional[Union[DatasetConfig, str, datasets.Dataset, datasets.DatasetDict]] = None,
                  eval_dataset: Optional[datasets.Dataset] = None,
                  reward_funcs: Optional[list[Union[str, Callable[..., Any]]]] = None,
-                 reward_weights: Optional[list[float]] = None) -> None:
+                 reward_weights: Optional[list[float]] = None,
+                 tools: Optional[list[Union[str, Callable[..., Any], dict[str, Any]]]] = None) -> None:
         super().__init__()
         if env is None and dataset is None:
             env = "connect_four"
@@ -152,11 +159,12 @@ class DemonstrationDataModule(L.LightningDataModule):
         if dataset is not None:
             self.splits = open_splits(dataset, eval_dataset, required=SFT_FORMS)
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
+        self.tools: list[Tool] = resolve_tools(tools)
         if self.splits is not None:
             check_columns(self.reward_funcs, self.splits.columns())
-        self.save_hyperparameters(ignore=["dataset", "eval_dataset", "reward_funcs"])
+        self.save_hyperparameters(ignore=["dataset", "eval_dataset", "reward_funcs", "tools"])
         self.hparams.update(dataset=describe(dataset), eval_dataset=describe(eval_dataset),
-                            reward_funcs=[describe(f) for f in reward_funcs or []])
+                            reward_funcs=[describe(f) for f in reward_funcs or []], tools=[t.name for t in self.tools])
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
         self.rows: list[dict[str, Any]] | None = None
@@ -170,12 +178,12 @@ class DemonstrationDataModule(L.LightningDataModule):
     def play(self, module: Any) -> tuple[list, list]:
         """The demonstration episodes, played with ``module``'s tokenizer and rollout settings, and
         their turns' first-token targets."""
-        r, specs, episodes, targets = module.rollout_config, self.demonstration_specs(), [], []
+        specs, episodes, targets = self.demonstration_specs(), [], []
+        kwargs = loop_kwargs(module.rollout_config, self.tools)
         for i in range(0, len(specs), _CHUNK):
             eps, tgt = play_demonstrations_with_targets(
                 specs[i:i + _CHUNK], self.hparams.policy, self.hparams.policy_kwargs, module.tokenizer,
-                module.sampling, max_turns=r.max_turns, max_context_tokens=r.max_context_tokens,
-                system_prompt=r.system_prompt, history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
+                module.sampling, **kwargs)
             episodes += eps
             targets += tgt
         return episodes, targets
@@ -185,7 +193,8 @@ class DemonstrationDataModule(L.LightningDataModule):
             return
         module = self.trainer.lightning_module
         if self.splits is not None:
-            self.rows = dataset_training_rows(self.splits.train, module.tokenizer, module.rollout_config.system_prompt)
+            self.rows = dataset_training_rows(self.splits.train, module.tokenizer, module.rollout_config.system_prompt,
+                                              [t.schema for t in self.tools])
             self.stats = {"demo/rows": float(len(self.rows)),
                           "demo/assistant_tokens": float(sum(sum(t != -100 for t in r["labels"]) for r in self.rows))}
             return

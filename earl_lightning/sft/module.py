@@ -104,12 +104,11 @@ class WarmStartModule(L.LightningModule):
         flags = dict.fromkeys(FLAGS, False)
         dm = self.trainer.datamodule
         funcs = dm.reward_funcs if isinstance(dm, DemonstrationDataModule) else []
+        kwargs = C.loop_kwargs(r, dm.tools if isinstance(dm, DemonstrationDataModule) else [], continuous=True)
         for metrics, greedy in ((self.greedy_metrics, True), (self.sampled_metrics, False)):
             sampling = SamplingConfig(**{**vars(self.sampling), "greedy": greedy, "seed": self.hparams.seed})
             with eval_mode(self.policy), torch.no_grad():
-                episodes = rollout(specs, backend, self.tokenizer, sampling, max_turns=r.max_turns,
-                                   max_context_tokens=r.max_context_tokens, system_prompt=r.system_prompt,
-                                   history_turns=r.history_turns, env_timeout_s=r.env_timeout_s)
+                episodes = rollout(specs, backend, self.tokenizer, sampling, **kwargs)
             score_episodes(episodes, funcs, self.tokenizer)
             metrics.update_val(episodes, True)
             now = reported(episodes)

@@ -115,6 +115,16 @@ def tool_of(obj: Any, arg: str) -> Tool:
     return Tool(schema, obj)
 
 
+def resolve_tools(tools: Sequence[Any] | None, arg: str = "--data.tools") -> list[Tool]:
+    """The tools of a config, each checked (:func:`tool_of`); two of one name is an error."""
+    out = [tool_of(t, f"{arg}[{i}]") for i, t in enumerate(tools or [])]
+    names = [t.name for t in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"`{arg}` names two tools {dup[0]!r}; tool names must be distinct")
+    return out
+
+
 class ToolSet:
     """The tools of an episode by name; :meth:`call` runs one call and never raises.
 

@@ -1,0 +1,84 @@
+"""A user's own tools and a tool environment, reached by import path (``--data.tools
+'[tests.plugins.tools.add]'``), written as for TRL's ``tools=`` / ``environment_factory``."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+
+from earl_lightning.envs.base import StepResult
+
+_INT = re.compile(r"-?\d+")
+CALLS: list[tuple[str, float, float]] = []  # (tool, start, end) of every call of `nap`
+RELEASE = threading.Event()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b
+
+
+def nap(seconds: float, tag: str = "") -> str:
+    """Sleep, then say so (a slow tool).
+
+    Args:
+        seconds: how long.
+        tag: a label for the call.
+    """
+    start = time.perf_counter()
+    time.sleep(seconds)
+    CALLS.append((tag, start, time.perf_counter()))
+    return f"slept {seconds:g}"
+
+
+async def anap(seconds: float) -> str:
+    """Sleep without a thread (an async tool).
+
+    Args:
+        seconds: how long.
+    """
+    await asyncio.sleep(seconds)
+    return f"slept {seconds:g}"
+
+
+def hang(label: str) -> str:
+    """Never returns until the test releases it.
+
+    Args:
+        label: anything.
+    """
+    RELEASE.wait(120)
+    return "released"
+
+
+class Counter:
+    """A tool environment: the model counts up with its ``increment`` tool, then says the total;
+    ``step`` grades the final answer against the row's ``target`` (reward 1.0 when right)."""
+
+    def reset(self, seed: int, target: int = 3) -> str:
+        self.total, self.target = 0, int(target)
+        return f" Count to {self.target}."
+
+    def tools(self) -> list:
+        return [self.increment]
+
+    def increment(self, by: int = 1) -> int:
+        """Add to the running total and return it.
+
+        Args:
+            by: how much to add.
+        """
+        self.total += by
+        return self.total
+
+    def step(self, action: str) -> StepResult:
+        m = _INT.search(action)
+        right = m is not None and int(m.group()) == self.total == self.target
+        return StepResult("", 1.0 if right else 0.0, True, {"correct": right, "tool_calls": self.total})
