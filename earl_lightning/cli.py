@@ -99,6 +99,8 @@ class EarlCLI(LightningCLI):
         # Bad input is reported as one clear line naming the argument, not a traceback from deep inside.
         try:
             super().instantiate_classes()
+            if isinstance(self.model, AgenticRLModule) and isinstance(self.datamodule, EpisodeDataModule):
+                self.model.check_data(self.datamodule, self.trainer.world_size)
         except (ValueError, FileNotFoundError, ImportError) as err:
             say(f"earl: error: {err}")
             raise SystemExit(2) from None

@@ -15,6 +15,8 @@ from earl_lightning.models import load_tokenizer
 from earl_lightning.modules.metrics import episode_counts
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.demonstrations import play_demonstrations
+from earl_lightning.rollout.loop import ToolUse
+from earl_lightning.tasks.tool_parsers import get_tool_parser
 from earl_lightning.rollout.types import EpisodeSpec
 
 # (task, env, env kwargs of the evaluation, policy, policy kwargs)
@@ -41,8 +43,8 @@ def play(env_name: str, env_kwargs: dict, policy: str, policy_kwargs: dict, seed
     demonstrations (the policy's seed derived from each episode's); the shares of each result."""
     specs = [EpisodeSpec(env_name, seed=s, group_id=s, episode_id=s, env_kwargs=env_kwargs) for s in seeds]
     episodes = play_demonstrations(specs, policy, policy_kwargs, load_tokenizer("earl-tiny"),
-                                   SamplingConfig(max_new_tokens=64), max_turns=64, max_context_tokens=1 << 16,
-                                   history_turns=0)
+                                   SamplingConfig(max_new_tokens=128), max_turns=64, max_context_tokens=1 << 16,
+                                   history_turns=0, tools=ToolUse(get_tool_parser("hermes")))
     c = episode_counts(episodes)
     n = c["episodes"]
     return {"win": c["wins"] / n, "draw": c["draws"] / n, "loss": (c["losses"] - c["invalid"]) / n,

@@ -1,9 +1,13 @@
 """A multi-turn tool-use task: answer an arithmetic question, optionally calling a calculator.
 
-The agent writes ``calc(<expr>)`` to get ``calc: <result>`` back as the next observation, and
-``answer(N)`` to finish. The calculator evaluates a parsed ``ast`` over integers with
-``+ - * / // % **`` and parentheses only: never ``eval``, no names, no calls, no attributes, and
-small exponents and bounded numbers, so a model cannot make the env hang or run code.
+``protocol="tools"`` (the default): the calculator is a real tool, ``calculate(expression)``,
+offered to the model through the chat template (``ToolEnv.tools()``); the model calls it in its
+own format (``--model.rollout.tool_parser``), reads the result in a ``tool`` message, and answers
+with a message holding the number. ``protocol="text"``: the first version's private protocol, the
+agent writes ``calc(<expr>)`` to get ``calc: <result>`` back as a user message and ``answer(N)`` to
+finish. The calculator evaluates a parsed ``ast`` over integers with ``+ - * / // % **`` and
+parentheses only: never ``eval``, no names, no calls, no attributes, and small exponents and
+bounded numbers, so a model cannot make the env hang or run code.
 """
 
 from __future__ import annotations
@@ -107,16 +111,19 @@ def make_question(seed: int, difficulty: str) -> tuple[str, int]:
 
 
 class CalculatorEnv:
-    """Answer an arithmetic question; ``calc(expr)`` is a tool, ``answer(N)`` ends the episode.
+    """Answer an arithmetic question, with a calculator tool.
 
     Args:
         max_tool_calls: calculator calls allowed; one more ends the episode with ``wrong_reward``
-            and ``info["truncated_tools"] = True``.
+            and ``info["truncated_tools"] = True`` (``tools``: the tool answers with an error).
         difficulty: ``"easy"`` (a op b, up to 20), ``"medium"`` (a*b+c, two digits),
             ``"hard"`` (four numbers up to 999).
         correct_reward / wrong_reward: reward for a right / wrong ``answer(N)``.
         invalid_reward: reward when the text has neither a ``calc(...)`` nor an ``answer(N)``
-            with an integer N (ends the episode, ``info["invalid_action"] = True``).
+            with an integer N (``tools``: a final message that is not an integer; ends the episode,
+            ``info["invalid_action"] = True``).
+        protocol: ``tools`` (the calculator a tool, the answer a message) or ``text`` (``calc(...)``
+            and ``answer(N)`` written in the text).
 
     ``info["tool_calls"]`` counts the ``calc`` calls made so far (the refused one included), and
     ``info["correct"]`` tells whether the final answer was right.
@@ -125,12 +132,13 @@ class CalculatorEnv:
     def __init__(self, max_tool_calls: int = 3,
                  difficulty: Literal["easy", "medium", "hard"] = "easy",
                  correct_reward: float = 1.0, wrong_reward: float = 0.0,
-                 invalid_reward: float = -1.0) -> None:
+                 invalid_reward: float = -1.0, protocol: Literal["tools", "text"] = "tools") -> None:
         self.max_tool_calls = check_non_negative_int(max_tool_calls, "max_tool_calls")
         self.difficulty = check_choice(difficulty, "difficulty", tuple(_TEMPLATES))
         self.correct_reward = check_finite(correct_reward, "correct_reward")
         self.wrong_reward = check_finite(wrong_reward, "wrong_reward")
         self.invalid_reward = check_finite(invalid_reward, "invalid_reward")
+        self.protocol = check_choice(protocol, "protocol", ("tools", "text"))
         self.question, self.answer = "", 0
         self._calls = 0
         self._done = True
@@ -139,12 +147,34 @@ class CalculatorEnv:
         self.question, self.answer = make_question(check_seed(seed), self.difficulty)
         self._calls = 0
         self._done = False
+        if self.protocol == "tools":
+            return f"What is {self.question}? Answer with the number."
         return (f"What is {self.question}? Use calc(expr) for a calculator, "
                 "then answer with answer(N).")
+
+    def tools(self) -> list:
+        """The calculator tool (``tools`` protocol; none for ``text``)."""
+        return [self.calculate] if self.protocol == "tools" else []
+
+    def calculate(self, expression: str) -> str:
+        """Evaluate an arithmetic expression exactly.
+
+        Args:
+            expression: integers with + - * / // % ** and parentheses, e.g. "(3+4)*5".
+        """
+        self._calls += 1
+        if self._calls > self.max_tool_calls:
+            return f"Error: no calculator calls left (at most {self.max_tool_calls})"
+        try:
+            return format_number(safe_eval(expression))
+        except CalcError as err:
+            return f"Error: {err}"
 
     def step(self, action: str) -> StepResult:
         if self._done:
             raise RuntimeError("step() called on a finished episode; call reset(seed) first")
+        if self.protocol == "tools":
+            return self._final(action)
         call = find_call(action, ("calc", "answer"))
         if call is not None and call[0] == "calc":
             return self._calc(call[1])
@@ -156,6 +186,16 @@ class CalculatorEnv:
         text = "Correct." if correct else f"Wrong, the answer is {self.answer}."
         return self._end(text, self.correct_reward if correct else self.wrong_reward,
                          correct=correct)
+
+    def _final(self, text: str) -> StepResult:
+        """``tools``: the model's message without a tool call is its answer, a bare integer."""
+        number = _INTEGER.fullmatch(text)
+        if number is None:
+            return self._end("Invalid: answer with the number.", self.invalid_reward, invalid_action=True)
+        correct = int(number.group(1)) == self.answer
+        return self._end("Correct." if correct else f"Wrong, the answer is {self.answer}.",
+                         self.correct_reward if correct else self.wrong_reward, correct=correct,
+                         truncated_tools=self._calls > self.max_tool_calls)
 
     def _calc(self, expr: str) -> StepResult:
         self._calls += 1

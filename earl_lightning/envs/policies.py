@@ -6,8 +6,9 @@ built-ins know the rules, not the strategy:
 - ``random_legal``: a uniformly random legal move of a two-player OpenSpiel game (read from the
   observation's ``Legal:`` line);
 - ``centre_first``: the first legal column of 3 2 4 1 5 0 6 (Connect Four's scripted baseline);
-- ``imperfect_calculator``: a tool user that calls ``calc(expr)`` and answers with its result,
-  except for a share ``no_tool_share`` of questions, which it answers at once with a wrong number.
+- ``imperfect_calculator``: a tool user that calls the calculator and answers with its result,
+  except for a share ``no_tool_share`` of questions, which it answers at once with a wrong number
+  (``protocol``: as the env's, ``tools`` writes a Hermes / Qwen tool call, ``text`` ``calc(expr)``).
 
 A policy may also state what it would play: a ``distribution(observation) -> {action: probability}``
 method (``random_legal`` has one). The warm start then trains each turn's first token on that
@@ -22,6 +23,7 @@ demonstration set is a pure function of its seeds.
 from __future__ import annotations
 
 import inspect
+import json
 import random
 import re
 from typing import Any, Callable, Mapping
@@ -113,40 +115,81 @@ def _centre_first(seed: int = 0, order: tuple[int, ...] = (3, 2, 4, 1, 5, 0, 6))
 
 _QUESTION = re.compile(r"What is (.+?)\?")
 _RESULT = re.compile(r"^calc: (\S+)")
+_TOOL_RESULT = re.compile(r"^(-?\d+)$")
 
 
 @DEMONSTRATION_POLICIES.register("imperfect_calculator")
 class ImperfectCalculator:
     """The calculator task's imperfect tool user.
 
-    On a question it calls ``calc(<the question's expression>)`` and then answers with the
+    On a question it calls the calculator on the question's expression and then answers with the
     tool's result, except that with probability ``no_tool_share`` it answers at once, without
-    the tool, with a wrong number (the right one off by 1 to ``max_error``).
+    the tool, with a wrong number (the right one off by 1 to ``max_error``). ``protocol="tools"``
+    writes the call in the Hermes / Qwen format (``<tool_call>{"name": "calculate", ...}</tool_call>``,
+    as ``--model.rollout.tool_parser hermes`` reads it) and the answer as the bare number;
+    ``"text"`` writes ``calc(expr)`` and ``answer(N)``.
     """
 
-    def __init__(self, seed: int = 0, no_tool_share: float = 0.5, max_error: int = 9) -> None:
+    def __init__(self, seed: int = 0, no_tool_share: float = 0.5, max_error: int = 9,
+                 protocol: str = "tools") -> None:
         if isinstance(no_tool_share, bool) or not isinstance(no_tool_share, (int, float)) or \
                 not 0.0 <= no_tool_share <= 1.0:
             raise ValueError(f"`no_tool_share` must be a number in [0, 1], got {no_tool_share!r}")
         if isinstance(max_error, bool) or not isinstance(max_error, int) or max_error < 1:
             raise ValueError(f"`max_error` must be an integer >= 1, got {max_error!r}")
+        if protocol not in ("tools", "text"):
+            raise ValueError(f"`protocol` must be 'tools' or 'text', got {protocol!r}")
         self.rng = random.Random(seed)
-        self.no_tool_share, self.max_error = float(no_tool_share), max_error
+        self.no_tool_share, self.max_error, self.protocol = float(no_tool_share), max_error, protocol
 
     def __call__(self, observation: str) -> str:
-        result = _RESULT.match(observation)
+        result = (_TOOL_RESULT if self.protocol == "tools" else _RESULT).match(observation)
         if result is not None:
-            return f"answer({result.group(1)})"
+            return self._answer(result.group(1))
         question = _QUESTION.search(observation)
         if question is None:
-            return "answer(0)"  # a calc error or anything unexpected: give up with some answer
+            return self._answer("0")  # a calc error or anything unexpected: give up with some answer
         expr = question.group(1)
         if self.rng.random() < self.no_tool_share:
             try:
                 right = int(safe_eval(expr))
             except CalcError:
                 right = 0
-            wrong = right + self.rng.choice([-1, 1]) * self.rng.randint(1, self.max_error)
-            return f"answer({wrong})"
+            return self._answer(str(right + self.rng.choice([-1, 1]) * self.rng.randint(1, self.max_error)))
+        if self.protocol == "tools":
+            return f'<tool_call>\n{json.dumps({"name": "calculate", "arguments": {"expression": expr}})}\n</tool_call>'
         return f"calc({expr})"
 
+    def _answer(self, number: str) -> str:
+        return number if self.protocol == "tools" else f"answer({number})"
+
+
+
+_ASKS = {"cost": "price", "stock": "stock", "weigh": "weight"}
+_ITEM = re.compile(r"(?:one|many) (\w+)")
+
+
+@DEMONSTRATION_POLICIES.register("imperfect_inventory")
+class ImperfectInventory:
+    """The inventory task's imperfect tool user: it looks the asked field of the item up with the
+    matching tool and answers with what the tool said, except that with probability
+    ``wrong_tool_share`` it picks one of the two other tools (and so answers a wrong number). Calls
+    are written in the Hermes / Qwen format, the answer as the bare number."""
+
+    def __init__(self, seed: int = 0, wrong_tool_share: float = 0.5) -> None:
+        if isinstance(wrong_tool_share, bool) or not isinstance(wrong_tool_share, (int, float)) or \
+                not 0.0 <= wrong_tool_share <= 1.0:
+            raise ValueError(f"`wrong_tool_share` must be a number in [0, 1], got {wrong_tool_share!r}")
+        self.rng, self.wrong_tool_share = random.Random(seed), float(wrong_tool_share)
+
+    def __call__(self, observation: str) -> str:
+        if re.fullmatch(r"-?\d+", observation.strip()):
+            return observation.strip()  # a tool's answer: say it
+        asked = next((field for word, field in _ASKS.items() if word in observation), None)
+        item = _ITEM.search(observation)
+        if asked is None or item is None:
+            return "0"  # an error message or anything unexpected: give up with some answer
+        tool = asked
+        if self.rng.random() < self.wrong_tool_share:
+            tool = self.rng.choice([f for f in ("price", "stock", "weight") if f != asked])
+        return f'<tool_call>\n{json.dumps({"name": tool, "arguments": {"item": item.group(1)}})}\n</tool_call>'

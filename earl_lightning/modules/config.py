@@ -464,14 +464,18 @@ def module_hparams(model: str, dtype: str, rollout: RolloutConfig, algorithm: Al
             "logprob_mismatch_warn": logprob_mismatch_warn}
 
 
-def check_first_observation(rollout: RolloutConfig, tokenizer: Any, spec: Any) -> None:
+def check_first_observation(rollout: RolloutConfig, tokenizer: Any, spec: Any, tools: Any = ()) -> None:
     """``max_context_tokens`` smaller than the first prompt (an env's first observation, or the
-    first dataset row's prompt) fails before any work is done; so does an env whose reset fails."""
+    first dataset row's prompt, with the tools rendered) fails before any work is done; so does an
+    env whose reset fails, and tools without a parser to read their calls."""
     from earl_lightning.rollout.env_calls import EnvFault
     from earl_lightning.rollout.loop import first_prompt_ids
 
+    if tools and rollout.tool_parser is None:
+        raise ValueError(f"`--data.tools` names tools {[t.name for t in tools]}, and `{A}.rollout.tool_parser` is null: "
+                         f"set the parser of the model's tool-call format (hermes, llama3_json, mistral)")
     try:
-        ids = first_prompt_ids(spec, tokenizer, rollout.system_prompt)
+        ids = first_prompt_ids(spec, tokenizer, rollout.system_prompt, loop_kwargs(rollout, tools)["tools"])
     except EnvFault as fault:
         raise ValueError(f"`--data.env` {spec.env!r}: {fault}") from None
     need = len(ids) + rollout.sampling.max_new_tokens

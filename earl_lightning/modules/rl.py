@@ -125,10 +125,16 @@ class AgenticRLModule(L.LightningModule):
         dm = self.trainer.datamodule
         if isinstance(dm, EpisodeDataModule) and not self.run_metrics.reward_names:
             self.run_metrics.track_rewards([f.name for f in dm.reward_funcs])
-        if isinstance(dm, EpisodeDataModule):  # a first observation too long fails now
-            C.check_first_observation(self.rollout_config, self.tokenizer, dm.first_spec())
-            check_whole_groups(self.algorithm_config.advantage.name, self.algorithm_config.advantage.estimator,
-                               self.trainer.world_size, dm.exchanger.config.keep_groups)
+        if isinstance(dm, EpisodeDataModule):
+            self.check_data(dm, self.trainer.world_size)
+
+    def check_data(self, dm: EpisodeDataModule, world_size: int) -> None:
+        """Settings of the model and the data that are valid alone but not together: a first prompt
+        too long, tools without a parser, an estimator that needs whole groups per rank (the
+        ``earl`` command checks them before anything runs)."""
+        C.check_first_observation(self.rollout_config, self.tokenizer, dm.first_spec(), dm.tools)
+        check_whole_groups(self.algorithm_config.advantage.name, self.algorithm_config.advantage.estimator,
+                           world_size, dm.exchanger.config.keep_groups)
 
     # ---- the RL iteration ----------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -220,19 +220,25 @@ def _toolset(tools: ToolUse | None, env: Any, timeout_s: float | None) -> ToolSe
     if tools is None:
         return None
     own = [tool_of(t, "the environment's tools") for t in env.tools()] if isinstance(env, ToolEnv) else []
-    return ToolSet([*tools.tools, *own], timeout_s=None)
+    return ToolSet([*tools.tools, *own]) if tools.tools or own else None
 
 
-def first_prompt_ids(spec: EpisodeSpec, tokenizer: Any, system_prompt: str | None = None) -> list[int]:
+def first_prompt_ids(spec: EpisodeSpec, tokenizer: Any, system_prompt: str | None = None,
+                     tools: ToolUse | None = None) -> list[int]:
     """The ids the first turn of ``spec`` is generated from, built as :func:`rollout` builds them
-    (its env is built and reset). Raises :class:`EnvFault` when that fails."""
+    (its env is built and reset, its tools rendered). Raises :class:`EnvFault` when that fails, and
+    ValueError when the env offers tools and ``tools`` is None (no parser would read the calls)."""
     calls = EnvCalls(None, workers=1)
     try:
-        (st,) = start_episodes([spec], calls, tokenizer, system_prompt, None, None)
+        (st,) = start_episodes([spec], calls, tokenizer, system_prompt, None, tools)
     finally:
         calls.close()
     if st.error is not None:
         raise EnvFault(st.error)
+    if tools is None and isinstance(st.env, ToolEnv) and st.env.tools():
+        names = [tool_of(t, "the environment's tools").name for t in st.env.tools()]
+        raise ValueError(f"`--data.env` {spec.env!r} offers tools {names}, and `--model.rollout.tool_parser` is null: "
+                         f"set the parser of the model's tool-call format (hermes, llama3_json, mistral)")
     return list(st.token_ids)
 
 

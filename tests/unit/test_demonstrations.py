@@ -72,13 +72,21 @@ def test_a_replayed_model_episode_is_reproduced_token_for_token(case, tiny, monk
 
 def test_demonstration_tokens_decode_to_the_chat_template_of_its_transcript(tiny):
     _, tok = tiny
+    from earl_lightning.rollout.loop import ToolUse
+    from earl_lightning.tasks.tool_parsers import hermes
+    from earl_lightning.tasks.tools import tool_of
+
     specs = [EpisodeSpec("calculator", seed=s, group_id=s, episode_id=s) for s in range(4)]
     demos = play_demonstrations(specs, "imperfect_calculator", {"no_tool_share": 0.5}, tok,
-                                SamplingConfig(max_new_tokens=24, stop=[")"]), max_turns=4, max_context_tokens=1024)
+                                SamplingConfig(max_new_tokens=96), max_turns=4, max_context_tokens=2048,
+                                tools=ToolUse(hermes))
+    schema = tool_of(make_env("calculator").calculate, "calculate").schema
+    assert sum(ep.tool_calls for ep in demos) > 0
     for ep in demos:
-        assert tok.decode(ep.token_ids, skip_special_tokens=False) == tok.apply_chat_template(ep.messages, tokenize=False)
+        assert tok.decode(ep.token_ids, skip_special_tokens=False) == tok.apply_chat_template(
+            ep.messages, tools=[schema], tokenize=False)
         generated = tok.decode([t for t, m in zip(ep.token_ids, ep.action_mask) if m], skip_special_tokens=False)
-        assert generated == "".join(m["content"] for m in ep.messages if m["role"] == "assistant")
+        assert generated == "".join(m["content"] + "<|im_end|>" for m in ep.messages if m["role"] == "assistant")
         assert all(lp == 0.0 for lp in ep.logprobs)
 
 
@@ -95,13 +103,17 @@ def test_random_legal_never_plays_an_illegal_move():
 
 
 def test_imperfect_calculator_skips_the_tool_on_its_share_and_is_then_wrong():
+    from earl_lightning.tasks.tool_parsers import hermes
+
     env = make_env("calculator")
     used, correct = [], []
     for seed in range(400):
         policy, obs = ImperfectCalculator(seed, no_tool_share=0.3), env.reset(seed)
-        result = env.step(policy(obs))
-        if not result.done:
-            result = env.step(policy(result.observation))
+        action = policy(obs)
+        calls = hermes(action).calls
+        if calls:  # the calculator tool, called as the rollout would call it
+            action = policy(env.calculate(**calls[0].arguments))
+        result = env.step(action)
         used.append(result.info["tool_calls"] > 0)
         correct.append(result.info["correct"])
     assert all(c == u for c, u in zip(correct, used))  # with the tool always right, without it always wrong

@@ -13,19 +13,24 @@ from earl_lightning.envs import CalcError, CalculatorEnv, make_env, safe_eval
 from earl_lightning.envs.calculator import format_number, make_question
 
 
+def TextCalc(**kwargs) -> CalculatorEnv:
+    """The first version's text protocol (calc(...) / answer(N)), what most of this file tests."""
+    return CalculatorEnv(protocol="text", **kwargs)
+
+
 def question_of(observation: str) -> str:
     return observation.removeprefix("What is ").split("?")[0]
 
 
 def test_question_is_deterministic_and_answer_is_its_value():
-    env = CalculatorEnv(difficulty="medium")
+    env = TextCalc(difficulty="medium")
     obs = env.reset(7)
-    assert obs == CalculatorEnv(difficulty="medium").reset(7)
+    assert obs == TextCalc(difficulty="medium").reset(7)
     assert obs.endswith("? Use calc(expr) for a calculator, then answer with answer(N).")
     expr = question_of(obs)
     # Python's own arithmetic, on the literal question text, is the independent reference.
     assert env.answer == eval(expr, {"__builtins__": {}})  # noqa: S307 - trusted test input
-    assert len({question_of(CalculatorEnv().reset(s)) for s in range(20)}) > 15
+    assert len({question_of(TextCalc().reset(s)) for s in range(20)}) > 15
 
 
 @pytest.mark.parametrize("difficulty, count, largest", [("easy", 2, 20), ("medium", 3, 99), ("hard", 4, 999)])
@@ -38,7 +43,7 @@ def test_difficulty_sets_the_size_of_the_question(difficulty, count, largest):
 
 
 def test_correct_answer_after_tool_calls():
-    env = CalculatorEnv(difficulty="hard")
+    env = TextCalc(difficulty="hard")
     expr = question_of(env.reset(3))
     res = env.step(f"Let me compute. calc({expr})")
     assert res == type(res)(f"calc: {env.answer}", 0.0, False, {"invalid_action": False, "tool_calls": 1})
@@ -50,7 +55,7 @@ def test_correct_answer_after_tool_calls():
 
 
 def test_wrong_answer_and_custom_rewards():
-    env = CalculatorEnv(correct_reward=2.0, wrong_reward=-0.5)
+    env = TextCalc(correct_reward=2.0, wrong_reward=-0.5)
     env.reset(0)
     res = env.step(f"answer({env.answer + 1})")
     assert res.done and res.reward == -0.5
@@ -61,7 +66,7 @@ def test_wrong_answer_and_custom_rewards():
 
 
 def test_tool_cap_ends_with_wrong_reward():
-    env = CalculatorEnv(max_tool_calls=2)
+    env = TextCalc(max_tool_calls=2)
     env.reset(1)
     for i in (1, 2):
         res = env.step("calc(2+2)")
@@ -72,7 +77,7 @@ def test_tool_cap_ends_with_wrong_reward():
 
 
 def test_calc_error_costs_a_call_but_is_not_invalid():
-    env = CalculatorEnv(max_tool_calls=1)
+    env = TextCalc(max_tool_calls=1)
     env.reset(2)
     res = env.step("calc(1/0)")
     assert res.observation == "calc error: division by zero"
@@ -82,7 +87,7 @@ def test_calc_error_costs_a_call_but_is_not_invalid():
 
 @pytest.mark.parametrize("text", ["the answer is 42", "", "answer(forty)", "answer(4.5)", "calculate 3+4"])
 def test_text_without_a_call_or_integer_answer_is_invalid(text):
-    env = CalculatorEnv()
+    env = TextCalc()
     env.reset(0)
     res = env.step(text)
     assert res.done and res.reward == -1.0 and res.info["invalid_action"]
@@ -90,7 +95,7 @@ def test_text_without_a_call_or_integer_answer_is_invalid(text):
 
 
 def test_first_call_in_the_text_wins_and_nested_parentheses_are_kept():
-    env = CalculatorEnv()
+    env = TextCalc()
     env.reset(0)
     res = env.step("calc((2+3)*(4-1)) then answer(0)")
     assert res.observation == "calc: 15" and not res.done
@@ -131,7 +136,7 @@ def test_safe_eval_rejects(expr, match):
 
 
 def test_unsafe_expression_through_the_env_is_a_calc_error():
-    env = CalculatorEnv()
+    env = TextCalc()
     env.reset(0)
     res = env.step("calc(__import__('os').system('echo pwned'))")
     assert res.observation.startswith("calc error: unsupported syntax") and not res.done
@@ -143,7 +148,7 @@ def test_format_number():
 
 
 def test_step_after_done_raises():
-    env = CalculatorEnv()
+    env = TextCalc()
     env.reset(0)
     env.step("answer(1)")
     with pytest.raises(RuntimeError, match="finished episode"):
@@ -169,7 +174,7 @@ def test_registry_and_bad_names():
     with pytest.raises(ValueError, match=r"unknown `env` 'calculater'; valid environments: .*'calculator'"):
         make_env("calculater")
     with pytest.raises(ValueError, match=r"`seed` must be a non-negative int, got '3'"):
-        CalculatorEnv().reset("3")
+        TextCalc().reset("3")
 
 
 # ---- property tests: the evaluator agrees with Python's integer arithmetic, and never raises
@@ -222,7 +227,27 @@ def test_safe_eval_never_raises_anything_else(text):
 @settings(max_examples=100, deadline=None)
 @given(st.text(max_size=80))
 def test_env_step_never_raises_on_any_text(text):
-    env = CalculatorEnv()
+    env = TextCalc()
     env.reset(0)
     res = env.step(text)
     assert isinstance(res.observation, str) and isinstance(res.done, bool)
+
+
+def test_the_calculator_is_a_tool_and_the_answer_a_message():
+    env = CalculatorEnv(max_tool_calls=2)
+    obs = env.reset(3)
+    assert obs == f"What is {env.question}? Answer with the number."
+    (tool,) = env.tools()
+    assert tool == env.calculate and env.calculate(env.question) == str(env.answer)
+    assert env.calculate("2**100") == "Error: exponent must be an integer of size at most 16, got 100"
+    assert env.calculate("1+1") == "Error: no calculator calls left (at most 2)"
+    result = env.step(str(env.answer))
+    assert result.done and result.reward == 1.0 and result.info["correct"] and result.info["tool_calls"] == 3
+    assert result.info["truncated_tools"]
+    env.reset(4)
+    wrong = env.step(str(env.answer + 1))
+    assert wrong.reward == 0.0 and not wrong.info["correct"] and not wrong.info["truncated_tools"]
+    env.reset(5)
+    bad = env.step("calc(1+1)")
+    assert bad.info["invalid_action"] and bad.reward == -1.0
+    assert TextCalc().tools() == []

@@ -11,6 +11,8 @@ from earl_lightning.rollout.demonstrations import play_demonstrations
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.models import load_tokenizer
+from earl_lightning.rollout.loop import ToolUse
+from earl_lightning.tasks.tool_parsers import hermes
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +22,9 @@ def tok():
 
 def _play(tok, env: str, policy: str, n: int, **policy_kwargs):
     specs = [EpisodeSpec(env, seed=s, group_id=s, episode_id=s) for s in range(n)]
-    return play_demonstrations(specs, policy, policy_kwargs, tok, SamplingConfig(max_new_tokens=24, stop=[")"]),
-                               max_turns=4 if env == "calculator" else 30, max_context_tokens=4096)
+    return play_demonstrations(specs, policy, policy_kwargs, tok, SamplingConfig(max_new_tokens=96),
+                               max_turns=4 if env == "calculator" else 30, max_context_tokens=4096,
+                               tools=ToolUse(hermes))
 
 
 def test_calculator_episodes_report_accuracy_and_tool_use(tok):
@@ -49,5 +52,8 @@ def test_game_episodes_report_outcomes_only(tok):
 
 def test_policies_are_independent_of_each_other():
     assert RandomLegal(3)("Legal: 0 1 2") == RandomLegal(3)("Legal: 0 1 2")
-    assert ImperfectCalculator(0, no_tool_share=0.0)("What is 2+3? Use calc(expr)") == "calc(2+3)"
-    assert ImperfectCalculator(0)("calc: 5") == "answer(5)"
+    assert ImperfectCalculator(0, no_tool_share=0.0, protocol="text")("What is 2+3? Use calc(expr)") == "calc(2+3)"
+    assert ImperfectCalculator(0, protocol="text")("calc: 5") == "answer(5)"
+    assert ImperfectCalculator(0, no_tool_share=0.0)("What is 2+3? Answer with the number.") == \
+        '<tool_call>\n{"name": "calculate", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    assert ImperfectCalculator(0)("5") == "5"
