@@ -133,6 +133,9 @@ class RolloutConfig:
             read as a tool call (then the task may offer no tools).
         call_workers: threads running the env steps and tool calls of all live episodes at once
             (1: one at a time).
+        call_isolation: ``thread``: environments live in the trainer's process; ``process``: each in
+            a worker process of its own, killed when one of its calls runs past ``env_timeout_s`` (a
+            call that holds the GIL then ends with its process, and only its episode is lost).
         continuous_turns: an episode whose calls have returned is generated for at once, without
             waiting for the other episodes' calls (tensor-parallel rollouts always wait: their
             ranks must generate the same batches); false: every turn waits for every call.
@@ -150,6 +153,7 @@ class RolloutConfig:
     max_failed_share: float = 1.0
     tool_parser: Optional[str] = None
     call_workers: int = 64
+    call_isolation: Literal["thread", "process"] = "thread"
     continuous_turns: bool = True
 
     def __post_init__(self) -> None:
@@ -168,6 +172,8 @@ class RolloutConfig:
         check_history_turns(self.history_turns, f"{arg}.history_turns")
         check_number(f"{arg}.env_timeout_s", self.env_timeout_s, strict=True, optional=True)
         check_count(f"{arg}.call_workers", self.call_workers)
+        if self.call_isolation not in ("thread", "process"):
+            raise ValueError(f"`{arg}.call_isolation` must be 'thread' or 'process', got {self.call_isolation!r}")
         if self.tool_parser is not None:
             from earl_lightning.tasks.tool_parsers import get_tool_parser
 
@@ -189,7 +195,8 @@ def loop_kwargs(rollout: RolloutConfig, tools: Any = None, continuous: bool = Fa
         use = ToolUse(get_tool_parser(rollout.tool_parser), tuple(tools or ())) if rollout.tool_parser else None
     return dict(max_turns=rollout.max_turns, max_context_tokens=rollout.max_context_tokens,
                 system_prompt=rollout.system_prompt, history_turns=rollout.history_turns,
-                env_timeout_s=rollout.env_timeout_s, call_workers=rollout.call_workers, tools=use,
+                env_timeout_s=rollout.env_timeout_s, call_workers=rollout.call_workers,
+                call_isolation=rollout.call_isolation, tools=use,
                 continuous=continuous and rollout.continuous_turns)
 
 

@@ -85,19 +85,35 @@ class EnvCalls:
     Args:
         timeout_s: the longest a call may run (None: no limit).
         workers: threads running calls at the same time (1: one at a time, in order).
+        isolation: ``thread``: environments live in this process; ``process``: each in a worker
+            process of its own (:class:`~earl_lightning.rollout.process_env.ProcessEnv`), killed when
+            one of its calls (its tools' included) runs past ``timeout_s``: a call that holds the
+            GIL ends with its process, and only its episode is lost.
     """
 
-    def __init__(self, timeout_s: float | None = None, workers: int = DEFAULT_WORKERS) -> None:
+    def __init__(self, timeout_s: float | None = None, workers: int = DEFAULT_WORKERS,
+                 isolation: str = "thread") -> None:
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or not math.isfinite(timeout_s) or timeout_s <= 0):
             raise ValueError(f"`env_timeout_s` must be a number > 0 or None, got {timeout_s!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`call_workers` must be an integer >= 1, got {workers!r}")
-        self.timeout_s = timeout_s
+        if isolation not in ("thread", "process"):
+            raise ValueError(f"`call_isolation` must be 'thread' or 'process', got {isolation!r}")
+        self.timeout_s, self.isolation = timeout_s, isolation
+        if isolation == "process":
+            from earl_lightning.rollout.process_env import start_servers
+
+            start_servers()
         self._pool = _Pool(workers)
+        self._processes: list[Any] = []  # the ProcessEnvs of this rollout, ended by close()
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         self._pool.close()
+        for env in self._processes:
+            env.kill()
+        self._processes.clear()
 
     # ---- calls in flight: submit now, collect when done ---------------------------------------
     def submit_start(self, spec: EpisodeSpec) -> "Pending":
@@ -105,16 +121,22 @@ class EnvCalls:
         pair or an :class:`EnvFault`."""
         if spec.env is not None:
             check_env_name(spec.env)  # an unknown name or a bad import path is a config error: it raises
-        return Pending([self._pool.submit(self._start, spec)], lambda jobs: self._outcome(jobs[0], spec, "reset"))
+        if self.isolation == "process" and spec.env is not None:
+            holder: list[Any] = []
+            job = self._pool.submit(self._start_process, spec, holder, on_abandon=lambda: [e.kill() for e in holder])
+        else:
+            job = self._pool.submit(self._start, spec)
+        return Pending([job], lambda jobs: self._outcome(jobs[0], spec, "reset"))
 
     def submit_step(self, spec: EpisodeSpec, env: Env, action: str) -> "Pending":
         """``env.step(action)``, checked; the result a :class:`StepResult` or an :class:`EnvFault`."""
-        return Pending([self._pool.submit(self._step, env, action)], lambda jobs: self._outcome(jobs[0], spec, "step"))
+        job = self._pool.submit(self._step, env, action, on_abandon=_killer(env))
+        return Pending([job], lambda jobs: self._outcome(jobs[0], spec, "step"))
 
     def submit_tools(self, tools: ToolSet, calls: Sequence[ToolCall]) -> "Pending":
         """Every call of one turn; the result their :class:`ToolResult` list (a call that fails or
         does not return in time is an error result: the model reads its message)."""
-        jobs = [self._pool.submit(tools.call, call) for call in calls]
+        jobs = [self._pool.submit(tools.call, call, on_abandon=_killer(tools.owner(call))) for call in calls]
         return Pending(jobs, lambda done: [self._tool_result(j, c) for j, c in zip(done, calls)])
 
     def wait(self, pending: Sequence["Pending"], *, first: bool = False) -> list["Pending"]:
@@ -156,12 +178,24 @@ class EnvCalls:
         return out
 
     # ---- what runs on a worker ---------------------------------------------------------------
+    def _start_process(self, spec: EpisodeSpec, holder: list[Any]) -> tuple[Env | None, str | None]:
+        from earl_lightning.rollout.process_env import ProcessEnv
+
+        try:
+            env = ProcessEnv(spec.env, spec.env_kwargs)
+        except Exception as exc:  # noqa: BLE001 - building it failed in its process
+            raise _Failed.raised("make_env", exc) from exc
+        holder.append(env)
+        with self._lock:
+            self._processes.append(env)
+        return self._start(spec, env)
+
     @staticmethod
-    def _start(spec: EpisodeSpec) -> tuple[Env | None, str | None]:
+    def _start(spec: EpisodeSpec, env: Env | None = None) -> tuple[Env | None, str | None]:
         if spec.env is None:
             return None, None
         try:
-            env = make_env(spec.env, **spec.env_kwargs)
+            env = env if env is not None else make_env(spec.env, **spec.env_kwargs)
         except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
             raise _Failed.raised("make_env", exc) from exc
         try:
@@ -190,8 +224,9 @@ class EnvCalls:
     # ---- outcomes ----------------------------------------------------------------------------
     def _outcome(self, job: "_Job", spec: EpisodeSpec, name: str) -> Any:
         if job.timed_out:
-            return self._fault(spec, name, f"did not return within env_timeout_s={self.timeout_s:g}s; the env is "
-                                           f"abandoned (the call keeps running in a daemon thread)",
+            fate = ("its process is killed" if job.on_abandon is not None else
+                    "the env is abandoned (the call keeps running in a daemon thread)")
+            return self._fault(spec, name, f"did not return within env_timeout_s={self.timeout_s:g}s; {fate}",
                                f"{name}() timeout", stack=job.stack)
         exc = job.future.exception()
         if isinstance(exc, _Failed):
@@ -220,6 +255,15 @@ class EnvCalls:
                         "their episode and count in env/errors without a log line]%s", rank, fault, kind, where,
                         exc_info=exc)
         return fault
+
+
+def _killer(owner: Any) -> Callable[[], None] | None:
+    """What ends a call of ``owner`` that ran too long: killing its process, when it has one."""
+    from earl_lightning.rollout.process_env import ProcessEnv, remote_owner
+
+    env = remote_owner(owner) if owner is not None else None
+    env = owner if isinstance(owner, ProcessEnv) else env
+    return env.kill if env is not None else None
 
 
 def _awaited(value: Any) -> Any:
@@ -281,8 +325,8 @@ class Pending:
 class _Job:
     """One submitted call: its future, when a worker started it, and that worker."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
-        self.fn, self.args, self.future = fn, args, Future()
+    def __init__(self, fn: Callable[..., Any], args: tuple, on_abandon: Callable[[], Any] | None = None) -> None:
+        self.fn, self.args, self.future, self.on_abandon = fn, args, Future(), on_abandon
         self.started: float | None = None
         self.thread: threading.Thread | None = None
         self.timed_out, self.stack = False, ""
@@ -302,8 +346,8 @@ class _Pool:
         self._queued = 0  # jobs submitted and not yet taken by a worker
         self._busy = 0  # workers running a job (not retired)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> _Job:
-        job = _Job(fn, args)
+    def submit(self, fn: Callable[..., Any], *args: Any, on_abandon: Callable[[], Any] | None = None) -> _Job:
+        job = _Job(fn, args, on_abandon)
         with self._done:
             self._queued += 1
             if self._busy + self._queued > self._live and self._live < self.workers:
@@ -347,6 +391,8 @@ class _Pool:
         self._busy -= 1
         if self._queued:
             self._spawn()
+        if job.on_abandon is not None:  # a call in a process of its own: ending the process ends the call
+            job.on_abandon()
 
     def _spawn(self) -> None:
         self._live += 1

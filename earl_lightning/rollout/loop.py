@@ -63,6 +63,7 @@ def rollout(
     env_timeout_s: float | None = None,
     tools: ToolUse | None = None,
     call_workers: int = DEFAULT_WORKERS,
+    call_isolation: str = "thread",
     continuous: bool = False,
 ) -> list[Episode]:
     """Play every episode of ``specs`` to the end; episodes in spec order.
@@ -74,7 +75,9 @@ def rollout(
     call (building the env, ``reset``, ``step``) ends only that episode: an exception, a return
     value of the wrong type, or a call still running after ``env_timeout_s`` seconds sets ``error``
     (naming the env, seed, call and problem), ``done`` and reward 0.0; a tool call's fault is the
-    ``tool`` message the model reads next. ``call_workers`` threads run the calls.
+    ``tool`` message the model reads next. ``call_workers`` threads run the calls; with
+    ``call_isolation="process"`` each environment lives in a process of its own, killed when a call
+    of it runs past ``env_timeout_s``.
 
     Raises:
         ValueError: bad ``max_turns`` / ``max_context_tokens`` / ``history_turns`` / duplicate
@@ -83,7 +86,7 @@ def rollout(
     _check_args(specs, max_turns, max_context_tokens)
     check_history_turns(history_turns, "history_turns")
     keys = [s.episode_id for s in specs]
-    calls = EnvCalls(env_timeout_s, call_workers)
+    calls = EnvCalls(env_timeout_s, call_workers, call_isolation)
     backend.release(keys)  # a stale cache from an earlier rollout (older weights) must not be reused
     try:
         states = start_episodes(specs, calls, tokenizer, system_prompt, history_turns, tools)

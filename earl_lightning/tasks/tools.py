@@ -142,6 +142,11 @@ class ToolSet:
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema for t in self.tools.values()]
 
+    def owner(self, call: ToolCall) -> Callable[..., Any] | None:
+        """The function a call runs (None for an unknown tool)."""
+        tool = self.tools.get(call.name)
+        return tool.fn if tool is not None else None
+
     def call(self, call: ToolCall) -> ToolResult:
         start = time.perf_counter()
         tool = self.tools.get(call.name)

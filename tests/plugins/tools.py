@@ -82,3 +82,20 @@ class Counter:
         m = _INT.search(action)
         right = m is not None and int(m.group()) == self.total == self.target
         return StepResult("", 1.0 if right else 0.0, True, {"correct": right, "tool_calls": self.total})
+
+
+class HoldsTheGil:
+    """``step`` on the given turn runs a regular expression that backtracks for hours inside the C
+    engine, holding the GIL all the while (a thread cannot even be timed out); other steps answer."""
+
+    def __init__(self, bad_seed: int = 0) -> None:
+        self.bad_seed = bad_seed
+
+    def reset(self, seed: int) -> str:
+        self.seed = seed
+        return "Say something."
+
+    def step(self, action: str) -> StepResult:
+        if self.seed == self.bad_seed:
+            re.match(r"(a+)+b", "a" * 64)
+        return StepResult("", 1.0, True, {})

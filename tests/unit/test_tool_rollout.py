@@ -155,3 +155,26 @@ def test_a_template_that_rewrites_earlier_turns_trains_each_turn_as_its_own_row(
 
     exp = episodes_to_experience([ep])
     assert len(exp) == 3 and exp.seqs["turn_index"].tolist() == [0, 1, 2], "one row per turn"
+
+
+def test_a_call_that_holds_the_gil_ends_only_its_episode_in_process_isolation(tok):
+    """A step stuck in the C regex engine holds the GIL: in a process of its own it is killed at the
+    time limit, its episode fails, and the other episodes of the rollout finish."""
+    specs = [EpisodeSpec("tests.plugins.tools.HoldsTheGil", seed=s, group_id=s, episode_id=s) for s in range(3)]
+    backend = PolicyBackend({s: Says("hi") for s in range(3)}, tok)
+    t0 = time.perf_counter()
+    episodes = rollout(specs, backend, tok, SamplingConfig(max_new_tokens=8), max_turns=2, max_context_tokens=1024,
+                       env_timeout_s=2.0, call_isolation="process")
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 30.0
+    assert episodes[0].error == ("env 'tests.plugins.tools.HoldsTheGil' (seed 0): step() did not return within "
+                                 "env_timeout_s=2s; its process is killed")
+    assert [ep.reward for ep in episodes[1:]] == [1.0, 1.0] and all(ep.error is None for ep in episodes[1:])
+
+
+def test_process_isolation_plays_as_threads_do_and_offers_the_envs_tools(tok):
+    row = {"prompt": [{"role": "user", "content": "Go."}], "target": 2}
+    script = [call("increment"), call("increment", by=1), "2"]
+    here, there = (play(tok, [row], [script], env="tests.plugins.tools.Counter", tools=(), call_isolation=iso)[0]
+                   for iso in ("thread", "process"))
+    assert there.reward == 1.0 and (here.token_ids, here.messages) == (there.token_ids, there.messages)
