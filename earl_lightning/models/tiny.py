@@ -23,7 +23,7 @@ SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 
 # ChatML, the format of Qwen2.5 and Hermes, written for these models. Without tools every message
 # renders as <|im_start|>role\ncontent<|im_end|>\n. With `tools`, the system message lists their
-# schemas and says how to call them; an assistant message's `tool_calls` render as
+# schemas (name, description, parameters: short, for character-level models) and says how to call them; an assistant message's `tool_calls` render as
 # <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> after its content; consecutive `tool`
 # messages render together as one user message of <tool_response> blocks. `hermes` parses it.
 CHAT_TEMPLATE = (
@@ -33,10 +33,12 @@ CHAT_TEMPLATE = (
     "{%- if messages and messages[0]['role'] == 'system' -%}"
     "{{ messages[0]['content'] + '\n\n' }}{%- set ns.rest = messages[1:] -%}"
     "{%- endif -%}"
-    "{{ '# Tools\n\nYou may call these functions. Their signatures, in <tools></tools>:\n<tools>' }}"
-    "{%- for tool in tools -%}{{ '\n' + (tool | tojson) }}{%- endfor -%}"
-    "{{ '\n</tools>\n\nTo call one, write <tool_call>\n{\"name\": <name>, \"arguments\": <arguments object>}\n'"
-    " + '</tool_call>; the result comes back in <tool_response></tool_response>.<|im_end|>\n' }}"
+    "{{ 'Tools:' }}"
+    "{%- for tool in tools -%}{%- set f = tool['function'] if 'function' in tool else tool -%}"
+    "{{ '\n' + ({'name': f['name'], 'description': f.get('description', ''), 'parameters': f.get('parameters', {})}"
+    " | tojson) }}"
+    "{%- endfor -%}"
+    "{{ '\nCall one with <tool_call>\n{\"name\": <name>, \"arguments\": <arguments>}\n</tool_call>.<|im_end|>\n' }}"
     "{%- endif -%}"
     "{%- for message in ns.rest -%}"
     "{%- if message['role'] == 'tool' -%}"
@@ -183,7 +185,7 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
     if name not in PRESETS:
         raise ValueError(f"unknown tiny model preset {name!r}; valid: {sorted(PRESETS)}")
     spec = dict(PRESETS[name]); spec.update(overrides)
-    key = hashlib.sha256(json.dumps({"spec": spec, "seed": seed, "v": 3}, sort_keys=True).encode())
+    key = hashlib.sha256(json.dumps({"spec": spec, "seed": seed, "v": 4}, sort_keys=True).encode())
     out = Path(cache_dir) if cache_dir is not None else _cache_root() / f"{name}-{key.hexdigest()[:12]}"
     if _complete(out):
         return out

@@ -118,7 +118,7 @@ def test_an_output_dir_that_exists_and_is_not_empty_is_refused_unless_overwrite(
 @pytest.mark.parametrize("args, message", [
     (["--data.policy", "random_legl"],
      "earl: error: unknown `--data.policy` 'random_legl'; valid demonstration policies: "
-     "['centre_first', 'imperfect_calculator', 'random_legal']"),
+     "['centre_first', 'imperfect_calculator', 'imperfect_inventory', 'random_legal']"),
     (["--data.policy", "tests.unit.test_demonstrations.returns_int"],
      "earl: error: demonstration policy 'tests.unit.test_demonstrations.returns_int' returned 3 (type int) for "
      "the observation"),

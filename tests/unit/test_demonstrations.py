@@ -133,7 +133,7 @@ def test_policy_errors_name_the_policy_and_what_is_wrong(tiny):
     with pytest.raises(DemonstrationError, match=r"outside `sampling.allowed_tokens`: \['9'\]"):
         play_demonstrations(specs, "tests.unit.test_demonstrations.answers_nine", None, tok, one_digit, **kw)
     with pytest.raises(ValueError, match=r"unknown `--data.policy` 'random_legl'; valid demonstration policies: "
-                                         r"\['centre_first', 'imperfect_calculator', 'random_legal'\]"):
+                                         r"\['centre_first', 'imperfect_calculator', 'imperfect_inventory', 'random_legal'\]"):
         make_policy("random_legl", None, 0)
     with pytest.raises(ValueError, match=r"`--data.policy_kwargs` \{'no_tool_shar': 0.5\} do not fit"):
         make_policy("imperfect_calculator", {"no_tool_shar": 0.5}, 0)
