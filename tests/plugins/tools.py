@@ -99,3 +99,23 @@ class HoldsTheGil:
         if self.seed == self.bad_seed:
             re.match(r"(a+)+b", "a" * 64)
         return StepResult("", 1.0, True, {})
+
+
+class Sleepy:
+    """A tool environment (its ``nap`` tool) whose every step takes 0.05 s x (seed % 3): episodes
+    whose calls return at different times, for continuous turns."""
+
+    def __init__(self, turns: int = 3) -> None:
+        self.turns = turns
+
+    def reset(self, seed: int) -> str:
+        self.seed, self.turn = seed, 0
+        return "Say anything."
+
+    def tools(self) -> list:
+        return [nap]
+
+    def step(self, action: str) -> StepResult:
+        time.sleep(0.05 * (self.seed % 3))
+        self.turn += 1
+        return StepResult("Again.", 0.0, self.turn >= self.turns, {})

@@ -4,7 +4,8 @@ takes ~15 s to build on CPU, so every check shares the same few engines).
 Each rank writes a JSON of measurements to ``$EARL_SCENARIO_OUT/rank<r>.json``; the tests assert
 on them. Steps:
 1. TP 1 (one engine per rank): two-turn generation with prefix caching; log-probs vs the HF
-   recompute on the starting weights; stop strings; greedy.
+   recompute on the starting weights; stop strings; greedy. Then the rollout loop with a tool
+   environment whose calls take different times: continuous turns equal lock-step ones.
 2. A training step changes the (FSDP2-sharded) training copy; weights are synced bucket by
    bucket; the mismatch vs the HF recompute is measured.
 3. Another training step without sync: the stale mismatch is measured and the warning checked.
@@ -143,6 +144,25 @@ def tp1_generation(run: Run) -> None:
                    "decoded": tok.decode(stopped.token_ids), "unstopped": first[0].token_ids}
 
 
+def tool_rollout(run: Run) -> None:
+    """Step 1b: the rollout loop on the vLLM backend with a tool-offering environment whose calls
+    take a time that differs per episode: continuous turns give the same episodes as lock-step ones
+    (each request's sampling seed is its own), and every prompt carries the tools."""
+    from earl_lightning.rollout import EpisodeSpec, rollout
+    from earl_lightning.rollout.loop import ToolUse
+    from earl_lightning.tasks.tool_parsers import hermes
+
+    specs = [EpisodeSpec("tests.plugins.tools.Sleepy", seed=s, group_id=s, episode_id=100 + s) for s in range(4)]
+    kw = dict(max_turns=3, max_context_tokens=1024, tools=ToolUse(hermes))
+    lock = rollout(specs, run.backend, run.tok, run.sampling, continuous=False, **kw)
+    cont = rollout(specs, run.backend, run.tok, run.sampling, continuous=True, **kw)
+    run.res["tools_continuous_equal"] = [(a.token_ids, a.messages) for a in lock] == [(b.token_ids, b.messages)
+                                                                                     for b in cont]
+    run.res["tools_turns"] = [ep.num_turns for ep in cont]
+    run.res["tools_in_prompt"] = all('"name": "nap"' in run.tok.decode(ep.token_ids[:ep.prompt_tokens])
+                                     for ep in cont)
+
+
 def sync_then_stale(run: Run) -> None:
     """Steps 2 and 3: a training step, then the bucketed sync; another step without sync (stale)."""
     from earl_lightning.rollout.weight_sync import check_logprob_mismatch, sync_weights
@@ -219,7 +239,7 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
     run = Run(dist.get_rank(), dist.get_world_size())
-    for step in (tp1_generation, sync_then_stale, tp2_switch, oom_then_retry):
+    for step in (tp1_generation, tool_rollout, sync_then_stale, tp2_switch, oom_then_retry):
         step(run)
     run.backend.shutdown()
     with open(os.path.join(os.environ["EARL_SCENARIO_OUT"], f"rank{run.rank}.json"), "w") as f:

@@ -42,6 +42,14 @@ def test_tp1_generation_matches_hf_logprobs_over_two_turns(ranks):
 
 @needs_vllm
 @pytest.mark.distributed
+def test_continuous_turns_with_tools_equal_lock_step_on_vllm(ranks):
+    for r in ranks:
+        assert r["tools_continuous_equal"] and r["tools_in_prompt"]
+        assert all(1 <= n <= 3 for n in r["tools_turns"])
+
+
+@needs_vllm
+@pytest.mark.distributed
 def test_allowed_token_ids_restrict_sampling_and_logprobs_are_over_the_set(ranks):
     for r in ranks:
         a = r["allowed"]
