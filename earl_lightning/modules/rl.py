@@ -31,6 +31,7 @@ from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import (RunMetrics, StageTimer, batch_stats, log_transcripts,
                                             logged_by_reward_funcs, reported, reward_metrics, tool_metrics,
                                             zero_spread_share)
+from earl_lightning.modules.rollout_setup import check_first_observation, loop_kwargs
 from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory, lost_peer_error
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
@@ -132,7 +133,7 @@ class AgenticRLModule(L.LightningModule):
         """Settings of the model and the data that are valid alone but not together: a first prompt
         too long, tools without a parser, an estimator that needs whole groups per rank (the
         ``earl`` command checks them before anything runs)."""
-        C.check_first_observation(self.rollout_config, self.tokenizer, dm.first_spec(), dm.tools)
+        check_first_observation(self.rollout_config, self.tokenizer, dm.first_spec(), dm.tools)
         check_whole_groups(self.algorithm_config.advantage.name, self.algorithm_config.advantage.estimator,
                            world_size, dm.exchanger.config.keep_groups)
 
@@ -191,7 +192,7 @@ class AgenticRLModule(L.LightningModule):
         dm = self.trainer.datamodule
         tools = dm.tools if isinstance(dm, EpisodeDataModule) else []
         # tensor-parallel peers generate in lock step: every turn waits for every call
-        kwargs = C.loop_kwargs(self.rollout_config, tools, continuous=ctx.layout.tp == 1)
+        kwargs = loop_kwargs(self.rollout_config, tools, continuous=ctx.layout.tp == 1)
         try:
             episodes = rollout(self._exchanger().rollout_share(specs, ctx.layout, self.global_rank), self._backend,
                                self.tokenizer, sampling, **kwargs)

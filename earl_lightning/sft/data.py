@@ -16,7 +16,7 @@ from earl_lightning.data.datamodule import EvalEpisodes
 from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
-from earl_lightning.modules.config import loop_kwargs
+from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.modules.metrics import episode_counts
 from earl_lightning.rollout.chat import ChatDeltas
 from earl_lightning.rollout.demonstrations import play_demonstrations_with_targets

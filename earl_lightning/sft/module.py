@@ -14,6 +14,7 @@ from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
 from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import FLAGS, RunMetrics, reported
+from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
@@ -104,7 +105,7 @@ class WarmStartModule(L.LightningModule):
         flags = dict.fromkeys(FLAGS, False)
         dm = self.trainer.datamodule
         funcs = dm.reward_funcs if isinstance(dm, DemonstrationDataModule) else []
-        kwargs = C.loop_kwargs(r, dm.tools if isinstance(dm, DemonstrationDataModule) else [], continuous=True)
+        kwargs = loop_kwargs(r, dm.tools if isinstance(dm, DemonstrationDataModule) else [], continuous=True)
         for metrics, greedy in ((self.greedy_metrics, True), (self.sampled_metrics, False)):
             sampling = SamplingConfig(**{**vars(self.sampling), "greedy": greedy, "seed": self.hparams.seed})
             with eval_mode(self.policy), torch.no_grad():

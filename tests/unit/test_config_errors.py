@@ -51,7 +51,7 @@ def test_model_path_that_does_not_exist(tmp_path):
 
 
 def test_max_context_tokens_smaller_than_first_observation():
-    from earl_lightning.modules.config import check_first_observation
+    from earl_lightning.modules.rollout_setup import check_first_observation
 
     module = AgenticRLModule(rollout={"max_context_tokens": 20})
     dm = EpisodeDataModule()
