@@ -164,3 +164,22 @@ def test_a_dataset_task_on_two_processes(data, tmp_path, layouts):
     assert s["val/rewards/accuracy_reward"] == pytest.approx(s["val/reward"], abs=1e-6)
     assert max(s["logprob/mismatch"]) < 1e-4
     assert "sync_dist" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_a_dataset_task_with_tools_from_the_command_line(data, tmp_path):
+    """Rows, a tool named by import path and the model's parser: every prompt carries the tool, the
+    tools' counts are logged (a random model seldom calls one: the counts may be 0)."""
+    main(_fit_args(data, tmp_path, "earl-tiny", 2, "--data.tools", "[tests.plugins.tools.add]",
+                   "--model.rollout.tool_parser", "hermes", "--model.rollout.max_context_tokens", "1024"))
+    for tag in ("tools/calls", "tools/errors", "tools/seconds", "rewards/accuracy_reward/mean"):
+        assert scalars(tmp_path, tag), f"{tag} not logged"
+
+
+def test_tools_without_a_parser_are_one_line(data, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(_fit_args(data, tmp_path, "earl-tiny", 1, "--data.tools", "[tests.plugins.tools.add]",
+                       "--model.rollout.tool_parser", "null"))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert ("earl: error: `--data.tools` names tools ['add'], and `--model.rollout.tool_parser` is null: set the "
+            "parser of the model's tool-call format") in err and "Traceback" not in err
