@@ -38,7 +38,10 @@ def columns(a: int, b: int) -> str:
 
 
 def rows(size: int, seed: int, worked_share: float, boxed_share: float, digits: int) -> list[dict]:
-    import reasoning_gym
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise SystemExit("make_addition.py needs reasoning-gym: pip install -e '.[tasks]'") from None
 
     data = reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, min_terms=2, max_terms=2,
                                         min_digits=digits, max_digits=digits, operators=("+",),
