@@ -133,9 +133,10 @@ class RolloutConfig:
             read as a tool call (then the task may offer no tools).
         call_workers: threads running the env steps and tool calls of all live episodes at once
             (1: one at a time).
-        call_isolation: ``thread``: environments live in the trainer's process; ``process``: each in
-            a worker process of its own, killed when one of its calls runs past ``env_timeout_s`` (a
-            call that holds the GIL then ends with its process, and only its episode is lost).
+        call_isolation: ``thread``: environments and tools live in the trainer's process;
+            ``process``: each episode's environment and the task's tools in a worker process of
+            its own, killed when one of its calls runs past ``env_timeout_s`` (a call that holds
+            the GIL then ends with its process, and only its episode is lost).
         continuous_turns: an episode whose calls have returned is generated for at once, without
             waiting for the other episodes' calls (tensor-parallel rollouts always wait: their
             ranks must generate the same batches); false: every turn waits for every call.

@@ -29,13 +29,17 @@ def loop_kwargs(rollout: RolloutConfig, tools: Any = None, continuous: bool = Fa
 def check_first_observation(rollout: RolloutConfig, tokenizer: Any, spec: Any, tools: Any = ()) -> None:
     """``max_context_tokens`` smaller than the first prompt (an env's first observation, or the
     first dataset row's prompt, with the tools rendered) fails before any work is done; so does an
-    env whose reset fails, and tools without a parser to read their calls."""
+    env whose reset fails, tools without a parser to read their calls, and tools that cannot be
+    sent to a worker process under ``call_isolation: process``."""
     from earl_lightning.rollout.env_calls import EnvFault
     from earl_lightning.rollout.loop import first_prompt_ids
+    from earl_lightning.rollout.process_env import check_picklable
 
     if tools and rollout.tool_parser is None:
         raise ValueError(f"`--data.tools` names tools {[t.name for t in tools]}, and `{A}.rollout.tool_parser` is null: "
                          f"set the parser of the model's tool-call format (hermes, llama3_json, mistral)")
+    if tools and rollout.call_isolation == "process":
+        check_picklable(tools)
     try:
         ids = first_prompt_ids(spec, tokenizer, rollout.system_prompt, loop_kwargs(rollout, tools)["tools"])
     except EnvFault as fault:

@@ -44,7 +44,7 @@ from earl_lightning.envs.base import Env, StepResult, check_env_name, make_env
 from earl_lightning.parallel.collectives import global_rank, is_distributed
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.tasks.rows import reset_kwargs
-from earl_lightning.tasks.tools import ToolCall, ToolResult, ToolSet
+from earl_lightning.tasks.tools import Tool, ToolCall, ToolResult, ToolSet
 
 log = logging.getLogger("earl_lightning.rollout")
 T = TypeVar("T")
@@ -89,10 +89,12 @@ class EnvCalls:
             process of its own (:class:`~earl_lightning.rollout.process_env.ProcessEnv`), killed when
             one of its calls (its tools' included) runs past ``timeout_s``: a call that holds the
             GIL ends with its process, and only its episode is lost.
+        task_tools: the task's own tools; under ``process`` isolation each episode's run in its
+            environment's process (or one of their own), see :meth:`tools_for`.
     """
 
     def __init__(self, timeout_s: float | None = None, workers: int = DEFAULT_WORKERS,
-                 isolation: str = "thread") -> None:
+                 isolation: str = "thread", task_tools: Sequence[Tool] = ()) -> None:
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or not math.isfinite(timeout_s) or timeout_s <= 0):
             raise ValueError(f"`env_timeout_s` must be a number > 0 or None, got {timeout_s!r}")
@@ -100,13 +102,15 @@ class EnvCalls:
             raise ValueError(f"`call_workers` must be an integer >= 1, got {workers!r}")
         if isolation not in ("thread", "process"):
             raise ValueError(f"`call_isolation` must be 'thread' or 'process', got {isolation!r}")
-        self.timeout_s, self.isolation = timeout_s, isolation
+        self.timeout_s, self.isolation, self.task_tools = timeout_s, isolation, tuple(task_tools)
         if isolation == "process":
-            from earl_lightning.rollout.process_env import start_servers
+            from earl_lightning.rollout.process_env import check_picklable, start_servers
 
+            check_picklable(self.task_tools)
             start_servers()
         self._pool = _Pool(workers)
         self._processes: list[Any] = []  # the ProcessEnvs of this rollout, ended by close()
+        self._hosts: dict[Any, Any] = {}  # episode id -> the ProcessEnv its task tools run in
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -114,6 +118,7 @@ class EnvCalls:
         for env in self._processes:
             env.kill()
         self._processes.clear()
+        self._hosts.clear()
 
     # ---- calls in flight: submit now, collect when done ---------------------------------------
     def submit_start(self, spec: EpisodeSpec) -> "Pending":
@@ -121,12 +126,18 @@ class EnvCalls:
         pair or an :class:`EnvFault`."""
         if spec.env is not None:
             check_env_name(spec.env)  # an unknown name or a bad import path is a config error: it raises
-        if self.isolation == "process" and spec.env is not None:
+        if self.isolation == "process" and (spec.env is not None or self.task_tools):
             holder: list[Any] = []
             job = self._pool.submit(self._start_process, spec, holder, on_abandon=lambda: [e.kill() for e in holder])
         else:
             job = self._pool.submit(self._start, spec)
         return Pending([job], lambda jobs: self._outcome(jobs[0], spec, "reset"))
+
+    def tools_for(self, spec: EpisodeSpec) -> list[Tool]:
+        """The task's tools as ``spec``'s episode calls them: run in its process under ``process``
+        isolation (once :meth:`submit_start` has started it), here otherwise."""
+        host = self._hosts.get(spec.episode_id)
+        return host.hosted() if host is not None else list(self.task_tools)
 
     def submit_step(self, spec: EpisodeSpec, env: Env, action: str) -> "Pending":
         """``env.step(action)``, checked; the result a :class:`StepResult` or an :class:`EnvFault`."""
@@ -182,12 +193,14 @@ class EnvCalls:
         from earl_lightning.rollout.process_env import ProcessEnv
 
         try:
-            env = ProcessEnv(spec.env, spec.env_kwargs)
+            env = ProcessEnv(spec.env, spec.env_kwargs, self.task_tools)
         except Exception as exc:  # noqa: BLE001 - building it failed in its process
             raise _Failed.raised("make_env", exc) from exc
         holder.append(env)
         with self._lock:
             self._processes.append(env)
+            if self.task_tools:
+                self._hosts[spec.episode_id] = env
         return self._start(spec, env)
 
     @staticmethod

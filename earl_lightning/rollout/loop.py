@@ -76,8 +76,8 @@ def rollout(
     value of the wrong type, or a call still running after ``env_timeout_s`` seconds sets ``error``
     (naming the env, seed, call and problem), ``done`` and reward 0.0; a tool call's fault is the
     ``tool`` message the model reads next. ``call_workers`` threads run the calls; with
-    ``call_isolation="process"`` each environment lives in a process of its own, killed when a call
-    of it runs past ``env_timeout_s``.
+    ``call_isolation="process"`` each episode's environment and task tools live in a process of
+    their own, killed when a call of it runs past ``env_timeout_s``.
 
     Raises:
         ValueError: bad ``max_turns`` / ``max_context_tokens`` / ``history_turns`` / duplicate
@@ -86,7 +86,7 @@ def rollout(
     _check_args(specs, max_turns, max_context_tokens)
     check_history_turns(history_turns, "history_turns")
     keys = [s.episode_id for s in specs]
-    calls = EnvCalls(env_timeout_s, call_workers, call_isolation)
+    calls = EnvCalls(env_timeout_s, call_workers, call_isolation, tools.tools if tools is not None else ())
     backend.release(keys)  # a stale cache from an earlier rollout (older weights) must not be reused
     try:
         states = start_episodes(specs, calls, tokenizer, system_prompt, history_turns, tools)
@@ -200,7 +200,7 @@ def start_episodes(specs: Sequence[EpisodeSpec], calls: EnvCalls, tokenizer: Any
             states.append(st)
             continue
         st.env, observation = started
-        st.tools = _toolset(tools, st.env, calls.timeout_s)
+        st.tools = _toolset(tools, st.env, calls.tools_for(spec))
         schemas = st.tools.schemas if st.tools is not None else None
         key = tuple(s["function"]["name"] for s in schemas or ())
         st.chat = chats.setdefault(key, ChatDeltas(tokenizer, schemas))
@@ -218,12 +218,13 @@ def start_episodes(specs: Sequence[EpisodeSpec], calls: EnvCalls, tokenizer: Any
     return states
 
 
-def _toolset(tools: ToolUse | None, env: Any, timeout_s: float | None) -> ToolSet | None:
-    """The episode's tools: the task's, then its environment's (a :class:`ToolEnv`)."""
+def _toolset(tools: ToolUse | None, env: Any, task: list[Tool]) -> ToolSet | None:
+    """The episode's tools: the task's (``task``: where they run for this episode), then its
+    environment's (a :class:`ToolEnv`)."""
     if tools is None:
         return None
     own = [tool_of(t, "the environment's tools") for t in env.tools()] if isinstance(env, ToolEnv) else []
-    return ToolSet([*tools.tools, *own]) if tools.tools or own else None
+    return ToolSet([*task, *own]) if task or own else None
 
 
 def first_prompt_ids(spec: EpisodeSpec, tokenizer: Any, system_prompt: str | None = None,

@@ -4,16 +4,19 @@ holds the GIL (a long big-integer computation), can be ended by killing the proc
 :class:`ProcessEnv` builds the environment in a fresh process (``forkserver``: not a fork of the
 trainer, which holds threads and a model) and forwards ``reset``, ``step`` and the environment's
 tools to it over a pipe; the rollout kills it when a call runs past ``env_timeout_s``
-(``--model.rollout.call_isolation process``). Only the environment's name, its keyword
-arguments, the calls' arguments and their results cross the pipe, so they must pickle (YAML
-settings and :class:`StepResult` do).
+(``--model.rollout.call_isolation process``). The task's own tools (``--data.tools``) live in the
+same process, or, for an episode without an environment, in a process of their own. Only the
+environment's name, its keyword arguments, the task's tool functions (by reference: module-level
+functions), the calls' arguments and their results cross the pipe, so they must pickle (YAML
+settings, import paths and :class:`StepResult` do).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from earl_lightning.envs.base import StepResult
 from earl_lightning.tasks.tools import Tool
@@ -59,21 +62,41 @@ class RemoteError(Exception):
         self.kind = kind
 
 
+def check_picklable(tools: Sequence[Tool], arg: str = "--data.tools") -> None:
+    """Raise ValueError, naming the tool, when a task tool's function cannot be sent to a worker
+    process (a lambda, a closure, a bound method of an object that does not pickle)."""
+    for tool in tools:
+        try:
+            pickle.dumps(tool.fn)
+        except Exception as exc:  # noqa: BLE001 - pickle raises several types
+            raise ValueError(f"`{arg}` tool {tool.name!r} cannot run in a worker process (`call_isolation: "
+                             f"process`): its function does not pickle ({type(exc).__name__}: {exc}); define it at "
+                             f"module level, or use `call_isolation: thread`") from None
+
+
 class ProcessEnv:
-    """An environment living in its own process; the same calls as the environment itself.
+    """An environment (``name``; None: none) and the task's ``tools`` living in a process of their
+    own; the same calls as the environment itself, and :meth:`hosted` for the task's tools.
 
     Raises :class:`RemoteError` for an exception inside the environment, and ``EOFError`` once the
     process is gone (killed, or dead)."""
 
-    def __init__(self, name: str, kwargs: dict[str, Any]) -> None:
+    def __init__(self, name: str | None, kwargs: dict[str, Any], tools: Sequence[Tool] = ()) -> None:
         ctx = _context()
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, name, kwargs), daemon=True, name=f"earl-env-{name}")
+        task = {t.name: t.fn for t in tools}
+        self._proc = ctx.Process(target=_serve, args=(child, name, kwargs, task), daemon=True,
+                                 name=f"earl-env-{name or 'tools'}")
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
-        self._tools: list[Tool] = [Tool(schema, _Remote(self, schema["function"]["name"]))
-                                   for schema in self._call("__tools__")]
+        self._hosted = [Tool(t.schema, _Remote(self, t.name)) for t in tools]
+        self._tools: list[Tool] = [] if name is None else [
+            Tool(schema, _Remote(self, schema["function"]["name"])) for schema in self._call("__tools__")]
+
+    def hosted(self) -> list[Tool]:
+        """The task's tools, each call run in this process."""
+        return list(self._hosted)
 
     def reset(self, seed: int, **columns: Any) -> Any:
         """The environment's reset, given the columns its own signature takes."""
@@ -110,18 +133,22 @@ class _Remote:
         return self.env._call(self.__name__, **arguments)
 
 
-def _serve(conn: Any, name: str, kwargs: dict[str, Any]) -> None:  # pragma: no cover - runs in the child
+def _serve(conn: Any, name: str | None, kwargs: dict[str, Any],
+           task: dict[str, Any]) -> None:  # pragma: no cover - runs in the child
     from earl_lightning.envs.base import ToolEnv, make_env
     from earl_lightning.tasks.rows import reset_kwargs
     from earl_lightning.tasks.tools import tool_of
 
+    env, tools, failed = None, {}, None
     try:
-        env = make_env(name, **kwargs)
-        tools = {t.name: t.fn for t in (tool_of(x, "tools") for x in env.tools())} if isinstance(env, ToolEnv) else {}
+        if name is not None:
+            env = make_env(name, **kwargs)
+            if isinstance(env, ToolEnv):
+                tools = {t.name: t.fn for t in (tool_of(x, "tools") for x in env.tools())}
     except Exception as exc:  # noqa: BLE001 - reported to the parent as the first call's failure
-        env, tools, failed = None, {}, exc
-    else:
-        failed = None
+        failed = exc
+    own = list(tools)
+    tools = {**task, **tools}
     while True:
         try:
             method, args, kw = conn.recv()
@@ -131,7 +158,7 @@ def _serve(conn: Any, name: str, kwargs: dict[str, Any]) -> None:  # pragma: no 
             if failed is not None:
                 raise failed
             if method == "__tools__":
-                value = [tool_of(fn, "tools").schema for fn in tools.values()]
+                value = [tool_of(tools[n], "tools").schema for n in own]
             elif method == "reset":  # the row's columns its reset takes (they all crossed the pipe)
                 value = env.reset(*args, **reset_kwargs(env.reset, kw))
             elif method == "step":

@@ -58,6 +58,16 @@ def hang(label: str) -> str:
     return "released"
 
 
+def match(text: str) -> str:
+    """Whether the text matches (a+)+b; a long run of a's without a b backtracks for ever in the C
+    regex engine, holding the GIL all the while.
+
+    Args:
+        text: the text.
+    """
+    return "yes" if re.match(r"(a+)+b", text) else "no"
+
+
 class Counter:
     """A tool environment: the model counts up with its ``increment`` tool, then says the total;
     ``step`` grades the final answer against the row's ``target`` (reward 1.0 when right)."""

@@ -178,3 +178,34 @@ def test_process_isolation_plays_as_threads_do_and_offers_the_envs_tools(tok):
     here, there = (play(tok, [row], [script], env="tests.plugins.tools.Counter", tools=(), call_isolation=iso)[0]
                    for iso in ("thread", "process"))
     assert there.reward == 1.0 and (here.token_ids, here.messages) == (there.token_ids, there.messages)
+
+
+def test_a_task_tool_that_holds_the_gil_ends_only_its_call_in_process_isolation(tok):
+    """The task's own tools (no environment here) run in each episode's worker process: a call
+    stuck in the C regex engine is killed at the time limit and read as an error by its episode;
+    the other episode's calls and the rest of the rollout go on."""
+    rows = [ASK, ASK]
+    scripts = [[call("match", text="a" * 64), "no idea"], [call("match", text="aab"), call("add", a=2, b=3), "5"]]
+    t0 = time.perf_counter()
+    stuck, fine = play(tok, rows, scripts, tools=(plugin.add, plugin.match), env_timeout_s=2.0,
+                       call_isolation="process")
+    assert time.perf_counter() - t0 < 30.0
+    assert stuck.messages[2] == {"role": "tool", "name": "match", "content": "Error: 'match' did not return within 2 s"}
+    assert stuck.tool_errors == 1 and stuck.done and stuck.error is None
+    assert [m["content"] for m in fine.messages if m["role"] == "tool"] == ["yes", "5"] and fine.tool_errors == 0
+
+
+def test_task_tools_in_worker_processes_play_as_threads_do(tok):
+    scripts = [[call("add", a=2, b=3), call("nap", seconds=0.01), "5"], [call("add", a=1, b=1), "2"]]
+    here, there = (play(tok, [ASK, ASK], scripts, call_isolation=iso) for iso in ("thread", "process"))
+    assert [(e.token_ids, e.messages, e.tool_calls) for e in here] == \
+        [(e.token_ids, e.messages, e.tool_calls) for e in there]
+
+
+def test_a_task_tool_that_cannot_reach_a_worker_process_is_one_line(tok):
+    lam = {"schema": {"type": "function", "function": {"name": "twice", "description": "Twice a number.",
+                                                         "parameters": {"type": "object", "properties": {
+                                                             "x": {"type": "integer"}}}}}, "fn": lambda x: 2 * x}
+    with pytest.raises(ValueError, match=r"^`--data.tools` tool 'twice' cannot run in a worker process "
+                                         r"\(`call_isolation: process`\): its function does not pickle"):
+        play(tok, [ASK], [["hi"]], tools=(lam,), call_isolation="process")
