@@ -10,7 +10,7 @@ import shutil
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -142,12 +142,48 @@ def replace_dir(src: PathLike, dst: PathLike) -> None:
     remove_path(old)
 
 
+def write_dir_atomically(dst: PathLike, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` fills a temporary sibling of ``dst``, which then replaces ``dst``
+    (:func:`replace_dir`): a crash or an error mid-write never leaves a half directory under the
+    final name, and the previous ``dst`` stays whole until the new one is complete."""
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    remove_path(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        for file in tmp.rglob("*"):  # the files' data on disk before the rename makes them the directory
+            if file.is_file():
+                _fsync_file(file)
+        replace_dir(tmp, dst)
+    finally:
+        remove_path(tmp)
+    return dst
+
+
+def output_dir_problem(output_dir: PathLike, overwrite: bool, arg: str) -> Optional[str]:
+    """Why the directory ``output_dir`` (given as ``arg``) cannot be written (None: it can): it is
+    a file, or it holds something and ``overwrite`` is off. Checked before any work."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        return f"`{arg}` {str(output_dir)!r} is a file; it must be a directory (new, empty, or with --overwrite)"
+    if path.is_dir() and next(path.iterdir(), None) is not None and not overwrite:
+        return (f"`{arg}` {str(output_dir)!r} exists and is not empty; pass --overwrite to replace it, or "
+                f"choose another directory")
+    return None
+
+
 def remove_path(path: PathLike) -> None:
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink(missing_ok=True)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

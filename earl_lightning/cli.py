@@ -4,9 +4,11 @@
     earl validate --config recipes/connect4_ppo.yaml --ckpt_path last
     earl sft --config recipes/connect4_sft.yaml            # the warm start: a save_pretrained directory
     earl profile --config recipes/connect4_grpo.yaml --out profiles/connect4 --budget-s 300
+    earl export --ckpt_path runs/connect4_grpo/.../last.ckpt --out my_model   # a save_pretrained directory
 
 ``profile`` is not a LightningCLI subcommand: it measures the recipe's model per stage and layout
-(:mod:`earl_lightning.profile_command`) for ``AdaptiveParallelism(profile=...)``.
+(:mod:`earl_lightning.profile_command`) for ``AdaptiveParallelism(profile=...)``. Nor is ``export``
+(:mod:`earl_lightning.export`): it rebuilds a checkpoint's model from the checkpoint alone.
 
 The omegaconf parser mode lets recipes interpolate (``${model.rollout.max_context_tokens}``).
 """
@@ -24,9 +26,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from earl_lightning.callbacks import StepProgressBar
+from earl_lightning.callbacks import ExportModel, StepProgressBar
 from earl_lightning.data.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
+from earl_lightning import checkpoints
 from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.warnings_filter import install_warning_filters
@@ -60,6 +63,11 @@ def disk_full_as_one_line(where: Callable[[], str]) -> Iterator[None]:
 
 
 class EarlCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # `earl fit` ends by writing the trained model as a save_pretrained directory
+        # (`--export.dirpath`, `--export.enabled false`); validate and test write nothing.
+        parser.add_lightning_class_args(ExportModel, "export")
+
     def _parse_ckpt_path(self) -> None:
         # Lightning reads a `--ckpt_path` file's hyperparameters here with a bare torch.load: a
         # truncated or corrupt file is a bad argument, reported in one line before anything is built.
@@ -146,13 +154,7 @@ def output_dir_problem(output_dir: str | None, overwrite: bool) -> str | None:
     """Why ``--output_dir`` cannot take the warm start (None: it can). Checked before any work."""
     if not output_dir:
         return "`--output_dir` is required: the directory the warm-start model is saved to"
-    path = Path(output_dir)
-    if path.exists() and not path.is_dir():
-        return f"`--output_dir` {output_dir!r} is a file; it must be a directory (new, empty, or with --overwrite)"
-    if path.is_dir() and next(path.iterdir(), None) is not None and not overwrite:
-        return (f"`--output_dir` {output_dir!r} exists and is not empty; pass --overwrite to replace it, or "
-                f"choose another directory")
-    return None
+    return checkpoints.output_dir_problem(output_dir, overwrite, "--output_dir")
 
 
 def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
@@ -181,6 +183,11 @@ def main(args: list[str] | None = None) -> None:
         from earl_lightning.profile_command import profile_command  # no Lightning CLI needed
 
         profile_command(argv[1:])
+        return
+    if argv[:1] == ["export"]:
+        from earl_lightning.export import export_command  # no Lightning CLI: the checkpoint says what to build
+
+        export_command(argv[1:])
         return
     try:
         if argv[:1] == ["sft"]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
+
+from earl_lightning.checkpoints import write_dir_atomically
 
 WARM_START_FILE = "warm_start.json"
 
@@ -15,24 +15,22 @@ def save_warm_start(trainer: Any, module: Any, datamodule: Any, output_dir: str,
     """Rank 0 saves ``module``'s model and tokenizer (``save_pretrained``) and ``warm_start.json`` (the
     last held-out evaluation, greedy ``val/*`` and temperature-1 ``val_sampled/*``, the
     demonstrations' figures, the settings) into a temporary sibling of ``output_dir``, then
-    renames it into place: an interrupted save leaves the old directory or none, never half of one."""
+    renames it into place: an interrupted save leaves the old directory whole, never half of one."""
     trainer.strategy.barrier("earl_sft_save")
     if not trainer.is_global_zero:
         return None
-    out = Path(output_dir)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    module.save_pretrained(str(tmp))
-    evaluation = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "val_sampled/"))}
-    record = {"evaluation": evaluation, "demonstrations": datamodule.stats, "steps": trainer.global_step,
+    record = {"evaluation": {k: float(v) for k, v in trainer.callback_metrics.items()
+                             if k.startswith(("val/", "val_sampled/"))},
+              "demonstrations": datamodule.stats, "steps": trainer.global_step,
               "wall_s": round(wall_s, 1), "model": module.hparams.model,
               "data": {k: v for k, v in datamodule.hparams.items() if not k.startswith("_")},  # not LightningCLI's _instantiator
               "rollout": module.hparams.rollout}
-    (tmp / WARM_START_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+
+    def write(tmp: Path) -> None:
+        module.save_pretrained(str(tmp))
+        (tmp / WARM_START_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+    out = write_dir_atomically(output_dir, write)
     print(f"earl: warm start saved to {str(out)!r} ({trainer.global_step} steps, {wall_s:.0f} s); "
           f"load it with --model.model {str(out)}")
     return out
