@@ -193,14 +193,18 @@ def export_checkpoint(ckpt_path: str, out: str, overwrite: bool = False, model: 
     return written
 
 
-def export_command(argv: list[str]) -> None:
-    """``earl export``: argument parsing, then :func:`export_checkpoint`; errors as one line."""
+def export_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="earl export", description=(
         "Write a checkpoint's policy as a save_pretrained directory (weights, config, generation config, "
         "tokenizer with its chat template) that transformers and vLLM load."))
     for flag, kwargs in EXPORT_ARGS.items():
         parser.add_argument(f"--{flag}", **kwargs)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def export_command(argv: list[str]) -> None:
+    """``earl export``: argument parsing, then :func:`export_checkpoint`; errors as one line."""
+    ns = export_parser().parse_args(argv)
     try:
         export_checkpoint(ns.ckpt_path, ns.out, ns.overwrite, ns.model)
     except (EarlError, ValueError, FileNotFoundError) as err:

@@ -148,7 +148,41 @@ def render() -> str:
                                ("`data:` (EpisodeDataModule)", "--data", EpisodeDataModule)):
         parts.append(f"\n## {title}\n\n| setting | default | meaning |\n| --- | --- | --- |")
         parts += rows_of(prefix, signature_params(cls), arg_docs(cls), groups=signature_groups(cls))
-    return "\n".join(parts + sft_rows()) + "\n"
+    return "\n".join(parts + export_rows() + sft_rows()) + "\n"
+
+
+EXPORT_HEADER = """
+## `export:` (the trained model, at the end of `earl fit`)
+
+`earl fit` ends by writing the policy as a `save_pretrained` directory (weights, config, generation
+config, tokenizer with its chat template; sharded weights gathered, rank 0 writes, atomically) that
+transformers and vLLM load ([README](../README.md#taking-the-model-away)).
+
+| setting | default | meaning |
+| --- | --- | --- |"""
+
+EXPORT_COMMAND_HEADER = """
+## `earl export` (any checkpoint to a model directory)
+
+`earl export --ckpt_path <checkpoint> --out <dir>` writes the same directory from a checkpoint of
+`earl fit` (a `.ckpt` file, or the DCP directory EarlStrategy writes on several processes), rebuilding
+the model it was trained from out of the checkpoint's saved hyperparameters.
+
+| argument | default | meaning |
+| --- | --- | --- |"""
+
+
+def export_rows() -> list[str]:
+    """``earl fit``'s ``export:`` group (the ExportModel callback) and ``earl export``'s arguments."""
+    from earl_lightning.callbacks import ExportModel
+    from earl_lightning.export import EXPORT_ARGS
+
+    rows = [EXPORT_HEADER, *rows_of("--export", signature_params(ExportModel), arg_docs(ExportModel)),
+            EXPORT_COMMAND_HEADER]
+    for flag, spec in EXPORT_ARGS.items():
+        default = "(required)" if spec.get("required") else show(spec.get("default", False))
+        rows.append(f"| `--{flag}` | {default} | {spec['help']} |")
+    return rows
 
 
 def sft_rows() -> list[str]:

@@ -37,7 +37,7 @@ def earl_commands() -> list[list[str]]:
     text = README.read_text()
     shell = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    shell += re.findall(r"`((?:\.venv/bin/)?earl (?:fit|validate|sft) [^`]+)`", prose)  # inline commands
+    shell += re.findall(r"`((?:\.venv/bin/)?earl (?:fit|validate|sft|export) [^`]+)`", prose)  # inline commands
     for block in shell:
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("&&"):
@@ -100,6 +100,11 @@ def test_every_earl_command_in_readme_parses(capsys):
     commands = [c for c in earl_commands() if not any(PLACEHOLDER.search(w) for w in c)]
     assert len(commands) >= 8, commands  # the two main commands, warm start, resume, several processes, vLLM
     for argv in commands:
+        if argv[0] == "export":  # not LightningCLI: its own parser, no recipe
+            from earl_lightning.export import export_parser
+
+            export_parser().parse_args(argv[1:])
+            continue
         assert argv[0] in ("fit", "validate", "sft"), argv
         assert (ROOT / argv[argv.index("--config") + 1]).is_file(), argv
         _check_print_config(argv, capsys)
