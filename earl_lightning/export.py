@@ -106,8 +106,9 @@ def _where(path: Path) -> str:
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], Optional[dict]]:
-    """(hyperparameters, policy parameter shapes, policy state dict or None for a DCP directory),
-    read without unpickling anything but plain data and tensors (``weights_only``)."""
+    """(hyperparameters, policy parameter shapes, policy state dict or None for a DCP directory).
+    Files are read ``weights_only`` (plain data and tensors); a DCP directory's ``.metadata`` is
+    still unpickled by torch's own reader (:func:`read_dcp_shapes`, as every DCP load here; issue 45)."""
     if not path.exists():
         raise CheckpointError(f"{_where(path)} does not exist")
     if path.is_dir():
