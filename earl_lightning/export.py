@@ -8,6 +8,9 @@ a fit wrote: a Lightning ``.ckpt`` file, or the distributed (DCP) directory Earl
 several processes. The model is rebuilt from the checkpoint's own hyperparameters (the model path
 or preset it was trained from, which also gives the tokenizer and its chat template).
 
+A policy trained with LoRA adapters (``--model.peft``) is written merged, ``W + B @ A * scale``
+under the base names: plain transformers weights that load without peft.
+
 The directory holds the model's weights (safetensors) and ``config.json``, its
 ``generation_config.json`` and the tokenizer files with the chat template. It is written into a
 temporary sibling and renamed into place: a crash never leaves half a directory under its name.
@@ -28,7 +31,9 @@ import torch
 from earl_lightning.checkpoints import (check_checkpoint_matches, checkpoint_unreadable, output_dir_problem,
                                         read_dcp_shapes, write_dir_atomically)
 from earl_lightning.errors import CheckpointError, EarlError
+from earl_lightning.groups import coerce
 from earl_lightning.models import load_model, load_tokenizer
+from earl_lightning.models.lora import LoraSettings, apply_lora, merge_plan, merged_tensors
 from earl_lightning.rollout.weight_sync import full_tensor, hf_parameter_name
 
 EXPORT_DIRNAME = "hf_model"
@@ -40,7 +45,8 @@ POLICY_PREFIX = "policy."  # where AgenticRLModule (and WarmStartModule) keep th
 def gather_state_dict(model: torch.nn.Module, keep: bool) -> Optional[dict[str, torch.Tensor]]:
     """``model``'s state dict as whole CPU tensors under the HF names where ``keep`` is true (None
     elsewhere). Sharded (FSDP2 / tensor-parallel DTensor) entries are all-gathered, a
-    collective: every rank calls this and walks the same order. Tied weights stay one tensor."""
+    collective: every rank calls this and walks the same order. Tied weights stay one tensor;
+    LoRA layers are merged into plain weights."""
     out: dict[str, torch.Tensor] = {}
     whole: dict[int, torch.Tensor] = {}
     entries = model.state_dict(keep_vars=True)  # the parameters themselves: tied ones are one object
@@ -51,7 +57,7 @@ def gather_state_dict(model: torch.nn.Module, keep: bool) -> Optional[dict[str, 
                 whole[id(value)] = gathered.to("cpu") if keep else gathered.new_empty(0)
             if keep:
                 out[hf_parameter_name(name)] = whole[id(value)]
-    return out if keep else None
+    return dict(merged_tensors(out.items(), merge_plan(model, hf_parameter_name))) if keep else None
 
 
 @contextlib.contextmanager
@@ -168,6 +174,8 @@ def rebuild_policy(path: Path, model_name: Optional[str] = None) -> tuple[Any, A
     name = model_name or hparams["model"]
     arg = "--model" if model_name else f"--ckpt_path's model ({path.name}: hyper_parameters.model)"
     model = load_model(name, hparams.get("dtype", "float32"), arg)
+    if hparams.get("peft") is not None:  # the adapters' weights are in the checkpoint too
+        apply_lora(model, coerce(LoraSettings, hparams["peft"], f"--ckpt_path's peft ({path.name})"))
     tokenizer = load_tokenizer(name, arg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     try:
@@ -188,7 +196,7 @@ def export_checkpoint(ckpt_path: str, out: str, overwrite: bool = False, model: 
         raise ValueError(problem)
     path = Path(ckpt_path)
     policy, tokenizer = rebuild_policy(path, model)
-    written = write_pretrained(policy, tokenizer, out)
+    written = write_pretrained(policy, tokenizer, out, gather_state_dict(policy, keep=True))
     print(f"earl: exported the policy of {str(path)!r} to {str(written)!r}; load it with "
           f"AutoModelForCausalLM.from_pretrained({str(written)!r}) or vllm.LLM({str(written)!r})")
     return written

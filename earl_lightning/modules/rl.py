@@ -11,7 +11,7 @@ registries named in the typed configuration (:mod:`earl_lightning.modules.config
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import lightning as L
 import torch
@@ -26,7 +26,9 @@ from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.data.scored import can_score_last_layer
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
+from earl_lightning.groups import to_dict
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
+from earl_lightning.models.lora import LoraSettings, adapters_disabled, apply_lora
 from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import (RunMetrics, StageTimer, batch_stats, log_transcripts,
                                             logged_by_reward_funcs, reported, reward_metrics, tool_metrics,
@@ -54,12 +56,15 @@ class AgenticRLModule(L.LightningModule):
         seed: base seed of the sampling RNG (per step and data-parallel rank) and the value head.
         transcript_every_n_steps: log episode transcripts to TensorBoard every N steps (0: never).
         logprob_mismatch_warn: warn when rollout and recomputed log-probs differ by more than this.
+        peft: train LoRA adapters (``peft``) instead of all weights: rank, alpha, dropout, target
+            modules. The KL reference is then the same model with its adapters off (no second copy),
+            and engines and exports get the merged weights. null: full fine-tuning.
     """
 
     def __init__(self, model: str = "earl-tiny", dtype: Literal["float32", "bfloat16", "float16"] = "float32",
                  rollout: C.RolloutConfig = C.RolloutConfig(), algorithm: C.AlgorithmConfig = C.AlgorithmConfig(),
                  optim: C.OptimConfig = C.OptimConfig(), seed: int = 0, transcript_every_n_steps: int = 10,
-                 logprob_mismatch_warn: float = 1e-3) -> None:
+                 logprob_mismatch_warn: float = 1e-3, peft: Optional[LoraSettings] = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.rollout_config = C.coerce(C.RolloutConfig, rollout, "--model.rollout")
@@ -67,10 +72,12 @@ class AgenticRLModule(L.LightningModule):
         self.optim_config = C.coerce(C.OptimConfig, optim, "--model.optim")
         C.check_combination(self.rollout_config, self.algorithm_config)
         C.check_module_args(dtype, seed, transcript_every_n_steps, logprob_mismatch_warn)
+        self.peft_config = None if peft is None else C.coerce(LoraSettings, peft, "--model.peft")
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
-        self.save_hyperparameters(C.module_hparams(model, dtype, self.rollout_config, self.algorithm_config,
-                                                   self.optim_config, seed, transcript_every_n_steps,
-                                                   logprob_mismatch_warn))
+        self.save_hyperparameters({**C.module_hparams(model, dtype, self.rollout_config, self.algorithm_config,
+                                                      self.optim_config, seed, transcript_every_n_steps,
+                                                      logprob_mismatch_warn),
+                                   "peft": None if peft is None else to_dict(self.peft_config)})
         self.tokenizer = load_tokenizer(model, "--model.model")
         self.allowed_token_ids = self.rollout_config.sampling.token_ids(self.tokenizer)
         self.policy = self.ref_policy = self.value_head = None
@@ -94,7 +101,7 @@ class AgenticRLModule(L.LightningModule):
         r = self.rollout_config
         return Workload(backend=r.backend, max_context_tokens=r.max_context_tokens,
                         max_new_tokens=r.sampling.max_new_tokens, micro_batch_tokens=self.optim_config.micro_batch_tokens,
-                        reference_model=self.algorithm_config.kl.coef > 0, reuse_kv=r.reuse_kv,
+                        reference_model=self.algorithm_config.kl.coef > 0 and self.peft_config is None, reuse_kv=r.reuse_kv,
                         scored_last_layer=self.optim_config.scored_last_layer and self.policy is not None
                         and can_score_last_layer(self.policy, now=False))
 
@@ -103,9 +110,11 @@ class AgenticRLModule(L.LightningModule):
             return
         hp, algo = self.hparams, self.algorithm_config
         self.policy = load_model(hp.model, hp.dtype, "--model.model")
+        if self.peft_config is not None:  # the base weights freeze; only the adapters train
+            apply_lora(self.policy, self.peft_config)
         self.policy.config.use_cache = False
         self.policy.train()
-        if algo.kl.coef:
+        if algo.kl.coef and self.peft_config is None:
             self.ref_policy = load_model(hp.model, hp.dtype, "--model.model").requires_grad_(False)
         if algo.needs_values:
             torch.manual_seed(hp.seed)
@@ -222,12 +231,15 @@ class AgenticRLModule(L.LightningModule):
             exp = fill_logprobs(ctx.model("policy"), exp, name="old_logprobs", value_head=self.value_head, **kw)
         if self.ref_policy is not None:
             exp = fill_logprobs(ctx.model("ref_policy"), exp, name="ref_logprobs", **kw)
+        elif self.algorithm_config.kl.coef:  # LoRA: the reference is the policy with its adapters off
+            with adapters_disabled(ctx.model("policy")) as base:
+                exp = fill_logprobs(base, exp, name="ref_logprobs", **kw)
         return exp
 
     def _advantages(self, exp: ExperienceBatch, num_groups: int, ctx: StageContext) -> ExperienceBatch:
         algo = self.algorithm_config
         penalty = None
-        if self.ref_policy is not None and algo.kl.in_reward:
+        if algo.kl.coef and algo.kl.in_reward:
             kl = get_kl_estimator(algo.kl.estimator)(exp.tokens["old_logprobs"], exp.tokens["ref_logprobs"])
             penalty = algo.kl.coef * exp.pad(kl, 0.0)
         return estimate_advantages(exp, algo.advantage.estimator, algo.advantage.params, num_groups=num_groups,

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
 from torch.distributed.device_mesh import DeviceMesh
 
+from earl_lightning.models.lora import copy_lora, has_lora
 from earl_lightning.parallel.layout import Layout
 
 # Per decoder layer, relative to ``model.model.layers[i]``. q/k/v/gate/up split their output
@@ -38,6 +39,15 @@ def reject_fsdp1(model: nn.Module, arg: str = "model") -> None:
             f"`{arg}` is wrapped in torch.distributed.fsdp.FullyShardedDataParallel (FSDP1); EarlStrategy shards "
             "models itself with FSDP2 (`fully_shard`) and tensor parallel. Pass the plain HF model instead."
         )
+
+
+def reject_lora_tp(model: nn.Module, layout: Layout, arg: str = "layout") -> None:
+    """Tensor parallel shards ``nn.Linear`` weights; a LoRA layer is not one (its adapters would
+    need a plan of their own), so adapters train data-parallel only."""
+    if layout.tp_enabled and has_lora(model):
+        raise ValueError(f"`{arg}` has tp={layout.tp}, but the model carries LoRA adapters (--model.peft), which "
+                         "EarlStrategy does not shard with tensor parallel; use tp=1 layouts (data parallel, FSDP) "
+                         "or full fine-tuning")
 
 
 def model_heads(model: nn.Module) -> tuple[int, int]:
@@ -171,6 +181,7 @@ def parallelize_model(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layo
     are divided by tp.
     """
     reject_fsdp1(model)
+    reject_lora_tp(model, layout)
     heads, kv_heads = model_heads(model)
     layout.check_heads(heads, kv_heads)
     wrap = layout.activation_checkpointing or checkpoint_switchable
@@ -200,6 +211,7 @@ def build_replica(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layout, 
     dtype = next(model.parameters()).dtype
     with torch.device("meta"):
         replica = type(model)(config).to(dtype)
+        copy_lora(model, replica)  # the same parameters, so a reshard maps every one
     parallelize_model(replica, mesh=mesh, layout=layout, fsdp=fsdp)
     replica.to_empty(device=device)
     if getattr(config, "tie_word_embeddings", False):

@@ -5,7 +5,9 @@ The training copy may be plain tensors or DTensors (FSDP2 ``fully_shard`` over d
 about ``bucket_bytes`` and materializes one bucket at a time (``DTensor.full_tensor()`` is a
 collective, so every rank walks the same order and takes part), yielding ``(hf_name, tensor)``
 pairs. The engine consumes that generator lazily, so at most one bucket of full tensors exists
-beyond the shards.
+beyond the shards. A model with LoRA adapters streams its merged weights, ``W + B @ A * scale``
+under the base names (:func:`~earl_lightning.models.lora.merged_tensors`): the engine runs the
+plain architecture.
 
 :func:`logprob_mismatch` compares the log-probs the engine reported for its sampled tokens with
 the trainer's recomputation on the same tokens: after a correct sync they agree to float noise;
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+
+from earl_lightning.models.lora import merge_plan, merged_tensors
 
 # Wrappers that insert a path component without changing the HF layout.
 _WRAPPER_PREFIXES = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
@@ -65,12 +69,17 @@ def weight_buckets(model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BY
 def stream_full_weights(model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                         dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` bucket by bucket; the previous bucket is released before
-    the next is gathered. Every rank must consume the whole generator."""
+    the next is gathered (a LoRA layer's base weight is held until its adapters arrive). Every
+    rank must consume the whole generator."""
+    for name, t in merged_tensors(_full_buckets(model, bucket_bytes), merge_plan(model, hf_parameter_name)):
+        yield name, (t if dtype is None else t.to(dtype))
+
+
+def _full_buckets(model: torch.nn.Module, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     for bucket in weight_buckets(model, bucket_bytes):
         with torch.no_grad():
             full = [(name, full_tensor(p)) for name, p in bucket]
-        for name, t in full:
-            yield name, (t if dtype is None else t.to(dtype))
+        yield from full
         del full
 
 

@@ -43,6 +43,7 @@ from torch import nn
 from earl_lightning.errors import CheckpointError
 from earl_lightning.checkpoints import (check_before_load, checkpoint_unreadable, disk_full_error, remove_path,
                                         replace_dir, save_file_atomically)
+from earl_lightning.models.lora import has_lora
 from earl_lightning.parallel.collectives import Reducer, broadcast_object, init_elastic_process_group
 from earl_lightning.parallel.layout import Layout, check_stage
 from earl_lightning.parallel.parallelize import (
@@ -51,6 +52,7 @@ from earl_lightning.parallel.parallelize import (
     model_heads,
     parallelize_model,
     reject_fsdp1,
+    reject_lora_tp,
     set_activation_checkpointing,
 )
 from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
@@ -180,13 +182,14 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
 
     def _check_heads(self, model: nn.Module, attr: str) -> None:
         heads, kv_heads = model_heads(model)
-        self._train.check_heads(heads, kv_heads, arg="train_layout")
-        for stage, layout in self._fixed.items():
-            layout.check_heads(heads, kv_heads, arg=f"layouts.{stage}")
-        for i, layout in enumerate(self._candidates or []):
-            layout.check_heads(heads, kv_heads, arg=f"layouts[{i}]")
+        named = [("train_layout", self._train), *((f"layouts.{s}", lay) for s, lay in self._fixed.items()),
+                 *((f"layouts[{i}]", lay) for i, lay in enumerate(self._candidates or []))]
+        for arg, layout in named:
+            layout.check_heads(heads, kv_heads, arg=arg)
+            reject_lora_tp(model, layout, arg=arg)
         if self._auto_candidates and self._candidates is None:
-            self._candidates = Layout.factorizations(self.world_size, heads, kv_heads)
+            self._candidates = [c for c in Layout.factorizations(self.world_size, heads, kv_heads)
+                                if c.tp == 1 or not has_lora(model)]
 
     # ---- Lightning hooks -----------------------------------------------------------------------
     def setup_environment(self) -> None:
