@@ -62,6 +62,17 @@ def disk_full_as_one_line(where: Callable[[], str]) -> Iterator[None]:
         raise full from None
 
 
+def group_error(message: str) -> str:
+    """A group typed ``Optional[...]`` (``--model.peft``) that fails to build is reported by
+    jsonargparse as why each type of the union failed; the group's own error, the line that names
+    a ``--flag``, is the one line to show."""
+    if "Union subtypes" in message:
+        named = [line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- `--")]
+        if named:
+            return named[0]
+    return message
+
+
 class EarlCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # `earl fit` ends by writing the trained model as a save_pretrained directory
@@ -110,7 +121,7 @@ class EarlCLI(LightningCLI):
             if isinstance(self.model, AgenticRLModule) and isinstance(self.datamodule, EpisodeDataModule):
                 self.model.check_data(self.datamodule, self.trainer.world_size)
         except (ValueError, FileNotFoundError, ImportError) as err:
-            say(f"earl: error: {err}")
+            say(f"earl: error: {group_error(str(err))}")
             raise SystemExit(2) from None
 
     def instantiate_trainer(self, **kwargs) -> Trainer:

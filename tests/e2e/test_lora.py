@@ -109,3 +109,14 @@ def test_lora_on_two_processes_under_earl_strategy(tmp_path):
     assert s["grad_norm"][0] > 0
     weights = load_file(str(tmp_path / "run" / "hf_model" / "model.safetensors"))
     assert sorted(weights) == sorted(load_file(f"{resolve_model_path('earl-tiny')}/model.safetensors"))
+
+
+@pytest.mark.parametrize("flag, value, line", [
+    ("--model.peft.r", "0", "`--model.peft.r` must be a positive integer (the adapters' rank), got 0"),
+    ("--model.peft.dropout", "1.5", "`--model.peft.dropout` must be a number in [0, 1), got 1.5"),
+])
+def test_a_bad_lora_setting_is_one_line_from_the_command(capsys, flag, value, line):
+    from tests.e2e.test_file_errors import error_line, run_earl
+
+    code, err = run_earl(capsys, fit(RECIPES / "connect4_grpo.yaml", Path("unused"), 1, flag, value))
+    assert code == 2 and error_line(err) == f"earl: error: {line}"
