@@ -48,7 +48,7 @@ def test_nested_flags_and_print_config(capsys):
     assert model["algorithm"]["loss"]["clip_high"] == 0.31 and model["optim"]["lr"] == 5e-4
     assert model["rollout"]["sampling"]["temperature"] == 0.7 and model["algorithm"]["advantage"]["name"] == "grpo"
     assert set(model) == {"model", "dtype", "rollout", "algorithm", "optim", "seed", "transcript_every_n_steps",
-                          "logprob_mismatch_warn"}
+                          "logprob_mismatch_warn", "peft"}
     assert cfg["data"]["dispatch"] == {"keep_groups": False, "tp_mode": "broadcast", "locality": True}
 
 
