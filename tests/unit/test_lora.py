@@ -132,3 +132,16 @@ def test_settings_round_trip_through_hyperparameters():
     module = AgenticRLModule(peft=s)
     assert coerce(LoraSettings, module.hparams.peft, "--model.peft") == s
     assert AgenticRLModule().hparams.peft is None
+
+
+def test_earl_strategy_refuses_tensor_parallel_layouts_with_lora_at_setup(monkeypatch):
+    from earl_lightning.strategies import EarlStrategy
+
+    strategy = EarlStrategy(train_layout={"dp": 2, "tp": 1}, layouts={"rollout": {"dp": 1, "tp": 2}})
+    with pytest.raises(ValueError, match=r"^`layouts.rollout` has tp=2, but the model carries LoRA adapters"):
+        strategy._check_heads(adapted(), "policy")  # what setup runs for each model before sharding
+    auto = EarlStrategy(layouts="auto")
+    auto._train = Layout(dp=2, tp=1)
+    monkeypatch.setattr(EarlStrategy, "world_size", property(lambda self: 2))
+    auto._check_heads(adapted(), "policy")
+    assert [(c.dp, c.tp) for c in auto.candidate_layouts] == [(2, 1)]  # tp=2 left out, not refused
