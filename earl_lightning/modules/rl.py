@@ -101,7 +101,8 @@ class AgenticRLModule(L.LightningModule):
         r = self.rollout_config
         return Workload(backend=r.backend, max_context_tokens=r.max_context_tokens,
                         max_new_tokens=r.sampling.max_new_tokens, micro_batch_tokens=self.optim_config.micro_batch_tokens,
-                        reference_model=self.algorithm_config.kl.coef > 0 and self.peft_config is None, reuse_kv=r.reuse_kv,
+                        reference_model=self.algorithm_config.kl.coef > 0 and self.peft_config is None,  # LoRA: none
+                        reuse_kv=r.reuse_kv,
                         scored_last_layer=self.optim_config.scored_last_layer and self.policy is not None
                         and can_score_last_layer(self.policy, now=False))
 

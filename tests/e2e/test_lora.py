@@ -57,7 +57,8 @@ def test_a_lora_step_trains_only_the_adapters_against_the_base_model(tmp_path, m
     state = {k[len("policy."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
     adapters = [k for k in state if ".lora_" in k]
     for name, value in base.state_dict().items():
-        key = name if name in state else name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        key = name if name in state else name.replace(".weight", ".base_layer.weight").replace(".bias",
+                                                                                              ".base_layer.bias")
         assert torch.equal(state[key], value), f"base weight {key} changed"
     assert any(state[k].abs().max() > 0 for k in adapters if ".lora_B." in k), "the adapters did not train"
     in_optimizer = sum(len(g["params"]) for g in ckpt["optimizer_states"][0]["param_groups"])
