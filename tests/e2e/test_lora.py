@@ -96,7 +96,8 @@ def test_a_resumed_lora_run_ends_where_an_uninterrupted_one_does(tmp_path):
 
 def test_lora_on_two_processes_under_earl_strategy(tmp_path):
     """dp=2: FSDP2 shards base and adapters, rollout and experience run on whole replicas that carry
-    the adapters (the reference with them off), and the export gathers and merges."""
+    the adapters (the reference with them off), the export gathers and merges, and `earl export`
+    of the DCP checkpoint gives the same weights."""
     recipe = recipe_saving_last_every_step(tmp_path, RECIPES / "connect4_grpo.yaml")
     earl = Path(sys.executable).with_name("earl")
     proc = subprocess.run([str(earl), *fit(recipe, tmp_path / "run", 2, *SMALL, *LORA, "--trainer.devices", "2",
@@ -110,6 +111,10 @@ def test_lora_on_two_processes_under_earl_strategy(tmp_path):
     assert s["grad_norm"][0] > 0
     weights = load_file(str(tmp_path / "run" / "hf_model" / "model.safetensors"))
     assert sorted(weights) == sorted(load_file(f"{resolve_model_path('earl-tiny')}/model.safetensors"))
+    dcp = tmp_path / "run" / "checkpoints" / "last.ckpt"  # the DCP directory both processes wrote
+    main(["export", "--ckpt_path", str(dcp), "--out", str(tmp_path / "from_dcp")])
+    again = load_file(str(tmp_path / "from_dcp" / "model.safetensors"))
+    assert sorted(again) == sorted(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
 
 
 @pytest.mark.parametrize("flag, value, line", [
