@@ -83,9 +83,10 @@ def test_a_resumed_lora_run_ends_where_an_uninterrupted_one_does(tmp_path):
     recipe = RECIPES / "connect4_grpo.yaml"
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir(), part.mkdir()
-    main(fit(recipe_saving_last_every_step(full, recipe), full / "run", 2, *SMALL, *LORA))
-    main(fit(recipe_saving_last_every_step(part, recipe), part / "run", 1, *SMALL, *LORA))
-    main(fit(recipe_saving_last_every_step(part, recipe), part / "run", 2, *SMALL, *LORA, "--ckpt_path", "last"))
+    short = (*SMALL, *LORA, "--model.rollout.max_turns", "6")  # three fits: short episodes keep it quick
+    main(fit(recipe_saving_last_every_step(full, recipe), full / "run", 2, *short))
+    main(fit(recipe_saving_last_every_step(part, recipe), part / "run", 1, *short))
+    main(fit(recipe_saving_last_every_step(part, recipe), part / "run", 2, *short, "--ckpt_path", "last"))
     a = torch.load(last_ckpt(full / "run"), map_location="cpu", weights_only=True)
     b = torch.load(last_ckpt(part / "run"), map_location="cpu", weights_only=True)
     assert a["global_step"] == b["global_step"] == 2
