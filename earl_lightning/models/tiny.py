@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from earl_lightning.models.bpe import build_bpe_tokenizer
+
 TINY_PREFIX = "earl-tiny"
 
 PAD_TOKEN = "<|endoftext|>"
@@ -86,6 +88,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "earl-tiny-local": {**_TINY, "sliding_window": 128},  # the same, every layer Mistral-style windowed
     "earl-tiny-4l": {**_TINY, "num_hidden_layers": 4},
     "earl-tiny-think": {**_TINY, "chat_template": "thinking"},  # a template that rewrites earlier turns
+    # a byte-level BPE tokenizer trained offline (models/bpe.py): merges across the rollout's joins
+    "earl-tiny-bpe": {**_TINY, "tokenizer": "bpe"},
     "earl-tiny-100m": dict(
         hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
         num_attention_heads=12, num_key_value_heads=4,
@@ -180,7 +184,8 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
 
     ``name`` picks a preset from :data:`PRESETS`; ``overrides`` change its sizes. The directory is
     keyed by a hash of the full config and the seed, so the same arguments always give the same
-    weights, and a second call only returns the path.
+    weights, and a second call only returns the path (bump the key's ``v`` when what a preset
+    writes changes, e.g. the BPE corpus of :mod:`earl_lightning.models.bpe`).
     """
     if name not in PRESETS:
         raise ValueError(f"unknown tiny model preset {name!r}; valid: {sorted(PRESETS)}")
@@ -192,7 +197,8 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
     from transformers import AutoModelForCausalLM
 
     sizes = dict(spec)
-    tok = build_char_tokenizer(sizes.pop("chat_template", "chatml"))
+    template = sizes.pop("chat_template", "chatml")
+    tok = build_bpe_tokenizer() if sizes.pop("tokenizer", "char") == "bpe" else build_char_tokenizer(template)
     vocab = len(tok)
     cfg = tiny_config(vocab_size=((vocab + 7) // 8) * 8, **sizes)
     with torch.random.fork_rng(devices=[]):

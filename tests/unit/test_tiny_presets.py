@@ -30,3 +30,26 @@ def test_unknown_preset_names_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown tiny model preset 'earl-tiny-8l'; valid: \['earl-tiny', "):
         make_tiny_model("earl-tiny-8l")
     assert "earl-tiny-4l" in PRESETS
+
+
+def test_bpe_preset_is_built_the_same_every_time_and_loads_as_saved(tmp_path):
+    """earl-tiny-bpe: a byte-level BPE tokenizer trained offline; two builds write the same files,
+    and the tokenizer from_pretrained loads (transformers' Qwen2Tokenizer) encodes as the saved
+    tokenizer.json does."""
+    from transformers import PreTrainedTokenizerFast
+
+    from earl_lightning.models import load_tokenizer
+
+    a, b = (make_tiny_model("earl-tiny-bpe", cache_dir=tmp_path / d) for d in "ab")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "model.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    tok, saved = load_tokenizer(str(a)), PreTrainedTokenizerFast(tokenizer_file=str(a / "tokenizer.json"))
+    assert len(tok) > 2000 and tok.eos_token == "<|im_end|>" and tok.pad_token_id == 0
+    call = '<tool_call>\n{"name": "calculate"}\n</tool_call>'
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 20+4?\n\nAnswer with the number."},
+                                    {"role": "assistant", "content": call}],
+                                   tools=[{"type": "function", "function": {"name": "calculate"}}], tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == saved.encode(text, add_special_tokens=False) and tok.decode(ids) == text
+    assert len(ids) < len(text) / 2, "characters are merged"
+    assert tok.convert_ids_to_tokens(tok.encode("<tool_call>", add_special_tokens=False)) == ["<tool_call>"]
