@@ -1,4 +1,4 @@
-"""Apply a :class:`Layout` to a HF Qwen2 / Llama causal LM: tensor parallel, activation
+"""Apply a :class:`Layout` to a HF decoder-only causal LM: tensor parallel, activation
 checkpointing, then FSDP2 over the data-parallel mesh dimension.
 
 No Lightning import: the strategy calls :func:`parallelize_model` and so can a plain script.
@@ -13,19 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from earl_lightning.models.lora import copy_lora, has_lora
 from earl_lightning.parallel.layout import Layout
-
-# Per decoder layer, relative to ``model.model.layers[i]``. q/k/v/gate/up split their output
-# features (heads / intermediate) across TP ranks; o/down split their input features and all-reduce,
-# so one attention block and one MLP cost one all-reduce each (Megatron-style).
-_LAYER_PLAN = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
+from earl_lightning.parallel.plans import (apply_tensor_parallel, decoder_units,  # noqa: F401 (re-exported)
+                                           reject_unplanned_tp, replace_module)
 
 
 def reject_fsdp1(model: nn.Module, arg: str = "model") -> None:
@@ -59,37 +48,6 @@ def model_heads(model: nn.Module) -> tuple[int, int]:
     return heads, int(getattr(cfg, "num_key_value_heads", None) or heads)
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not hasattr(model, "lm_head"):
-        raise TypeError(
-            f"parallelize_model supports HF Qwen2 / Llama-style causal LMs (model.model.layers, model.lm_head); "
-            f"got {type(model).__name__}"
-        )
-    return layers
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Megatron TP over ``tp_mesh`` (1-D). Activations stay replicated between blocks (no sequence
-    parallel), so the HF code in between (norms, rotary, residuals) runs on plain local tensors."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    for layer in _decoder_layers(model):
-        parallelize_module(layer, tp_mesh, {k: styles[v]() for k, v in _LAYER_PLAN.items()})
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    # Both plans shard the [vocab, hidden] weight on dim 0 (vocab), so a tied weight gets the same
-    # placement from either side and can be re-tied after distribution.
-    parallelize_module(model, tp_mesh, {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    })
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
-
-
 class SwitchableCheckpointWrapper(CheckpointWrapper):
     """torch's checkpoint wrapper (same parameter and state-dict names) that recomputes only while
     ``enabled`` and autograd records; otherwise a plain call of the layer. A run can so switch
@@ -107,11 +65,13 @@ def apply_activation_checkpointing(model: nn.Module, enabled: bool = True) -> No
     """Recompute each decoder layer in backward: memory ∝ one layer's activations, +1 forward.
     ``enabled=False`` wraps the layers but leaves recomputation off until
     :func:`set_activation_checkpointing` turns it on."""
-    layers = _decoder_layers(model)
-    for i, layer in enumerate(layers):
-        layers[i] = SwitchableCheckpointWrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                preserve_rng_state=False)
-        layers[i].enabled = enabled
+    for name, layer in decoder_units(model):
+        if isinstance(layer, CheckpointWrapper):
+            continue
+        wrapper = SwitchableCheckpointWrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                              preserve_rng_state=False)
+        wrapper.enabled = enabled
+        replace_module(model, name, wrapper)
 
 
 def is_checkpoint_switchable(model: nn.Module) -> bool:
@@ -144,7 +104,7 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
     and at the root (embeddings, final norm, LM head; a tied weight is one parameter there)."""
     from torch.distributed.fsdp import fully_shard
 
-    layers = _decoder_layers(model)
+    layers = [layer for _, layer in decoder_units(model)]
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again first in backward: keep them gathered.
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
@@ -182,6 +142,7 @@ def parallelize_model(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layo
     """
     reject_fsdp1(model)
     reject_lora_tp(model, layout)
+    reject_unplanned_tp(model, layout)
     heads, kv_heads = model_heads(model)
     layout.check_heads(heads, kv_heads)
     wrap = layout.activation_checkpointing or checkpoint_switchable

@@ -55,6 +55,7 @@ from earl_lightning.parallel.parallelize import (
     reject_lora_tp,
     set_activation_checkpointing,
 )
+from earl_lightning.parallel.plans import reject_unplanned_tp, supports_tp
 from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
 from earl_lightning.strategies.layouts import (LayoutArg, LayoutSelector, check_stage_models, parse_layouts,
                                             same_placement, to_layout)
@@ -187,9 +188,10 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         for arg, layout in named:
             layout.check_heads(heads, kv_heads, arg=arg)
             reject_lora_tp(model, layout, arg=arg)
+            reject_unplanned_tp(model, layout, arg=arg)
         if self._auto_candidates and self._candidates is None:
             self._candidates = [c for c in Layout.factorizations(self.world_size, heads, kv_heads)
-                                if c.tp == 1 or not has_lora(model)]
+                                if c.tp == 1 or (not has_lora(model) and supports_tp(model))]
 
     # ---- Lightning hooks -----------------------------------------------------------------------
     def setup_environment(self) -> None:
