@@ -70,8 +70,11 @@ class ModelSizes:
             return config
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
-        need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
-        missing = [n for n in need if getattr(config, n, None) is None]
+        inter = getattr(config, "intermediate_size", None)
+        if inter is None and hasattr(config, "n_inner"):  # GPT-2 family: n_inner, None meaning 4 x hidden
+            inter = config.n_inner or 4 * config.hidden_size
+        need = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+        missing = [n for n in need if getattr(config, n, None) is None] + ([] if inter else ["intermediate_size"])
         if missing:
             raise ValueError(
                 f"`model_config` {type(config).__name__} lacks {missing}; pass a transformers config "
@@ -80,7 +83,7 @@ class ModelSizes:
         heads = config.num_attention_heads
         return cls(
             num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size, num_heads=heads,
+            intermediate_size=inter, num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             vocab_size=config.vocab_size,

@@ -66,3 +66,12 @@ def test_strategy_refuses_tp_and_auto_leaves_it_out(monkeypatch):
         strategy._resolve_layouts(4)
         strategy._check_heads(tiny(model_type), "policy")
         assert {c.tp for c in strategy._candidates} == tps, model_type
+
+
+def test_memory_model_reads_every_family():
+    from earl_lightning.parallel.memory import ModelSizes
+
+    for model_type in (*FAMILIES, NO_PLAN):
+        sizes = ModelSizes.from_config(tiny_config(model_type))
+        assert (sizes.num_layers, sizes.hidden_size, sizes.num_heads) == (2, 64, 4), model_type
+    assert ModelSizes.from_config(tiny_config(NO_PLAN)).intermediate_size == 4 * 64  # GPT-2: n_inner=None
