@@ -75,3 +75,20 @@ def test_families_on_2_processes(tmp_path):
 
 def test_families_on_4_processes(tmp_path):
     _run(tmp_path, 4, {t: [(2, 2, False)] for t in FAMILIES})
+
+
+def _reshard_worker(rank: int, world: int, paths: dict[str, str]):
+    from tests.distributed.test_reshard import _worker as reshard_worker
+
+    return {t: reshard_worker(rank, world, p, (2, 1), [(1, 2)]) for t, p in paths.items()}
+
+
+def test_layout_reshard_of_planned_families(tmp_path):
+    """The layout-aware reshard (dp=2 train copy -> tp=2 replica and back) equals the naive one on
+    the plans that place parameters unlike Llama's: Qwen3's replicated per-head norms, Phi-3's fused projections."""
+    from tests.distributed.test_reshard import _check as check_reshard
+
+    paths = {t: tiny_family(t, tmp_path) for t in ("qwen3", "phi3")}
+    results = run_distributed(_reshard_worker, 2, paths)
+    for t in paths:
+        check_reshard([r[t] for r in results])
