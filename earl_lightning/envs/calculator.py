@@ -21,7 +21,7 @@ from typing import Callable, Literal
 
 from earl_lightning.envs.base import StepResult, register_env
 from earl_lightning.envs.parsing import (build_env, check_choice, check_finite, check_non_negative_int, check_seed,
-                                         find_call)
+                                         find_call, read_int)
 
 MAX_EXPR_CHARS = 200
 MAX_EXPONENT = 16
@@ -101,6 +101,12 @@ _TEMPLATES: dict[str, tuple[tuple[str, ...], tuple[int, int]]] = {
 _INTEGER = re.compile(r"\s*([+-]?\d+)\s*")
 
 
+def _number(text: str) -> int | None:
+    """The integer ``text`` is, or None (an invalid answer): not an integer, or too long (:func:`read_int`)."""
+    number = _INTEGER.fullmatch(text)
+    return None if number is None else read_int(number.group(1))
+
+
 def make_question(seed: int, difficulty: str) -> tuple[str, int]:
     """A deterministic ``(expression, answer)`` for this seed and difficulty."""
     rng = random.Random(seed)
@@ -178,21 +184,21 @@ class CalculatorEnv:
         call = find_call(action, ("calc", "answer"))
         if call is not None and call[0] == "calc":
             return self._calc(call[1])
-        number = _INTEGER.fullmatch(call[1]) if call is not None else None
+        number = _number(call[1]) if call is not None else None
         if number is None:
             return self._end("Invalid: use calc(expr) or answer(N).", self.invalid_reward,
                              invalid_action=True)
-        correct = int(number.group(1)) == self.answer
+        correct = number == self.answer
         text = "Correct." if correct else f"Wrong, the answer is {self.answer}."
         return self._end(text, self.correct_reward if correct else self.wrong_reward,
                          correct=correct)
 
     def _final(self, text: str) -> StepResult:
         """``tools``: the model's message without a tool call is its answer, a bare integer."""
-        number = _INTEGER.fullmatch(text)
+        number = _number(text)
         if number is None:
             return self._end("Invalid: answer with the number.", self.invalid_reward, invalid_action=True)
-        correct = int(number.group(1)) == self.answer
+        correct = number == self.answer
         return self._end("Correct." if correct else f"Wrong, the answer is {self.answer}.",
                          self.correct_reward if correct else self.wrong_reward, correct=correct,
                          truncated_tools=self._calls > self.max_tool_calls)

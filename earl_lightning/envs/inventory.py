@@ -12,7 +12,7 @@ import random
 import re
 
 from earl_lightning.envs.base import StepResult, register_env
-from earl_lightning.envs.parsing import build_env, check_finite, check_non_negative_int, check_seed
+from earl_lightning.envs.parsing import build_env, check_finite, check_non_negative_int, check_seed, read_int
 
 ITEMS = ("apples", "bananas", "cherries", "dates", "figs", "grapes", "kiwis", "lemons", "limes", "mangoes",
          "melons", "oranges", "pears", "plums", "peaches", "apricots")
@@ -102,11 +102,12 @@ class InventoryEnv:
     def step(self, action: str) -> StepResult:
         info = {"tool_calls": self._calls,
                 "right_tool": None if self.first_tool is None else self.first_tool == self.asked}
-        number = _INTEGER.fullmatch(action)
+        match = _INTEGER.fullmatch(action)
+        number = None if match is None else read_int(match.group(1))
         if number is None:
             return StepResult("Invalid: answer with the number.", self.invalid_reward, True,
                               {**info, "invalid_action": True, "correct": False})
-        correct = int(number.group(1)) == self.answer
+        correct = number == self.answer
         return StepResult("Correct." if correct else f"Wrong, the answer is {self.answer}.",
                           self.correct_reward if correct else self.wrong_reward, True,
                           {**info, "invalid_action": False, "correct": correct})

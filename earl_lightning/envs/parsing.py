@@ -18,14 +18,31 @@ Seat = Union[Literal["alternate"], int]
 _FIRST_INT = re.compile(r"\d+")
 
 
+# Python refuses to read an int of more than 4,300 digits (sys.int_info), and raising inside an env
+# counts as the env's failure; a number in an action is an answer or an action id, far shorter.
+MAX_DIGITS = 100
+
+
+def read_int(text: str) -> int | None:
+    """``text`` (an optional sign and decimal digits) as an int; ``None`` when it is not one or has
+    more than ``MAX_DIGITS`` digits (leading zeros aside): the action is then an invalid one."""
+    text = text.strip()
+    digits = text.lstrip("+-")
+    body = digits.lstrip("0") or "0"
+    if not digits.isdecimal() or len(text) - len(digits) > 1 or len(body) > MAX_DIGITS:
+        return None
+    return -int(body) if text.startswith("-") else int(body)
+
+
 def first_int(text: str) -> int | None:
-    """The first run of decimal digits in ``text`` as an int, or ``None`` if there is none.
+    """The first run of decimal digits in ``text`` as an int, or ``None`` if there is none or it is
+    too long to be an action (:func:`read_int`).
 
     A leading minus sign is ignored on purpose: the games' action ids are non-negative, and a
     small model that writes ``-3`` most likely meant column 3.
     """
     match = _FIRST_INT.search(text)
-    return int(match.group()) if match else None
+    return read_int(match.group()) if match else None
 
 
 def find_call(text: str, names: tuple[str, ...]) -> tuple[str, str] | None:
