@@ -223,7 +223,7 @@ def fit_once(rank, world, port, policy, budget, steps_per_phase, profile) -> dic
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, log_every_n_steps=1, default_root_dir=f"/tmp/earl_sel_{policy}")
     trainer.fit(make_module(), make_datamodule(steps_per_phase))
-    out = dict(steps=steps, history=adaptive.history if adaptive else [], ooms=adaptive.oom_events if adaptive else [])
+    out = dict(steps=steps, history=list(adaptive.history) if adaptive else [], ooms=adaptive.oom_events if adaptive else [])
     del trainer
     gc.collect()
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence, Union
 
@@ -28,6 +29,8 @@ from earl_lightning.parallel.profile import ProfileTable, layout_key
 from earl_lightning.parallel.selector import Decision, Selector, bucket_of
 
 GIB = 2**30
+# The decisions `history` keeps (three a step: rollout, experience, train): the last hundred steps'.
+HISTORY_DECISIONS = 300
 STATE_VERSION = 1
 CONTEXT_KEYS = ("context_mean", "context_max", "context_p95", "prompt_max", "turn_prefill_max")
 LayoutLike = Union[Layout, Mapping[str, Any]]
@@ -119,7 +122,8 @@ class AdaptiveParallelism(StageOOMHandler):
         self.candidates, self.micro_batch_tokens = candidates, micro_batch_tokens
         self.selector: Selector | None = None
         self.table: ProfileTable | None = None
-        self.history: list[dict[str, Any]] = []  # every decision: step, stage, layout, reason, ...
+        # the latest decisions (step, stage, layout, reason, ...); bounded: a long run keeps no more
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_DECISIONS)
         self.oom_events: list[dict[str, Any]] = []
         self._step_decisions: dict[str, Decision] = {}
         self._last_context: dict[str, float] | None = None

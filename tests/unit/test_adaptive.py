@@ -232,3 +232,15 @@ def test_profiles_at_fit_start_within_its_budget(tmp_path):
     assert ProfileTable.load(tmp_path / "prof" / "profile.json") == cb.table
     assert all((tmp_path / "prof" / f"profile_{s}.png").is_file() for s in cb.table.stages())
     assert all(h["predicted_tokens_per_s"] for h in cb.history)  # every decision used the measured table
+
+
+def test_history_keeps_the_latest_decisions_only(tmp_path, monkeypatch):
+    """Three decisions a step: a long run's history stays bounded, holding the latest steps'."""
+    import earl_lightning.callbacks.adaptive as adaptive
+
+    monkeypatch.setattr(adaptive, "HISTORY_DECISIONS", 9)
+    cb = AdaptiveParallelism(memory_budget_gb=1)
+    trainer(tmp_path, [cb], steps=8).fit(module(), datamodule())
+    assert len(cb.history) == 9
+    assert [h["step"] for h in cb.history] == [5, 5, 5, 6, 6, 6, 7, 7, 7]
+    assert {h["stage"] for h in cb.history if h["step"] == 7} == {"rollout", "experience", "train"}
