@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import shutil
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -53,10 +54,63 @@ def read_checkpoint_shapes(path: PathLike, weights_only: Optional[bool] = None) 
         raise checkpoint_unreadable(path, err) from None
 
 
+# What a DCP checkpoint's `.metadata` pickle may name: torch's own metadata classes, the sizes,
+# dtypes and layouts of tensors, and the path it was saved to. Anything else (os.system, eval, a
+# class of the user's) is a file that was not written by a save, and unpickling it would run code.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                   ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                   ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+                   ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                   ("pathlib", "PureWindowsPath"), ("pathlib", "Path"), ("pathlib._local", "PosixPath")}
+
+
+class _RefusedType(pickle.UnpicklingError):
+    """A ``.metadata`` pickle names a type a checkpoint's metadata does not hold."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if _metadata_type(module, name) else None
+        foreign = module in _METADATA_MODULES and (not isinstance(found, type) or found.__module__ != module)
+        if found is None or foreign:  # only the metadata module's own classes, not what it imports
+            raise _RefusedType(f"{module}.{name}")
+        return found
+
+
+def _metadata_type(module: str, name: str) -> bool:
+    if (module, name) in _METADATA_NAMES:
+        return True
+    if module in _METADATA_MODULES:
+        return not name.startswith("__")
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def read_dcp_metadata(path: PathLike) -> Any:
+    """The ``Metadata`` of the DCP checkpoint directory ``path``, unpickled with only the types a
+    checkpoint's ``.metadata`` holds. Called before torch (``dcp.load``, ``FileSystemReader``) reads
+    the file with a plain unpickler: a planted file is refused, not run."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    where = f"checkpoint {str(path)!r}"
+    try:
+        with open(Path(path) / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _RefusedType as err:
+        raise CheckpointError(f"{where}: its .metadata holds {err}, a type a checkpoint does not (the file was not "
+                              "written by a save); refused without running it") from None
+    except Exception as err:  # noqa: BLE001 - any other failure to read the file is the file's
+        raise CheckpointError(f"{where}: its .metadata cannot be read ({_reason(err)}); "
+                              "the file is truncated or corrupt. Use an earlier checkpoint") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{where}: its .metadata holds a {type(metadata).__name__}, not a checkpoint's "
+                              "metadata; refused")
+    return metadata
+
+
 def read_dcp_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of a distributed (DCP) checkpoint directory, after checking that its
     ``.metadata``, Lightning's ``meta.pt`` and every shard the metadata names are there in full."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
@@ -64,11 +118,7 @@ def read_dcp_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{where} is not a complete distributed checkpoint: it has no .metadata "
                               "(written last by a save: the save was interrupted?). Use an earlier checkpoint")
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as err:  # noqa: BLE001
-        raise CheckpointError(f"{where}: its .metadata cannot be read ({_reason(err)}); "
-                              "the file is truncated or corrupt. Use an earlier checkpoint") from None
+    metadata = read_dcp_metadata(path)
     needs: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needs[info.relative_path] = max(needs.get(info.relative_path, 0), info.offset + info.length)
@@ -83,6 +133,24 @@ def read_dcp_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
     prefix = "state_dict."
     return {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+
+
+def newest_last_checkpoint(dirs: Iterable[PathLike]) -> Optional[Path]:
+    """The newest ``last*.ckpt`` (a file, or a DCP directory with its ``.metadata``) directly in
+    one of ``dirs``, where the run's checkpoint callbacks write. A ``.last*.ckpt.old`` without its
+    ``last*.ckpt`` is what a crash between the two renames of :func:`replace_dir` leaves: the
+    previous checkpoint, whole, and the newest one there is."""
+    found = []
+    for folder in map(Path, dirs):
+        for p in folder.glob("last*.ckpt"):
+            found += [p] if _complete(p) else []
+        for old in folder.glob(".last*.ckpt.old"):
+            found += [old] if _complete(old) and not _complete(folder / old.name[1:-len(".old")]) else []
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def _complete(path: Path) -> bool:
+    return path.is_file() or (path / ".metadata").is_file()
 
 
 def dcp_writers(path: PathLike) -> int:
@@ -116,6 +184,7 @@ def save_file_atomically(checkpoint: Mapping[str, Any], path: PathLike) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Not named *.ckpt: Lightning's `ckpt_path="last"` must never pick up a partial file.
     tmp = path.with_name(f".{path.name}.partial{os.getpid()}")
+    remove_stale_temporaries(path, "partial")
     try:
         with open(tmp, "wb") as f:
             torch.save(checkpoint, f)
@@ -125,6 +194,25 @@ def save_file_atomically(checkpoint: Mapping[str, Any], path: PathLike) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def remove_stale_temporaries(path: Path, kind: str) -> None:
+    """Remove the ``.<name>.<kind><pid>`` siblings of ``path`` whose process is gone: what a save
+    killed mid-write left (a checkpoint-sized file). Those of a live process are its save in progress."""
+    for tmp in path.parent.glob(f".{path.name}.{kind}*"):
+        pid = tmp.name[len(f".{path.name}.{kind}"):]
+        if pid.isdigit() and not _alive(int(pid)):
+            remove_path(tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def replace_dir(src: PathLike, dst: PathLike) -> None:
@@ -148,6 +236,7 @@ def write_dir_atomically(dst: PathLike, write: Callable[[Path], None]) -> Path:
     final name, and the previous ``dst`` stays whole until the new one is complete."""
     dst = Path(dst)
     tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    remove_stale_temporaries(dst, "tmp")
     remove_path(tmp)
     tmp.mkdir(parents=True)
     try:

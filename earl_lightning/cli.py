@@ -87,6 +87,12 @@ class EarlCLI(LightningCLI):
         if path and not keyword and "://" not in str(path) and not Path(path).exists():
             say(f"earl: error: `--ckpt_path`: checkpoint {str(path)!r} does not exist")
             raise SystemExit(2)
+        if path and not keyword and (Path(path) / ".metadata").is_file():
+            try:  # a DCP directory: its pickled .metadata is checked before anything unpickles it
+                checkpoints.read_dcp_metadata(path)
+            except EarlError as err:
+                say(f"earl: error: `--ckpt_path`: {err}")
+                raise SystemExit(2) from None
         try:
             super()._parse_ckpt_path()
         except Exception as err:  # noqa: BLE001 - the torch.load of the file is all that can fail here
@@ -102,17 +108,37 @@ class EarlCLI(LightningCLI):
             super()._run_subcommand(subcommand)
 
     def _resolve_last_checkpoint(self, subcommand: str) -> None:
-        """``--ckpt_path last``: the newest ``last*.ckpt`` anywhere under the run's root directory.
-        Lightning looks only in this launch's checkpoint directory, which is inside a new logger
-        version for every launch, so a relaunched run would silently start over."""
+        """``--ckpt_path last``: the newest ``last*.ckpt`` in any directory this run's checkpoint
+        callbacks write to (every logger version: Lightning looks only in this launch's, a new
+        one, so a relaunched run would silently start over); nothing else under the root is a
+        candidate. A DCP directory's ``.metadata`` is checked before anything unpickles it."""
         kwargs = self.config_init.get(subcommand, {})
         if str(kwargs.get("ckpt_path")) != "last":
             return
-        root = Path(self.trainer.default_root_dir)
-        found = [p for p in root.rglob("last*.ckpt") if p.is_file() or (p / ".metadata").is_file()]
-        kwargs["ckpt_path"] = str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
-        if not found and self.trainer.is_global_zero:
-            say(f"earl: no checkpoint named last*.ckpt under {str(root)!r}: starting from the beginning")
+        found = checkpoints.newest_last_checkpoint(self._checkpoint_dirs())
+        kwargs["ckpt_path"] = None if found is None else str(found)
+        if found is not None and found.name.endswith(".old") and self.trainer.is_global_zero:
+            say(f"earl: the save that replaced {str(found.parent / found.name[1:-4])!r} was interrupted; resuming "
+                f"from the previous checkpoint, {str(found)!r}")
+        if found is not None and found.is_dir():
+            checkpoints.read_dcp_metadata(found)
+        if found is None and self.trainer.is_global_zero:
+            say(f"earl: no checkpoint named last*.ckpt under {str(self.trainer.default_root_dir)!r}: "
+                "starting from the beginning")
+
+    def _checkpoint_dirs(self) -> list[Path]:
+        """Where the trainer's checkpoint callbacks write, in every logger version (Lightning's
+        ``ModelCheckpoint.__resolve_ckpt_dir``, without fixing this launch's version)."""
+        trainer, dirs = self.trainer, []
+        for callback in trainer.checkpoint_callbacks:
+            if getattr(callback, "dirpath", None) is not None:
+                dirs.append(Path(callback.dirpath))
+            elif trainer.loggers:
+                logger = trainer.loggers[0]
+                dirs += Path(logger.save_dir or trainer.default_root_dir, str(logger.name)).glob("*/checkpoints")
+            else:
+                dirs.append(Path(trainer.default_root_dir) / "checkpoints")
+        return dirs
 
     def instantiate_classes(self) -> None:
         # Bad input is reported as one clear line naming the argument, not a traceback from deep inside.

@@ -113,8 +113,8 @@ def _where(path: Path) -> str:
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], Optional[dict]]:
     """(hyperparameters, policy parameter shapes, policy state dict or None for a DCP directory).
-    Files are read ``weights_only`` (plain data and tensors); a DCP directory's ``.metadata`` is
-    still unpickled by torch's own reader (:func:`read_dcp_shapes`, as every DCP load here; issue 45)."""
+    Files are read ``weights_only`` (plain data and tensors); a DCP directory's ``.metadata`` with
+    only the types a checkpoint's metadata holds (:func:`read_dcp_shapes`), before torch reads it."""
     if not path.exists():
         raise CheckpointError(f"{_where(path)} does not exist")
     if path.is_dir():
