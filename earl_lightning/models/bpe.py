@@ -13,10 +13,8 @@ import json
 import random
 from typing import Iterator
 
-PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+from earl_lightning.models.chatml import IM_END, MESSAGES, PAD_TOKEN, SPECIAL_TOKENS
+
 # Whole tokens, as in Qwen2.5's vocabulary, but not special: decoding never skips them.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 VOCAB_SIZE = 2048
@@ -38,23 +36,7 @@ BPE_CHAT_TEMPLATE = (
     "{{ '\n</tools>\nTo call one, write <tool_call>\n{\"name\": <name>, \"arguments\": <json object>}\n"
     "</tool_call><|im_end|>\n' }}"
     "{%- endif -%}"
-    "{%- for message in ns.rest -%}"
-    "{%- if message['role'] == 'tool' -%}"
-    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
-    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
-    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{ '<|im_end|>\n' }}{%- endif -%}"
-    "{%- else -%}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
-    "{%- for call in message.get('tool_calls') or [] -%}"
-    "{%- set f = call['function'] if 'function' in call else call -%}"
-    "{%- if message['content'] or not loop.first -%}{{ '\n' }}{%- endif -%}"
-    "{{ '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] | tojson) + '}\n"
-    "</tool_call>' }}"
-    "{%- endfor -%}"
-    "{{ '<|im_end|>\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+    + MESSAGES
 )
 
 _WORDS = ("You are x. You are o. Opponent played What is Answer with the number digit shown turn(s) ago "

@@ -15,19 +15,14 @@ from typing import Any
 import torch
 
 from earl_lightning.models.bpe import build_bpe_tokenizer
+from earl_lightning.models.chatml import IM_END, MESSAGES, PAD_TOKEN, SPECIAL_TOKENS
 
 TINY_PREFIX = "earl-tiny"
 
-PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 
-# ChatML, the format of Qwen2.5 and Hermes, written for these models. Without tools every message
-# renders as <|im_start|>role\ncontent<|im_end|>\n. With `tools`, the system message lists their
-# schemas (name, description, parameters: short, for character-level models) and says how to call them; an assistant message's `tool_calls` render as
-# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> after its content; consecutive `tool`
-# messages render together as one user message of <tool_response> blocks. `hermes` parses it.
+# ChatML, the format of Qwen2.5 and Hermes, written for these models (models/chatml.py: the
+# messages). With `tools`, the system message lists their schemas (name, description, parameters:
+# short, for character-level models) and says how to call them.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(rest=messages) -%}"
     "{%- if tools -%}"
@@ -42,22 +37,7 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{{ '\nCall one with <tool_call>\n{\"name\": <name>, \"arguments\": <arguments>}\n</tool_call>.<|im_end|>\n' }}"
     "{%- endif -%}"
-    "{%- for message in ns.rest -%}"
-    "{%- if message['role'] == 'tool' -%}"
-    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
-    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
-    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{ '<|im_end|>\n' }}{%- endif -%}"
-    "{%- else -%}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
-    "{%- for call in message.get('tool_calls') or [] -%}"
-    "{%- set f = call['function'] if 'function' in call else call -%}"
-    "{%- if message['content'] or not loop.first -%}{{ '\n' }}{%- endif -%}"
-    "{{ '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] | tojson) + '}\n</tool_call>' }}"
-    "{%- endfor -%}"
-    "{{ '<|im_end|>\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+    + MESSAGES
 )
 
 # The same, except that, as Qwen3's template does, an assistant message before the last user
