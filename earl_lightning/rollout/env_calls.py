@@ -64,7 +64,20 @@ def reset_logged_faults() -> None:
 
 
 class EnvFault(Exception):
-    """A call into an environment failed; ``str(fault)`` is the episode's ``error``."""
+    """A call into an environment failed; ``str(fault)`` is the episode's ``error``, ``exc`` what
+    the environment raised (None for a time-out or a wrong return value)."""
+
+    def __init__(self, message: str, exc: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.exc = exc
+
+    def where(self) -> str:
+        """The innermost ``file:line`` of what the environment raised ('' when it raised nothing)."""
+        tb = self.exc.__traceback__ if self.exc is not None else None
+        frame = None
+        while tb is not None:
+            frame, tb = tb, tb.tb_next
+        return f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else ""
 
 
 class _Failed(Exception):
@@ -91,10 +104,12 @@ class EnvCalls:
             GIL ends with its process, and only its episode is lost.
         task_tools: the task's own tools; under ``process`` isolation each episode's run in its
             environment's process (or one of their own), see :meth:`tools_for`.
+        log_faults: log the first fault of each kind with its traceback (False: a caller that
+            reports the fault itself, e.g. the set-up checks' one line).
     """
 
     def __init__(self, timeout_s: float | None = None, workers: int = DEFAULT_WORKERS,
-                 isolation: str = "thread", task_tools: Sequence[Tool] = ()) -> None:
+                 isolation: str = "thread", task_tools: Sequence[Tool] = (), log_faults: bool = True) -> None:
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or not math.isfinite(timeout_s) or timeout_s <= 0):
             raise ValueError(f"`env_timeout_s` must be a number > 0 or None, got {timeout_s!r}")
@@ -103,6 +118,7 @@ class EnvCalls:
         if isolation not in ("thread", "process"):
             raise ValueError(f"`call_isolation` must be 'thread' or 'process', got {isolation!r}")
         self.timeout_s, self.isolation, self.task_tools = timeout_s, isolation, tuple(task_tools)
+        self.log_faults = log_faults
         if isolation == "process":
             from earl_lightning.rollout.process_env import check_picklable, start_servers
 
@@ -259,8 +275,8 @@ class EnvCalls:
 
     def _fault(self, spec: EpisodeSpec, call: str, problem: str, kind: str, exc: BaseException | None = None,
                stack: str | None = None) -> EnvFault:
-        fault = EnvFault(f"env {spec.env!r} (seed {spec.seed}): {call}() {problem}")
-        if kind not in _logged:
+        fault = EnvFault(f"env {spec.env!r} (seed {spec.seed}): {call}() {problem}", exc)
+        if self.log_faults and kind not in _logged:
             _logged.add(kind)
             rank = f"[rank {global_rank()}] " if is_distributed() else ""
             where = f"\nwhere the call is stuck:\n{stack}" if stack else ""

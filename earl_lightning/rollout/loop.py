@@ -28,7 +28,7 @@ row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from earl_lightning.rollout.backends.base import GenerationBackend, GenRequest, SamplingConfig
 from earl_lightning.rollout.chat import ChatDeltas
@@ -180,7 +180,8 @@ def check_history_turns(value: int | None, arg: str) -> None:
 
 
 def start_episodes(specs: Sequence[EpisodeSpec], calls: EnvCalls, tokenizer: Any, system_prompt: str | None,
-                   history_turns: int | None, tools: ToolUse | None) -> list[LiveEpisode]:
+                   history_turns: int | None, tools: ToolUse | None,
+                   on_fault: Callable[[EnvFault], None] | None = None) -> list[LiveEpisode]:
     """Build and reset every spec's env (at the same time) and encode each first prompt; a fault
     there fails that episode.
 
@@ -197,6 +198,8 @@ def start_episodes(specs: Sequence[EpisodeSpec], calls: EnvCalls, tokenizer: Any
         if isinstance(started, EnvFault):
             st.chat = ChatDeltas(tokenizer)
             st.fail(started)
+            if on_fault is not None:
+                on_fault(started)
             states.append(st)
             continue
         st.env, observation = started
@@ -232,13 +235,13 @@ def first_prompt_ids(spec: EpisodeSpec, tokenizer: Any, system_prompt: str | Non
     """The ids the first turn of ``spec`` is generated from, built as :func:`rollout` builds them
     (its env is built and reset, its tools rendered). Raises :class:`EnvFault` when that fails, and
     ValueError when the env offers tools and ``tools`` is None (no parser would read the calls)."""
-    calls = EnvCalls(None, workers=1)
+    calls, faults = EnvCalls(None, workers=1, log_faults=False), []
     try:
-        (st,) = start_episodes([spec], calls, tokenizer, system_prompt, None, tools)
+        (st,) = start_episodes([spec], calls, tokenizer, system_prompt, None, tools, faults.append)
     finally:
         calls.close()
     if st.error is not None:
-        raise EnvFault(st.error)
+        raise faults[0] if faults else EnvFault(st.error)
     if tools is None and isinstance(st.env, ToolEnv) and st.env.tools():
         names = [tool_of(t, "the environment's tools").name for t in st.env.tools()]
         raise ValueError(f"`--data.env` {spec.env!r} offers tools {names}, and `--model.rollout.tool_parser` is null: "
