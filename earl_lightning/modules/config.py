@@ -139,7 +139,10 @@ class RolloutConfig:
             the GIL then ends with its process, and only its episode is lost).
         continuous_turns: an episode whose calls have returned is generated for at once, without
             waiting for the other episodes' calls (tensor-parallel rollouts always wait: their
-            ranks must generate the same batches); false: every turn waits for every call.
+            ranks must generate the same batches). Off by default: the batches then depend on
+            when calls return, and a forward pass's last bits on its batch's size and padding, so
+            a run is no longer bit-reproducible (nor its resume exact); false: every turn waits
+            for every call.
     """
 
     backend: Literal["hf", "vllm"] = "hf"
@@ -155,7 +158,7 @@ class RolloutConfig:
     tool_parser: Optional[str] = None
     call_workers: int = 64
     call_isolation: Literal["thread", "process"] = "thread"
-    continuous_turns: bool = True
+    continuous_turns: bool = False
 
     def __post_init__(self) -> None:
         arg = f"{A}.rollout"
