@@ -13,7 +13,7 @@ import json
 import random
 from typing import Iterator
 
-from earl_lightning.models.chatml import IM_END, MESSAGES, PAD_TOKEN, SPECIAL_TOKENS
+from earl_lightning.models.chatml import IM_END, MESSAGES, PAD_TOKEN, SPECIAL_TOKENS, TOOLS_SYSTEM_OPEN
 
 # Whole tokens, as in Qwen2.5's vocabulary, but not special: decoding never skips them.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -25,13 +25,8 @@ VOCAB_SIZE = 2048
 # <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>, one per line; a run of `tool` messages
 # renders as one user message of <tool_response> blocks (the Hermes / Qwen format `hermes` parses).
 BPE_CHAT_TEMPLATE = (
-    "{%- set ns = namespace(rest=messages) -%}"
-    "{%- if tools -%}"
-    "{{ '<|im_start|>system\n' }}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{{ messages[0]['content'] + '\n\n' }}{%- set ns.rest = messages[1:] -%}"
-    "{%- endif -%}"
-    "{{ 'You may call these tools:\n<tools>' }}"
+    TOOLS_SYSTEM_OPEN
+    + "{{ 'You may call these tools:\n<tools>' }}"
     "{%- for tool in tools -%}{{ '\n' + (tool | tojson) }}{%- endfor -%}"
     "{{ '\n</tools>\nTo call one, write <tool_call>\n{\"name\": <name>, \"arguments\": <json object>}\n"
     "</tool_call><|im_end|>\n' }}"

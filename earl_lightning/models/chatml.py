@@ -13,6 +13,17 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
 
+# the opening of the system block when there are tools (a system message's content first, then the
+# tools, which each template lists its own way); ``ns.rest`` is the messages after it
+TOOLS_SYSTEM_OPEN = (
+    "{%- set ns = namespace(rest=messages) -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{ messages[0]['content'] + '\n\n' }}{%- set ns.rest = messages[1:] -%}"
+    "{%- endif -%}"
+)
+
 # the messages after the system block (``ns.rest``), then the generation prompt
 MESSAGES = (
     "{%- for message in ns.rest -%}"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from earl_lightning.models.bpe import build_bpe_tokenizer
-from earl_lightning.models.chatml import IM_END, MESSAGES, PAD_TOKEN, SPECIAL_TOKENS
+from earl_lightning.models.chatml import IM_END, MESSAGES, PAD_TOKEN, SPECIAL_TOKENS, TOOLS_SYSTEM_OPEN
 
 TINY_PREFIX = "earl-tiny"
 
@@ -24,13 +24,8 @@ TINY_PREFIX = "earl-tiny"
 # messages). With `tools`, the system message lists their schemas (name, description, parameters:
 # short, for character-level models) and says how to call them.
 CHAT_TEMPLATE = (
-    "{%- set ns = namespace(rest=messages) -%}"
-    "{%- if tools -%}"
-    "{{ '<|im_start|>system\n' }}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{{ messages[0]['content'] + '\n\n' }}{%- set ns.rest = messages[1:] -%}"
-    "{%- endif -%}"
-    "{{ 'Tools:' }}"
+    TOOLS_SYSTEM_OPEN
+    + "{{ 'Tools:' }}"
     "{%- for tool in tools -%}{%- set f = tool['function'] if 'function' in tool else tool -%}"
     "{{ '\n' + ({'name': f['name'], 'description': f.get('description', ''), 'parameters': f.get('parameters', {})}"
     " | tojson) }}"
