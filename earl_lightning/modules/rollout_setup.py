@@ -43,8 +43,8 @@ def check_first_observation(rollout: RolloutConfig, tokenizer: Any, spec: Any, t
     try:
         ids = first_prompt_ids(spec, tokenizer, rollout.system_prompt, loop_kwargs(rollout, tools)["tools"])
     except EnvFault as fault:
-        where = f" (at {fault.where()})" if fault.where() else ""
-        raise ValueError(f"`--data.env` {spec.env!r}: {fault}{where}") from None
+        where = fault.where()
+        raise ValueError(f"`--data.env` {spec.env!r}: {fault}{f' (at {where})' if where else ''}") from None
     need = len(ids) + rollout.sampling.max_new_tokens
     if need > rollout.max_context_tokens:
         what = f"the first row's prompt (row {spec.row_index})" if spec.row is not None else \

@@ -12,6 +12,7 @@ from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollo
 from earl_lightning.rollout.demonstrations import PolicyBackend
 from earl_lightning.rollout.scoring import score_episodes, transcript
 from earl_lightning.tasks.rewards import resolve_reward_funcs
+from tests.plugins.scripted import Says
 
 CHAT_ROW = {"prompt": [{"role": "user", "content": "2+3="}], "answer": "5"}
 TEXT_ROW = {"prompt": "2+3=", "answer": "5"}
@@ -30,17 +31,9 @@ def _spec(row, env=None, i=0, **kw):
 
 def _play(tok, specs, answers, **kw):
     """Play ``specs`` with a scripted policy that answers ``answers[i]`` then counts down."""
-    policies = {s.episode_id: _Scripted(a) for s, a in zip(specs, answers)}
+    policies = {s.episode_id: Says(*([a] if isinstance(a, str) else a)) for s, a in zip(specs, answers)}
     kw = dict(max_turns=5, max_context_tokens=512) | kw
     return rollout(specs, PolicyBackend(policies, tok), tok, SamplingConfig(max_new_tokens=8), **kw)
-
-
-class _Scripted:
-    def __init__(self, first):
-        self.said = [first] if isinstance(first, str) else list(first)
-
-    def __call__(self, observation):
-        return self.said.pop(0) if len(self.said) > 1 else self.said[0]
 
 
 def test_a_conversational_row_is_one_chat_turn_scored_in_trls_form(lm):

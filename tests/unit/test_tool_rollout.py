@@ -22,6 +22,7 @@ from earl_lightning.rollout.scoring import transcript
 from earl_lightning.tasks.tool_parsers import hermes
 from earl_lightning.tasks.tools import resolve_tools
 from tests.plugins import tools as plugin
+from tests.plugins.scripted import Says
 
 ASK = {"prompt": [{"role": "user", "content": "What is 2+3?"}]}
 
@@ -34,14 +35,6 @@ def call(name: str, **arguments) -> str:
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer(str(make_tiny_model("earl-tiny")))
-
-
-class Says:
-    def __init__(self, *words):
-        self.words = list(words)
-
-    def __call__(self, observation):
-        return self.words.pop(0) if len(self.words) > 1 else self.words[0]
 
 
 def play(tok, rows, scripts, env=None, tools=(plugin.add, plugin.nap), **kw):
