@@ -5,7 +5,7 @@ glibc's malloc serves a block above its mmap threshold (128 KiB, rising with use
 blocks: they are unmapped when the step ends and mapped again, zero-filled one page fault at a
 time, by the next step. On the multi-turn train pass of ``benchmarks/train_roofline.py`` (64
 episodes of 650 tokens, 2 cores) that re-mapping was three quarters of the time
-(``docs/benchmarks.md#host-memory-page-faults-of-the-train-step-issue-16``). ``retain`` asks glibc to take
+(``docs/benchmarks.md#host-memory-kept-between-steps``). ``retain`` asks glibc to take
 every block from its heap (``M_MMAP_MAX`` 0) and never to give the heap's free top back
 (``M_TRIM_THRESHOLD`` at its maximum), so freed activations are reused as they are, as a device
 caching allocator does. The price: resident memory stays at the run's high-water mark.
