@@ -31,6 +31,7 @@ from earl_lightning.data.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
 from earl_lightning import checkpoints
 from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
+from earl_lightning.checkpoints_io import with_atomic_checkpoint_io
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.warnings_filter import install_warning_filters
 
@@ -159,6 +160,10 @@ class EarlCLI(LightningCLI):
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             kwargs.setdefault("callbacks", [*callbacks, StepProgressBar()])
+        # Checkpoints are written atomically under every strategy (Lightning's own writer is not).
+        plugins = with_atomic_checkpoint_io(config.get("plugins"), config.get("strategy"))
+        if plugins is not None:
+            kwargs.setdefault("plugins", plugins)
         return super().instantiate_trainer(**kwargs)
 
 
