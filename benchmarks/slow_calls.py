@@ -9,7 +9,7 @@ per (episode, turn) from a fixed seed. Three ways to run the calls:
 - ``continuous``: every call at once, and an episode whose call returned generates again without
   waiting for the others (``continuous_turns``).
 
-The goal the issue sets: continuous at most 1.3 x (generation time + the slowest episode's own
+The goal: continuous at most 1.3 x (generation time + the slowest episode's own
 chain of calls). Generation time is the same rollout with instant calls; the slowest chain is the
 largest sum of one episode's call times. The modes alternate within each repeat; medians are
 reported with the machine's load before and after.

@@ -1,4 +1,4 @@
-"""Where one RL step's time goes, with every shortcut on and with some of them off (issue 16).
+"""Where one RL step's time goes, with every shortcut on and with some of them off.
 
 Runs earl_lightning's side of ``benchmarks/vs_trl.py`` (single-turn by default, earl-tiny, fp32,
 2 threads, 64 completions of ``--tokens`` tokens in groups of 8, one optimizer step per batch) in

@@ -1,4 +1,4 @@
-"""The operator floor of earl's multi-turn step (issue 16): how much of the rollout and train stages
+"""The operator floor of earl's multi-turn step: how much of the rollout and train stages
 is time inside PyTorch operators (attention, matmuls, the rest) and how much is Python and framework
 overhead around them, and what speed-up over TRL the step could reach if that overhead went away.
 

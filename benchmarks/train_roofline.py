@@ -1,5 +1,5 @@
 """How close the multi-turn train stage of ``benchmarks/vs_trl.py`` runs to this machine's matmul
-speed, and what that leaves for the issue's 3× target (issue 16).
+speed, and what that leaves for a 3× multi-turn target.
 
 The multi-turn comparison's train stage is one forward and backward of earl-tiny over 64 DigitTurns
 episodes (10 turns of 8 tokens, whole chat, 650 tokens each) in one micro-batch, the same

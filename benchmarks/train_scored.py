@@ -1,5 +1,5 @@
 """The multi-turn train stage with and without the scored last layer (``optim.scored_last_layer``,
-``earl_lightning/data/scored.py``), side by side in one process (issue 16).
+``earl_lightning/data/scored.py``), side by side in one process.
 
 It builds the multi-turn comparison's train batch (64 DigitTurns episodes of 10 turns of 8 tokens,
 the whole chat through earl-tiny's template, the replies marked as actions) and times the train

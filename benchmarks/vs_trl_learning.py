@@ -4,8 +4,8 @@ and TRL 1.16's ``GRPOTrainer``, the same rows and settings, seeds 0, 1, 2.
 Each run is one side in a fresh process (``benchmarks/vs_trl_learning_side.py``); per seed the
 sides alternate order (earl first for seed 0, TRL first for seed 1, ...). Both are evaluated by the
 same function at the same steps (greedy, the first ``--eval-rows`` held-out rows, TRL's
-``accuracy_reward``); the clock is training time only (evaluations left out). The questions the
-issue asks: after the same number of steps, is earl's held-out accuracy at least TRL's (within two
+``accuracy_reward``); the clock is training time only (evaluations left out). The questions it
+answers: after the same number of steps, is earl's held-out accuracy at least TRL's (within two
 standard errors over seeds)? And how long does earl take to reach TRL's final accuracy, against
 TRL's whole run (goal: at most 1/1.5 of it)?
 

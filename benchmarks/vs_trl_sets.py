@@ -1,4 +1,4 @@
-"""Every recorded set of ``benchmarks/vs_trl.py`` runs, read back and compared with issue 16's targets.
+"""Every recorded set of ``benchmarks/vs_trl.py`` runs, read back and compared with their targets.
 
 Each ``*_runs.csv`` that ``vs_trl.py`` wrote is one set: one machine, one session, its sides
 interleaved. Per set and point (mode, completion length, turns) this gives earl's speed over TRL's
