@@ -166,7 +166,7 @@ class CalculatorEnv:
         """Evaluate an arithmetic expression exactly.
 
         Args:
-            expression: integers with + - * / // % ** and parentheses, e.g. "(3+4)*5".
+            expression: integers with + - * / // % ** and parentheses.
         """
         self._calls += 1
         if self._calls > self.max_tool_calls:
