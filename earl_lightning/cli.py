@@ -32,6 +32,7 @@ from earl_lightning.errors import EarlError
 from earl_lightning import checkpoints
 from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
 from earl_lightning.checkpoints_io import with_atomic_checkpoint_io
+from earl_lightning.cli_errors import ShortErrorParser
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.warnings_filter import install_warning_filters
 
@@ -205,8 +206,8 @@ def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
     from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
     from earl_lightning.sft.save import save_warm_start
 
-    cli = SftCLI(WarmStartModule, DemonstrationDataModule, run=False, args=args,
-                 parser_kwargs={"parser_mode": "omegaconf"}, save_config_kwargs={"overwrite": True})
+    cli = SftCLI(WarmStartModule, DemonstrationDataModule, run=False, args=args, parser_class=ShortErrorParser,
+                 parser_kwargs={"parser_mode": "omegaconf", "prog": "earl sft"}, save_config_kwargs={"overwrite": True})
     if command_line is not None:
         sys.argv = command_line
     start = time.monotonic()
@@ -241,7 +242,8 @@ def main(args: list[str] | None = None) -> None:
         EarlCLI(
             AgenticRLModule,
             EpisodeDataModule,
-            parser_kwargs={"parser_mode": "omegaconf"},
+            parser_kwargs={"parser_mode": "omegaconf", "prog": "earl"},
+            parser_class=ShortErrorParser,
             save_config_kwargs={"overwrite": True},
             args=args,
         )

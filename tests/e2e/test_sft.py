@@ -124,7 +124,8 @@ def test_an_output_dir_that_exists_and_is_not_empty_is_refused_unless_overwrite(
      "the observation"),
     ([], "earl: error: `--output_dir` is required"),
     (["--data.targets", "soft"],
-     '''Parser key "data.targets":\n  Expected a typing.Literal['expected', 'sampled']. Got value: soft'''),
+     "earl: error: `--data.targets`: 'soft' is not one of 'expected', 'sampled'\n"
+     "earl: `earl sft --help` lists every option"),
 ])
 def test_bad_input_is_one_line(args, message, tmp_path, capsys):
     out = [] if not args else ["--output_dir", str(tmp_path / "m")]
