@@ -70,6 +70,22 @@ def test_the_dataset_warm_start_then_rl_logs_each_reward_function(warm_start, da
         assert step[k] == pytest.approx(acc[k] + 0.5 * brief[k], abs=1e-5), "the reward is the weighted sum"
 
 
+def test_the_lora_recipe_is_the_full_recipe_with_adapters_and_runs_from_the_warm_start(warm_start, data, tmp_path):
+    """recipes/addition_grpo_lora.yaml (docs/experiments/lora.md) differs from the full fine-tuning recipe only
+    in `model.peft`, the learning rate and its run directory, and runs (what LoRA trains: tests/e2e/test_lora.py)."""
+    import yaml
+
+    full, lora = (yaml.safe_load((ROOT / "recipes" / f"addition_grpo_{name}.yaml").read_text()) for name in ("warm", "lora"))
+    assert lora["model"].pop("peft") == {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
+    assert (full["model"]["optim"].pop("lr"), lora["model"]["optim"].pop("lr")) == (3.0e-5, 3.0e-4)
+    full["trainer"].pop("default_root_dir"), lora["trainer"].pop("default_root_dir")
+    assert lora == full
+    args = _fit_args(data, tmp_path, str(warm_start), 2)
+    args[2] = str(ROOT / "recipes" / "addition_grpo_lora.yaml")
+    main(args)
+    assert len(scalars(tmp_path, "loss/policy")) == 2 and scalars(tmp_path, "val/rewards/accuracy_reward")
+
+
 def test_resume_over_a_dataset_matches_the_uninterrupted_run(warm_start, data, tmp_path):
     every_step = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_last=true",
                   "--trainer.callbacks.every_n_train_steps=1", "--trainer.limit_val_batches", "0"]
