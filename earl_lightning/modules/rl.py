@@ -10,7 +10,6 @@ registries named in the typed configuration (:mod:`earl_lightning.modules.config
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Literal, Optional
 
 import lightning as L
@@ -34,13 +33,14 @@ from earl_lightning.modules.metrics import (RunMetrics, StageTimer, batch_stats,
                                             logged_by_reward_funcs, reported, reward_metrics, tool_metrics,
                                             zero_spread_share)
 from earl_lightning.modules.rollout_setup import check_first_observation, loop_kwargs
-from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory, lost_peer_error
+from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import GENERATION_BACKENDS, BackendSpec, SamplingConfig
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
+from earl_lightning.strategies.faults import trainer_lost_peer
 from earl_lightning.strategies.stage import StageContext, stages_of
 
 
@@ -153,7 +153,8 @@ class AgenticRLModule(L.LightningModule):
         runner, exchanger = self._runner(StageTimer()), self._exchanger()
         episodes, rollout_ctx = runner.run("rollout", self._spec_stats(specs),
                                            lambda ctx: (self._play(specs, ctx, self._sampling_seed(step, ctx)), ctx))
-        check_env_failures(episodes, rollout_ctx.reduce, self.rollout_config.max_failed_share, step)
+        with runner.outside("the env-failure check"):
+            check_env_failures(episodes, rollout_ctx.reduce, self.rollout_config.max_failed_share, step)
         exp = episodes_to_experience(episodes, gamma=self.algorithm_config.advantage.effective("gamma", 1.0))
         num_groups = max(s.group_id for s in specs) + 1
 
@@ -161,7 +162,9 @@ class AgenticRLModule(L.LightningModule):
             out = self._fill(exchanger.exchange(exp, src=rollout_ctx.layout, to=ctx.layout), ctx)
             return self._advantages(out, num_groups, ctx), ctx
 
-        exp, exp_ctx = runner.run("experience", batch_stats(exp, rollout_ctx.reduce), experience)
+        with runner.outside("the batch statistics"):
+            stats = batch_stats(exp, rollout_ctx.reduce)
+        exp, exp_ctx = runner.run("experience", stats, experience)
 
         def train(ctx: StageContext) -> tuple[ExperienceBatch, dict[str, float], StageContext]:
             out = exchanger.exchange(exp, src=exp_ctx.layout, to=ctx.layout)
@@ -170,11 +173,20 @@ class AgenticRLModule(L.LightningModule):
             self._backend.after_update(ctx.model("policy"))
             return out, update, ctx
 
-        exp, update, train_ctx = runner.run("train", batch_stats(exp, exp_ctx.reduce), train)
+        with runner.outside("the batch statistics"):
+            stats = batch_stats(exp, exp_ctx.reduce)
+        exp, update, train_ctx = runner.run("train", stats, train)
         self.rl_iteration, self.oom_recoveries = step + 1, self.oom_recoveries + runner.recoveries
+        with runner.outside("the step's metric reductions"):
+            metrics = self._step_metrics(runner, episodes, num_groups, exp, update, rollout_ctx, train_ctx)
+        self._log_step(metrics, episodes[:2], step)
+
+    def _step_metrics(self, runner: StageRunner, episodes: list, num_groups: int, exp: ExperienceBatch,
+                      update: dict[str, float], rollout_ctx: StageContext, train_ctx: StageContext) -> dict[str, float]:
+        """The step's logged metrics, each reduced over all ranks (every rank calls this)."""
         metrics = self.run_metrics.step(episodes, rollout_ctx.reduce.counts_here, exp, train_ctx.reduce.counts_here)
         for more in (runner.timer.metrics(metrics["tokens/generated"], metrics["tokens/total"]), update,
-                     self._stages().pop_stage_metrics(), exchanger.pop_metrics(), self._backend.metrics()):
+                     self._stages().pop_stage_metrics(), self._exchanger().pop_metrics(), self._backend.metrics()):
             metrics.update(more)
         metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
         metrics["reward/zero_std_groups"] = zero_spread_share(episodes, num_groups, rollout_ctx.reduce.sum_moments)
@@ -185,7 +197,7 @@ class AgenticRLModule(L.LightningModule):
             metrics.update(reward_metrics(episodes, names, rollout_ctx.reduce))
             metrics.update(logged_by_reward_funcs(self._reward_outcomes, names))
         metrics.update({"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)})
-        self._log_step(metrics, episodes[:2], step)
+        return metrics
 
     def _play(self, specs: list, ctx: StageContext, seed: int, greedy: bool = False) -> list:
         """This rank's share of ``specs``, played with the stage's model (the backend is bound to it)."""
@@ -271,11 +283,9 @@ class AgenticRLModule(L.LightningModule):
     def _runner(self, timer: StageTimer) -> StageRunner:
         t = self.trainer
         handlers = [cb for cb in t.callbacks if isinstance(cb, StageOOMHandler)]
-        last = t.checkpoint_callback.last_model_path if t.checkpoint_callback is not None else ""
-        lost = partial(lost_peer_error, step=t.global_step, rank=t.global_rank, last_checkpoint=last,
-                       log_dir=t.default_root_dir)  # not t.log_dir: a collective
         return StageRunner(self._stages(), handlers, lambda h, *a: h.on_stage_oom(t, self, *a),
-                           lambda: free_memory(t.optimizers, self._backend), timer, lost)
+                           lambda: free_memory(t.optimizers, self._backend), timer,
+                           trainer_lost_peer(t, f"RL step {t.global_step}"))
 
     def _spec_stats(self, specs: list) -> dict[str, float]:
         return {"num_seqs": len(specs), "gen_len": self.rollout_config.sampling.max_new_tokens}
@@ -305,10 +315,12 @@ class AgenticRLModule(L.LightningModule):
     # ---- evaluation ----------------------------------------------------------------------------
     def _evaluate(self, specs: list) -> dict[str, bool]:
         """Play ``specs`` greedily into the validation metrics; which optional rates they report."""
-        episodes, ctx = self._runner(StageTimer()).run(
+        runner = self._runner(StageTimer())
+        episodes, ctx = runner.run(
             "rollout", self._spec_stats(specs), lambda ctx: (self._play(specs, ctx, seed=0, greedy=True), ctx))
         self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
-        return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
+        with runner.outside("the evaluation's metric reductions"):
+            return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         flags = self._evaluate(batch["specs"])

@@ -9,18 +9,17 @@ again under the next layout the selector picks, and the step is not lost.
 from __future__ import annotations
 
 import gc
-import traceback
-from pathlib import Path
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 
 from earl_lightning.callbacks.base import StageOOMHandler
-from earl_lightning.errors import EnvironmentFailure, RankFailure, RewardFunctionFailure
+from earl_lightning.errors import EnvironmentFailure, RewardFunctionFailure
 from earl_lightning.host_memory import trim_host_memory
 from earl_lightning.modules.metrics import StageTimer
 from earl_lightning.parallel.collectives import Reducer
-from earl_lightning.parallel.faults import is_peer_failure
+from earl_lightning.parallel.faults import LostPeer, is_peer_failure
 from earl_lightning.parallel.oom import is_oom_error
 from earl_lightning.strategies.stage import StageContext, StageStrategy
 
@@ -31,18 +30,23 @@ class StageRunner:
     """Runs stages through ``stages`` and asks ``handlers`` what to do on an out-of-memory error.
 
     ``ask(handler, stage, stats, err)`` calls the handler's hook (the module passes its trainer
-    and itself); ``free()`` releases what a failed attempt left behind; ``lost_peer(stage, err)``
-    turns a collective that failed because another rank died into the error the run ends with.
+    and itself); ``free()`` releases what a failed attempt left behind; ``lost`` turns a
+    collective that failed because another rank died or went silent into the one line the run ends
+    with, inside a stage and (:meth:`outside`) in the step's collectives between stages.
     """
 
     def __init__(self, stages: StageStrategy, handlers: Sequence[StageOOMHandler],
                  ask: Callable[[StageOOMHandler, str, Optional[Mapping[str, Any]], BaseException], bool],
                  free: Callable[[], None], timer: StageTimer,
-                 lost_peer: Callable[[str, BaseException], BaseException], max_retries: int = 3) -> None:
+                 lost: LostPeer, max_retries: int = 3) -> None:
         self.stages, self.handlers, self.ask, self.free = stages, list(handlers), ask, free
-        self.lost_peer = lost_peer
+        self.lost = lost
         self.timer, self.max_retries = timer, max_retries
         self.recoveries = 0
+
+    def outside(self, where: str) -> AbstractContextManager[None]:
+        """For the step's collectives between stages (``where``: "the env-failure check")."""
+        return self.lost.during(where)
 
     def run(self, name: str, stats: Optional[Mapping[str, Any]], fn: Callable[[StageContext], T]) -> T:
         """``fn(ctx)`` under stage ``name``'s layout, retried on an out-of-memory error.
@@ -61,11 +65,13 @@ class StageRunner:
                     out = fn(ctx)
             except Exception as e:  # noqa: BLE001 - filtered right below
                 if is_peer_failure(e):
-                    raise self.lost_peer(name, e) from e
+                    raise self.lost.error(f"stage {name!r}", e) from e
                 if not is_oom_error(e):
                     raise
                 err = e
-            if Reducer().any(err is not None):
+            with self.lost.during(f"stage {name!r}"):
+                any_oom = Reducer().any(err is not None)
+            if any_oom:
                 err = err or MemoryError(f"out of memory in stage {name!r} on another rank")
             elif err is None:
                 return out
@@ -107,21 +113,3 @@ def check_env_failures(episodes: Sequence[Any], reduce: Reducer, max_share: floa
         raise RewardFunctionFailure(
             f"{first} ({int(n_reward)} of {int(total)} episodes of RL step {step} could not be scored {share}). "
             f"Fix the reward function, or raise max_failed_share to train on the rows it scores")
-
-
-def lost_peer_error(stage: str, err: BaseException, *, step: int, rank: int, last_checkpoint: str,
-                    log_dir: str) -> RankFailure:
-    """The one line a run ends with when a peer rank is gone; the transport's traceback goes to a
-    file beside the run's logs."""
-    path = Path(log_dir) / f"rank{rank}_failure.log"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(traceback.format_exception(err)))
-        where = f"traceback in {path}"
-    except OSError:
-        where = "traceback not saved"
-    resume = f"resume from {last_checkpoint}" if last_checkpoint else "no checkpoint saved yet"
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return RankFailure(f"rank {rank} lost a peer during stage {stage!r} of RL step {step}: another process died or "
-                       f"a collective timed out ({type(err).__name__}: {first[:160]}); {resume} "
-                       f"(`--ckpt_path last`); {where}")

@@ -1,0 +1,56 @@
+"""A lost peer in any collective of a run ends it with one line, never a raw traceback.
+
+The RL module's stages and the collectives between them go through a :class:`LostPeer` from
+:func:`trainer_lost_peer`; :class:`OneLineCollectives` does the same for a strategy's own
+collectives (``barrier``, ``broadcast``, ``reduce``, ``all_gather``), which Lightning's checkpoint
+saving, loops and logging call.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager
+from typing import Any
+
+from earl_lightning.parallel.faults import LostPeer, RunFacts
+
+
+def trainer_lost_peer(trainer: Any, step: str | None = None) -> LostPeer:
+    """A :class:`LostPeer` that reads, when a peer is lost, this rank, ``step`` (else the trainer's
+    global step), the last checkpoint saved and the run's root directory (not ``trainer.log_dir``:
+    reading it is a collective)."""
+    def facts() -> RunFacts:
+        ckpt = trainer.checkpoint_callback
+        return RunFacts(rank=trainer.global_rank, step=step or f"global step {trainer.global_step}",
+                        last_checkpoint=ckpt.last_model_path if ckpt is not None else "",
+                        log_dir=trainer.default_root_dir)
+    return LostPeer(facts)
+
+
+class OneLineCollectives:
+    """Mixin for a Lightning strategy (first among its bases): a peer lost in one of its
+    collectives ends the run with the one-line RankFailure naming the collective and the hook."""
+
+    def _lost_peer(self, what: str) -> AbstractContextManager[None]:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None:  # before the module is attached: set-up
+            return LostPeer(lambda: RunFacts(self.global_rank, "set-up", "", os.getcwd())).during(what)
+        hook = module._current_fx_name
+        return trainer_lost_peer(trainer).during(f"the strategy's {what}" + (f" in {hook}" if hook else ""))
+
+    def barrier(self, name: str | None = None) -> None:
+        with self._lost_peer(f"barrier {name!r}" if name else "barrier"):
+            super().barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        with self._lost_peer("broadcast"):
+            return super().broadcast(obj, src)
+
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lost_peer("reduce"):
+            return super().reduce(tensor, *args, **kwargs)
+
+    def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lost_peer("all_gather"):
+            return super().all_gather(tensor, *args, **kwargs)
