@@ -54,6 +54,18 @@ def init_elastic_process_group(backend: str, timeout: timedelta, device: torch.d
     return True
 
 
+def set_collective_timeout(timeout: timedelta | None, groups: Sequence[dist.ProcessGroup] = ()) -> None:
+    """How long a collective of the default process group (or of ``groups``) waits for a peer
+    (None: unchanged).
+
+    Set once the group is up: the group's ``timeout`` also bounds joining it, and a rank that starts
+    slowly (imports, a busy machine) would fail a short one. Groups created later (a layout's mesh)
+    get torch's default timeout unless set here too."""
+    if timeout is not None:
+        for group in groups or [None]:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)  # torch's only setter (private, since 2.2)
+
+
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where collective buffers must live: the current CUDA device under NCCL, else the host."""
     if dist.get_backend(group) == "nccl":

@@ -21,6 +21,7 @@ Hook contract with the LightningModule (modules stay free of parallel code):
   a train stage).
 - Metrics for ``self.log`` accumulate in ``strategy.stage_metrics``; ``pop_stage_metrics()``
   returns and clears them once per step.
+- A peer lost in the strategy's collectives (checkpoint saves) ends the run in one line (faults.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from earl_lightning.errors import CheckpointError
 from earl_lightning.checkpoints import (check_before_load, checkpoint_unreadable, disk_full_error, remove_path,
                                         replace_dir, save_file_atomically)
 from earl_lightning.models.lora import has_lora
-from earl_lightning.parallel.collectives import Reducer, broadcast_object, init_elastic_process_group
+from earl_lightning.parallel.collectives import (Reducer, broadcast_object, init_elastic_process_group,
+                                                 set_collective_timeout)
 from earl_lightning.parallel.layout import Layout, check_stage
 from earl_lightning.parallel.parallelize import (
     build_replica,
@@ -57,11 +59,12 @@ from earl_lightning.parallel.parallelize import (
 )
 from earl_lightning.parallel.plans import reject_unplanned_tp, supports_tp
 from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
+from earl_lightning.strategies.faults import OneLineCollectives
 from earl_lightning.strategies.layouts import (LayoutArg, LayoutSelector, check_stage_models, parse_layouts,
                                             same_placement, to_layout)
 from earl_lightning.strategies.stage import StageContext, StageStrategy
 
-class EarlStrategy(ModelParallelStrategy, StageStrategy):
+class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
     """FSDP2 x tensor parallel with a layout per RL stage.
 
     Arguments:
@@ -77,7 +80,8 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         reshard_method: ``"layout_aware"`` (all-to-all of the needed slices) or ``"naive"`` (reference).
         bucket_mb: size of one all-to-all bucket of the layout-aware reshard.
         collective_timeout_s: how long a collective may wait for a peer before the run stops (a
-            dead or stuck rank); overrides ``timeout`` (Lightning's default: 30 minutes).
+            dead or stuck rank), set on the process group once it is up (joining it keeps
+            ``timeout``, Lightning's default 30 minutes: ranks that start slowly still join).
     """
 
     strategy_name = "earl"
@@ -96,12 +100,11 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         collective_timeout_s: Optional[float] = None,
     ) -> None:
-        if collective_timeout_s is not None:
-            if isinstance(collective_timeout_s, bool) or not isinstance(collective_timeout_s, (int, float)) \
-                    or not collective_timeout_s > 0:
-                raise ValueError(f"`collective_timeout_s` must be a positive number of seconds or None, "
-                                 f"got {collective_timeout_s!r}")
-            timeout = timedelta(seconds=collective_timeout_s)
+        if collective_timeout_s is not None and (isinstance(collective_timeout_s, bool) or not isinstance(
+                collective_timeout_s, (int, float)) or not collective_timeout_s > 0):
+            raise ValueError(f"`collective_timeout_s` must be a positive number of seconds or None, "
+                             f"got {collective_timeout_s!r}")
+        self.collective_timeout = None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         if process_group_backend not in (None, "gloo", "nccl"):
@@ -170,6 +173,7 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
         key = (layout.dp, layout.tp)
         if key not in self._meshes:
             self._meshes[key] = init_device_mesh(self.root_device.type, key, mesh_dim_names=("dp", "tp"))
+            set_collective_timeout(self.collective_timeout, self._meshes[key].get_all_groups())
         return self._meshes[key]
 
     def _resolve_layouts(self, world_size: int) -> None:
@@ -205,6 +209,7 @@ class EarlStrategy(ModelParallelStrategy, StageStrategy):
     def _setup_distributed(self) -> None:
         init_elastic_process_group(self._get_process_group_backend(), self._timeout, self.root_device)
         super()._setup_distributed()  # Lightning's: ranks, seed; the group is up already under torchrun
+        set_collective_timeout(self.collective_timeout)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
