@@ -33,12 +33,14 @@ from earl_lightning import checkpoints
 from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
 from earl_lightning.checkpoints_io import with_atomic_checkpoint_io
 from earl_lightning.cli_errors import ShortErrorParser
+from earl_lightning.cli_resume import dcp_problem, differences, differences_line, saved_hparams
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.warnings_filter import install_warning_filters
 
 # Imported for its side effect: registers "earl" in Lightning's StrategyRegistry, so a recipe's
 # `trainer.strategy: earl` resolves.
 import earl_lightning.strategies  # noqa: F401,E402
+from earl_lightning.strategies.earl import EarlStrategy  # noqa: E402
 
 
 def say(line: str) -> None:
@@ -95,14 +97,19 @@ class EarlCLI(LightningCLI):
             except EarlError as err:
                 say(f"earl: error: `--ckpt_path`: {err}")
                 raise SystemExit(2) from None
+        # Not LightningCLI's: it merges the checkpoint's hyperparameters into the config, so a model
+        # or import path saved in a checkpoint would run unasked. The file is only checked readable
+        # here; the config wins, and a difference is one line (`_check_resume`).
         try:
-            super()._parse_ckpt_path()
+            if path and not keyword and "://" not in str(path):
+                saved_hparams(path)
         except Exception as err:  # noqa: BLE001 - the torch.load of the file is all that can fail here
             say(f"earl: error: {checkpoint_unreadable(path, err, arg='--ckpt_path')}")
             raise SystemExit(2) from None
 
     def _run_subcommand(self, subcommand: str) -> None:
         self._resolve_last_checkpoint(subcommand)
+        self._check_resume(subcommand)
         # A full disk under any strategy and any writer (checkpoints, TensorBoard, config.yaml) is
         # one line naming where the run writes; EarlStrategy names the checkpoint itself.
         # (default_root_dir, not log_dir: the latter is a broadcast, and a full disk may stop one rank only.)
@@ -127,6 +134,29 @@ class EarlCLI(LightningCLI):
         if found is None and self.trainer.is_global_zero:
             say(f"earl: no checkpoint named last*.ckpt under {str(self.trainer.default_root_dir)!r}: "
                 "starting from the beginning")
+
+    def _check_resume(self, subcommand: str) -> None:
+        """The ``--ckpt_path`` the run will load (``last`` resolved): a DCP directory under a strategy
+        that reads single files is one line (exit 2); the settings this run's config gives
+        otherwise than the checkpoint saved them are one line (the config's are used)."""
+        config, trainer = self.config[subcommand], self.trainer
+        path = self.config_init[subcommand].get("ckpt_path")
+        if not path or "://" in str(path) or not Path(path).exists():
+            return
+        if not isinstance(trainer.strategy, EarlStrategy):
+            named = config["trainer"].get("strategy")
+            problem = dcp_problem(path, named if isinstance(named, str) else type(trainer.strategy).__name__)
+            if problem is not None:
+                if trainer.is_global_zero:
+                    say(f"earl: error: {problem}")
+                raise SystemExit(2)
+        try:
+            saved = saved_hparams(path)
+        except Exception:  # noqa: BLE001 - an unreadable file is named by the load that follows
+            return
+        line = differences_line(path, differences(saved, config["model"].as_dict(), "--model"))
+        if line is not None and trainer.is_global_zero:
+            say(line)
 
     def _checkpoint_dirs(self) -> list[Path]:
         """Where the trainer's checkpoint callbacks write, in every logger version (Lightning's

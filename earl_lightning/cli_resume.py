@@ -1,0 +1,81 @@
+"""What ``--ckpt_path`` may and may not bring into a run (used by the ``earl`` command).
+
+- A checkpoint's saved hyperparameters never replace the config. LightningCLI merges them into the
+  model's arguments, so a model path or an import path stored in a checkpoint (an estimator, a
+  loss, a tool parser) would be loaded and run without the user naming it; here the config as the
+  user wrote it is what runs, and a difference from the checkpoint's is reported in one line.
+- A distributed (DCP) checkpoint directory is read by EarlStrategy on several processes only; any
+  other strategy reads single files and is told so in one line, with what to do instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from earl_lightning.checkpoints import dcp_writers
+
+SHOWN = 4  # differences named in the line; the rest are counted
+
+
+def saved_hparams(path: str | Path) -> dict[str, Any]:
+    """The ``hyper_parameters`` a checkpoint file (or a DCP directory's ``meta.pt``) holds, read
+    ``weights_only``. Raises what ``torch.load`` raises for an unreadable file."""
+    path = Path(path)
+    file = path / "meta.pt" if path.is_dir() else path
+    if not file.is_file():
+        return {}
+    state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    hparams = state.get("hyper_parameters") if isinstance(state, dict) else None
+    return dict(hparams) if isinstance(hparams, Mapping) else {}
+
+
+def differences(saved: Mapping[str, Any], config: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
+    """(``--key``, checkpoint's value, config's value) for each setting both name with different
+    values, in the checkpoint's order. A setting only one of them has (added or removed since the
+    save) is no difference."""
+    out = []
+    for key, was in saved.items():
+        if key not in config or key.startswith("_"):
+            continue
+        now, name = config[key], f"{prefix}.{key}"
+        if isinstance(was, Mapping) and isinstance(now, Mapping):
+            out += differences(was, now, name)
+        elif _plain(was) != _plain(now):
+            out.append((name, was, now))
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def differences_line(path: str | Path, found: list[tuple[str, Any, Any]]) -> Optional[str]:
+    """One line naming the settings the config gives otherwise than the checkpoint saved them
+    (None when they agree): the config's values are used."""
+    if not found:
+        return None
+    shown = [f"`{key}` {now!r} (saved: {was!r})" for key, was, now in found[:SHOWN]]
+    more = f" and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
+    return (f"earl: `--ckpt_path` {str(path)!r} was saved with other settings; this run uses its config's: "
+            f"{', '.join(shown)}{more}")
+
+
+def dcp_problem(path: str | Path, strategy: str) -> Optional[str]:
+    """Why a run under ``strategy`` (any but EarlStrategy) cannot resume from the DCP directory
+    ``path`` (None if ``path`` is not one), and what to do instead."""
+    path = Path(path)
+    if not path.is_dir():
+        return None
+    writers = dcp_writers(path)
+    return (f"`--ckpt_path`: checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
+            f"{writers} process{'' if writers == 1 else 'es'} under EarlStrategy; this run's strategy ({strategy}) reads single-file checkpoints "
+            f"only: resume it with `--trainer.strategy earl --trainer.devices {max(writers, 2)}`, or take its model "
+            f"with `earl export --ckpt_path {path} --out DIR`")
