@@ -271,7 +271,8 @@ def test_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, capsys, 
 
 
 def test_full_disk_under_lightnings_own_strategy(trained, tmp_path, capsys, monkeypatch):
-    """The default strategy saves through Lightning's CheckpointIO: still one line, naming the run's directory."""
+    """The default strategy saves through the CheckpointIO `earl fit` gives every strategy
+    (AtomicCheckpointIO): still one line, naming the run's directory."""
     monkeypatch.setattr(torch, "save", torch_save_filling_the_disk(torch.save))
     code, err = run_earl(capsys, fit(recipe_saving_last_every_step(tmp_path), tmp_path / "run", 1))
     monkeypatch.undo()

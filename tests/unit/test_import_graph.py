@@ -14,7 +14,7 @@ TIERS = {
     "algorithms": 1, "envs": 1, "tasks": 1, "models": 1, "checkpoints": 1,
     "rollout": 2, "data": 2, "parallel": 2,
     "strategies": 3, "callbacks": 3, "modules": 3, "sft": 3, "profiling": 3, "profile_command": 3, "export": 3, "cli": 3,
-    "__init__": 3,
+    "checkpoints_io": 3, "cli_errors": 3, "cli_resume": 3, "__init__": 3,
 }
 
 

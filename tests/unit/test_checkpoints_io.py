@@ -1,0 +1,31 @@
+"""AtomicCheckpointIO, the checkpoint writer `earl fit` gives every strategy, and when a recipe's own stands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.strategies import DDPStrategy
+
+from earl_lightning.checkpoints_io import AtomicCheckpointIO, with_atomic_checkpoint_io
+
+
+def test_a_save_is_the_file_alone(tmp_path):
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 3, "w": torch.ones(2)}, path)
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+    assert AtomicCheckpointIO().load_checkpoint(path, weights_only=True)["global_step"] == 3
+
+
+def test_storage_options_are_refused_as_lightning_does(tmp_path):
+    with pytest.raises(TypeError, match="storage_options"):
+        AtomicCheckpointIO().save_checkpoint({}, tmp_path / "last.ckpt", storage_options={"x": 1})
+
+
+def test_added_unless_the_recipe_names_its_own_writer():
+    assert [type(p) for p in with_atomic_checkpoint_io(None, "auto")] == [AtomicCheckpointIO]
+    added = with_atomic_checkpoint_io("bf16-mixed", "ddp")
+    assert added[0] == "bf16-mixed" and isinstance(added[1], AtomicCheckpointIO)
+    assert with_atomic_checkpoint_io([TorchCheckpointIO()], "auto") is None
+    assert with_atomic_checkpoint_io(None, DDPStrategy(checkpoint_io=TorchCheckpointIO())) is None
+    assert isinstance(with_atomic_checkpoint_io(None, DDPStrategy())[0], AtomicCheckpointIO)
