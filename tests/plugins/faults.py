@@ -1,22 +1,35 @@
-"""Faults injected into real runs by tests: a rank that dies mid-run, once."""
+"""Faults injected into real runs by tests: a rank that dies or stops mid-run, once."""
 
 from __future__ import annotations
 
 import os
 import signal
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 
 
 class KillRank(L.Callback):
-    """SIGKILL rank ``rank`` at the start of RL step ``step``, once: ``marker`` records the kill, so
-    a restarted run (torchrun ``--max-restarts``, or a re-launch) goes through."""
+    """Send ``sig`` to rank ``rank`` at the start of RL step ``step`` (``at="start"``), or at its
+    end (``at="end"``: before the step's checkpoint is saved, so the other ranks next wait in the
+    save's collectives), once: ``marker`` records it with the rank's pid, so a restarted run
+    (torchrun ``--max-restarts``, or a re-launch) goes through. ``SIGKILL``: the rank dies;
+    ``SIGSTOP``: it stays alive but silent until the test kills or continues it (the pid)."""
 
-    def __init__(self, rank: int = 1, step: int = 2, marker: str = "killed.marker") -> None:
-        self.rank, self.step, self.marker = rank, step, Path(marker)
+    def __init__(self, rank: int = 1, step: int = 2, marker: str = "killed.marker",
+                 sig: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL", at: Literal["start", "end"] = "start") -> None:
+        self.rank, self.step, self.marker, self.sig, self.at = rank, step, Path(marker), sig, at
+
+    def _maybe(self, trainer: L.Trainer, at: str) -> None:
+        if at == self.at and trainer.global_rank == self.rank and trainer.global_step == self.step \
+                and not self.marker.exists():
+            verb = "killed" if self.sig == "SIGKILL" else "stopped"
+            self.marker.write_text(f"{verb} rank {self.rank} at step {self.step} ({at}), pid {os.getpid()}\n")
+            os.kill(os.getpid(), getattr(signal, self.sig))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.step and not self.marker.exists():
-            self.marker.write_text(f"killed rank {self.rank} at step {self.step}\n")
-            os.kill(os.getpid(), signal.SIGKILL)
+        self._maybe(trainer, "start")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._maybe(trainer, "end")

@@ -1,0 +1,96 @@
+"""A peer lost outside the RL stages, on 2 gloo processes under EarlStrategy with DCP checkpoints
+(`recipes/connect4_grpo_layouts.yaml`, 4 small steps, a checkpoint after each): rank 1 is stopped
+(SIGSTOP: alive but silent) or killed at the end of step 2, before its checkpoint is saved, so
+rank 0 next waits in the save's collectives. Rank 0 must stop within the 10 s collective timeout
+with one line (no traceback) and a nonzero exit; the last checkpoint (step 1) stays whole and
+`--ckpt_path last` continues from it to the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.launch import subprocess_env
+from tests.e2e.test_scale_out import RECIPE, ROOT, overrides
+
+pytestmark = pytest.mark.distributed
+TIMEOUT_S = 10
+STEPS = 3
+
+
+def earl_fit(run: Path, *extra: str, name: str) -> tuple[int, str]:
+    """``earl fit`` of the recipe in ``run`` (exit code, stderr). Output goes to files: a stopped
+    rank holds the pipes it inherited open, and a reader of pipes would wait for it forever."""
+    cmd = [str(Path(sys.executable).with_name("earl")), "fit", "--config", str(RECIPE), "--config",
+           str(overrides(run)), "--trainer.max_steps", str(STEPS),
+           "--trainer.strategy.collective_timeout_s", str(TIMEOUT_S), *extra]
+    err = run / f"{name}.err"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(cmd, env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        try:
+            code = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return code, err.read_text()
+
+
+def fault(run: Path, sig: str) -> tuple[int, str, float, int]:
+    """Run with ``sig`` sent to rank 1 at the end of step 2: (exit code, stderr, seconds from the
+    signal to rank 0's exit, rank 1's pid)."""
+    marker = run / "fault.marker"
+    code, err = earl_fit(run, "--trainer.callbacks+=tests.plugins.faults.KillRank", "--trainer.callbacks.step", "2",
+                         "--trainer.callbacks.marker", str(marker), "--trainer.callbacks.sig", sig,
+                         "--trainer.callbacks.at", "end", name="fault")
+    ended = time.time()
+    assert marker.exists(), err[-3000:]
+    return code, err, ended - marker.stat().st_mtime, int(marker.read_text().split("pid ")[1])
+
+
+def one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("earl: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def assert_whole(ckpt: Path, step: int) -> None:
+    """``ckpt`` is a complete DCP checkpoint of ``step``: every shard reads back."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    assert torch.load(ckpt / "meta.pt", weights_only=True)["global_step"] == step
+    dcp_to_torch_save(ckpt, ckpt.parent / "whole.pt")
+    assert torch.load(ckpt.parent / "whole.pt", weights_only=False)["state_dict"]
+
+
+def test_a_stopped_rank_stops_the_survivor_in_one_line_and_the_run_resumes(tmp_path):
+    code, err, waited, stopped = fault(tmp_path, "SIGSTOP")
+    try:
+        assert code == 1 and waited < TIMEOUT_S + 25, (code, waited, err[-3000:])
+        line = one_line(err)
+        assert line.startswith("earl: error: rank 0 lost a peer during the strategy's ")
+        assert "in on_train_batch_end of global step 2: another process stopped answering" in line
+        last = tmp_path / "checkpoints" / "last.ckpt"
+        assert f"resume from {last} (`--ckpt_path last`)" in line
+    finally:
+        os.kill(stopped, signal.SIGKILL)  # a stopped process takes SIGKILL at once
+    assert_whole(last, step=1)
+    code, err = earl_fit(tmp_path, "--ckpt_path", "last", name="resume")
+    assert code == 0, err[-3000:]
+    assert f"Restored all states from the checkpoint at {last}" in err
+    assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == STEPS
+
+
+def test_a_killed_rank_during_a_checkpoint_save_stops_the_survivor_in_one_line(tmp_path):
+    code, err, waited, _ = fault(tmp_path, "SIGKILL")
+    assert code == 1 and waited < 25, (code, waited, err[-3000:])  # gloo notices a dead peer at once
+    line = one_line(err)
+    assert "in on_train_batch_end of global step 2: another process died (RuntimeError: " in line
+    assert_whole(tmp_path / "checkpoints" / "last.ckpt", step=1)
