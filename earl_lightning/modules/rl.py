@@ -322,6 +322,13 @@ class AgenticRLModule(L.LightningModule):
         with runner.outside("the evaluation's metric reductions"):
             return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
 
+    def on_validation_epoch_end(self) -> None:
+        # Lightning computes the logged metric objects after this hook; computing them here puts
+        # their synchronization under the one-line lost-peer error (torchmetrics keeps the result).
+        with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
+            for metric in self.run_metrics.val_objects({}).values():
+                metric.compute()
+
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         flags = self._evaluate(batch["specs"])
         for name, metric in self.run_metrics.val_objects(flags).items():
@@ -333,7 +340,8 @@ class AgenticRLModule(L.LightningModule):
         if self.global_step == 0 and isinstance(dm, EpisodeDataModule) and dm.eval_episodes and \
                 self.trainer.val_dataloaders is not None and self.trainer.limit_val_batches:
             flags = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
-            values = self.run_metrics.compute_val(flags)
+            with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
+                values = self.run_metrics.compute_val(flags)
             for logger in self.loggers:
                 logger.log_metrics(values, step=0)
 
