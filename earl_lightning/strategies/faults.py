@@ -3,15 +3,21 @@
 The RL module's stages and the collectives between them go through a :class:`LostPeer` from
 :func:`trainer_lost_peer`; :class:`OneLineCollectives` does the same for a strategy's own
 collectives (``barrier``, ``broadcast``, ``reduce``, ``all_gather``), which Lightning's checkpoint
-saving, loops and logging call.
+saving, loops and logging call, and, when the run ends so, stops the ranks this process launched.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from contextlib import AbstractContextManager
 from typing import Any
 
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
+
+from earl_lightning.errors import RankFailure
 from earl_lightning.parallel.faults import LostPeer, RunFacts
 
 
@@ -29,7 +35,15 @@ def trainer_lost_peer(trainer: Any, step: str | None = None) -> LostPeer:
 
 class OneLineCollectives:
     """Mixin for a Lightning strategy (first among its bases): a peer lost in one of its
-    collectives ends the run with the one-line RankFailure naming the collective and the hook."""
+    collectives ends the run with the one-line RankFailure naming the collective and the hook.
+    A run that ends with a RankFailure (here or in the module) kills the ranks this process
+    started (``earl fit --trainer.devices N``: rank 0 started the others): they are dead or stuck,
+    and a stopped one would otherwise live on, holding the terminal's pipes open."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if isinstance(exception, RankFailure) and isinstance(self.launcher, _SubprocessScriptLauncher):
+            self.launcher.kill(signal.SIGKILL)  # a stopped process acts on no other signal until continued
 
     def _lost_peer(self, what: str) -> AbstractContextManager[None]:
         module = self.lightning_module

@@ -2,8 +2,8 @@
 (`recipes/connect4_grpo_layouts.yaml`, 4 small steps, a checkpoint after each): rank 1 is stopped
 (SIGSTOP: alive but silent) or killed at the end of step 2, before its checkpoint is saved, so
 rank 0 next waits in the save's collectives. Rank 0 must stop within the 10 s collective timeout
-with one line (no traceback) and a nonzero exit; the last checkpoint (step 1) stays whole and
-`--ckpt_path last` continues from it to the end."""
+with one line (no traceback) and a nonzero exit, killing the stopped rank it launched; the last
+checkpoint (step 1) stays whole and `--ckpt_path last` continues from it to the end."""
 
 from __future__ import annotations
 
@@ -61,6 +61,14 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie waiting for its parent counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def assert_whole(ckpt: Path, step: int) -> None:
     """``ckpt`` is a complete DCP checkpoint of ``step``: every shard reads back."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -79,8 +87,10 @@ def test_a_stopped_rank_stops_the_survivor_in_one_line_and_the_run_resumes(tmp_p
         assert "in on_train_batch_end of global step 2: another process stopped answering" in line
         last = tmp_path / "checkpoints" / "last.ckpt"
         assert f"resume from {last} (`--ckpt_path last`)" in line
+        assert gone(stopped)  # rank 0 killed the rank it had launched
     finally:
-        os.kill(stopped, signal.SIGKILL)  # a stopped process takes SIGKILL at once
+        if not gone(stopped):
+            os.kill(stopped, signal.SIGKILL)  # a stopped process takes SIGKILL at once
     assert_whole(last, step=1)
     code, err = earl_fit(tmp_path, "--ckpt_path", "last", name="resume")
     assert code == 0, err[-3000:]
