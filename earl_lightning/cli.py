@@ -31,9 +31,9 @@ from earl_lightning.data.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
 from earl_lightning import checkpoints
 from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
-from earl_lightning.checkpoints_io import with_atomic_checkpoint_io
+from earl_lightning.checkpoints_io import AtomicCheckpointIO, with_atomic_checkpoint_io
 from earl_lightning.cli_errors import ShortErrorParser
-from earl_lightning.cli_resume import dcp_problem, differences, differences_line, saved_hparams
+from earl_lightning.cli_resume import dcp_problem, dcp_whole_line, differences, differences_line, saved_hparams
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.warnings_filter import install_warning_filters
 
@@ -137,18 +137,22 @@ class EarlCLI(LightningCLI):
 
     def _check_resume(self, subcommand: str) -> None:
         """The ``--ckpt_path`` the run will load (``last`` resolved): a DCP directory under a strategy
-        that reads single files is one line (exit 2); the settings this run's config gives
-        otherwise than the checkpoint saved them are one line (the config's are used)."""
+        that reads single files is loaded whole, said in one line (refused, exit 2, under a
+        recipe's own CheckpointIO); the settings this run's config gives otherwise than the
+        checkpoint saved them are one line (the config's are used)."""
         config, trainer = self.config[subcommand], self.trainer
         path = self.config_init[subcommand].get("ckpt_path")
         if not path or "://" in str(path) or not Path(path).exists():
             return
-        if not isinstance(trainer.strategy, EarlStrategy):
+        strategy = trainer.strategy
+        if Path(path).is_dir() and not isinstance(strategy, EarlStrategy):
+            # Loaded whole by AtomicCheckpointIO; a recipe's own CheckpointIO reads single files.
             named = config["trainer"].get("strategy")
-            problem = dcp_problem(path, named if isinstance(named, str) else type(trainer.strategy).__name__)
+            problem = None if isinstance(strategy.checkpoint_io, AtomicCheckpointIO) else \
+                dcp_problem(path, named if isinstance(named, str) else type(strategy).__name__)
+            if trainer.is_global_zero:
+                say(dcp_whole_line(path, trainer.world_size) if problem is None else f"earl: error: {problem}")
             if problem is not None:
-                if trainer.is_global_zero:
-                    say(f"earl: error: {problem}")
                 raise SystemExit(2)
         try:
             saved = saved_hparams(path)

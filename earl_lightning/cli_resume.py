@@ -4,8 +4,9 @@
   model's arguments, so a model path or an import path stored in a checkpoint (an estimator, a
   loss, a tool parser) would be loaded and run without the user naming it; here the config as the
   user wrote it is what runs, and a difference from the checkpoint's is reported in one line.
-- A distributed (DCP) checkpoint directory is read by EarlStrategy on several processes only; any
-  other strategy reads single files and is told so in one line, with what to do instead.
+- A distributed (DCP) checkpoint directory given to a run under another strategy (``auto``) is
+  loaded whole (:class:`~earl_lightning.checkpoints_io.AtomicCheckpointIO`), said in one line;
+  under a recipe's own CheckpointIO it is refused in one line saying what to do instead.
 """
 
 from __future__ import annotations
@@ -68,12 +69,18 @@ def differences_line(path: str | Path, found: list[tuple[str, Any, Any]]) -> Opt
             f"{', '.join(shown)}{more}")
 
 
-def dcp_problem(path: str | Path, strategy: str) -> Optional[str]:
-    """Why a run under ``strategy`` (any but EarlStrategy) cannot resume from the DCP directory
-    ``path`` (None if ``path`` is not one), and what to do instead."""
+def dcp_whole_line(path: str | Path, processes: int) -> str:
+    """What a run under a strategy that reads single files does with the DCP directory ``path``."""
+    writers = dcp_writers(path)
+    return (f"earl: `--ckpt_path` {str(path)!r} is a distributed (DCP) checkpoint of {writers} "
+            f"process{'' if writers == 1 else 'es'}; this run ({processes} process{'' if processes == 1 else 'es'}, "
+            "not under EarlStrategy) loads its tensors whole")
+
+
+def dcp_problem(path: str | Path, strategy: str) -> str:
+    """Why a run under ``strategy`` with a CheckpointIO of its own cannot resume from the DCP
+    directory ``path``, and what to do instead."""
     path = Path(path)
-    if not path.is_dir():
-        return None
     writers = dcp_writers(path)
     return (f"`--ckpt_path`: checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
             f"{writers} process{'' if writers == 1 else 'es'} under EarlStrategy; this run's strategy ({strategy}) reads single-file checkpoints "

@@ -1,22 +1,30 @@
 """Resuming and saving under any strategy (issue 45): a save killed under ``strategy: auto`` keeps
 the previous checkpoint, which ``--ckpt_path last`` resumes from; a distributed (DCP) checkpoint
-directory given to a run that reads single files is one line saying what to do; a checkpoint's
-saved hyperparameters never replace the config's (model path, import paths), a difference is one line."""
+directory resumes under a strategy that reads single files (loaded whole), or, under a recipe's own
+CheckpointIO, is one line saying what to do; a checkpoint's saved hyperparameters never replace the
+config's (model path, import paths), a difference is one line."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from earl_lightning.checkpoints import dcp_writers
 from earl_lightning.cli import main
+from earl_lightning.modules.rl import AgenticRLModule
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_checkpoint_trust import dcp_saved, starts  # noqa: F401 - starts: a fixture
-from tests.e2e.test_file_errors import RECIPE, error_line, fit, recipe_saving_last_every_step, run_earl
+from tests.e2e.test_file_errors import (RECIPE, earl_subprocess, error_line, fit, recipe_saving_last_every_step,
+                                        run_earl)
 
 ROOT = Path(__file__).parents[2]
 
@@ -66,29 +74,68 @@ def test_a_save_killed_under_strategy_auto_keeps_the_last_checkpoint(tmp_path, c
 
 # ---- a DCP directory under a strategy that reads single files --------------------------------------
 
-def dcp_line(ckpt: Path) -> str:
-    return (f"earl: error: `--ckpt_path`: checkpoint '{ckpt}' is a distributed (DCP) checkpoint directory, saved by "
-            "1 process under EarlStrategy; this run's strategy (auto) reads single-file checkpoints only: resume it "
-            f"with `--trainer.strategy earl --trainer.devices 2`, or take its model with `earl export --ckpt_path "
-            f"{ckpt} --out DIR`")
+@pytest.fixture
+def at_train_start(monkeypatch) -> dict:
+    """What the module and its optimizer hold when training starts (after a resume's load)."""
+    seen: dict = {}
+    real = AgenticRLModule.on_train_start
+
+    def on_train_start(self) -> None:
+        names = {id(p): n for n, p in self.named_parameters()}
+        optimizer = self.trainer.optimizers[0]
+        seen.update(step=self.trainer.global_step, state={k: v.clone() for k, v in self.state_dict().items()},
+                    optimizer=copy.deepcopy(optimizer.state_dict()),
+                    names=[names[id(p)] for g in optimizer.param_groups for p in g["params"]])
+        real(self)
+
+    monkeypatch.setattr(AgenticRLModule, "on_train_start", on_train_start)
+    return seen
 
 
-def test_a_dcp_directory_under_strategy_auto_is_one_line(tmp_path, capsys):
-    ckpt = dcp_saved(tmp_path / "saved" / "last.ckpt")
-    code, err = run_earl(capsys, fit(RECIPE, tmp_path / "run", 1, "--trainer.strategy", "auto",
-                                     "--ckpt_path", str(ckpt)))
-    assert code == 2
-    assert error_line(err) == dcp_line(ckpt)
-    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained, nothing saved
-
-
-def test_ckpt_path_last_finding_a_dcp_directory_under_strategy_auto_is_one_line(tmp_path, capsys):
+def test_a_dcp_checkpoint_of_two_processes_resumes_under_strategy_auto(tmp_path, capsys, at_train_start):
+    """A 2-process EarlStrategy run's DCP `last.ckpt`, resumed by `--ckpt_path last` under strategy
+    auto on one process: one line says so, the weights and Adam's state are the checkpoint's
+    (torch's own DCP-to-file conversion is the reference), and the next save replaces the
+    directory with a file."""
     recipe = recipe_saving_last_every_step(tmp_path)
-    ckpt = dcp_saved(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    code, err = run_earl(capsys, fit(recipe, tmp_path / "run", 1, "--trainer.strategy", "auto", "--ckpt_path", "last"))
+    proc = earl_subprocess(*fit(recipe, tmp_path / "run", 1, "--trainer.devices", "2", "--trainer.strategy", "earl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert (last / ".metadata").is_file() and dcp_writers(last) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(last, tmp_path / "reference.pt")
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+
+    capsys.readouterr()
+    main(fit(recipe, tmp_path / "run", 2, "--trainer.strategy", "auto", "--ckpt_path", "last"))
+    err = capsys.readouterr().err
+    assert (f"earl: `--ckpt_path` '{last}' is a distributed (DCP) checkpoint of 2 processes; this run (1 process, "
+            "not under EarlStrategy) loads its tensors whole") in err.splitlines(), err[-3000:]
+    assert at_train_start["step"] == 1
+    for key, value in reference["state_dict"].items():
+        assert torch.equal(at_train_start["state"][key], value), key
+    saved_optimizer = reference["optimizer_0"]
+    assert at_train_start["names"] == [n for g in saved_optimizer["param_groups"] for n in g["params"]]
+    for index, name in enumerate(at_train_start["names"]):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(at_train_start["optimizer"]["state"][index][moment],
+                               saved_optimizer["state"][name][moment]), (name, moment)
+    assert torch.load(last, weights_only=True)["global_step"] == 2  # a file now
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+
+
+def test_a_dcp_directory_under_a_recipes_own_checkpoint_io_is_one_line(tmp_path, capsys):
+    ckpt = dcp_saved(tmp_path / "saved" / "last.ckpt")
+    code, err = run_earl(capsys, fit(RECIPE, tmp_path / "run", 1, "--trainer.strategy", "auto", "--trainer.plugins",
+                                     "lightning.pytorch.plugins.TorchCheckpointIO", "--ckpt_path", str(ckpt)))
     assert code == 2
-    assert error_line(err) == dcp_line(ckpt)
-    assert (ckpt / ".metadata").is_file()  # left as it was
+    assert error_line(err) == (
+        f"earl: error: `--ckpt_path`: checkpoint '{ckpt}' is a distributed (DCP) checkpoint directory, saved by 1 "
+        "process under EarlStrategy; this run's strategy (auto) reads single-file checkpoints only: resume it with "
+        f"`--trainer.strategy earl --trainer.devices 2`, or take its model with `earl export --ckpt_path {ckpt} "
+        "--out DIR`")
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained, nothing saved
 
 
 # ---- a checkpoint's saved hyperparameters ----------------------------------------------------------
