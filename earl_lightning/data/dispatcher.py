@@ -29,7 +29,7 @@ from earl_lightning.data.experience import (
     schema_fingerprint,
 )
 from earl_lightning.data.planner import TP_MODES, DispatchPlan, TpMode, broadcast_chain, make_plan
-from earl_lightning.parallel.collectives import comm_device
+from earl_lightning.parallel.collectives import collective_timeout, comm_device
 from earl_lightning.parallel.layout import Layout
 
 # Sequence lengths travel with the data so the receiver rebuilds cu_seqlens from what it received.
@@ -294,7 +294,8 @@ class Dispatcher:
                                  f"(got {dist.get_world_size(self.group)} of {dist.get_world_size()}); "
                                  f"use tp_mode='direct' or the default group")
             global_ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in key]
-            self._subgroups[key] = dist.new_group(global_ranks)
+            # the run's collective timeout, not torch's 30 minutes: a silent peer here ends the run in time
+            self._subgroups[key] = dist.new_group(global_ranks, timeout=collective_timeout())
 
 
 def _elements(plan: DispatchPlan, fields: list[FieldSpec], rows: list[int]) -> int:

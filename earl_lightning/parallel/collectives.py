@@ -54,14 +54,26 @@ def init_elastic_process_group(backend: str, timeout: timedelta, device: torch.d
     return True
 
 
+_timeout: list[timedelta | None] = [None]  # the last timeout set for the default group
+
+
+def collective_timeout() -> timedelta | None:
+    """The timeout :func:`set_collective_timeout` gave the default group (None: torch's default);
+    a group made later (``dist.new_group(..., timeout=collective_timeout())``) takes it too."""
+    return _timeout[0]
+
+
 def set_collective_timeout(timeout: timedelta | None, groups: Sequence[dist.ProcessGroup] = ()) -> None:
     """How long a collective of the default process group (or of ``groups``) waits for a peer
     (None: unchanged).
 
     Set once the group is up: the group's ``timeout`` also bounds joining it, and a rank that starts
-    slowly (imports, a busy machine) would fail a short one. Groups created later (a layout's mesh)
-    get torch's default timeout unless set here too."""
+    slowly (imports, a busy machine) would fail a short one. Groups created later (a layout's mesh,
+    the dispatcher's broadcast groups) get torch's default timeout unless set here too or made with
+    :func:`collective_timeout`."""
     if timeout is not None:
+        if not groups:
+            _timeout[0] = timeout
         for group in groups or [None]:
             dist.distributed_c10d._set_pg_timeout(timeout, group)  # torch's only setter (private, since 2.2)
 

@@ -3,7 +3,9 @@
 timeout and its collectives get TIMEOUT_S (``set_collective_timeout``, as EarlStrategy does), on the
 default group and on a ("dp", "tp") = (1, 2) mesh's groups. After a first barrier rank 1 is
 SIGKILLed (``kill``) or SIGSTOPped (``stop``, ``stop_mesh``: alive but silent; the test kills it);
-rank 0 then all-reduces (``stop_mesh``: over the mesh's tp group) and prints, as one JSON line,
+rank 0 then all-reduces (``stop_mesh``: over the mesh's tp group; ``stop_later``: over a group
+made after the timeout was set, with ``collective_timeout()``, as the dispatcher makes its broadcast
+groups) and prints, as one JSON line,
 the error torch.distributed raised: its type and text."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from earl_lightning.parallel.collectives import set_collective_timeout
+from earl_lightning.parallel.collectives import collective_timeout, set_collective_timeout
 
 
 def main(mode: str, rank: int, port: str, timeout_s: float) -> None:
@@ -27,11 +29,13 @@ def main(mode: str, rank: int, port: str, timeout_s: float) -> None:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     set_collective_timeout(timedelta(seconds=timeout_s))
     set_collective_timeout(timedelta(seconds=timeout_s), mesh.get_all_groups())
+    later = dist.new_group([0, 1], timeout=collective_timeout())  # as the dispatcher makes its groups
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
     try:
-        dist.all_reduce(torch.ones(3), group=mesh.get_group("tp") if mode == "stop_mesh" else None)
+        group = {"stop_mesh": mesh.get_group("tp"), "stop_later": later}.get(mode)
+        dist.all_reduce(torch.ones(3), group=group)
     except Exception as err:  # noqa: BLE001 - what the test classifies
         print(json.dumps({"type": f"{type(err).__module__}.{type(err).__qualname__}", "text": str(err)}), flush=True)
         os._exit(0)  # gloo's threads may abort the interpreter's exit with the peer gone

@@ -64,9 +64,10 @@ def test_a_killed_peer_is_a_lost_peer_that_died():
     assert "resume from /run/checkpoints/last.ckpt (`--ckpt_path last`)" in line and "\n" not in line
 
 
-@pytest.mark.parametrize("mode", ["stop", "stop_mesh"])
+@pytest.mark.parametrize("mode", ["stop", "stop_mesh", "stop_later"])
 def test_a_stopped_peer_is_a_lost_peer_that_went_silent(mode):
-    """Also over a layout mesh's group: the collective timeout is set on it too."""
+    """Also over a layout mesh's group (the collective timeout is set on it too) and over a group
+    made later with ``collective_timeout()`` (the dispatcher's broadcast groups)."""
     err, waited = gloo_error(mode, timeout_s=2.0)
     assert "Timed out waiting 2000ms for" in str(err) and "gloo/transport" in str(err)
     assert 1.5 < waited < 60
