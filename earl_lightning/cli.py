@@ -158,7 +158,9 @@ class EarlCLI(LightningCLI):
             saved = saved_hparams(path)
         except Exception:  # noqa: BLE001 - an unreadable file is named by the load that follows
             return
-        line = differences_line(path, differences(saved, config["model"].as_dict(), "--model"))
+        found = [*differences(saved["model"], config["model"].as_dict(), "--model"),
+                 *differences(saved["data"], config["data"].as_dict(), "--data")]
+        line = differences_line(path, found)
         if line is not None and trainer.is_global_zero:
             say(line)
 

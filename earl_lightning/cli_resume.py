@@ -3,7 +3,8 @@
 - A checkpoint's saved hyperparameters never replace the config. LightningCLI merges them into the
   model's arguments, so a model path or an import path stored in a checkpoint (an estimator, a
   loss, a tool parser) would be loaded and run without the user naming it; here the config as the
-  user wrote it is what runs, and a difference from the checkpoint's is reported in one line.
+  user wrote it is what runs, and a difference from the checkpoint's (the model's settings, or the
+  data's: env, reward functions, tools) is reported in one line.
 - A distributed (DCP) checkpoint directory given to a run under another strategy (``auto``) is
   loaded whole (:class:`~earl_lightning.checkpoints_io.AtomicCheckpointIO`), said in one line;
   under a recipe's own CheckpointIO it is refused in one line saying what to do instead.
@@ -22,16 +23,16 @@ from earl_lightning.checkpoints import dcp_writers
 SHOWN = 4  # differences named in the line; the rest are counted
 
 
-def saved_hparams(path: str | Path) -> dict[str, Any]:
-    """The ``hyper_parameters`` a checkpoint file (or a DCP directory's ``meta.pt``) holds, read
-    ``weights_only``. Raises what ``torch.load`` raises for an unreadable file."""
+def saved_hparams(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The settings a checkpoint file (or a DCP directory's ``meta.pt``) saved, read
+    ``weights_only``: ``{"model": its hyper_parameters, "data": its datamodule_hyper_parameters}``.
+    Raises what ``torch.load`` raises for an unreadable file."""
     path = Path(path)
     file = path / "meta.pt" if path.is_dir() else path
-    if not file.is_file():
-        return {}
-    state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    hparams = state.get("hyper_parameters") if isinstance(state, dict) else None
-    return dict(hparams) if isinstance(hparams, Mapping) else {}
+    state = torch.load(file, map_location="cpu", mmap=True, weights_only=True) if file.is_file() else {}
+    state = state if isinstance(state, Mapping) else {}
+    return {group: dict(state[key]) if isinstance(state.get(key), Mapping) else {}
+            for group, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters"))}
 
 
 def differences(saved: Mapping[str, Any], config: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
@@ -51,6 +52,10 @@ def differences(saved: Mapping[str, Any], config: Mapping[str, Any], prefix: str
 
 
 def _plain(value: Any) -> Any:
+    """Comparable: tuples as lists, and an empty list or mapping as None (a module may save its
+    unset argument as either)."""
+    if isinstance(value, (Mapping, list, tuple)) and not value:
+        return None
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

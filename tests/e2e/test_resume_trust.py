@@ -141,8 +141,8 @@ def test_a_dcp_directory_under_a_recipes_own_checkpoint_io_is_one_line(tmp_path,
 # ---- a checkpoint's saved hyperparameters ----------------------------------------------------------
 
 def test_the_config_wins_over_a_checkpoints_saved_model_and_import_paths(tmp_path, capsys):
-    """A checkpoint whose saved hyperparameters name another model path and a loss by import path:
-    the resumed run uses the config's model and loss, and says in one line where they differ."""
+    """A checkpoint whose saved hyperparameters name another model path, a loss and an env by import
+    path: the resumed run uses the config's, and says in one line where they differ."""
     recipe = recipe_saving_last_every_step(tmp_path)
     main(fit(recipe, tmp_path / "run", 1, "--trainer.strategy", "auto"))
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
@@ -150,6 +150,7 @@ def test_the_config_wins_over_a_checkpoints_saved_model_and_import_paths(tmp_pat
     planted = "tests.plugins.algorithms.centered_reinforce_loss"
     state["hyper_parameters"]["model"] = str(tmp_path / "nowhere")
     state["hyper_parameters"]["algorithm"]["loss"]["name"] = planted
+    state["datamodule_hyper_parameters"]["env"] = "tests.plugins.faulty_envs.RaisesInReset"
     torch.save(state, last)
 
     capsys.readouterr()
@@ -157,8 +158,10 @@ def test_the_config_wins_over_a_checkpoints_saved_model_and_import_paths(tmp_pat
     err = capsys.readouterr().err
     assert (f"earl: `--ckpt_path` '{last}' was saved with other settings; this run uses its config's: "
             f"`--model.model` 'earl-tiny' (saved: '{tmp_path / 'nowhere'}'), `--model.algorithm.loss.name` "
-            f"'ppo_clip' (saved: '{planted}')") in err.splitlines(), err[-3000:]
+            f"'ppo_clip' (saved: '{planted}'), `--data.env` 'connect_four' (saved: "
+            "'tests.plugins.faulty_envs.RaisesInReset')") in err.splitlines(), err[-3000:]
     resumed = torch.load(last, weights_only=True)
     assert resumed["global_step"] == 2
     assert resumed["hyper_parameters"]["model"] == "earl-tiny"
     assert resumed["hyper_parameters"]["algorithm"]["loss"]["name"] == "ppo_clip"
+    assert resumed["datamodule_hyper_parameters"]["env"] == "connect_four"
