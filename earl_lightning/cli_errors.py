@@ -34,7 +34,7 @@ def options(parser: Any) -> list[str]:
 
 def short_error(message: str, known: list[str]) -> list[str]:
     """jsonargparse's error ``message`` as at most a few lines naming the key and the value."""
-    unknown = re.match(r"unrecognized arguments: (.*)", message, re.S)
+    unknown = re.match(r"unrecognized arguments: (.*)", message, re.DOTALL)
     if unknown:
         words = unknown.group(1).split()
         key, _, value = next((w for w in words if w.startswith("--")), words[0]).partition("=")
@@ -44,7 +44,7 @@ def short_error(message: str, known: list[str]) -> list[str]:
     from_file = re.match(r"Subcommand '\w+' does not accept option '([^']+)'", message)
     if from_file:
         return [unknown_key(f"--{from_file.group(1)}", None, known, where=" (in a --config file)")]
-    typed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.S)
+    typed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.DOTALL)
     if typed:
         return [f"`--{typed.group(1)}`: {wrong_value(typed.group(2))}"]
     return [" ".join(message.split())[:300]]
@@ -70,7 +70,7 @@ def unknown_key(key: str, value: Optional[str], known: list[str], where: str = "
 def wrong_value(detail: str) -> str:
     """jsonargparse's "Expected a <type>. Got value: V" (or a Union's list of errors) in one line:
     the value given and what is allowed."""
-    simple = re.match(r"Expected a (.*?)\. Got value: (.*)", detail.strip(), re.S)
+    simple = re.match(r"Expected a (.*?)\. Got value: (.*)", detail.strip(), re.DOTALL)
     if simple:
         return f"{simple.group(2).strip()!r} is not {allowed(simple.group(1))}"
     given = re.search(r"Given value: (.*)", detail)
@@ -83,7 +83,7 @@ def wrong_value(detail: str) -> str:
 
 def allowed(type_text: str) -> str:
     """``<class 'int'>`` as "an int", ``typing.Literal['a', 'b']`` as "one of 'a', 'b'"."""
-    literal = re.fullmatch(r"typing\.Literal\[(.*)\]", type_text.strip(), re.S)
+    literal = re.fullmatch(r"typing\.Literal\[(.*)\]", type_text.strip(), re.DOTALL)
     if literal:
         return f"one of {literal.group(1)}"
     plain = re.fullmatch(r"<class '(?:builtins\.)?([\w.]+)'>", type_text.strip())

@@ -29,8 +29,8 @@ def test_an_unknown_key_is_two_lines():
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [
-        "earl: error: `--model.no_such_key` (given '3') is not an option; `--model` takes algorithm, dtype, "
-        "logprob_mismatch_warn, model, optim, peft, rollout, seed, transcript_every_n_steps", HINT]
+        ("earl: error: `--model.no_such_key` (given '3') is not an option; `--model` takes algorithm, dtype, "
+         "logprob_mismatch_warn, model, optim, peft, rollout, seed, transcript_every_n_steps"), HINT]
 
 
 def test_a_value_of_the_wrong_type_is_two_lines():
@@ -41,10 +41,10 @@ def test_a_value_of_the_wrong_type_is_two_lines():
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--model.rollout.max_turnz", "3"], "`--model.rollout.max_turnz` (given '3') is not an option; did you mean "
-                                         "`--model.rollout.max_turns`?"),
-    (["--trainre.max_steps=3"], "`--trainre.max_steps` (given '3') is not an option; did you mean "
-                                "`--trainer.max_steps`?"),
+    (["--model.rollout.max_turnz", "3"], ("`--model.rollout.max_turnz` (given '3') is not an option; did you mean "
+                                          "`--model.rollout.max_turns`?")),
+    (["--trainre.max_steps=3"], ("`--trainre.max_steps` (given '3') is not an option; did you mean "
+                                 "`--trainer.max_steps`?")),
     (["--model.dtype", "float8"], "`--model.dtype`: 'float8' is not one of 'float32', 'bfloat16', 'float16'"),
     (["--model.peft", "3"], "`--model.peft`: '3' is not a LoraSettings or null"),
 ])

@@ -7,7 +7,6 @@ config's (model path, import paths), a difference is one line."""
 from __future__ import annotations
 
 import copy
-import os
 import signal
 import subprocess
 import sys
