@@ -243,7 +243,7 @@ def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
     from earl_lightning.sft.save import save_warm_start
 
     cli = SftCLI(WarmStartModule, DemonstrationDataModule, run=False, args=args, parser_class=ShortErrorParser,
-                 parser_kwargs={"parser_mode": "omegaconf", "prog": "earl sft"}, save_config_kwargs={"overwrite": True})
+                 parser_kwargs={"parser_mode": "omegaconf", "prog": "earl sft", "allow_abbrev": False}, save_config_kwargs={"overwrite": True})
     if command_line is not None:
         sys.argv = command_line
     start = time.monotonic()
@@ -278,7 +278,7 @@ def main(args: list[str] | None = None) -> None:
         EarlCLI(
             AgenticRLModule,
             EpisodeDataModule,
-            parser_kwargs={"parser_mode": "omegaconf", "prog": "earl"},
+            parser_kwargs={"parser_mode": "omegaconf", "prog": "earl", "allow_abbrev": False},
             parser_class=ShortErrorParser,
             save_config_kwargs={"overwrite": True},
             args=args,

@@ -45,6 +45,11 @@ def test_a_value_of_the_wrong_type_is_two_lines():
                                           "`--model.rollout.max_turns`?")),
     (["--trainre.max_steps=3"], ("`--trainre.max_steps` (given '3') is not an option; did you mean "
                                  "`--trainer.max_steps`?")),
+    # a key's prefix is not the key (argparse's abbreviations would have run `--trainer.max_steps 3`)
+    (["--trainer.max_step=3"], ("`--trainer.max_step` (given '3') is not an option; did you mean "
+                                "`--trainer.max_steps` or `--trainer.max_time` or `--trainer.min_steps`?")),
+    (["--model.rollout.max_turn", "3"], ("`--model.rollout.max_turn` (given '3') is not an option; did you mean "
+                                         "`--model.rollout.max_turns`?")),
     (["--model.dtype", "float8"], "`--model.dtype`: 'float8' is not one of 'float32', 'bfloat16', 'float16'"),
     (["--model.peft", "3"], "`--model.peft`: '3' is not a LoraSettings or null"),
 ])
