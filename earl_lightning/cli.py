@@ -41,6 +41,7 @@ from earl_lightning.warnings_filter import install_warning_filters
 # `trainer.strategy: earl` resolves.
 import earl_lightning.strategies  # noqa: F401,E402
 from earl_lightning.strategies.earl import EarlStrategy  # noqa: E402
+from earl_lightning.strategies.faults import one_line_strategy  # noqa: E402
 
 
 def say(line: str) -> None:
@@ -197,6 +198,12 @@ class EarlCLI(LightningCLI):
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             kwargs.setdefault("callbacks", [*callbacks, StepProgressBar()])
+        # Several processes under `strategy: auto` / `ddp`: Lightning's DDP whose collectives end a
+        # lost peer in one line, as EarlStrategy's do.
+        strategy = one_line_strategy(config.get("strategy", "auto"), config.get("devices", "auto"),
+                                     config.get("num_nodes", 1))
+        if strategy is not config.get("strategy", "auto"):
+            kwargs.setdefault("strategy", strategy)
         # Checkpoints are written atomically under every strategy (Lightning's own writer is not).
         plugins = with_atomic_checkpoint_io(config.get("plugins"), config.get("strategy"))
         if plugins is not None:

@@ -3,7 +3,8 @@
 The RL module's stages and the collectives between them go through a :class:`LostPeer` from
 :func:`trainer_lost_peer`; :class:`OneLineCollectives` does the same for a strategy's own
 collectives (``barrier``, ``broadcast``, ``reduce``, ``all_gather``), which Lightning's checkpoint
-saving, loops and logging call, and, when the run ends so, stops the ranks this process launched.
+saving, loops and logging call, and, when the run ends so, stops the ranks this process launched;
+:class:`OneLineDDPStrategy` is Lightning's DDP with it (``strategy: auto`` on several processes).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 from contextlib import AbstractContextManager
 from typing import Any
 
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher,
 )
@@ -68,3 +70,19 @@ class OneLineCollectives:
     def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lost_peer("all_gather"):
             return super().all_gather(tensor, *args, **kwargs)
+
+
+class OneLineDDPStrategy(OneLineCollectives, DDPStrategy):
+    """Lightning's ``DDPStrategy`` (what ``strategy: auto`` or ``ddp`` gives several processes) whose
+    collectives end a lost peer in the one line, as EarlStrategy's do."""
+
+
+def one_line_strategy(strategy: Any, devices: Any, num_nodes: Any) -> Any:
+    """The ``strategy`` a Trainer gets from the CLI: ``"ddp"``, or ``"auto"`` over several
+    processes (``devices`` > 1 or ``num_nodes`` > 1), becomes :class:`OneLineDDPStrategy`;
+    anything else (a strategy instance, another name, one process) is left as it is."""
+    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
+    nodes = num_nodes if isinstance(num_nodes, int) else 1
+    if strategy == "ddp" or (strategy in (None, "auto") and (count > 1 or nodes > 1)):
+        return OneLineDDPStrategy()
+    return strategy

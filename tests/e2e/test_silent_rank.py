@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from tests.distributed.launch import subprocess_env
@@ -104,3 +105,31 @@ def test_a_killed_rank_during_a_checkpoint_save_stops_the_survivor_in_one_line(t
     line = one_line(err)
     assert "in on_train_batch_end of global step 2: another process died (RuntimeError: " in line
     assert_whole(tmp_path / "checkpoints" / "last.ckpt", step=1)
+
+
+def test_a_killed_rank_under_strategy_auto_is_one_line_too(tmp_path):
+    """``strategy: auto`` on 2 processes is Lightning's DDP; the CLI gives it the same one-line
+    collectives (``OneLineDDPStrategy``): rank 1 killed at the end of step 2, rank 0 stops in the
+    checkpoint save's collectives with one line, and step 1's checkpoint loads."""
+    recipe = ROOT / "recipes" / "connect4_grpo.yaml"
+    marker = tmp_path / "fault.marker"
+    over = tmp_path / "over.yaml"
+    over.write_text(yaml.safe_dump({
+        "trainer": {"devices": 2, "max_steps": STEPS, "limit_val_batches": 0, "enable_progress_bar": False,
+                    "default_root_dir": str(tmp_path),
+                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(tmp_path / "checkpoints"), "save_last": True,
+                                                 "every_n_train_steps": 1}},
+                                  {"class_path": "tests.plugins.faults.KillRank",
+                                   "init_args": {"step": 2, "marker": str(marker), "at": "end"}}]},
+        "data": {"batch_size": 8, "group_size": 4, "eval_episodes": 0}}))
+    cmd = [str(Path(sys.executable).with_name("earl")), "fit", "--config", str(recipe), "--config", str(over)]
+    proc = subprocess.run(cmd, env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 1 and marker.exists(), proc.stderr[-3000:]
+    line = one_line(proc.stderr)
+    assert line.startswith("earl: error: rank 0 lost a peer during the strategy's ")
+    assert "of global step 2: another process died" in line
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert f"resume from {last}" in line
+    assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 1
