@@ -132,7 +132,7 @@ def run_trial(side: str, rnd: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--trial", side, "--model", args.model, "--steps", str(args.steps),
            "--batch", str(args.batch), "--threads", str(args.threads),
            "--micro-batch-tokens", str(args.micro_batch_tokens)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
         raise RuntimeError(f"{side} trial failed:\n{proc.stderr[-4000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
