@@ -20,7 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -33,7 +33,8 @@ from earl_lightning import checkpoints
 from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
 from earl_lightning.checkpoints_io import AtomicCheckpointIO, with_atomic_checkpoint_io
 from earl_lightning.cli_errors import ShortErrorParser
-from earl_lightning.cli_resume import dcp_problem, dcp_whole_line, differences, differences_line, saved_hparams
+from earl_lightning.cli_resume import (dcp_problem, dcp_whole_line, differences, differences_line, saved_hparams,
+                                       with_run_seed)
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.warnings_filter import install_warning_filters
 
@@ -79,6 +80,24 @@ def group_error(message: str) -> str:
 
 
 class EarlCLI(LightningCLI):
+    """``earl fit`` / ``validate``: LightningCLI whose ``--seed_everything`` is 0 unless given (a run
+    is reproducible by default), and that one seed drives every part whose own seed is unset."""
+
+    def __init__(self, *args: Any, seed_everything_default: bool | int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, seed_everything_default=seed_everything_default, **kwargs)
+
+    def before_instantiate_classes(self) -> None:
+        # `--model.seed` / `--data.seed` unset: the run's seed, written into the config (what the
+        # saved config.yaml and the checkpoints' hyperparameters then record)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        seed = config.get("seed_everything")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            return
+        for group in ("model", "data"):
+            part = config.get(group)
+            if part is not None and "seed" in part and part["seed"] is None:
+                part["seed"] = seed
+
     def add_arguments_to_parser(self, parser) -> None:
         # `earl fit` ends by writing the trained model as a save_pretrained directory
         # (`--export.dirpath`, `--export.enabled false`); validate and test write nothing.
@@ -159,8 +178,9 @@ class EarlCLI(LightningCLI):
             saved = saved_hparams(path)
         except Exception:  # noqa: BLE001 - an unreadable file is named by the load that follows
             return
-        found = [*differences(saved["model"], config["model"].as_dict(), "--model"),
-                 *differences(saved["data"], config["data"].as_dict(), "--data")]
+        seed = config.get("seed_everything")  # a part's unset seed is the run's
+        found = [*differences(saved["model"], with_run_seed(config["model"].as_dict(), seed), "--model"),
+                 *differences(saved["data"], with_run_seed(config["data"].as_dict(), seed), "--data")]
         line = differences_line(path, found)
         if line is not None and trainer.is_global_zero:
             say(line)
@@ -230,6 +250,7 @@ class SftCLI(EarlCLI):
         parser.add_argument("--overwrite", action=ActionYesNo, default=False, help=SFT_ARGS["overwrite"])
 
     def before_instantiate_classes(self) -> None:
+        super().before_instantiate_classes()
         problem = output_dir_problem(self.config.get("output_dir"), bool(self.config.get("overwrite")))
         if problem is not None:
             say(f"earl: error: {problem}")

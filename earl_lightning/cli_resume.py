@@ -51,6 +51,11 @@ def differences(saved: Mapping[str, Any], config: Mapping[str, Any], prefix: str
     return out
 
 
+def with_run_seed(settings: dict[str, Any], seed: Any) -> dict[str, Any]:
+    """A group's settings with an unset ``seed`` as the run's (what the part was built with)."""
+    return {**settings, "seed": seed} if "seed" in settings and settings["seed"] is None else settings
+
+
 def _plain(value: Any) -> Any:
     """Comparable: tuples as lists, and an empty list or mapping as None (a module may save its
     unset argument as either)."""

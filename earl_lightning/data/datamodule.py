@@ -19,6 +19,7 @@ import datasets
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
+from earl_lightning.seeding import run_seed
 from earl_lightning.data.exchange import DispatchConfig, Exchanger
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.groups import coerce, to_dict
@@ -120,7 +121,7 @@ class EpisodeDataModule(L.LightningDataModule):
             ``"distinct"``: each member its own seed of the group seed's parity: for the OpenSpiel
             games only the seat (and so the start) is shared and each member's opponent draws its
             own moves, so a near-deterministic policy still sees different games in a group.
-        seed: base seed of the training episodes.
+        seed: base seed of the training episodes; null (default): the run's seed (``seed_everything``).
         eval_episodes: fixed evaluation seeds played greedily by ``validation_step`` (0 disables).
         eval_env_kwargs: overrides of ``env_kwargs`` for evaluation (e.g. another opponent).
         dispatch: how experience moves between stage layouts (the exchanger's options).
@@ -144,7 +145,7 @@ class EpisodeDataModule(L.LightningDataModule):
     """
 
     def __init__(self, env: Optional[str] = None, env_kwargs: dict[str, Any] | None = None, batch_size: int = 64,
-                 group_size: int = 8, seed: int = 0, eval_episodes: int = 128,
+                 group_size: int = 8, seed: Optional[int] = None, eval_episodes: int = 128,
                  eval_env_kwargs: dict[str, Any] | None = None, dispatch: DispatchConfig = DispatchConfig(),
                  group_seeds: str = "shared",
                  dataset: Optional[Union[DatasetConfig, str, datasets.Dataset, datasets.DatasetDict]] = None,
@@ -160,6 +161,7 @@ class EpisodeDataModule(L.LightningDataModule):
         for name, v in (("batch_size", batch_size), ("group_size", group_size)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"`--data.{name}` must be a positive integer, got {v!r}")
+        seed = run_seed(seed, "--data.seed")
         if batch_size % group_size:
             raise ValueError(
                 f"`--data.batch_size` ({batch_size}) must be a multiple of `--data.group_size` ({group_size}): "

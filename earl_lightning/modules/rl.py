@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 import lightning as L
 import torch
 
+from earl_lightning.seeding import run_seed
 from earl_lightning.algorithms import get_kl_estimator
 from earl_lightning.callbacks.base import StageOOMHandler
 from earl_lightning.data.advantages import check_whole_groups, estimate_advantages
@@ -53,7 +54,8 @@ class AgenticRLModule(L.LightningModule):
         rollout: how episodes are played (backend, turns, context, history window, sampling).
         algorithm: advantage estimator and policy loss by registry name, KL, entropy, value head.
         optim: AdamW, its schedule, epochs, mini-batches and the micro-batch token budget.
-        seed: base seed of the sampling RNG (per step and data-parallel rank) and the value head.
+        seed: base seed of the sampling RNG (per step and data-parallel rank) and the value head;
+            null (default): the run's seed (``seed_everything``).
         transcript_every_n_steps: log episode transcripts to TensorBoard every N steps (0: never).
         logprob_mismatch_warn: warn when rollout and recomputed log-probs differ by more than this.
         peft: train LoRA adapters (``peft``) instead of all weights: rank, alpha, dropout, target
@@ -63,7 +65,7 @@ class AgenticRLModule(L.LightningModule):
 
     def __init__(self, model: str = "earl-tiny", dtype: Literal["float32", "bfloat16", "float16"] = "float32",
                  rollout: C.RolloutConfig = C.RolloutConfig(), algorithm: C.AlgorithmConfig = C.AlgorithmConfig(),
-                 optim: C.OptimConfig = C.OptimConfig(), seed: int = 0, transcript_every_n_steps: int = 10,
+                 optim: C.OptimConfig = C.OptimConfig(), seed: Optional[int] = None, transcript_every_n_steps: int = 10,
                  logprob_mismatch_warn: float = 1e-3, peft: Optional[LoraSettings] = None) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -71,6 +73,7 @@ class AgenticRLModule(L.LightningModule):
         self.algorithm_config = C.coerce(C.AlgorithmConfig, algorithm, "--model.algorithm")
         self.optim_config = C.coerce(C.OptimConfig, optim, "--model.optim")
         C.check_combination(self.rollout_config, self.algorithm_config)
+        seed = run_seed(seed, f"{C.A}.seed")
         C.check_module_args(dtype, seed, transcript_every_n_steps, logprob_mismatch_warn)
         self.peft_config = None if peft is None else C.coerce(LoraSettings, peft, "--model.peft")
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built

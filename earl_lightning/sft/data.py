@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+from earl_lightning.seeding import run_seed
 from earl_lightning.data.datamodule import EvalEpisodes
 from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.envs.base import check_env_name, make_env
@@ -113,7 +114,8 @@ class DemonstrationDataModule(L.LightningDataModule):
         policy_kwargs: keyword arguments of the policy (e.g. ``{no_tool_share: 0.6}``).
         num_episodes: demonstration episodes to play.
         batch_size: rows per optimizer step, over all ranks.
-        seed: seed of the demonstration episodes and of the shuffling.
+        seed: seed of the demonstration episodes and of the shuffling; null (default): the run's
+            seed (``seed_everything``).
         eval_episodes: held-out evaluation seeds 0..n-1, as in ``earl fit`` (0 disables).
         eval_env_kwargs: overrides of ``env_kwargs`` for evaluation.
         targets: ``expected`` (default): where the policy states its distribution over actions
@@ -133,7 +135,7 @@ class DemonstrationDataModule(L.LightningDataModule):
 
     def __init__(self, env: Optional[str] = None, env_kwargs: dict[str, Any] | None = None,
                  policy: str = "random_legal", policy_kwargs: dict[str, Any] | None = None, num_episodes: int = 1000,
-                 batch_size: int = 64, seed: int = 0, eval_episodes: int = 128,
+                 batch_size: int = 64, seed: Optional[int] = None, eval_episodes: int = 128,
                  eval_env_kwargs: dict[str, Any] | None = None,
                  targets: Literal["expected", "sampled"] = "expected",
                  dataset: Optional[Union[DatasetConfig, str, datasets.Dataset, datasets.DatasetDict]] = None,
@@ -149,6 +151,7 @@ class DemonstrationDataModule(L.LightningDataModule):
             make_env(env, "--data.env", **dict(env_kwargs or {}))
         if dataset is None:
             check_policy_name(policy, policy_kwargs, "--data.policy")
+        seed = run_seed(seed, "--data.seed")
         for name, value, low in (("num_episodes", num_episodes, 1), ("batch_size", batch_size, 1),
                                  ("seed", seed, 0), ("eval_episodes", eval_episodes, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -3,11 +3,12 @@ demonstration transcripts, and a greedy and a sampled evaluation in the environm
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import lightning as L
 import torch
 
+from earl_lightning.seeding import run_seed
 from earl_lightning.algorithms.supervised import soft_token_cross_entropy
 from earl_lightning.groups import to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
@@ -41,17 +42,18 @@ class WarmStartModule(L.LightningModule):
         lr: AdamW learning rate (linear warmup, then linear decay to 0 over the run).
         weight_decay: AdamW weight decay.
         warmup_steps: optimizer steps of linear warmup.
-        seed: seed of the sampled evaluation.
+        seed: seed of the sampled evaluation; null (default): the run's seed (``seed_everything``).
     """
 
     def __init__(self, model: str = "earl-tiny", dtype: Literal["float32", "bfloat16", "float16"] = "float32",
                  rollout: C.RolloutConfig = C.RolloutConfig(), lr: float = 1e-3, weight_decay: float = 0.0,
-                 warmup_steps: int = 0, seed: int = 0) -> None:
+                 warmup_steps: int = 0, seed: Optional[int] = None) -> None:
         super().__init__()
         self.rollout_config = C.coerce(C.RolloutConfig, rollout, "--model.rollout")
         C.check_number("--model.lr", lr, strict=True)
         C.check_number("--model.weight_decay", weight_decay)
         C.check_count("--model.warmup_steps", warmup_steps, low=0)
+        seed = run_seed(seed, f"{C.A}.seed")
         C.check_dtype_and_seed(dtype, seed)
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
         self.save_hyperparameters(dict(model=model, dtype=dtype, rollout=to_dict(self.rollout_config), lr=lr,
