@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).parents[2] / "earl_lightning"
 # tier of each top-level unit of the package; a unit may import its own tier or lower ones
 TIERS = {
-    "registry": 0, "groups": 0, "warnings_filter": 0, "errors": 0, "host_memory": 0,
+    "registry": 0, "groups": 0, "warnings_filter": 0, "errors": 0, "host_memory": 0, "seeding": 0,
     "algorithms": 1, "envs": 1, "tasks": 1, "models": 1, "checkpoints": 1,
     "rollout": 2, "data": 2, "parallel": 2,
     "strategies": 3, "callbacks": 3, "modules": 3, "sft": 3, "profiling": 3, "profile_command": 3, "export": 3, "cli": 3,
