@@ -32,7 +32,9 @@ def side(name: str) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(make_tiny_model("earl-tiny-100m", num_hidden_layers=2))
+    model = AutoModelForCausalLM.from_pretrained(
+        make_tiny_model("earl-tiny-100m", num_hidden_layers=2)
+    )
     if name == "lora":
         apply_lora(model, LoraSettings(r=16, alpha=32.0))
     ids = torch.randint(0, 100, (4, 960))
@@ -41,7 +43,11 @@ def side(name: str) -> dict:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def now() -> float:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        return (
+            int(Path("/proc/self/statm").read_text().split()[1])
+            * os.sysconf("SC_PAGE_SIZE")
+            / 2**20
+        )
 
     with torch.no_grad():
         model(ids[:1, :64])  # warm-up
@@ -58,8 +64,12 @@ def side(name: str) -> dict:
         loss = model(ids).logits.float().log_softmax(-1).gather(-1, ids[..., None]).sum()
     held = now() - base_now
     loss.backward()
-    return {"side": name, "saved_mib": sum(saved.values()) / 2**20, "rss_after_forward_mib": held,
-            "peak_rss_growth_mib": peak() - base_peak}
+    return {
+        "side": name,
+        "saved_mib": sum(saved.values()) / 2**20,
+        "rss_after_forward_mib": held,
+        "peak_rss_growth_mib": peak() - base_peak,
+    }
 
 
 def main() -> None:
@@ -69,11 +79,23 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     print(f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', '(glibc default)')}")
     for name in ("full", "lora"):
-        out = subprocess.run([sys.executable, __file__, name], cwd=ROOT, env=env, capture_output=True, text=True,
-                             check=True).stdout.strip().splitlines()[-1]
+        out = (
+            subprocess.run(
+                [sys.executable, __file__, name],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         r = json.loads(out)
-        print(f"{name:<5} saved for backward {r['saved_mib']:6.0f} MiB   RSS after forward +{r['rss_after_forward_mib']:5.0f} MiB"
-              f"   peak RSS +{r['peak_rss_growth_mib']:5.0f} MiB")
+        print(
+            f"{name:<5} saved for backward {r['saved_mib']:6.0f} MiB   RSS after forward +{r['rss_after_forward_mib']:5.0f} MiB"
+            f"   peak RSS +{r['peak_rss_growth_mib']:5.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ def slope_per_100(rows: list[tuple[int, float]], warmup: int) -> tuple[float, fl
     spread (max - min MiB) over that range."""
     pts = [(s, r) for s, r in rows if s > warmup]
     if len(pts) < 2:
-        raise ValueError(f"`--steps` must exceed `--warmup` by at least 2 steps, got {len(rows)} steps, warmup {warmup}")
+        raise ValueError(
+            f"`--steps` must exceed `--warmup` by at least 2 steps, got {len(rows)} steps, warmup {warmup}"
+        )
     xs, ys = [s for s, _ in pts], [r for _, r in pts]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
@@ -74,11 +76,32 @@ def run(steps: int, batch: int, root: Path) -> list[tuple[int, float]]:
     sys.path.insert(0, str(Path(__file__).parents[1]))  # the CLI imports the callback by its path
     recorder = importlib.import_module("benchmarks.memory_slope").Recorder  # not __main__'s copy
     recorder.rows = []
-    main(["fit", "--config", str(RECIPE), "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root),
-          "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
-          "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
-          "--trainer.callbacks+=benchmarks.memory_slope.Recorder",
-          "--data.batch_size", str(batch), "--data.group_size", "4", "--data.eval_episodes", "0"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(RECIPE),
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.default_root_dir",
+            str(root),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.callbacks",
+            "[]",
+            "--trainer.callbacks+=benchmarks.memory_slope.Recorder",
+            "--data.batch_size",
+            str(batch),
+            "--data.group_size",
+            "4",
+            "--data.eval_episodes",
+            "0",
+        ]
+    )
     return recorder.rows
 
 
@@ -96,7 +119,9 @@ def write(rows: list[tuple[int, float]], out: Path, warmup: int, slope: float) -
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([s for s, _ in rows], [r for _, r in rows], lw=1)
     ax.axvline(warmup, color="grey", ls="--", lw=0.8, label=f"warm-up ({warmup} steps)")
-    ax.set_xlabel("RL step"); ax.set_ylabel("RSS (MiB)"); ax.legend()
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("RSS (MiB)")
+    ax.legend()
     ax.set_title(f"resident memory per step; slope after warm-up {slope:+.2f} MiB / 100 steps")
     fig.tight_layout()
     fig.savefig(out / "memory_slope.png", dpi=110)
@@ -110,16 +135,24 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args()
     if a.steps < 2 or a.warmup < 0 or a.batch < 4 or a.batch % 4:
-        p.error(f"need --steps >= 2, --warmup >= 0 and --batch a positive multiple of 4; got {vars(a)}")
+        p.error(
+            f"need --steps >= 2, --warmup >= 0 and --batch a positive multiple of 4; got {vars(a)}"
+        )
     rows = run(a.steps, a.batch, a.out / "memory_slope_run")
     slope, spread = slope_per_100(rows, a.warmup)
     table = windows(rows)
     print(f"{'steps to':>9} {'min MiB':>9} {'median':>9} {'max':>9}")
     for end, lo, mid, hi in table:
         print(f"{end:9d} {lo:9.1f} {mid:9.1f} {hi:9.1f}")
-    floor = slope_per_100([(end, lo) for end, lo, _, _ in table], a.warmup)[0] if len(table) > 2 else float("nan")
-    print(f"slope after step {a.warmup}: every step {slope:+.3f} MiB per 100 steps (spread {spread:.1f} MiB); "
-          f"the floor (window minima) {floor:+.3f} MiB per 100 steps")
+    floor = (
+        slope_per_100([(end, lo) for end, lo, _, _ in table], a.warmup)[0]
+        if len(table) > 2
+        else float("nan")
+    )
+    print(
+        f"slope after step {a.warmup}: every step {slope:+.3f} MiB per 100 steps (spread {spread:.1f} MiB); "
+        f"the floor (window minima) {floor:+.3f} MiB per 100 steps"
+    )
     write(rows, a.out, a.warmup, slope)
 
 

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from earl_lightning.models import make_tiny_model
-from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.launch_env import free_port
+from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import build_replica, parallelize_model
 from earl_lightning.parallel.reshard import Resharder, reshard_naive
 
@@ -67,18 +67,25 @@ def _timed(fn, repeats: int) -> tuple[int, float]:
 
 def _run_pair(model, src: Layout, dst: Layout, repeats: int) -> list[tuple[str, int, float]]:
     replica = build_replica(model, mesh=_mesh(dst), layout=dst, device="cpu")
-    resharder = Resharder(model, replica)  # plan built once, outside the timing, as the strategy does
+    resharder = Resharder(
+        model, replica
+    )  # plan built once, outside the timing, as the strategy does
     rows = []
-    for method, fn in (("layout_aware", resharder.run), ("naive", lambda: reshard_naive(model, replica))):
+
+    def naive() -> int:
+        return reshard_naive(model, replica)
+
+    for method, fn in (("layout_aware", resharder.run), ("naive", naive)):
         nbytes, seconds = _timed(fn, repeats)
         total = torch.tensor(nbytes, dtype=torch.int64)
         dist.all_reduce(total)
         rows.append((method, int(total.item()), seconds))
-    del replica, resharder
     return rows
 
 
-def _worker(rank: int, world: int, port: int, jobs: dict, paths: dict, repeats: int, out_dir: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, jobs: dict, paths: dict, repeats: int, out_dir: str
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -94,7 +101,9 @@ def _worker(rank: int, world: int, port: int, jobs: dict, paths: dict, repeats: 
                 model = AutoModelForCausalLM.from_pretrained(paths[name])
                 parallelize_model(model, mesh=_mesh(src), layout=src)
                 for method, nbytes, seconds in _run_pair(model, src, dst, repeats):
-                    rows.append((world, name, src.name, dst.name, method, nbytes, round(seconds, 5)))
+                    rows.append(
+                        (world, name, src.name, dst.name, method, nbytes, round(seconds, 5))
+                    )
                 del model
     finally:
         dist.destroy_process_group()
@@ -104,27 +113,39 @@ def _worker(rank: int, world: int, port: int, jobs: dict, paths: dict, repeats: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one pair per (world, model), 2 repeats")
+    parser.add_argument(
+        "--quick", action="store_true", help="one pair per (world, model), 2 repeats"
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "reshard.csv"))
     args = parser.parse_args()
     pairs = PAIRS_QUICK if args.quick else PAIRS_FULL
     jobs = {k: v for k, v in pairs.items() if k[0] in args.worlds and k[1] in args.models}
-    paths = {name: str(make_tiny_model(MODELS[name])) for name in args.models}  # built once, before spawning
+    paths = {
+        name: str(make_tiny_model(MODELS[name])) for name in args.models
+    }  # built once, before spawning
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
-            mp.spawn(_worker, args=(world, free_port(), jobs, paths, 2 if args.quick else 3, tmp), nprocs=world)
+            mp.spawn(
+                _worker,
+                args=(world, free_port(), jobs, paths, 2 if args.quick else 3, tmp),
+                nprocs=world,
+            )
             rows += torch.load(os.path.join(tmp, f"rows{world}.pt"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["world", "model", "src", "dst", "method", "bytes", "seconds"])
         writer.writerows(rows)
-    print(f"{'world':>5} {'model':>5} {'src':>8} {'dst':>8} {'method':>12} {'MiB':>9} {'seconds':>8}")
+    print(
+        f"{'world':>5} {'model':>5} {'src':>8} {'dst':>8} {'method':>12} {'MiB':>9} {'seconds':>8}"
+    )
     for world, model, src, dst, method, nbytes, seconds in rows:
-        print(f"{world:>5} {model:>5} {src:>8} {dst:>8} {method:>12} {nbytes / 2**20:>9.2f} {seconds:>8.3f}")
+        print(
+            f"{world:>5} {model:>5} {src:>8} {dst:>8} {method:>12} {nbytes / 2**20:>9.2f} {seconds:>8.3f}"
+        )
     print(f"wrote {args.out}")
 
 

@@ -33,18 +33,31 @@ GRID_QUICK = dict(responses=[8, 16, 32, 64, 128], contexts=[256, 512, 1024])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="contexts up to 1K, 16 generated tokens")
-    p.add_argument("--gen", type=int, default=None, help="decoded tokens per response (default 16 quick, 32 full)")
-    p.add_argument("--repeats", type=int, default=3, help="decode runs per cell; the fastest counts")
-    p.add_argument("--kv-cache-mib", type=int, default=48, help="KV-cache budget per process in MiB")
+    p.add_argument(
+        "--gen",
+        type=int,
+        default=None,
+        help="decoded tokens per response (default 16 quick, 32 full)",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="decode runs per cell; the fastest counts"
+    )
+    p.add_argument(
+        "--kv-cache-mib", type=int, default=48, help="KV-cache budget per process in MiB"
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "rollout_tp.csv")
     args = p.parse_args(argv)
     if args.gen is None:
         args.gen = 16 if args.quick else 32
     for name in ("gen", "repeats", "kv_cache_mib"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}")
+            raise SystemExit(
+                f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}"
+            )
     return args
 
 
@@ -55,7 +68,9 @@ def kv_capacity_tokens(llm) -> tuple[int, int]:
     return cache.num_gpu_blocks * cache.block_size, cache.block_size
 
 
-def run_cell(backend, responses: int, context: int, gen: int, rank: int, repeats: int) -> tuple[float, str]:
+def run_cell(
+    backend, responses: int, context: int, gen: int, rank: int, repeats: int
+) -> tuple[float, str]:
     """Generated tokens per second of this engine for one cell, or (0, "OOM")."""
     from vllm import SamplingParams
 
@@ -66,15 +81,27 @@ def run_cell(backend, responses: int, context: int, gen: int, rank: int, repeats
     if need > capacity:
         return 0.0, "OOM"
     first = 0 if backend.tp == 2 else rank * per_engine  # distinct prompts, same across a TP group
-    prompts = [{"prompt_token_ids": [3 + (first + i) % 90] + [5 + (j * 7 + i) % 90 for j in range(context - 1)]}
-               for i in range(per_engine)]
+    prompts = [
+        {
+            "prompt_token_ids": [3 + (first + i) % 90]
+            + [5 + (j * 7 + i) % 90 for j in range(context - 1)]
+        }
+        for i in range(per_engine)
+    ]
     llm.reset_prefix_cache()
-    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=1.0, seed=0), use_tqdm=False)  # prefill
+    llm.generate(
+        prompts, SamplingParams(max_tokens=1, temperature=1.0, seed=0), use_tqdm=False
+    )  # prefill
     best = float("inf")
-    for rep in range(repeats):  # best of N: the machine is shared, the minimum is the least disturbed
+    for rep in range(
+        repeats
+    ):  # best of N: the machine is shared, the minimum is the least disturbed
         t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(max_tokens=gen, temperature=1.0, seed=1 + rep, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(
+            prompts,
+            SamplingParams(max_tokens=gen, temperature=1.0, seed=1 + rep, ignore_eos=True),
+            use_tqdm=False,
+        )
         best = min(best, time.perf_counter() - t0)
     return per_engine * gen / best, "ok"
 
@@ -91,8 +118,13 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     grid = GRID_QUICK if args.quick else GRID_FULL
     path = str(make_tiny_model("earl-tiny"))
-    backend = VLLMBackend(path, load_tokenizer(path), tp=1, kv_cache_gib=args.kv_cache_mib / 1024,
-                          max_model_len=max(grid["contexts"]) + args.gen + 16)
+    backend = VLLMBackend(
+        path,
+        load_tokenizer(path),
+        tp=1,
+        kv_cache_gib=args.kv_cache_mib / 1024,
+        max_model_len=max(grid["contexts"]) + args.gen + 16,
+    )
     rows = []
     for tp in (1, 2):
         switch = backend.set_tp(tp)
@@ -101,11 +133,21 @@ def worker(args: argparse.Namespace) -> None:
                 tps, status = run_cell(backend, responses, context, args.gen, rank, args.repeats)
                 # Per process: TP 1 engines are one process each; a TP 2 engine is two processes.
                 per_proc = tps / tp
-                rows.append(dict(responses=responses, context=context, tp=tp,
-                                 tokens_per_s_per_proc=round(per_proc, 2), status=status))
+                rows.append(
+                    dict(
+                        responses=responses,
+                        context=context,
+                        tp=tp,
+                        tokens_per_s_per_proc=round(per_proc, 2),
+                        status=status,
+                    )
+                )
         if rank == 0:
-            print(f"tp={tp}: engine built in {switch:.1f} s, KV capacity {kv_capacity_tokens(backend.llm)[0]} "
-                  f"tokens per engine", flush=True)
+            print(
+                f"tp={tp}: engine built in {switch:.1f} s, KV capacity {kv_capacity_tokens(backend.llm)[0]} "
+                f"tokens per engine",
+                flush=True,
+            )
     backend.shutdown()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
@@ -123,8 +165,10 @@ def worker(args: argparse.Namespace) -> None:
 def speedup_table(rows: list[dict]) -> str:
     cells = {(r["responses"], r["context"], r["tp"]): r for r in rows}
     contexts = sorted({r["context"] for r in rows})
-    lines = ["TP2 / TP1 decode throughput per process (OOM = does not fit the KV budget)",
-             "responses | " + " | ".join(f"{c:>9}" for c in contexts)]
+    lines = [
+        "TP2 / TP1 decode throughput per process (OOM = does not fit the KV budget)",
+        "responses | " + " | ".join(f"{c:>9}" for c in contexts),
+    ]
     for n in sorted({r["responses"] for r in rows}):
         out = []
         for c in contexts:
@@ -158,8 +202,15 @@ def heatmap(rows: list[dict], path: Path) -> None:
         im = ax.imshow(grid, cmap="viridis", aspect="auto")
         for i in range(len(ns)):
             for j in range(len(cs)):
-                ax.text(j, i, "OOM" if np.isnan(grid[i, j]) else f"{grid[i, j]:.0f}", ha="center", va="center",
-                        color="red" if np.isnan(grid[i, j]) else "white", fontsize=8)
+                ax.text(
+                    j,
+                    i,
+                    "OOM" if np.isnan(grid[i, j]) else f"{grid[i, j]:.0f}",
+                    ha="center",
+                    va="center",
+                    color="red" if np.isnan(grid[i, j]) else "white",
+                    fontsize=8,
+                )
         ax.set_xticks(range(len(cs)), [str(c) for c in cs])
         ax.set_yticks(range(len(ns)), [str(n) for n in ns])
         ax.set_xlabel("context (tokens)")
@@ -177,11 +228,23 @@ def main(argv: list[str] | None = None) -> None:
         return worker(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".json.tmp")
-    env = dict(os.environ, EARL_BENCH_OUT=str(tmp), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+    env = dict(
+        os.environ,
+        EARL_BENCH_OUT=str(tmp),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+    )
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           *(argv if argv is not None else sys.argv[1:])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        __file__,
+        *(argv if argv is not None else sys.argv[1:]),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"benchmark failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -189,12 +252,16 @@ def main(argv: list[str] | None = None) -> None:
     rows = json.loads(tmp.read_text())
     tmp.unlink()
     with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["responses", "context", "tp", "tokens_per_s_per_proc", "status"])
+        w = csv.DictWriter(
+            f, fieldnames=["responses", "context", "tp", "tokens_per_s_per_proc", "status"]
+        )
         w.writeheader()
         w.writerows(rows)
     print(speedup_table(rows))
     heatmap(rows, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')} in {time.perf_counter() - t0:.0f} s")
+    print(
+        f"wrote {args.out} and {args.out.with_suffix('.png')} in {time.perf_counter() - t0:.0f} s"
+    )
 
 
 if __name__ == "__main__":

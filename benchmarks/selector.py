@@ -52,8 +52,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from earl_lightning.parallel.layout import Layout  # noqa: E402
 from earl_lightning.parallel.launch_env import free_port  # noqa: E402
+from earl_lightning.parallel.layout import Layout  # noqa: E402
 from earl_lightning.parallel.profile import layout_key  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -70,7 +70,10 @@ class Phase:
 
 
 PHASES = (Phase(4, 40, 4), Phase(6, 150, 4), Phase(8, 300, 4), Phase(8, 650, 4))
-BIG, SMALL = 16384, 1024  # micro-batch token budgets: one forward per rank vs one sequence at a time
+BIG, SMALL = (
+    16384,
+    1024,
+)  # micro-batch token budgets: one forward per rank vs one sequence at a time
 BUDGET_MIB = 130.0  # per rank and stage
 
 
@@ -89,7 +92,9 @@ def exact_rss_allocator() -> None:
     and hide the next stage's peak)."""
     import ctypes
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD, fixed (disables the adaptation)
+    ctypes.CDLL("libc.so.6").mallopt(
+        -3, 256 * 1024
+    )  # M_MMAP_THRESHOLD, fixed (disables the adaptation)
 
 
 def reset_peak() -> int:
@@ -122,11 +127,14 @@ def make_budgeted_strategy(budget_bytes: int, enforce: bool, peaks: list):
                 used = torch.tensor([peak_since_reset() - base], dtype=torch.float64)
                 dist.all_reduce(used, op=dist.ReduceOp.MAX)  # a stage fails if any rank runs out
                 over = float(used) > budget_bytes
-                peaks.append(dict(stage=name, layout=layout_key(layout),
-                                  peak=float(used), over=over))
+                peaks.append(
+                    dict(stage=name, layout=layout_key(layout), peak=float(used), over=over)
+                )
                 if over and enforce:
-                    raise MemoryError(f"stage {name!r} under {layout.name} peaked at {float(used) / MIB:.0f} MiB "
-                                      f"> the {budget_bytes / MIB:.0f} MiB budget")
+                    raise MemoryError(
+                        f"stage {name!r} under {layout.name} peaked at {float(used) / MIB:.0f} MiB "
+                        f"> the {budget_bytes / MIB:.0f} MiB budget"
+                    )
 
     return BudgetedEarlStrategy
 
@@ -154,33 +162,50 @@ def make_datamodule(steps_per_phase: int):
 
             from earl_lightning.data.datamodule import _identity
 
-            stream = CurriculumStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, 0)
+            stream = CurriculumStream(
+                self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, 0
+            )
             return DataLoader(stream, batch_size=1, collate_fn=_identity, num_workers=0)
 
     first = PHASES[0]
-    return CurriculumData(env="recall", env_kwargs={"num_turns": first.turns, "padding_chars": first.padding},
-                          batch_size=first.batch, group_size=first.group, eval_episodes=0)
+    return CurriculumData(
+        env="recall",
+        env_kwargs={"num_turns": first.turns, "padding_chars": first.padding},
+        batch_size=first.batch,
+        group_size=first.group,
+        eval_episodes=0,
+    )
 
 
 def make_module():
     from earl_lightning.modules import AgenticRLModule
 
-    return AgenticRLModule(model="earl-tiny", rollout=dict(max_turns=8, max_context_tokens=7168,
-                                                           sampling=dict(max_new_tokens=1)),
-                           optim=dict(micro_batch_tokens=BIG, lr=1e-4, ppo_epochs=2), transcript_every_n_steps=0,
-                           seed=0)
+    return AgenticRLModule(
+        model="earl-tiny",
+        rollout=dict(max_turns=8, max_context_tokens=7168, sampling=dict(max_new_tokens=1)),
+        optim=dict(micro_batch_tokens=BIG, lr=1e-4, ppo_epochs=2),
+        transcript_every_n_steps=0,
+        seed=0,
+    )
 
 
 def parse_policy(policy: str) -> Layout:
     """``dp2xtp1-mbt1024-ckpt`` -> its Layout (checkpointing applies to the train stage only)."""
     m = re.fullmatch(r"dp(\d+)xtp(\d+)-mbt(\d+)(-ckpt)?", policy)
     if m is None:
-        raise ValueError(f"unknown policy {policy!r}; valid: 'adaptive' or like 'dp2xtp1-mbt1024-ckpt'")
+        raise ValueError(
+            f"unknown policy {policy!r}; valid: 'adaptive' or like 'dp2xtp1-mbt1024-ckpt'"
+        )
     return Layout(int(m[1]), int(m[2]), int(m[3]), bool(m[4]))
 
 
 def static_policies() -> list[str]:
-    return [layout_key(Layout(d, t, m, c)) for d, t in ((2, 1), (1, 2)) for m in (BIG, SMALL) for c in (False, True)]
+    return [
+        layout_key(Layout(d, t, m, c))
+        for d, t in ((2, 1), (1, 2))
+        for m in (BIG, SMALL)
+        for c in (False, True)
+    ]
 
 
 def policy_strategy(policy: str, budget: int, peaks: list):
@@ -202,8 +227,14 @@ def fit_once(rank, world, port, policy, budget, steps_per_phase, profile) -> dic
     from earl_lightning.callbacks import AdaptiveParallelism
 
     # Lightning's teardown removes some of these; every fit joins the same process group again.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), TOKENIZERS_PARALLELISM="false")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        TOKENIZERS_PARALLELISM="false",
+    )
     peaks, steps = [], []
 
     class Record(L.Callback):
@@ -215,28 +246,66 @@ def fit_once(rank, world, port, policy, budget, steps_per_phase, profile) -> dic
     callbacks = [Record()]
     adaptive = None
     if policy == "adaptive":
-        adaptive = AdaptiveParallelism(profile=profile, memory_budget_bytes=budget, micro_batch_tokens=[BIG, SMALL],
-                                       activation_checkpointing=[False, True])
+        adaptive = AdaptiveParallelism(
+            profile=profile,
+            memory_budget_bytes=budget,
+            micro_batch_tokens=[BIG, SMALL],
+            activation_checkpointing=[False, True],
+        )
         callbacks.insert(0, adaptive)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=policy_strategy(policy, budget, peaks),
-                        callbacks=callbacks, max_steps=1 + steps_per_phase * len(PHASES), logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, log_every_n_steps=1, default_root_dir=f"/tmp/earl_sel_{policy}")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=policy_strategy(policy, budget, peaks),
+        callbacks=callbacks,
+        max_steps=1 + steps_per_phase * len(PHASES),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        default_root_dir=f"/tmp/earl_sel_{policy}",
+    )
     trainer.fit(make_module(), make_datamodule(steps_per_phase))
-    out = dict(steps=steps, history=list(adaptive.history) if adaptive else [], ooms=adaptive.oom_events if adaptive else [])
+    out = dict(
+        steps=steps,
+        history=list(adaptive.history) if adaptive else [],
+        ooms=adaptive.oom_events if adaptive else [],
+    )
     del trainer
     gc.collect()
     return out
 
 
-def bench_worker(rank, world, port, policies, rounds, budget, steps_per_phase, profile, do_profile, repeats, queue):
+def bench_worker(
+    rank,
+    world,
+    port,
+    policies,
+    rounds,
+    budget,
+    steps_per_phase,
+    profile,
+    do_profile,
+    repeats,
+    queue,
+):
     """One pair of processes for everything: the profile, then every policy in every round
     (alternating order: A B C ... C B A ...), so that slow drifts of a shared machine hit all
     policies alike and no policy pays for process start-up."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), TOKENIZERS_PARALLELISM="false")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        TOKENIZERS_PARALLELISM="false",
+    )
     torch.set_num_threads(1)
-    os.environ["EARL_HOST_MEMORY"] = "glibc"  # the module must not undo exact_rss_allocator (host_memory.py)
+    os.environ["EARL_HOST_MEMORY"] = (
+        "glibc"  # the module must not undo exact_rss_allocator (host_memory.py)
+    )
     exact_rss_allocator()
     import warnings
 
@@ -250,11 +319,15 @@ def bench_worker(rank, world, port, policies, rounds, budget, steps_per_phase, p
             dist.barrier()
         results: dict[str, list] = {p: [] for p in policies}
         for r in range(rounds):
-            for pol in (policies if r % 2 == 0 else policies[::-1]):
+            for pol in policies if r % 2 == 0 else policies[::-1]:
                 t = time.perf_counter()
-                results[pol].append(fit_once(rank, world, port, pol, budget, steps_per_phase, profile))
+                results[pol].append(
+                    fit_once(rank, world, port, pol, budget, steps_per_phase, profile)
+                )
                 if rank == 0:
-                    print(f"round {r + 1}/{rounds} {pol}: {time.perf_counter() - t:.0f}s", flush=True)
+                    print(
+                        f"round {r + 1}/{rounds} {pol}: {time.perf_counter() - t:.0f}s", flush=True
+                    )
         queue.put((rank, results))
     except BaseException:  # noqa: BLE001 - surface the failure to the parent
         import traceback
@@ -270,15 +343,25 @@ def run_profile(rank, out, repeats):
     from earl_lightning.profiling.stages import ProfileGrid, profile_stages
 
     placements = [Layout(d, t, m) for d, t in ((2, 1), (1, 2)) for m in (BIG, SMALL)]
-    layouts = placements + [Layout(2, 1, m, True) for m in (BIG, SMALL)]  # checkpointing: train stage only
+    layouts = placements + [
+        Layout(2, 1, m, True) for m in (BIG, SMALL)
+    ]  # checkpointing: train stage only
     grid = ProfileGrid(contexts=[256, 1024, 4096], num_seqs=[4], gen_len=1, repeats=repeats)
     t = time.perf_counter()
-    run = profile_stages(lambda: load_model("earl-tiny"), load_tokenizer("earl-tiny"), layouts=layouts,
-                         grid=grid, model_name="earl-tiny", log=print)
+    run = profile_stages(
+        lambda: load_model("earl-tiny"),
+        load_tokenizer("earl-tiny"),
+        layouts=layouts,
+        grid=grid,
+        model_name="earl-tiny",
+        log=print,
+    )
     if rank == 0:
         run.table.save(out)
         run.table.heatmaps(Path(out).parent, prefix="selector_profile")
-        print(f"profiled {run.measured} cells in {time.perf_counter() - t:.0f}s -> {out}", flush=True)
+        print(
+            f"profiled {run.measured} cells in {time.perf_counter() - t:.0f}s -> {out}", flush=True
+        )
 
 
 def spawn(target, world: int, *args):
@@ -300,15 +383,23 @@ def spawn(target, world: int, *args):
 
 
 # ---- aggregation and report ---------------------------------------------------------------------
-def phase_rows(policy: str, rounds: list[dict], steps_per_phase: int) -> tuple[list[dict], list[dict]]:
+def phase_rows(
+    policy: str, rounds: list[dict], steps_per_phase: int
+) -> tuple[list[dict], list[dict]]:
     """One row per (phase, stage) and one ``step`` row (all tokens / all stage seconds), each the
     median over the phase's steps of every round; the warm-up step 0 is left out."""
     rows, mem = [], []
-    predicted = [{(h["step"], h["stage"], h["layout"]): h["predicted_bytes"] for h in res["history"]}
-                 for res in rounds]  # the memory model's estimate of every adaptive decision
+    predicted = [
+        {(h["step"], h["stage"], h["layout"]): h["predicted_bytes"] for h in res["history"]}
+        for res in rounds
+    ]  # the memory model's estimate of every adaptive decision
     for p in range(len(PHASES)):
-        steps = [dict(s, predicted=pred) for res, pred in zip(rounds, predicted) for s in res["steps"]
-                 if s["step"] > 0 and phase_of(s["step"], steps_per_phase) == p]
+        steps = [
+            dict(s, predicted=pred)
+            for res, pred in zip(rounds, predicted)
+            for s in res["steps"]
+            if s["step"] > 0 and phase_of(s["step"], steps_per_phase) == p
+        ]
         ctx = statistics.mean(s["metrics"].get("context/mean", 0.0) for s in steps)
         failed_any = False
         for stage in STAGES:
@@ -317,22 +408,55 @@ def phase_rows(policy: str, rounds: list[dict], steps_per_phase: int) -> tuple[l
             for s in steps:
                 recs = [r for r in s["peaks"] if r["stage"] == stage]
                 # static: any over-budget run failed; adaptive: the last attempt (after recoveries) counts
-                failed |= any(r["over"] for r in recs) if policy != "adaptive" else bool(recs and recs[-1]["over"])
+                failed |= (
+                    any(r["over"] for r in recs)
+                    if policy != "adaptive"
+                    else bool(recs and recs[-1]["over"])
+                )
                 finals.append(recs[-1]["layout"] if recs else "?")
-                mem += [dict(phase=p + 1, policy=policy, stage=stage, layout=r["layout"], peak_mib=r["peak"] / MIB,
-                             predicted_mib=s["predicted"].get((s["step"], stage, r["layout"]), math.nan) / MIB,
-                             over_budget=r["over"]) for r in recs]
+                mem += [
+                    dict(
+                        phase=p + 1,
+                        policy=policy,
+                        stage=stage,
+                        layout=r["layout"],
+                        peak_mib=r["peak"] / MIB,
+                        predicted_mib=s["predicted"].get((s["step"], stage, r["layout"]), math.nan)
+                        / MIB,
+                        over_budget=r["over"],
+                    )
+                    for r in recs
+                ]
             failed_any |= failed
-            rows.append(dict(phase=p + 1, context_mean=round(ctx), policy=policy, stage=stage,
-                             layout="+".join(dict.fromkeys(finals)), tokens_per_s=round(tps, 1), failed=failed))
+            rows.append(
+                dict(
+                    phase=p + 1,
+                    context_mean=round(ctx),
+                    policy=policy,
+                    stage=stage,
+                    layout="+".join(dict.fromkeys(finals)),
+                    tokens_per_s=round(tps, 1),
+                    failed=failed,
+                )
+            )
         per_step = []
         for s in steps:
             m = s["metrics"]
             secs = sum(m[f"stage/{st}/seconds"] for st in STAGES)
-            per_step.append(m["stage/experience/tokens_per_s"] * m["stage/experience/seconds"] / max(secs, 1e-9))
-        rows.append(dict(phase=p + 1, context_mean=round(ctx), policy=policy, stage="step",
-                         layout=rows[-1]["layout"], tokens_per_s=round(statistics.median(per_step), 1),
-                         failed=failed_any))
+            per_step.append(
+                m["stage/experience/tokens_per_s"] * m["stage/experience/seconds"] / max(secs, 1e-9)
+            )
+        rows.append(
+            dict(
+                phase=p + 1,
+                context_mean=round(ctx),
+                policy=policy,
+                stage="step",
+                layout=rows[-1]["layout"],
+                tokens_per_s=round(statistics.median(per_step), 1),
+                failed=failed_any,
+            )
+        )
     return rows, mem
 
 
@@ -349,18 +473,32 @@ def verdicts(rows: list[dict]) -> list[str]:
         ratio = a["tokens_per_s"] / best["tokens_per_s"] if best else float("inf")
         good = not a["failed"] and ratio >= 0.95
         ok_all &= good
-        out.append(f"phase {p}: adaptive {'FAILED' if a['failed'] else 'ok'}, {a['tokens_per_s']:.0f} tok/s = "
-                   f"{ratio:.0%} of the best static that did not fail ({best['policy'] if best else 'none'}) "
-                   f"-> {'met' if good else 'NOT met'}")
+        out.append(
+            f"phase {p}: adaptive {'FAILED' if a['failed'] else 'ok'}, {a['tokens_per_s']:.0f} tok/s = "
+            f"{ratio:.0%} of the best static that did not fail ({best['policy'] if best else 'none'}) "
+            f"-> {'met' if good else 'NOT met'}"
+        )
     for pol in statics:
         mine = [r for r in step if r["policy"] == pol]
         fails = [r["phase"] for r in mine if r["failed"]]
-        slower = [r["phase"] for r in mine if not r["failed"] and r["tokens_per_s"] <= 0.85 * next(
-            a["tokens_per_s"] for a in step if a["policy"] == "adaptive" and a["phase"] == r["phase"])]
+        slower = [
+            r["phase"]
+            for r in mine
+            if not r["failed"]
+            and r["tokens_per_s"]
+            <= 0.85
+            * next(
+                a["tokens_per_s"]
+                for a in step
+                if a["policy"] == "adaptive" and a["phase"] == r["phase"]
+            )
+        ]
         good = bool(fails or slower)
         ok_all &= good
-        out.append(f"static {pol}: fails in phases {fails or '-'}, >=15% slower than adaptive in phases "
-                   f"{slower or '-'} -> {'met' if good else 'NOT met'}")
+        out.append(
+            f"static {pol}: fails in phases {fails or '-'}, >=15% slower than adaptive in phases "
+            f"{slower or '-'} -> {'met' if good else 'NOT met'}"
+        )
     out.append("ALL TARGETS MET" if ok_all else "SOME TARGETS NOT MET (see above)")
     return out
 
@@ -379,16 +517,34 @@ def plot(rows: list[dict], path: Path) -> None:
     for i, pol in enumerate(policies):
         for j, p in enumerate(phases):
             r = next(x for x in step if x["policy"] == pol and x["phase"] == p)
-            bar = ax.bar(j + i * width, r["tokens_per_s"], width, color=f"C{i}", label=pol if j == 0 else None,
-                         hatch="xx" if r["failed"] else None, alpha=0.4 if r["failed"] else 1.0)
+            bar = ax.bar(
+                j + i * width,
+                r["tokens_per_s"],
+                width,
+                color=f"C{i}",
+                label=pol if j == 0 else None,
+                hatch="xx" if r["failed"] else None,
+                alpha=0.4 if r["failed"] else 1.0,
+            )
             if r["failed"]:
-                ax.text(bar[0].get_x() + width / 2, r["tokens_per_s"], "over\nbudget", ha="center", va="bottom",
-                        fontsize=6)
+                ax.text(
+                    bar[0].get_x() + width / 2,
+                    r["tokens_per_s"],
+                    "over\nbudget",
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                )
     ctx = {p: next(r["context_mean"] for r in step if r["phase"] == p) for p in phases}
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(phases))],
-                  [f"phase {p}\n~{ctx[p]} tokens" for p in phases])
+    ax.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(phases))],
+        [f"phase {p}\n~{ctx[p]} tokens" for p in phases],
+    )
     ax.set_ylabel("step tokens/s (all stages)")
-    ax.set_title("AdaptiveParallelism vs static layouts, 2 gloo processes, per-rank memory budget", fontsize=9)
+    ax.set_title(
+        "AdaptiveParallelism vs static layouts, 2 gloo processes, per-rank memory budget",
+        fontsize=9,
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -404,10 +560,18 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 step per phase, 1 round, profile once (under 5 minutes)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 step per phase, 1 round, profile once (under 5 minutes)",
+    )
     ap.add_argument("--steps-per-phase", type=int, default=None)
-    ap.add_argument("--rounds", type=int, default=None, help="passes over all policies, alternating order")
-    ap.add_argument("--budget-mib", type=float, default=BUDGET_MIB, help="per-rank memory budget of one stage")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="passes over all policies, alternating order"
+    )
+    ap.add_argument(
+        "--budget-mib", type=float, default=BUDGET_MIB, help="per-rank memory budget of one stage"
+    )
     ap.add_argument("--policies", nargs="+", default=None)
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--reuse-profile", action="store_true", help="use the profile already in --out")
@@ -424,7 +588,17 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     profile = str(out / "selector_profile.json")
     do_profile = not (args.reuse_profile and Path(profile).is_file())
-    results = spawn(bench_worker, 2, policies, rounds, budget, steps, profile, do_profile, 1 if args.quick else 3)
+    results = spawn(
+        bench_worker,
+        2,
+        policies,
+        rounds,
+        budget,
+        steps,
+        profile,
+        do_profile,
+        1 if args.quick else 3,
+    )
     rows, mem = [], []
     for pol in policies:
         r, m = phase_rows(pol, results[pol], steps)
@@ -436,12 +610,18 @@ def main(argv: list[str] | None = None) -> None:
     write_csv(out / "selector.csv", rows)
     write_csv(out / "selector_memory.csv", mem)
     plot(rows, out / "selector.png")
-    print(f"\n{'phase':>5} {'ctx':>5} {'policy':24s} {'stage':10s} {'layout':44s} {'tok/s':>9} failed")
+    print(
+        f"\n{'phase':>5} {'ctx':>5} {'policy':24s} {'stage':10s} {'layout':44s} {'tok/s':>9} failed"
+    )
     for r in rows:
-        print(f"{r['phase']:>5} {r['context_mean']:>5} {r['policy']:24s} {r['stage']:10s} {r['layout']:44s} "
-              f"{r['tokens_per_s']:>9.0f} {'FAILED' if r['failed'] else ''}")
-    print(f"\nbudget {args.budget_mib:.0f} MiB per rank and stage; {steps} step(s) per phase, {rounds} round(s); "
-          f"total {time.perf_counter() - t0:.0f}s")
+        print(
+            f"{r['phase']:>5} {r['context_mean']:>5} {r['policy']:24s} {r['stage']:10s} {r['layout']:44s} "
+            f"{r['tokens_per_s']:>9.0f} {'FAILED' if r['failed'] else ''}"
+        )
+    print(
+        f"\nbudget {args.budget_mib:.0f} MiB per rank and stage; {steps} step(s) per phase, {rounds} round(s); "
+        f"total {time.perf_counter() - t0:.0f}s"
+    )
     print("\n".join(verdicts(rows)))
 
 

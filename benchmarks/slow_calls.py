@@ -38,10 +38,15 @@ from benchmarks.vs_trl import write_csv  # noqa: E402
 from earl_lightning.envs.base import StepResult  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-MODES = {"sequential": dict(call_workers=1, continuous=False), "concurrent": dict(call_workers=64, continuous=False),
-         "continuous": dict(call_workers=64, continuous=True)}
-CASES = {"uniform": dict(latency_s=0.5, tail_share=0.0, tail_s=2.0), "heavy": dict(latency_s=0.5, tail_share=0.1,
-                                                                                  tail_s=2.0)}
+MODES = {
+    "sequential": dict(call_workers=1, continuous=False),
+    "concurrent": dict(call_workers=64, continuous=False),
+    "continuous": dict(call_workers=64, continuous=True),
+}
+CASES = {
+    "uniform": dict(latency_s=0.5, tail_share=0.0, tail_s=2.0),
+    "heavy": dict(latency_s=0.5, tail_share=0.1, tail_s=2.0),
+}
 
 
 def latency(seed: int, turn: int, latency_s: float, tail_share: float, tail_s: float) -> float:
@@ -52,7 +57,9 @@ def latency(seed: int, turn: int, latency_s: float, tail_share: float, tail_s: f
 class SlowCallEnv:
     """Every step sleeps its drawn latency, then answers; the episode ends after ``turns`` steps."""
 
-    def __init__(self, turns: int = 5, latency_s: float = 0.5, tail_share: float = 0.0, tail_s: float = 2.0) -> None:
+    def __init__(
+        self, turns: int = 5, latency_s: float = 0.5, tail_share: float = 0.0, tail_s: float = 2.0
+    ) -> None:
         self.turns, self.kw = turns, dict(latency_s=latency_s, tail_share=tail_share, tail_s=tail_s)
 
     def reset(self, seed: int) -> str:
@@ -65,15 +72,33 @@ class SlowCallEnv:
         return StepResult("Again.", 0.0, self.turn >= self.turns, {})
 
 
-def one_run(model, tok, episodes: int, turns: int, case: dict, mode: dict, instant: bool = False) -> float:
+def one_run(
+    model, tok, episodes: int, turns: int, case: dict, mode: dict, instant: bool = False
+) -> float:
     from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 
     kwargs = {**case, "latency_s": 0.0, "tail_share": 0.0} if instant else case
-    specs = [EpisodeSpec("benchmarks.slow_calls.SlowCallEnv", seed=s, group_id=s, episode_id=s,
-                         env_kwargs={"turns": turns, **kwargs}) for s in range(episodes)]
+    specs = [
+        EpisodeSpec(
+            "benchmarks.slow_calls.SlowCallEnv",
+            seed=s,
+            group_id=s,
+            episode_id=s,
+            env_kwargs={"turns": turns, **kwargs},
+        )
+        for s in range(episodes)
+    ]
     t0 = time.perf_counter()
-    rollout(specs, HFBackend(model, tok), tok, SamplingConfig(max_new_tokens=8, seed=0), max_turns=turns,
-            max_context_tokens=2048, env_timeout_s=60.0, **mode)
+    rollout(
+        specs,
+        HFBackend(model, tok),
+        tok,
+        SamplingConfig(max_new_tokens=8, seed=0),
+        max_turns=turns,
+        max_context_tokens=2048,
+        env_timeout_s=60.0,
+        **mode,
+    )
     return time.perf_counter() - t0
 
 
@@ -86,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sequential-repeats", type=int, default=1, help="sequential runs are long: fewer of them")
+    p.add_argument(
+        "--sequential-repeats", type=int, default=1, help="sequential runs are long: fewer of them"
+    )
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--quick", action="store_true", help="8 episodes x 3 turns, 1 repeat")
     p.add_argument("--out", default=str(RESULTS / "slow_calls.csv"))
@@ -110,28 +137,62 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "sequential" and r >= args.sequential_repeats:
                     continue
                 load = os.getloadavg()[0]
-                seconds = one_run(model, tok, args.episodes, args.turns, case,
-                                  MODES.get(mode, MODES["continuous"]), instant=mode == "generation")
-                runs.append({"case": case_name, "mode": mode, "repeat": r, "seconds": seconds, "load_before": load,
-                             "load_after": os.getloadavg()[0]})
+                seconds = one_run(
+                    model,
+                    tok,
+                    args.episodes,
+                    args.turns,
+                    case,
+                    MODES.get(mode, MODES["continuous"]),
+                    instant=mode == "generation",
+                )
+                runs.append(
+                    {
+                        "case": case_name,
+                        "mode": mode,
+                        "repeat": r,
+                        "seconds": seconds,
+                        "load_before": load,
+                        "load_after": os.getloadavg()[0],
+                    }
+                )
                 print(f"{case_name:8s} {mode:11s} repeat {r}: {seconds:7.2f} s", flush=True)
     summary = summarize(runs, args)
     out = Path(args.out)
     write_csv(out, runs, ["case", "mode", "repeat", "seconds", "load_before", "load_after"])
-    write_csv(out.with_name(out.stem + "_summary.csv"), summary,
-              ["case", "mode", "seconds", "runs", "generation_s", "slowest_chain_s", "ideal_s", "x_ideal", "goal_met"])
+    write_csv(
+        out.with_name(out.stem + "_summary.csv"),
+        summary,
+        [
+            "case",
+            "mode",
+            "seconds",
+            "runs",
+            "generation_s",
+            "slowest_chain_s",
+            "ideal_s",
+            "x_ideal",
+            "goal_met",
+        ],
+    )
     plot(summary, out.with_suffix(".png"))
-    print(f"\n{'case':8s} {'mode':11s} {'median s':>9s} {'ideal s':>8s} {'x ideal':>8s}  goal (<= 1.3x)")
+    print(
+        f"\n{'case':8s} {'mode':11s} {'median s':>9s} {'ideal s':>8s} {'x ideal':>8s}  goal (<= 1.3x)"
+    )
     for row in summary:
-        print(f"{row['case']:8s} {row['mode']:11s} {row['seconds']:9.2f} {row['ideal_s']:8.2f} {row['x_ideal']:8.2f}  "
-              f"{row['goal_met']}")
+        print(
+            f"{row['case']:8s} {row['mode']:11s} {row['seconds']:9.2f} {row['ideal_s']:8.2f} {row['x_ideal']:8.2f}  "
+            f"{row['goal_met']}"
+        )
     return 0
 
 
 def summarize(runs: list[dict], args: argparse.Namespace) -> list[dict]:
     out = []
     for case in args.cases:
-        gen = statistics.median(r["seconds"] for r in runs if r["case"] == case and r["mode"] == "generation")
+        gen = statistics.median(
+            r["seconds"] for r in runs if r["case"] == case and r["mode"] == "generation"
+        )
         chain = slowest_chain(args.episodes, args.turns, CASES[case])
         for mode in MODES:
             secs = [r["seconds"] for r in runs if r["case"] == case and r["mode"] == mode]
@@ -139,9 +200,19 @@ def summarize(runs: list[dict], args: argparse.Namespace) -> list[dict]:
                 continue
             median = statistics.median(secs)
             ratio = median / (gen + chain)
-            out.append({"case": case, "mode": mode, "seconds": median, "runs": len(secs), "generation_s": gen,
-                        "slowest_chain_s": chain, "ideal_s": gen + chain, "x_ideal": ratio,
-                        "goal_met": "yes" if ratio <= 1.3 else "no"})
+            out.append(
+                {
+                    "case": case,
+                    "mode": mode,
+                    "seconds": median,
+                    "runs": len(secs),
+                    "generation_s": gen,
+                    "slowest_chain_s": chain,
+                    "ideal_s": gen + chain,
+                    "x_ideal": ratio,
+                    "goal_met": "yes" if ratio <= 1.3 else "no",
+                }
+            )
     return out
 
 
@@ -155,7 +226,11 @@ def plot(summary: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 3.6), squeeze=False)
     for ax, case in zip(axes[0], cases):
         rows = [r for r in summary if r["case"] == case]
-        ax.bar([r["mode"] for r in rows], [r["seconds"] for r in rows], color=["tab:gray", "tab:orange", "tab:blue"])
+        ax.bar(
+            [r["mode"] for r in rows],
+            [r["seconds"] for r in rows],
+            color=["tab:gray", "tab:orange", "tab:blue"],
+        )
         ax.axhline(rows[0]["ideal_s"], color="black", ls="--", label="generation + slowest chain")
         ax.axhline(1.3 * rows[0]["ideal_s"], color="tab:red", ls=":", label="goal: 1.3 x that")
         ax.set_yscale("log")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -43,19 +42,29 @@ SETTINGS = ("on_policy_shortcut", "share_prefix", "share_prompts", "scored_last_
 
 def one_run(spec: RunSpec) -> dict:
     env = standalone_env()
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.vs_trl_sides", json.dumps(asdict(spec))], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env={**env, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.vs_trl_sides", json.dumps(asdict(spec))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"earl run failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(line[len(RESULT_TAG):])
+    return json.loads(line[len(RESULT_TAG) :])
 
 
 def summarize(out: dict, warmup: int) -> dict[str, float]:
     ends, stages = out["ends"], out["stages"][warmup:]
     per_step = (ends[-1] - ends[warmup - 1]) / (len(ends) - warmup)
     row = {s: statistics.median(st.get(f"stage/{s}/seconds", 0.0) for st in stages) for s in STAGES}
-    row.update(seconds_per_step=per_step, outside=per_step - sum(row[s] for s in STAGES), guard_s=out["guard_s"])
+    row.update(
+        seconds_per_step=per_step,
+        outside=per_step - sum(row[s] for s in STAGES),
+        guard_s=out["guard_s"],
+    )
     return row
 
 
@@ -80,21 +89,39 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--tokens", type=int, default=8, help="completion length")
-    p.add_argument("--mode", choices=("single", "multi"), default="single", help="multi: 10 turns per episode")
-    p.add_argument("--off", nargs="+", choices=SETTINGS, default=["on_policy_shortcut"],
-                   help="the settings the 'off' side turns off")
+    p.add_argument(
+        "--mode", choices=("single", "multi"), default="single", help="multi: 10 turns per episode"
+    )
+    p.add_argument(
+        "--off",
+        nargs="+",
+        choices=SETTINGS,
+        default=["on_policy_shortcut"],
+        help="the settings the 'off' side turns off",
+    )
     p.add_argument("--profile", action="store_true", help="one more run under cProfile")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_breakdown.csv")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_breakdown.csv"
+    )
     a = p.parse_args()
     if a.runs < 1 or a.steps < 4 or a.tokens < 1:
         p.error(f"need --runs >= 1, --steps >= 4, --tokens >= 1; got {vars(a)}")
     turns = 1 if a.mode == "single" else 10
-    base = dict(side="earl", mode=a.mode, completion_len=a.tokens, turns=turns, steps=a.steps, warmup=2)
+    base = dict(
+        side="earl", mode=a.mode, completion_len=a.tokens, turns=turns, steps=a.steps, warmup=2
+    )
     rows = []
     for run in range(a.runs):
         for variant in ("on", "off"):  # interleaved, so a noisy neighbour hits both sides alike
             spec = RunSpec(**base, **({k: False for k in a.off} if variant == "off" else {}))
-            rows.append(dict(variant=variant, off=" ".join(a.off), run=run, **summarize(one_run(spec), warmup=2)))
+            rows.append(
+                dict(
+                    variant=variant,
+                    off=" ".join(a.off),
+                    run=run,
+                    **summarize(one_run(spec), warmup=2),
+                )
+            )
     report(rows, a)
     if a.profile:
         profile(RunSpec(**base))
@@ -106,14 +133,26 @@ def report(rows: list[dict], a: argparse.Namespace) -> None:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"{a.mode}-turn, median over {a.runs} runs of {a.steps} steps, {a.tokens}-token completions (seconds); "
-          f"off = {' '.join(a.off)} off:")
-    print(f"{'variant':>8} {'step':>7} " + " ".join(f"{s:>10}" for s in (*STAGES, "outside")) + f" {'guard':>7}")
+    print(
+        f"{a.mode}-turn, median over {a.runs} runs of {a.steps} steps, {a.tokens}-token completions (seconds); "
+        f"off = {' '.join(a.off)} off:"
+    )
+    print(
+        f"{'variant':>8} {'step':>7} "
+        + " ".join(f"{s:>10}" for s in (*STAGES, "outside"))
+        + f" {'guard':>7}"
+    )
     for variant in ("on", "off"):
         sel = [r for r in rows if r["variant"] == variant]
-        med = {k: statistics.median(r[k] for r in sel) for k in ("seconds_per_step", *STAGES, "outside", "guard_s")}
-        print(f"{variant:>8} {med['seconds_per_step']:7.3f} " +
-              " ".join(f"{med[s]:10.3f}" for s in (*STAGES, "outside")) + f" {med['guard_s']:7.3f}")
+        med = {
+            k: statistics.median(r[k] for r in sel)
+            for k in ("seconds_per_step", *STAGES, "outside", "guard_s")
+        }
+        print(
+            f"{variant:>8} {med['seconds_per_step']:7.3f} "
+            + " ".join(f"{med[s]:10.3f}" for s in (*STAGES, "outside"))
+            + f" {med['guard_s']:7.3f}"
+        )
 
 
 if __name__ == "__main__":

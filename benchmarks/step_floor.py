@@ -37,8 +37,9 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ def category(op: str) -> str | None:
     None for what is not an operator (``record_function`` ranges, autograd's bookkeeping nodes)."""
     if not op.startswith("aten::"):
         return None
-    name = op[len("aten::"):]
+    name = op[len("aten::") :]
     if "attention" in name:
         return "attention"
     if name in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation"):
@@ -98,8 +99,13 @@ class StageProfiler:
             out = self.fn(*args, **kwargs)
             wall = time.perf_counter() - start
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        self.profiled.append({"wall": wall, "page_faults": float(faults),
-                              **op_seconds({e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()})})
+        self.profiled.append(
+            {
+                "wall": wall,
+                "page_faults": float(faults),
+                **op_seconds({e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}),
+            }
+        )
         return out
 
 
@@ -109,8 +115,10 @@ def measured_ratio(path: Path | None, completion_len: int, turns: int) -> float 
         return None
     seconds = multi_turn_seconds(path, completion_len, turns)
     if not {"earl", "trl"} <= set(seconds):
-        raise SystemExit(f"--trl-csv {str(path)!r} has no earl and TRL multi-turn rows for {turns} turns of "
-                         f"{completion_len} tokens (found sides: {sorted(seconds) or 'none'})")
+        raise SystemExit(
+            f"--trl-csv {str(path)!r} has no earl and TRL multi-turn rows for {turns} turns of "
+            f"{completion_len} tokens (found sides: {sorted(seconds) or 'none'})"
+        )
     return seconds["trl"] / seconds["earl"]
 
 
@@ -119,11 +127,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     profiled call's wall and operator seconds per stage, and the load around the run."""
     import earl_lightning.modules.rl as rl
 
-    wrapped = {"rollout": StageProfiler(rl.rollout, args.warmup), "train": StageProfiler(rl.ppo_update, args.warmup)}
+    wrapped = {
+        "rollout": StageProfiler(rl.rollout, args.warmup),
+        "train": StageProfiler(rl.ppo_update, args.warmup),
+    }
     rl.rollout, rl.ppo_update = wrapped["rollout"], wrapped["train"]
     load = [os.getloadavg()[0]]
-    spec = RunSpec(side="earl", mode="multi", completion_len=args.reply_len, turns=args.turns,
-                   steps=args.warmup + args.steps, warmup=args.warmup, batch=args.batch, group=args.group)
+    spec = RunSpec(
+        side="earl",
+        mode="multi",
+        completion_len=args.reply_len,
+        turns=args.turns,
+        steps=args.warmup + args.steps,
+        warmup=args.warmup,
+        batch=args.batch,
+        group=args.group,
+    )
     run_earl(spec)
     load.append(os.getloadavg()[0])
     return {"profiled": {k: w.profiled for k, w in wrapped.items()}, "load": load}
@@ -140,19 +159,31 @@ def report_rows(m: dict[str, Any], ratio: float | None) -> list[tuple[str, float
     walls = ops_total = 0.0
     for stage in ("rollout", "train"):
         calls = fewest_faults(m["profiled"][stage])
-        mean = {k: statistics.mean(c[k] for c in calls) for k in ("wall", "page_faults", *CATEGORIES)}
+        mean = {
+            k: statistics.mean(c[k] for c in calls) for k in ("wall", "page_faults", *CATEGORIES)
+        }
         ops = sum(mean[c] for c in CATEGORIES)
         walls, ops_total = walls + mean["wall"], ops_total + ops
-        rows += [(f"{stage}_calls_used", float(len(calls)), f"of {len(m['profiled'][stage])} profiled"),
-                 (f"{stage}_page_faults", mean["page_faults"], "pages"),
-                 (f"{stage}_wall", mean["wall"], "s"), *((f"{stage}_{c}", mean[c], "s") for c in CATEGORIES),
-                 (f"{stage}_ops", ops, "s"), (f"{stage}_overhead", mean["wall"] - ops, "s"),
-                 (f"{stage}_overhead_share", (mean["wall"] - ops) / mean["wall"], "ratio")]
-    rows += [("two_stages_wall", walls, "s"), ("two_stages_ops", ops_total, "s"),
-             ("load_before", m["load"][0], "1-min load"), ("load_after", m["load"][1], "1-min load")]
+        rows += [
+            (f"{stage}_calls_used", float(len(calls)), f"of {len(m['profiled'][stage])} profiled"),
+            (f"{stage}_page_faults", mean["page_faults"], "pages"),
+            (f"{stage}_wall", mean["wall"], "s"),
+            *((f"{stage}_{c}", mean[c], "s") for c in CATEGORIES),
+            (f"{stage}_ops", ops, "s"),
+            (f"{stage}_overhead", mean["wall"] - ops, "s"),
+            (f"{stage}_overhead_share", (mean["wall"] - ops) / mean["wall"], "ratio"),
+        ]
+    rows += [
+        ("two_stages_wall", walls, "s"),
+        ("two_stages_ops", ops_total, "s"),
+        ("load_before", m["load"][0], "1-min load"),
+        ("load_after", m["load"][1], "1-min load"),
+    ]
     if ratio is not None:
-        rows += [("vs_trl_ratio_measured", ratio, "x"),
-                 ("vs_trl_ratio_bound_no_overhead", ratio * walls / ops_total, "x")]
+        rows += [
+            ("vs_trl_ratio_measured", ratio, "x"),
+            ("vs_trl_ratio_bound_no_overhead", ratio * walls / ops_total, "x"),
+        ]
     return rows
 
 
@@ -165,8 +196,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--reply-len", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--trl-csv", type=Path, default=None,
-                   help="a vs_trl.py medians CSV from the same machine (its earl and TRL multi-turn rows)")
+    p.add_argument(
+        "--trl-csv",
+        type=Path,
+        default=None,
+        help="a vs_trl.py medians CSV from the same machine (its earl and TRL multi-turn rows)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_floor.csv")
     args = p.parse_args(argv)
     for name in ("steps", "warmup", "batch", "group", "turns", "reply_len", "threads"):

@@ -73,7 +73,15 @@ def count_flops(model, ids: torch.Tensor) -> tuple[float, float]:
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # QK^T and AV over the causal half: 2 matmuls x 2 FLOPs x (L^2 / 2) x head_dim, per head and layer;
     # the backward is twice the forward.
-    attn_fwd = 2 * 2 * (length * length / 2) * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers * batch
+    attn_fwd = (
+        2
+        * 2
+        * (length * length / 2)
+        * head_dim
+        * cfg.num_attention_heads
+        * cfg.num_hidden_layers
+        * batch
+    )
     counted = float(counter.get_total_flops())
     by_op = {str(k): v for k, v in counter.get_flop_counts().get("Global", {}).items()}
     attention_counted = sum(v for k, v in by_op.items() if "attention" in k)
@@ -94,16 +102,33 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--reply-len", type=int, default=8)
-    p.add_argument("--micro", type=int, nargs="*", default=[16, 8],
-                   help="also time the batch in micro-batches of this many episodes (gradient accumulation)")
-    p.add_argument("--profile", action="store_true", help="print torch.profiler's top operators of one pass")
-    p.add_argument("--compile", action="store_true",
-                   help="also time the model under torch.compile (dynamic shapes), whole batch and micro-batched")
-    p.add_argument("--attention", nargs="*", default=[], choices=["math", "eager"],
-                   help="also time the whole batch and micro-batches of 8 with another attention kernel: "
-                        "SDPA's math path, or HF's eager attention (matmuls and a softmax)")
+    p.add_argument(
+        "--micro",
+        type=int,
+        nargs="*",
+        default=[16, 8],
+        help="also time the batch in micro-batches of this many episodes (gradient accumulation)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="print torch.profiler's top operators of one pass"
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the model under torch.compile (dynamic shapes), whole batch and micro-batched",
+    )
+    p.add_argument(
+        "--attention",
+        nargs="*",
+        default=[],
+        choices=["math", "eager"],
+        help="also time the whole batch and micro-batches of 8 with another attention kernel: "
+        "SDPA's math path, or HF's eager attention (matmuls and a softmax)",
+    )
     p.add_argument("--trl-csv", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl.csv")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_roofline.csv")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_roofline.csv"
+    )
     return p.parse_args()
 
 
@@ -112,16 +137,25 @@ def _variants(model, ids: torch.Tensor, args: argparse.Namespace) -> dict[str, t
     from contextlib import nullcontext
 
     none = nullcontext
-    variants = {"train_seconds": (model, len(ids), none),
-                **{f"train_seconds_micro_{m}_episodes": (model, m, none) for m in args.micro}}
+    variants = {
+        "train_seconds": (model, len(ids), none),
+        **{f"train_seconds_micro_{m}_episodes": (model, m, none) for m in args.micro},
+    }
     if args.compile:
         compiled = torch.compile(model, dynamic=True)
         start = time.perf_counter()
         for m in (len(ids), *args.micro):
             train_pass(compiled, ids[:m])
         print(f"torch.compile and first passes: {time.perf_counter() - start:.1f} s")
-        variants.update({"train_seconds_compiled": (compiled, len(ids), none),
-                         **{f"train_seconds_compiled_micro_{m}_episodes": (compiled, m, none) for m in args.micro}})
+        variants.update(
+            {
+                "train_seconds_compiled": (compiled, len(ids), none),
+                **{
+                    f"train_seconds_compiled_micro_{m}_episodes": (compiled, m, none)
+                    for m in args.micro
+                },
+            }
+        )
     for kernel in args.attention:
         net, ctx = model, none
         if kernel == "math":
@@ -131,10 +165,16 @@ def _variants(model, ids: torch.Tensor, args: argparse.Namespace) -> dict[str, t
         else:  # the same weights under HF's eager attention
             from transformers import AutoModelForCausalLM
 
-            net = AutoModelForCausalLM.from_config(model.config, attn_implementation="eager").train()
+            net = AutoModelForCausalLM.from_config(
+                model.config, attn_implementation="eager"
+            ).train()
             net.load_state_dict(model.state_dict())
-        variants.update({f"train_seconds_attention_{kernel}": (net, len(ids), ctx),
-                         f"train_seconds_attention_{kernel}_micro_8_episodes": (net, 8, ctx)})
+        variants.update(
+            {
+                f"train_seconds_attention_{kernel}": (net, len(ids), ctx),
+                f"train_seconds_attention_{kernel}_micro_8_episodes": (net, 8, ctx),
+            }
+        )
     return variants
 
 
@@ -147,42 +187,59 @@ def measure(model, ids: torch.Tensor, args: argparse.Namespace) -> dict[str, lis
     w = torch.randn(model.config.hidden_size, model.config.intermediate_size)
     variants = _variants(model, ids, args)
     train_pass(model, ids)  # warm-up
-    out: dict[str, list[float]] = {"peak": [], "shaped": [], **{name: [] for name in variants},
-                                   "load": [os.getloadavg()[0]]}
+    out: dict[str, list[float]] = {
+        "peak": [],
+        "shaped": [],
+        **{name: [] for name in variants},
+        "load": [os.getloadavg()[0]],
+    }
 
     def run(net, m, ctx):
         with ctx():
             for i in range(0, len(ids), m):
-                train_pass(net, ids[i:i + m])
+                train_pass(net, ids[i : i + m])
 
     for _ in range(args.repeats):
-        out["peak"].append(2 * 2048 ** 3 / timed(lambda: a @ b, 3))
+        out["peak"].append(2 * 2048**3 / timed(lambda: a @ b, 3))
         out["shaped"].append(2 * x.shape[0] * x.shape[1] * w.shape[1] / timed(lambda: x @ w, 3))
         for name, (net, m, ctx) in variants.items():
-            out[name].append(timed(lambda: run(net, m, ctx)))
+            out[name].append(timed(lambda net=net, m=m, ctx=ctx: run(net, m, ctx)))
     out["load"].append(os.getloadavg()[0])
     return out
 
 
-def report_rows(ids: torch.Tensor, counted: float, attention: float, times: dict[str, list[float]],
-                trl: float | None) -> list[tuple[str, float, str]]:
+def report_rows(
+    ids: torch.Tensor,
+    counted: float,
+    attention: float,
+    times: dict[str, list[float]],
+    trl: float | None,
+) -> list[tuple[str, float, str]]:
     flops = counted + attention
     med = {k: statistics.median(v) for k, v in times.items() if k != "load"}
     t_train, g_peak = med["train_seconds"], med["peak"]
     rows = [
-        ("episode_tokens", ids.shape[1], "tokens"), ("batch_tokens", ids.numel(), "tokens"),
-        ("matmul_gflop_counted", counted / 1e9, "GFLOP"), ("attention_gflop_by_hand", attention / 1e9, "GFLOP"),
-        ("train_seconds", t_train, "s"), ("train_gflops", flops / t_train / 1e9, "GFLOP/s"),
-        ("peak_2048_gflops", g_peak / 1e9, "GFLOP/s"), ("model_shape_gflops", med["shaped"] / 1e9, "GFLOP/s"),
-        ("train_at_peak_seconds", flops / g_peak, "s"), ("train_share_of_peak", flops / t_train / g_peak, "ratio"),
+        ("episode_tokens", ids.shape[1], "tokens"),
+        ("batch_tokens", ids.numel(), "tokens"),
+        ("matmul_gflop_counted", counted / 1e9, "GFLOP"),
+        ("attention_gflop_by_hand", attention / 1e9, "GFLOP"),
+        ("train_seconds", t_train, "s"),
+        ("train_gflops", flops / t_train / 1e9, "GFLOP/s"),
+        ("peak_2048_gflops", g_peak / 1e9, "GFLOP/s"),
+        ("model_shape_gflops", med["shaped"] / 1e9, "GFLOP/s"),
+        ("train_at_peak_seconds", flops / g_peak, "s"),
+        ("train_share_of_peak", flops / t_train / g_peak, "ratio"),
         *((name, value, "s") for name, value in med.items() if name.startswith("train_seconds_")),
-        ("load_before", times["load"][0], "1-min load"), ("load_after", times["load"][1], "1-min load"),
+        ("load_before", times["load"][0], "1-min load"),
+        ("load_after", times["load"][1], "1-min load"),
     ]
     if trl is not None:
-        rows += [("trl_multi_seconds_per_step", trl, "s"),
-                 ("ratio_bound_zero_rollout", trl / (flops / g_peak), "x"),
-                 ("rollout_budget_for_3x_at_measured_train", trl / 3 - t_train, "s"),
-                 ("rollout_budget_for_3x_at_peak_train", trl / 3 - flops / g_peak, "s")]
+        rows += [
+            ("trl_multi_seconds_per_step", trl, "s"),
+            ("ratio_bound_zero_rollout", trl / (flops / g_peak), "x"),
+            ("rollout_budget_for_3x_at_measured_train", trl / 3 - t_train, "s"),
+            ("rollout_budget_for_3x_at_peak_train", trl / 3 - flops / g_peak, "s"),
+        ]
     return rows
 
 
@@ -224,7 +281,11 @@ def _profile(model, ids: torch.Tensor, top: int = 12) -> None:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train_pass(model, ids)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+    print(
+        prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60
+        )
+    )
 
 
 def trl_multi_seconds(path: Path, reply_len: int, turns: int) -> float | None:

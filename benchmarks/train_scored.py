@@ -38,8 +38,13 @@ def episode_with_actions(tokenizer, turns: int, reply_len: int) -> tuple[list[in
     env = DigitTurns(completion_len=reply_len, turns=turns)
     messages, starts = [{"role": "user", "content": env.reset(0)}], []
     for _ in range(turns):
-        starts.append(len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                        return_dict=False)))
+        starts.append(
+            len(
+                tokenizer.apply_chat_template(
+                    messages, tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            )
+        )
         reply = "7" * reply_len
         messages.append({"role": "assistant", "content": reply})
         result = env.step(reply)
@@ -49,7 +54,7 @@ def episode_with_actions(tokenizer, turns: int, reply_len: int) -> tuple[list[in
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     mask = [0.0] * len(ids)
     for s in starts:
-        mask[s:s + reply_len] = [1.0] * reply_len
+        mask[s : s + reply_len] = [1.0] * reply_len
     return ids, mask
 
 
@@ -84,19 +89,26 @@ def check_equal(model, mb) -> float:
     lp_b, g_b = train_pass(model, mb, True)
     on = mb.tokens["action_mask"] > 0
     torch.testing.assert_close(lp_a[on], lp_b[on], atol=1e-5, rtol=1e-5)
-    return max(float((a - b).abs().max() / a.abs().max().clamp_min(1e-12)) for a, b in zip(g_a, g_b))
+    return max(
+        float((a - b).abs().max() / a.abs().max().clamp_min(1e-12)) for a, b in zip(g_a, g_b)
+    )
 
 
 def measure(model, mb, repeats: int) -> dict[str, list[float]]:
     """Alternating repeats of the plain and the scored pass (which goes first alternates too)."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    out: dict[str, list[float]] = {"plain": [], "scored": [], "peak": [], "load": [os.getloadavg()[0]]}
+    out: dict[str, list[float]] = {
+        "plain": [],
+        "scored": [],
+        "peak": [],
+        "load": [os.getloadavg()[0]],
+    }
     for r in range(repeats):
         start = time.perf_counter()
         for _ in range(3):
             a @ b
-        out["peak"].append(3 * 2 * 2048 ** 3 / (time.perf_counter() - start))
-        for side in (("plain", "scored") if r % 2 == 0 else ("scored", "plain")):
+        out["peak"].append(3 * 2 * 2048**3 / (time.perf_counter() - start))
+        for side in ("plain", "scored") if r % 2 == 0 else ("scored", "plain"):
             start = time.perf_counter()
             train_pass(model, mb, side == "scored")
             out[side].append(time.perf_counter() - start)
@@ -120,21 +132,37 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
     ids, mask = episode_with_actions(tokenizer, args.turns, args.reply_len)
     n = args.batch
-    mb = ExperienceBatch.from_sequences({"input_ids": [torch.tensor(ids)] * n, "action_mask": [torch.tensor(mask)] * n},
-                                        {"rewards": torch.zeros(n), "group_ids": torch.arange(n) // 8,
-                                         "episode_ids": torch.arange(n)})
+    mb = ExperienceBatch.from_sequences(
+        {"input_ids": [torch.tensor(ids)] * n, "action_mask": [torch.tensor(mask)] * n},
+        {
+            "rewards": torch.zeros(n),
+            "group_ids": torch.arange(n) // 8,
+            "episode_ids": torch.arange(n),
+        },
+    )
     grad_diff = check_equal(model, mb)
     train_pass(model, mb, False)  # warm-up
     times = measure(model, mb, args.repeats)
     med = {k: statistics.median(v) for k, v in times.items() if k != "load"}
-    rows = [("episode_tokens", len(ids), "tokens"), ("episodes", n, "episodes"),
-            ("scored_positions", scored_positions(mb.padded("action_mask")).width, "per episode"),
-            ("plain_seconds", med["plain"], "s"), ("scored_seconds", med["scored"], "s"),
-            ("speedup", med["plain"] / med["scored"], "x"), ("max_relative_grad_difference", grad_diff, "ratio"),
-            ("peak_2048_gflops", med["peak"] / 1e9, "GFLOP/s"),
-            ("load_before", times["load"][0], "1-min load"), ("load_after", times["load"][1], "1-min load")]
+    rows = [
+        ("episode_tokens", len(ids), "tokens"),
+        ("episodes", n, "episodes"),
+        ("scored_positions", scored_positions(mb.padded("action_mask")).width, "per episode"),
+        ("plain_seconds", med["plain"], "s"),
+        ("scored_seconds", med["scored"], "s"),
+        ("speedup", med["plain"] / med["scored"], "x"),
+        ("max_relative_grad_difference", grad_diff, "ratio"),
+        ("peak_2048_gflops", med["peak"] / 1e9, "GFLOP/s"),
+        ("load_before", times["load"][0], "1-min load"),
+        ("load_after", times["load"][1], "1-min load"),
+    ]
     write_rows(rows, args.out)
-    print("plain", [round(t, 3) for t in times["plain"]], "scored", [round(t, 3) for t in times["scored"]])
+    print(
+        "plain",
+        [round(t, 3) for t in times["plain"]],
+        "scored",
+        [round(t, 3) for t in times["scored"]],
+    )
 
 
 if __name__ == "__main__":

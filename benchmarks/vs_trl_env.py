@@ -84,4 +84,6 @@ class DigitTurns:
         reward = digit_reward(action, self.completion_len) / self.turns
         if self._turn == self.turns:
             return StepResult("", reward, True, {})
-        return StepResult(f"{digits} digits. Turn {self._turn + 1}/{self.turns}: more digits.", reward, False, {})
+        return StepResult(
+            f"{digits} digits. Turn {self._turn + 1}/{self.turns}: more digits.", reward, False, {}
+        )

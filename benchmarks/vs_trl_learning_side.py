@@ -60,11 +60,19 @@ def held_out_accuracy(model, tokenizer, rows, max_new_tokens: int) -> float:
     from earl_lightning.rollout.scoring import score_episodes
     from earl_lightning.tasks.rewards import resolve_reward_funcs
 
-    specs = [EpisodeSpec(None, seed=i, group_id=i, episode_id=i, row=dict(r), row_index=i) for i, r in enumerate(rows)]
+    specs = [
+        EpisodeSpec(None, seed=i, group_id=i, episode_id=i, row=dict(r), row_index=i)
+        for i, r in enumerate(rows)
+    ]
     with eval_mode(model), torch.no_grad():
-        episodes = rollout(specs, HFBackend(model, tokenizer), tokenizer,
-                           SamplingConfig(max_new_tokens=max_new_tokens, greedy=True, seed=0),
-                           max_turns=1, max_context_tokens=512)
+        episodes = rollout(
+            specs,
+            HFBackend(model, tokenizer),
+            tokenizer,
+            SamplingConfig(max_new_tokens=max_new_tokens, greedy=True, seed=0),
+            max_turns=1,
+            max_context_tokens=512,
+        )
     score_episodes(episodes, resolve_reward_funcs([accuracy_reward], None), tokenizer)
     return sum(ep.rewards.get("accuracy_reward") or 0.0 for ep in episodes) / max(len(episodes), 1)
 
@@ -106,18 +114,46 @@ def run_earl(spec: LearnSpec) -> Clock:
                 clock.evaluate(trainer.global_step, module.policy, module.tokenizer, test, spec)
 
     module = AgenticRLModule(
-        model=spec.model, seed=spec.seed, transcript_every_n_steps=0,
-        rollout={"max_turns": 1, "max_context_tokens": 512,
-                 "sampling": {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature}},
-        algorithm={"advantage": {"name": "grpo", "scale": "group"}, "kl": {"coef": spec.kl},
-                   "loss": {"name": "ppo_clip", "clip_low": spec.clip_low, "clip_high": spec.clip_high,
-                            "aggregation": "token_mean"}},
-        optim={"lr": spec.lr, "lr_schedule": "constant", "max_grad_norm": 1.0})
-    data = EpisodeDataModule(dataset=load_rows(spec.train), reward_funcs=[accuracy_reward], batch_size=spec.batch,
-                             group_size=spec.group, seed=spec.seed, eval_episodes=0)
+        model=spec.model,
+        seed=spec.seed,
+        transcript_every_n_steps=0,
+        rollout={
+            "max_turns": 1,
+            "max_context_tokens": 512,
+            "sampling": {"max_new_tokens": spec.max_new_tokens, "temperature": spec.temperature},
+        },
+        algorithm={
+            "advantage": {"name": "grpo", "scale": "group"},
+            "kl": {"coef": spec.kl},
+            "loss": {
+                "name": "ppo_clip",
+                "clip_low": spec.clip_low,
+                "clip_high": spec.clip_high,
+                "aggregation": "token_mean",
+            },
+        },
+        optim={"lr": spec.lr, "lr_schedule": "constant", "max_grad_norm": 1.0},
+    )
+    data = EpisodeDataModule(
+        dataset=load_rows(spec.train),
+        reward_funcs=[accuracy_reward],
+        batch_size=spec.batch,
+        group_size=spec.group,
+        seed=spec.seed,
+        eval_episodes=0,
+    )
     L.seed_everything(spec.seed, verbose=False)
-    trainer = L.Trainer(max_steps=spec.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[Hooks()])
+    trainer = L.Trainer(
+        max_steps=spec.steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[Hooks()],
+    )
     trainer.fit(module, data)
     return clock
 
@@ -148,15 +184,47 @@ def run_trl(spec: LearnSpec) -> Clock:
 
     out = tempfile.TemporaryDirectory(prefix="vs_trl_learning_")
     args = GRPOConfig(
-        output_dir=out.name, use_cpu=True, report_to=[], max_steps=spec.steps, per_device_train_batch_size=spec.batch,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1, num_generations=spec.group,
-        max_completion_length=spec.max_new_tokens, temperature=spec.temperature, top_p=1.0, top_k=0, beta=spec.kl,
-        learning_rate=spec.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        optim="adamw_torch", loss_type="dapo", scale_rewards="group", epsilon=spec.clip_low,
-        epsilon_high=spec.clip_high, logging_steps=1, save_strategy="no", seed=spec.seed, disable_tqdm=True,
-        dataloader_num_workers=0, bf16=False, fp16=False, gradient_checkpointing=False)  # TRL's defaults: bf16, checkpointing
-    trainer = GRPOTrainer(model=spec.model, reward_funcs=accuracy_reward, args=args, train_dataset=load_rows(spec.train),
-                          processing_class=tok, callbacks=[Hooks()])
+        output_dir=out.name,
+        use_cpu=True,
+        report_to=[],
+        max_steps=spec.steps,
+        per_device_train_batch_size=spec.batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=spec.group,
+        max_completion_length=spec.max_new_tokens,
+        temperature=spec.temperature,
+        top_p=1.0,
+        top_k=0,
+        beta=spec.kl,
+        learning_rate=spec.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        loss_type="dapo",
+        scale_rewards="group",
+        epsilon=spec.clip_low,
+        epsilon_high=spec.clip_high,
+        logging_steps=1,
+        save_strategy="no",
+        seed=spec.seed,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+    )  # TRL's defaults: bf16, checkpointing
+    trainer = GRPOTrainer(
+        model=spec.model,
+        reward_funcs=accuracy_reward,
+        args=args,
+        train_dataset=load_rows(spec.train),
+        processing_class=tok,
+        callbacks=[Hooks()],
+    )
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     out.cleanup()
@@ -172,7 +240,11 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(spec.threads)
     torch.manual_seed(spec.seed)
     clock = (run_earl if spec.side == "earl" else run_trl)(spec)
-    print(RESULT_TAG + json.dumps({"spec": asdict(spec), "points": clock.points, "rewards": clock.rewards}), flush=True)
+    print(
+        RESULT_TAG
+        + json.dumps({"spec": asdict(spec), "points": clock.points, "rewards": clock.rewards}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

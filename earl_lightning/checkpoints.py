@@ -9,15 +9,16 @@ import os
 import pickle
 import shutil
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 import torch
 
 from earl_lightning.errors import CheckpointError, DiskFullError
 
 PathLike = Union[str, "os.PathLike[str]"]
+
 
 def checkpoint_unreadable(path: PathLike, err: BaseException, arg: str = "") -> CheckpointError:
     """The error for a checkpoint file ``torch.load`` failed on (``err``): truncated or corrupt."""
@@ -26,10 +27,14 @@ def checkpoint_unreadable(path: PathLike, err: BaseException, arg: str = "") -> 
     if not path.exists():
         return CheckpointError(f"{where} does not exist")
     if path.is_file() and not zipfile.is_zipfile(path):
-        return CheckpointError(f"{where} is truncated or not a checkpoint file ({path.stat().st_size:,} bytes, no "
-                               "end-of-archive record): its save or copy was interrupted? Use an earlier checkpoint")
-    return CheckpointError(f"{where} is corrupt or not a checkpoint: torch.load failed with {_reason(err)}. "
-                           "Use an earlier checkpoint")
+        return CheckpointError(
+            f"{where} is truncated or not a checkpoint file ({path.stat().st_size:,} bytes, no "
+            "end-of-archive record): its save or copy was interrupted? Use an earlier checkpoint"
+        )
+    return CheckpointError(
+        f"{where} is corrupt or not a checkpoint: torch.load failed with {_reason(err)}. "
+        "Use an earlier checkpoint"
+    )
 
 
 def _reason(err: BaseException) -> str:
@@ -43,11 +48,17 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {line}" if line else type(err).__name__
 
 
-def read_checkpoint_shapes(path: PathLike, weights_only: Optional[bool] = None) -> dict[str, tuple[int, ...]]:
+def read_checkpoint_shapes(
+    path: PathLike, weights_only: bool | None = None
+) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of a single-file checkpoint's ``state_dict``, read without loading its tensors."""
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-        return {k: tuple(v.shape) for k, v in checkpoint.get("state_dict", {}).items() if hasattr(v, "shape")}
+        return {
+            k: tuple(v.shape)
+            for k, v in checkpoint.get("state_dict", {}).items()
+            if hasattr(v, "shape")
+        }
     except MemoryError:
         raise
     except Exception as err:  # noqa: BLE001 - any failure to read the file is the file's
@@ -58,11 +69,21 @@ def read_checkpoint_shapes(path: PathLike, weights_only: Optional[bool] = None) 
 # dtypes and layouts of tensors, and the path it was saved to. Anything else (os.system, eval, a
 # class of the user's) is a file that was not written by a save, and unpickling it would run code.
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
-_METADATA_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                   ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                   ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-                   ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-                   ("pathlib", "PureWindowsPath"), ("pathlib", "Path"), ("pathlib._local", "PosixPath")}
+_METADATA_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("pathlib", "Path"),
+    ("pathlib._local", "PosixPath"),
+}
 
 
 class _RefusedType(pickle.UnpicklingError):
@@ -72,7 +93,9 @@ class _RefusedType(pickle.UnpicklingError):
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name) if _metadata_type(module, name) else None
-        foreign = module in _METADATA_MODULES and (not isinstance(found, type) or found.__module__ != module)
+        foreign = module in _METADATA_MODULES and (
+            not isinstance(found, type) or found.__module__ != module
+        )
         if found is None or foreign:  # only the metadata module's own classes, not what it imports
             raise _RefusedType(f"{module}.{name}")
         return found
@@ -97,14 +120,20 @@ def read_dcp_metadata(path: PathLike) -> Any:
         with open(Path(path) / ".metadata", "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except _RefusedType as err:
-        raise CheckpointError(f"{where}: its .metadata holds {err}, a type a checkpoint does not (the file was not "
-                              "written by a save); refused without running it") from None
+        raise CheckpointError(
+            f"{where}: its .metadata holds {err}, a type a checkpoint does not (the file was not "
+            "written by a save); refused without running it"
+        ) from None
     except Exception as err:  # noqa: BLE001 - any other failure to read the file is the file's
-        raise CheckpointError(f"{where}: its .metadata cannot be read ({_reason(err)}); "
-                              "the file is truncated or corrupt. Use an earlier checkpoint") from None
+        raise CheckpointError(
+            f"{where}: its .metadata cannot be read ({_reason(err)}); "
+            "the file is truncated or corrupt. Use an earlier checkpoint"
+        ) from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{where}: its .metadata holds a {type(metadata).__name__}, not a checkpoint's "
-                              "metadata; refused")
+        raise CheckpointError(
+            f"{where}: its .metadata holds a {type(metadata).__name__}, not a checkpoint's "
+            "metadata; refused"
+        )
     return metadata
 
 
@@ -116,8 +145,10 @@ def read_dcp_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
     path = Path(path)
     where = f"checkpoint {str(path)!r}"
     if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{where} is not a complete distributed checkpoint: it has no .metadata "
-                              "(written last by a save: the save was interrupted?). Use an earlier checkpoint")
+        raise CheckpointError(
+            f"{where} is not a complete distributed checkpoint: it has no .metadata "
+            "(written last by a save: the save was interrupted?). Use an earlier checkpoint"
+        )
     metadata = read_dcp_metadata(path)
     needs: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -126,16 +157,23 @@ def read_dcp_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
         size = (path / name).stat().st_size if (path / name).is_file() else None
         if size is None or size < need:
             have = "is missing" if size is None else f"has {size:,} bytes"
-            raise CheckpointError(f"{where} is truncated: shard {name} {have}, its .metadata needs {need:,} bytes "
-                                  "(an interrupted save or copy?). Use an earlier checkpoint")
+            raise CheckpointError(
+                f"{where} is truncated: shard {name} {have}, its .metadata needs {need:,} bytes "
+                "(an interrupted save or copy?). Use an earlier checkpoint"
+            )
     if not (path / "meta.pt").is_file():
-        raise CheckpointError(f"{where} is not a complete checkpoint: meta.pt (the trainer's state) is missing")
+        raise CheckpointError(
+            f"{where} is not a complete checkpoint: meta.pt (the trainer's state) is missing"
+        )
     prefix = "state_dict."
-    return {k[len(prefix):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    return {
+        k[len(prefix) :]: tuple(v.size)
+        for k, v in metadata.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)
+    }
 
 
-def newest_last_checkpoint(dirs: Iterable[PathLike]) -> Optional[Path]:
+def newest_last_checkpoint(dirs: Iterable[PathLike]) -> Path | None:
     """The newest ``last*.ckpt`` (a file, or a DCP directory with its ``.metadata``) directly in
     one of ``dirs``, where the run's checkpoint callbacks write. A ``.last*.ckpt.old`` without its
     ``last*.ckpt`` is what a crash between the two renames of :func:`replace_dir` leaves: the
@@ -145,7 +183,11 @@ def newest_last_checkpoint(dirs: Iterable[PathLike]) -> Optional[Path]:
         for p in folder.glob("last*.ckpt"):
             found += [p] if _complete(p) else []
         for old in folder.glob(".last*.ckpt.old"):
-            found += [old] if _complete(old) and not _complete(folder / old.name[1:-len(".old")]) else []
+            found += (
+                [old]
+                if _complete(old) and not _complete(folder / old.name[1 : -len(".old")])
+                else []
+            )
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
@@ -158,20 +200,29 @@ def dcp_writers(path: PathLike) -> int:
     return len({p.name.split("_")[2] for p in Path(path).glob("__*_*.distcp")})
 
 
-def check_checkpoint_matches(path: PathLike, found: Mapping[str, tuple[int, ...]],
-                             expected: Mapping[str, tuple[int, ...]], strict: bool = True) -> None:
+def check_checkpoint_matches(
+    path: PathLike,
+    found: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, tuple[int, ...]],
+    strict: bool = True,
+) -> None:
     """A checkpoint's parameter shapes (``found``) fit the model's (``expected``), or one line
     naming the checkpoint and the first difference."""
     where = f"checkpoint {str(path)!r} is from another model"
     hint = "(the model and the recipe must be those of the run that saved it)"
     for key, shape in expected.items():
         if key in found and tuple(found[key]) != tuple(shape):
-            raise CheckpointError(f"{where}: {key} has shape {list(found[key])} there and {list(shape)} in this "
-                                  f"model {hint}")
+            raise CheckpointError(
+                f"{where}: {key} has shape {list(found[key])} there and {list(shape)} in this "
+                f"model {hint}"
+            )
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if strict and (missing or unexpected):
-        parts = [f"{len(keys)} {what} key(s), e.g. {keys[:3]}" for what, keys in
-                 (("missing", missing), ("unexpected", unexpected)) if keys]
+        parts = [
+            f"{len(keys)} {what} key(s), e.g. {keys[:3]}"
+            for what, keys in (("missing", missing), ("unexpected", unexpected))
+            if keys
+        ]
         raise CheckpointError(f"{where}: {'; '.join(parts)} {hint}")
 
 
@@ -200,7 +251,7 @@ def remove_stale_temporaries(path: Path, kind: str) -> None:
     """Remove the ``.<name>.<kind><pid>`` siblings of ``path`` whose process is gone: what a save
     killed mid-write left (a checkpoint-sized file). Those of a live process are its save in progress."""
     for tmp in path.parent.glob(f".{path.name}.{kind}*"):
-        pid = tmp.name[len(f".{path.name}.{kind}"):]
+        pid = tmp.name[len(f".{path.name}.{kind}") :]
         if pid.isdigit() and not _alive(int(pid)):
             remove_path(tmp)
 
@@ -241,7 +292,9 @@ def write_dir_atomically(dst: PathLike, write: Callable[[Path], None]) -> Path:
     tmp.mkdir(parents=True)
     try:
         write(tmp)
-        for file in tmp.rglob("*"):  # the files' data on disk before the rename makes them the directory
+        for file in tmp.rglob(
+            "*"
+        ):  # the files' data on disk before the rename makes them the directory
             if file.is_file():
                 _fsync_file(file)
         replace_dir(tmp, dst)
@@ -250,15 +303,17 @@ def write_dir_atomically(dst: PathLike, write: Callable[[Path], None]) -> Path:
     return dst
 
 
-def output_dir_problem(output_dir: PathLike, overwrite: bool, arg: str) -> Optional[str]:
+def output_dir_problem(output_dir: PathLike, overwrite: bool, arg: str) -> str | None:
     """Why the directory ``output_dir`` (given as ``arg``) cannot be written (None: it can): it is
     a file, or it holds something and ``overwrite`` is off. Checked before any work."""
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
         return f"`{arg}` {str(output_dir)!r} is a file; it must be a directory (new, empty, or with --overwrite)"
     if path.is_dir() and next(path.iterdir(), None) is not None and not overwrite:
-        return (f"`{arg}` {str(output_dir)!r} exists and is not empty; pass --overwrite to replace it, or "
-                f"choose another directory")
+        return (
+            f"`{arg}` {str(output_dir)!r} exists and is not empty; pass --overwrite to replace it, or "
+            f"choose another directory"
+        )
     return None
 
 
@@ -289,13 +344,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def disk_full(err: BaseException) -> Optional[OSError]:
+def disk_full(err: BaseException) -> OSError | None:
     """The "no space left on device" OSError behind ``err``: itself, its cause or context, or one
     of the ranks' failures a distributed checkpoint save gathered (``CheckpointException``)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     seen: set[int] = set()
-    todo: list[Optional[BaseException]] = [err]
+    todo: list[BaseException | None] = [err]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
@@ -309,24 +364,34 @@ def disk_full(err: BaseException) -> Optional[OSError]:
     return None
 
 
-def disk_full_error(err: BaseException, what: str) -> Optional[DiskFullError]:
+def disk_full_error(err: BaseException, what: str) -> DiskFullError | None:
     """The one-line error for ``err`` if a full disk is behind it (:func:`disk_full`), else None;
     ``what`` says what was being written (e.g. "checkpoint 'runs/last.ckpt'")."""
     full = disk_full(err)
     if full is None:
         return None
     file = f" ({full.filename})" if full.filename and str(full.filename) not in what else ""
-    return DiskFullError(f"no space left on device while writing {what}{file}; free some space or point "
-                         "--trainer.default_root_dir at another disk")
+    return DiskFullError(
+        f"no space left on device while writing {what}{file}; free some space or point "
+        "--trainer.default_root_dir at another disk"
+    )
 
 
-def check_before_load(path: Path, *, one_process: bool, expected: Mapping[str, tuple[int, ...]], strict: bool,
-                      weights_only: Optional[bool] = None) -> None:
+def check_before_load(
+    path: Path,
+    *,
+    one_process: bool,
+    expected: Mapping[str, tuple[int, ...]],
+    strict: bool,
+    weights_only: bool | None = None,
+) -> None:
     """Before anything is loaded: the checkpoint at ``path`` is readable, of the right kind for the
     number of processes, and its parameters fit the model (``expected`` shapes)."""
     if path.is_dir() and one_process:
-        raise CheckpointError(f"checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
-                              f"{dcp_writers(path)} processes; one process reads single-file checkpoints only: "
-                              "load it with --trainer.devices 2 or more and --trainer.strategy earl")
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
+            f"{dcp_writers(path)} processes; one process reads single-file checkpoints only: "
+            "load it with --trainer.devices 2 or more and --trainer.strategy earl"
+        )
     found = read_dcp_shapes(path) if path.is_dir() else read_checkpoint_shapes(path, weights_only)
     check_checkpoint_matches(path, found, expected, strict)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -32,9 +32,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     also loads a distributed (DCP) checkpoint directory, whole, into a run that reads single files.
     Remote paths (``s3://...``) go through Lightning's own save, a transaction of their filesystem."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None or "://" in str(path):
-            return super().save_checkpoint(checkpoint, path, storage_options)  # raises for storage_options
+            return super().save_checkpoint(
+                checkpoint, path, storage_options
+            )  # raises for storage_options
         path = Path(path)
         if not path.is_dir():
             return save_file_atomically(checkpoint, path)
@@ -47,8 +51,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         remove_path(old)
         return None
 
-    def load_checkpoint(self, path: _PATH, map_location: Optional[Any] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if "://" not in str(path) and Path(path).is_dir():
             return load_dcp_whole(Path(path))
         return super().load_checkpoint(path, weights_only=weights_only)
@@ -68,8 +73,12 @@ def load_dcp_whole(path: Path) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        _load_state_dict(
+            tensors,
+            storage_reader=FileSystemReader(path),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
     checkpoint["state_dict"] = tensors.pop("state_dict")
     count = sum(1 for key in tensors if key.startswith("optimizer_"))
     checkpoint["optimizer_states"] = [by_index(tensors[f"optimizer_{i}"]) for i in range(count)]
@@ -82,16 +91,28 @@ def by_index(optimizer: dict[str, Any]) -> dict[str, Any]:
     index: dict[str, int] = {}
     groups = []
     for group in optimizer["param_groups"]:
-        groups.append({**group, "params": [index.setdefault(name, len(index)) for name in group["params"]]})
-    return {"state": {index[name]: value for name, value in optimizer["state"].items() if name in index},
-            "param_groups": groups}
+        groups.append(
+            {**group, "params": [index.setdefault(name, len(index)) for name in group["params"]]}
+        )
+    return {
+        "state": {
+            index[name]: value for name, value in optimizer["state"].items() if name in index
+        },
+        "param_groups": groups,
+    }
 
 
-def with_atomic_checkpoint_io(plugins: Any, strategy: Any) -> Optional[list[Any]]:
+def with_atomic_checkpoint_io(plugins: Any, strategy: Any) -> list[Any] | None:
     """The Trainer's ``plugins`` with an :class:`AtomicCheckpointIO` added, unless the recipe chose
     its own writer (a ``CheckpointIO`` plugin, or a strategy instance built with one): then None,
     and the recipe's stands."""
-    listed = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    listed = (
+        []
+        if plugins is None
+        else list(plugins)
+        if isinstance(plugins, (list, tuple))
+        else [plugins]
+    )
     if any(isinstance(p, CheckpointIO) for p in listed):
         return None
     from lightning.pytorch.strategies import Strategy

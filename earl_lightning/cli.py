@@ -19,30 +19,36 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from earl_lightning.callbacks import ExportModel, StepProgressBar
-from earl_lightning.data.datamodule import EpisodeDataModule
-from earl_lightning.errors import EarlError
-from earl_lightning import checkpoints
-from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
-from earl_lightning.checkpoints_io import AtomicCheckpointIO, with_atomic_checkpoint_io
-from earl_lightning.cli_errors import ShortErrorParser
-from earl_lightning.cli_resume import (dcp_problem, dcp_whole_line, differences, differences_line, saved_hparams,
-                                       with_run_seed)
-from earl_lightning.modules.rl import AgenticRLModule
-from earl_lightning.warnings_filter import install_warning_filters
-
 # Imported for its side effect: registers "earl" in Lightning's StrategyRegistry, so a recipe's
 # `trainer.strategy: earl` resolves.
 import earl_lightning.strategies  # noqa: F401,E402
+from earl_lightning import checkpoints
+from earl_lightning.callbacks import ExportModel, StepProgressBar
+from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
+from earl_lightning.checkpoints_io import AtomicCheckpointIO, with_atomic_checkpoint_io
+from earl_lightning.cli_errors import ShortErrorParser
+from earl_lightning.cli_resume import (
+    dcp_problem,
+    dcp_whole_line,
+    differences,
+    differences_line,
+    saved_hparams,
+    with_run_seed,
+)
+from earl_lightning.data.datamodule import EpisodeDataModule
+from earl_lightning.errors import EarlError
+from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.strategies.earl import EarlStrategy  # noqa: E402
 from earl_lightning.strategies.faults import one_line_strategy  # noqa: E402
+from earl_lightning.warnings_filter import install_warning_filters
 
 
 def say(line: str) -> None:
@@ -73,7 +79,9 @@ def group_error(message: str) -> str:
     jsonargparse as why each type of the union failed; the group's own error, the line that names
     a ``--flag``, is the one line to show."""
     if "Union subtypes" in message:
-        named = [line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- `--")]
+        named = [
+            line.strip()[2:] for line in message.splitlines() if line.strip().startswith("- `--")
+        ]
         if named:
             return named[0]
     return message
@@ -106,8 +114,14 @@ class EarlCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         # Lightning reads a `--ckpt_path` file's hyperparameters here with a bare torch.load: a
         # truncated or corrupt file is a bad argument, reported in one line before anything is built.
-        path = self.config[self.config.subcommand].get("ckpt_path") if self.config.get("subcommand") else None
-        keyword = str(path).lower() in ("best", "last", "hpc") or str(path).lower().startswith("registry")
+        path = (
+            self.config[self.config.subcommand].get("ckpt_path")
+            if self.config.get("subcommand")
+            else None
+        )
+        keyword = str(path).lower() in ("best", "last", "hpc") or str(path).lower().startswith(
+            "registry"
+        )
         if path and not keyword and "://" not in str(path) and not Path(path).exists():
             say(f"earl: error: `--ckpt_path`: checkpoint {str(path)!r} does not exist")
             raise SystemExit(2)
@@ -133,7 +147,9 @@ class EarlCLI(LightningCLI):
         # A full disk under any strategy and any writer (checkpoints, TensorBoard, config.yaml) is
         # one line naming where the run writes; EarlStrategy names the checkpoint itself.
         # (default_root_dir, not log_dir: the latter is a broadcast, and a full disk may stop one rank only.)
-        with disk_full_as_one_line(lambda: f"the run's outputs under {str(self.trainer.default_root_dir)!r}"):
+        with disk_full_as_one_line(
+            lambda: f"the run's outputs under {str(self.trainer.default_root_dir)!r}"
+        ):
             super()._run_subcommand(subcommand)
 
     def _resolve_last_checkpoint(self, subcommand: str) -> None:
@@ -147,13 +163,17 @@ class EarlCLI(LightningCLI):
         found = checkpoints.newest_last_checkpoint(self._checkpoint_dirs())
         kwargs["ckpt_path"] = None if found is None else str(found)
         if found is not None and found.name.endswith(".old") and self.trainer.is_global_zero:
-            say(f"earl: the save that replaced {str(found.parent / found.name[1:-4])!r} was interrupted; resuming "
-                f"from the previous checkpoint, {str(found)!r}")
+            say(
+                f"earl: the save that replaced {str(found.parent / found.name[1:-4])!r} was interrupted; resuming "
+                f"from the previous checkpoint, {str(found)!r}"
+            )
         if found is not None and found.is_dir():
             checkpoints.read_dcp_metadata(found)
         if found is None and self.trainer.is_global_zero:
-            say(f"earl: no checkpoint named last*.ckpt under {str(self.trainer.default_root_dir)!r}: "
-                "starting from the beginning")
+            say(
+                f"earl: no checkpoint named last*.ckpt under {str(self.trainer.default_root_dir)!r}: "
+                "starting from the beginning"
+            )
 
     def _check_resume(self, subcommand: str) -> None:
         """The ``--ckpt_path`` the run will load (``last`` resolved): a DCP directory under a strategy
@@ -168,10 +188,17 @@ class EarlCLI(LightningCLI):
         if Path(path).is_dir() and not isinstance(strategy, EarlStrategy):
             # Loaded whole by AtomicCheckpointIO; a recipe's own CheckpointIO reads single files.
             named = config["trainer"].get("strategy")
-            problem = None if isinstance(strategy.checkpoint_io, AtomicCheckpointIO) else \
-                dcp_problem(path, named if isinstance(named, str) else type(strategy).__name__)
+            problem = (
+                None
+                if isinstance(strategy.checkpoint_io, AtomicCheckpointIO)
+                else dcp_problem(path, named if isinstance(named, str) else type(strategy).__name__)
+            )
             if trainer.is_global_zero:
-                say(dcp_whole_line(path, trainer.world_size) if problem is None else f"earl: error: {problem}")
+                say(
+                    dcp_whole_line(path, trainer.world_size)
+                    if problem is None
+                    else f"earl: error: {problem}"
+                )
             if problem is not None:
                 raise SystemExit(2)
         try:
@@ -179,8 +206,10 @@ class EarlCLI(LightningCLI):
         except Exception:  # noqa: BLE001 - an unreadable file is named by the load that follows
             return
         seed = config.get("seed_everything")  # a part's unset seed is the run's
-        found = [*differences(saved["model"], with_run_seed(config["model"].as_dict(), seed), "--model"),
-                 *differences(saved["data"], with_run_seed(config["data"].as_dict(), seed), "--data")]
+        found = [
+            *differences(saved["model"], with_run_seed(config["model"].as_dict(), seed), "--model"),
+            *differences(saved["data"], with_run_seed(config["data"].as_dict(), seed), "--data"),
+        ]
         line = differences_line(path, found)
         if line is not None and trainer.is_global_zero:
             say(line)
@@ -194,7 +223,9 @@ class EarlCLI(LightningCLI):
                 dirs.append(Path(callback.dirpath))
             elif trainer.loggers:
                 logger = trainer.loggers[0]
-                dirs += Path(logger.save_dir or trainer.default_root_dir, str(logger.name)).glob("*/checkpoints")
+                dirs += Path(logger.save_dir or trainer.default_root_dir, str(logger.name)).glob(
+                    "*/checkpoints"
+                )
             else:
                 dirs.append(Path(trainer.default_root_dir) / "checkpoints")
         return dirs
@@ -203,7 +234,9 @@ class EarlCLI(LightningCLI):
         # Bad input is reported as one clear line naming the argument, not a traceback from deep inside.
         try:
             super().instantiate_classes()
-            if isinstance(self.model, AgenticRLModule) and isinstance(self.datamodule, EpisodeDataModule):
+            if isinstance(self.model, AgenticRLModule) and isinstance(
+                self.datamodule, EpisodeDataModule
+            ):
                 self.model.check_data(self.datamodule, self.trainer.world_size)
         except (ValueError, FileNotFoundError, ImportError) as err:
             say(f"earl: error: {group_error(str(err))}")
@@ -216,12 +249,17 @@ class EarlCLI(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         callbacks = config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks
+        ):
             kwargs.setdefault("callbacks", [*callbacks, StepProgressBar()])
         # Several processes under `strategy: auto` / `ddp`: Lightning's DDP whose collectives end a
         # lost peer in one line, as EarlStrategy's do.
-        strategy = one_line_strategy(config.get("strategy", "auto"), config.get("devices", "auto"),
-                                     config.get("num_nodes", 1))
+        strategy = one_line_strategy(
+            config.get("strategy", "auto"),
+            config.get("devices", "auto"),
+            config.get("num_nodes", 1),
+        )
         if strategy is not config.get("strategy", "auto"):
             kwargs.setdefault("strategy", strategy)
         # Checkpoints are written atomically under every strategy (Lightning's own writer is not).
@@ -246,12 +284,21 @@ class SftCLI(EarlCLI):
     def add_arguments_to_parser(self, parser) -> None:
         from jsonargparse import ActionYesNo
 
-        parser.add_argument("--output_dir", type=Optional[str], default=None, help=SFT_ARGS["output_dir"])
-        parser.add_argument("--overwrite", action=ActionYesNo, default=False, help=SFT_ARGS["overwrite"])
+        parser.add_argument(
+            "--output_dir",
+            type=Optional[str],  # noqa: UP045 - a runtime type for jsonargparse
+            default=None,
+            help=SFT_ARGS["output_dir"],
+        )
+        parser.add_argument(
+            "--overwrite", action=ActionYesNo, default=False, help=SFT_ARGS["overwrite"]
+        )
 
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
-        problem = output_dir_problem(self.config.get("output_dir"), bool(self.config.get("overwrite")))
+        problem = output_dir_problem(
+            self.config.get("output_dir"), bool(self.config.get("overwrite"))
+        )
         if problem is not None:
             say(f"earl: error: {problem}")
             raise SystemExit(2)
@@ -270,16 +317,36 @@ def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
     from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
     from earl_lightning.sft.save import save_warm_start
 
-    cli = SftCLI(WarmStartModule, DemonstrationDataModule, run=False, args=args, parser_class=ShortErrorParser,
-                 parser_kwargs={"parser_mode": "omegaconf", "prog": "earl sft", "allow_abbrev": False}, save_config_kwargs={"overwrite": True})
+    cli = SftCLI(
+        WarmStartModule,
+        DemonstrationDataModule,
+        run=False,
+        args=args,
+        parser_class=ShortErrorParser,
+        parser_kwargs={"parser_mode": "omegaconf", "prog": "earl sft", "allow_abbrev": False},
+        save_config_kwargs={"overwrite": True},
+    )
     if command_line is not None:
         sys.argv = command_line
     start = time.monotonic()
-    with disk_full_as_one_line(lambda: f"the warm start's outputs under {cli.config['output_dir']!r}"):
+    with disk_full_as_one_line(
+        lambda: f"the warm start's outputs under {cli.config['output_dir']!r}"
+    ):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-        if cli.model.evaluated_at_step != cli.trainer.global_step and cli.datamodule.hparams.eval_episodes:
-            cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)  # the saved model's figures
-        save_warm_start(cli.trainer, cli.model, cli.datamodule, cli.config["output_dir"], time.monotonic() - start)
+        if (
+            cli.model.evaluated_at_step != cli.trainer.global_step
+            and cli.datamodule.hparams.eval_episodes
+        ):
+            cli.trainer.validate(
+                cli.model, datamodule=cli.datamodule, verbose=False
+            )  # the saved model's figures
+        save_warm_start(
+            cli.trainer,
+            cli.model,
+            cli.datamodule,
+            cli.config["output_dir"],
+            time.monotonic() - start,
+        )
 
 
 def main(args: list[str] | None = None) -> None:
@@ -292,7 +359,9 @@ def main(args: list[str] | None = None) -> None:
         profile_command(argv[1:])
         return
     if argv[:1] == ["export"]:
-        from earl_lightning.export import export_command  # no Lightning CLI: the checkpoint says what to build
+        from earl_lightning.export import (
+            export_command,  # no Lightning CLI: the checkpoint says what to build
+        )
 
         export_command(argv[1:])
         return

@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 import re
 import sys
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
@@ -15,12 +15,18 @@ from lightning.pytorch.cli import LightningArgumentParser
 class ShortErrorParser(LightningArgumentParser):
     """LightningCLI's parser, whose errors are :func:`short_error` lines instead of the usage."""
 
-    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
-        if not self.exit_on_error:  # a parser that reports by raising (jsonargparse's own nested parses)
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if (
+            not self.exit_on_error
+        ):  # a parser that reports by raising (jsonargparse's own nested parses)
             super().error(message, ex)
-        parser = getattr(ex, "subcommand_parser", None) or self  # an error of `fit` found by the root parser
+        parser = (
+            getattr(ex, "subcommand_parser", None) or self
+        )  # an error of `fit` found by the root parser
         lines = short_error(message, options(parser))
-        command = parser.prog.replace(" [options]", "")  # `earl fit`, `earl sft`: the CLIs name their prog
+        command = parser.prog.replace(
+            " [options]", ""
+        )  # `earl fit`, `earl sft`: the CLIs name their prog
         sys.stderr.write("".join(f"earl: error: {line}\n" for line in lines))
         sys.stderr.write(f"earl: `{command} --help` lists every option\n")
         sys.stderr.flush()
@@ -29,7 +35,9 @@ class ShortErrorParser(LightningArgumentParser):
 
 def options(parser: Any) -> list[str]:
     """Every ``--key`` the parser accepts."""
-    return sorted({s for action in parser._actions for s in action.option_strings if s.startswith("--")})
+    return sorted(
+        {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
+    )
 
 
 def short_error(message: str, known: list[str]) -> list[str]:
@@ -50,18 +58,25 @@ def short_error(message: str, known: list[str]) -> list[str]:
     return [" ".join(message.split())[:300]]
 
 
-def unknown_key(key: str, value: Optional[str], known: list[str], where: str = "") -> str:
+def unknown_key(key: str, value: str | None, known: list[str], where: str = "") -> str:
     """The line for an option no parser group has, with the closest valid keys when there are some."""
     given = f" (given {value!r})" if value is not None else ""
     parent, _, name = key.rpartition(".")
-    siblings = [k for k in known if parent and k.startswith(parent + ".") and "." not in k[len(parent) + 1:]]
+    siblings = [
+        k
+        for k in known
+        if parent and k.startswith(parent + ".") and "." not in k[len(parent) + 1 :]
+    ]
     # A misspelt last part among its group's keys, else a misspelt group (`--trainre.max_steps`).
-    close = [f"{parent}.{k}" for k in difflib.get_close_matches(name, [k[len(parent) + 1:] for k in siblings], n=3)]
+    close = [
+        f"{parent}.{k}"
+        for k in difflib.get_close_matches(name, [k[len(parent) + 1 :] for k in siblings], n=3)
+    ]
     close = close or difflib.get_close_matches(key, known, n=2, cutoff=0.85)
     if close:
         hint = f"; did you mean {' or '.join(f'`{k}`' for k in close)}?"
     elif 0 < len(siblings) <= 12:  # a small group (`--model`, not `--trainer`): its keys
-        hint = f"; `{parent}` takes {', '.join(k[len(parent) + 1:] for k in siblings)}"
+        hint = f"; `{parent}` takes {', '.join(k[len(parent) + 1 :] for k in siblings)}"
     else:
         hint = ""
     return f"`{key}`{where}{given} is not an option{hint}"
@@ -88,7 +103,12 @@ def allowed(type_text: str) -> str:
         return f"one of {literal.group(1)}"
     plain = re.fullmatch(r"<class '(?:builtins\.)?([\w.]+)'>", type_text.strip())
     if plain:
-        name = {"NoneType": "null", "int": "an int", "float": "a float", "bool": "true or false",
-                "str": "a string"}.get(plain.group(1))
+        name = {
+            "NoneType": "null",
+            "int": "an int",
+            "float": "a float",
+            "bool": "true or false",
+            "str": "a string",
+        }.get(plain.group(1))
         return name or f"a {plain.group(1).rsplit('.', 1)[-1]}"
     return f"a {type_text.strip()}"

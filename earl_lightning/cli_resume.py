@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -29,13 +29,19 @@ def saved_hparams(path: str | Path) -> dict[str, dict[str, Any]]:
     Raises what ``torch.load`` raises for an unreadable file."""
     path = Path(path)
     file = path / "meta.pt" if path.is_dir() else path
-    state = torch.load(file, map_location="cpu", mmap=True, weights_only=True) if file.is_file() else {}
+    state = (
+        torch.load(file, map_location="cpu", mmap=True, weights_only=True) if file.is_file() else {}
+    )
     state = state if isinstance(state, Mapping) else {}
-    return {group: dict(state[key]) if isinstance(state.get(key), Mapping) else {}
-            for group, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters"))}
+    return {
+        group: dict(state[key]) if isinstance(state.get(key), Mapping) else {}
+        for group, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters"))
+    }
 
 
-def differences(saved: Mapping[str, Any], config: Mapping[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
+def differences(
+    saved: Mapping[str, Any], config: Mapping[str, Any], prefix: str
+) -> list[tuple[str, Any, Any]]:
     """(``--key``, checkpoint's value, config's value) for each setting both name with different
     values, in the checkpoint's order. A setting only one of them has (added or removed since the
     save) is no difference."""
@@ -53,7 +59,9 @@ def differences(saved: Mapping[str, Any], config: Mapping[str, Any], prefix: str
 
 def with_run_seed(settings: dict[str, Any], seed: Any) -> dict[str, Any]:
     """A group's settings with an unset ``seed`` as the run's (what the part was built with)."""
-    return {**settings, "seed": seed} if "seed" in settings and settings["seed"] is None else settings
+    return (
+        {**settings, "seed": seed} if "seed" in settings and settings["seed"] is None else settings
+    )
 
 
 def _plain(value: Any) -> Any:
@@ -68,23 +76,27 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def differences_line(path: str | Path, found: list[tuple[str, Any, Any]]) -> Optional[str]:
+def differences_line(path: str | Path, found: list[tuple[str, Any, Any]]) -> str | None:
     """One line naming the settings the config gives otherwise than the checkpoint saved them
     (None when they agree): the config's values are used."""
     if not found:
         return None
     shown = [f"`{key}` {now!r} (saved: {was!r})" for key, was, now in found[:SHOWN]]
     more = f" and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
-    return (f"earl: `--ckpt_path` {str(path)!r} was saved with other settings; this run uses its config's: "
-            f"{', '.join(shown)}{more}")
+    return (
+        f"earl: `--ckpt_path` {str(path)!r} was saved with other settings; this run uses its config's: "
+        f"{', '.join(shown)}{more}"
+    )
 
 
 def dcp_whole_line(path: str | Path, processes: int) -> str:
     """What a run under a strategy that reads single files does with the DCP directory ``path``."""
     writers = dcp_writers(path)
-    return (f"earl: `--ckpt_path` {str(path)!r} is a distributed (DCP) checkpoint of {writers} "
-            f"process{'' if writers == 1 else 'es'}; this run ({processes} process{'' if processes == 1 else 'es'}, "
-            "not under EarlStrategy) loads its tensors whole")
+    return (
+        f"earl: `--ckpt_path` {str(path)!r} is a distributed (DCP) checkpoint of {writers} "
+        f"process{'' if writers == 1 else 'es'}; this run ({processes} process{'' if processes == 1 else 'es'}, "
+        "not under EarlStrategy) loads its tensors whole"
+    )
 
 
 def dcp_problem(path: str | Path, strategy: str) -> str:
@@ -92,7 +104,9 @@ def dcp_problem(path: str | Path, strategy: str) -> str:
     directory ``path``, and what to do instead."""
     path = Path(path)
     writers = dcp_writers(path)
-    return (f"`--ckpt_path`: checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
-            f"{writers} process{'' if writers == 1 else 'es'} under EarlStrategy; this run's strategy ({strategy}) reads single-file checkpoints "
-            f"only: resume it with `--trainer.strategy earl --trainer.devices {max(writers, 2)}`, or take its model "
-            f"with `earl export --ckpt_path {path} --out DIR`")
+    return (
+        f"`--ckpt_path`: checkpoint {str(path)!r} is a distributed (DCP) checkpoint directory, saved by "
+        f"{writers} process{'' if writers == 1 else 'es'} under EarlStrategy; this run's strategy ({strategy}) reads single-file checkpoints "
+        f"only: resume it with `--trainer.strategy earl --trainer.devices {max(writers, 2)}`, or take its model "
+        f"with `earl export --ckpt_path {path} --out DIR`"
+    )

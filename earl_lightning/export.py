@@ -23,13 +23,19 @@ import contextlib
 import copy
 import sys
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 import torch
 
-from earl_lightning.checkpoints import (check_checkpoint_matches, checkpoint_unreadable, output_dir_problem,
-                                        read_dcp_shapes, write_dir_atomically)
+from earl_lightning.checkpoints import (
+    check_checkpoint_matches,
+    checkpoint_unreadable,
+    output_dir_problem,
+    read_dcp_shapes,
+    write_dir_atomically,
+)
 from earl_lightning.errors import CheckpointError, EarlError
 from earl_lightning.groups import coerce
 from earl_lightning.models import load_model, load_tokenizer
@@ -42,14 +48,17 @@ POLICY_PREFIX = "policy."  # where AgenticRLModule (and WarmStartModule) keep th
 
 # ---- writing ------------------------------------------------------------------------------------
 
-def gather_state_dict(model: torch.nn.Module, keep: bool) -> Optional[dict[str, torch.Tensor]]:
+
+def gather_state_dict(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor] | None:
     """``model``'s state dict as whole CPU tensors under the HF names where ``keep`` is true (None
     elsewhere). Sharded (FSDP2 / tensor-parallel DTensor) entries are all-gathered, a
     collective: every rank calls this and walks the same order. Tied weights stay one tensor;
     LoRA layers are merged into plain weights."""
     out: dict[str, torch.Tensor] = {}
     whole: dict[int, torch.Tensor] = {}
-    entries = model.state_dict(keep_vars=True)  # the parameters themselves: tied ones are one object
+    entries = model.state_dict(
+        keep_vars=True
+    )  # the parameters themselves: tied ones are one object
     with torch.no_grad():
         for name, value in entries.items():
             if id(value) not in whole:
@@ -92,14 +101,20 @@ def _quiet() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def write_pretrained(model: Any, tokenizer: Any, out: str | Path,
-                     state_dict: Optional[Mapping[str, torch.Tensor]] = None) -> Path:
+def write_pretrained(
+    model: Any,
+    tokenizer: Any,
+    out: str | Path,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
     """``model`` (with ``state_dict`` as its weights when given: the gathered whole tensors of a
     sharded model) and ``tokenizer`` saved with ``save_pretrained`` into ``out``, atomically."""
 
     def write(tmp: Path) -> None:
         with _saved_as_served(model, tokenizer), _quiet():
-            model.save_pretrained(str(tmp), state_dict=None if state_dict is None else dict(state_dict))
+            model.save_pretrained(
+                str(tmp), state_dict=None if state_dict is None else dict(state_dict)
+            )
         tokenizer.save_pretrained(str(tmp))
 
     return write_dir_atomically(out, write)
@@ -107,11 +122,12 @@ def write_pretrained(model: Any, tokenizer: Any, out: str | Path,
 
 # ---- reading a checkpoint -----------------------------------------------------------------------
 
+
 def _where(path: Path) -> str:
     return f"`--ckpt_path`: checkpoint {str(path)!r}"
 
 
-def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], Optional[dict]]:
+def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], dict | None]:
     """(hyperparameters, policy parameter shapes, policy state dict or None for a DCP directory).
     Files are read ``weights_only`` (plain data and tensors); a DCP directory's ``.metadata`` with
     only the types a checkpoint's metadata holds (:func:`read_dcp_shapes`), before torch reads it."""
@@ -119,8 +135,10 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ..
         raise CheckpointError(f"{_where(path)} does not exist")
     if path.is_dir():
         if not (path / ".metadata").is_file() and not any(path.glob("*.distcp")):
-            raise CheckpointError(f"{_where(path)} is a directory but not a distributed (DCP) checkpoint (no "
-                                  ".metadata, no *.distcp shards); give a .ckpt file or a DCP checkpoint directory")
+            raise CheckpointError(
+                f"{_where(path)} is a directory but not a distributed (DCP) checkpoint (no "
+                ".metadata, no *.distcp shards); give a .ckpt file or a DCP checkpoint directory"
+            )
         try:
             shapes = read_dcp_shapes(path)
         except CheckpointError as err:
@@ -131,9 +149,13 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ..
         weights = state.get("state_dict")
         shapes = {k: tuple(v.shape) for k, v in (weights or {}).items() if hasattr(v, "shape")}
     hparams = state.get("hyper_parameters") or {}
-    if not isinstance(hparams.get("model"), str) or not any(k.startswith(POLICY_PREFIX) for k in shapes):
-        raise CheckpointError(f"{_where(path)} is not a checkpoint of `earl fit` or `earl sft`: it names no model "
-                              "in its hyperparameters or holds no policy weights")
+    if not isinstance(hparams.get("model"), str) or not any(
+        k.startswith(POLICY_PREFIX) for k in shapes
+    ):
+        raise CheckpointError(
+            f"{_where(path)} is not a checkpoint of `earl fit` or `earl sft`: it names no model "
+            "in its hyperparameters or holds no policy weights"
+        )
     return hparams, _policy_only(shapes), None if weights is None else _policy_only(weights)
 
 
@@ -145,12 +167,14 @@ def _torch_load(file: Path, path: Path) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - any failure to read the file is the file's
         raise checkpoint_unreadable(path, err, arg="--ckpt_path") from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{_where(path)} is not a Lightning checkpoint: it holds a {type(state).__name__}")
+        raise CheckpointError(
+            f"{_where(path)} is not a Lightning checkpoint: it holds a {type(state).__name__}"
+        )
     return state
 
 
 def _policy_only(entries: Mapping[str, Any]) -> dict[str, Any]:
-    return {k[len(POLICY_PREFIX):]: v for k, v in entries.items() if k.startswith(POLICY_PREFIX)}
+    return {k[len(POLICY_PREFIX) :]: v for k, v in entries.items() if k.startswith(POLICY_PREFIX)}
 
 
 def _load_dcp_policy(path: Path, model: torch.nn.Module) -> None:
@@ -164,10 +188,12 @@ def _load_dcp_policy(path: Path, model: torch.nn.Module) -> None:
     wanted = {"state_dict": {POLICY_PREFIX + k: v for k, v in model.state_dict().items()}}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(wanted, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+        dcp.load(
+            wanted, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True)
+        )
 
 
-def rebuild_policy(path: Path, model_name: Optional[str] = None) -> tuple[Any, Any]:
+def rebuild_policy(path: Path, model_name: str | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) of the checkpoint at ``path``: the model it was trained from (or
     ``model_name``), with the checkpoint's policy weights, checked to be that model's."""
     hparams, shapes, weights = read_checkpoint(path)
@@ -175,7 +201,9 @@ def rebuild_policy(path: Path, model_name: Optional[str] = None) -> tuple[Any, A
     arg = "--model" if model_name else f"--ckpt_path's model ({path.name}: hyper_parameters.model)"
     model = load_model(name, hparams.get("dtype", "float32"), arg)
     if hparams.get("peft") is not None:  # the adapters' weights are in the checkpoint too
-        apply_lora(model, coerce(LoraSettings, hparams["peft"], f"--ckpt_path's peft ({path.name})"))
+        apply_lora(
+            model, coerce(LoraSettings, hparams["peft"], f"--ckpt_path's peft ({path.name})")
+        )
     tokenizer = load_tokenizer(name, arg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     try:
@@ -189,7 +217,9 @@ def rebuild_policy(path: Path, model_name: Optional[str] = None) -> tuple[Any, A
     return model, tokenizer
 
 
-def export_checkpoint(ckpt_path: str, out: str, overwrite: bool = False, model: Optional[str] = None) -> Path:
+def export_checkpoint(
+    ckpt_path: str, out: str, overwrite: bool = False, model: str | None = None
+) -> Path:
     """``earl export``: the checkpoint's policy as a ``save_pretrained`` directory at ``out``."""
     problem = output_dir_problem(out, overwrite, "--out")
     if problem is not None:
@@ -197,15 +227,21 @@ def export_checkpoint(ckpt_path: str, out: str, overwrite: bool = False, model: 
     path = Path(ckpt_path)
     policy, tokenizer = rebuild_policy(path, model)
     written = write_pretrained(policy, tokenizer, out, gather_state_dict(policy, keep=True))
-    print(f"earl: exported the policy of {str(path)!r} to {str(written)!r}; load it with "
-          f"AutoModelForCausalLM.from_pretrained({str(written)!r}) or vllm.LLM({str(written)!r})")
+    print(
+        f"earl: exported the policy of {str(path)!r} to {str(written)!r}; load it with "
+        f"AutoModelForCausalLM.from_pretrained({str(written)!r}) or vllm.LLM({str(written)!r})"
+    )
     return written
 
 
 def export_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="earl export", description=(
-        "Write a checkpoint's policy as a save_pretrained directory (weights, config, generation config, "
-        "tokenizer with its chat template) that transformers and vLLM load."))
+    parser = argparse.ArgumentParser(
+        prog="earl export",
+        description=(
+            "Write a checkpoint's policy as a save_pretrained directory (weights, config, generation config, "
+            "tokenizer with its chat template) that transformers and vLLM load."
+        ),
+    )
     for flag, kwargs in EXPORT_ARGS.items():
         parser.add_argument(f"--{flag}", **kwargs)
     return parser
@@ -223,10 +259,16 @@ def export_command(argv: list[str]) -> None:
 
 # ``earl export``'s arguments (also docs/configuration.md's rows)
 EXPORT_ARGS: dict[str, dict[str, Any]] = {
-    "ckpt_path": {"required": True, "help": "A checkpoint of `earl fit` (or `earl sft`): a Lightning .ckpt file, "
-                                            "or the distributed (DCP) checkpoint directory EarlStrategy writes."},
+    "ckpt_path": {
+        "required": True,
+        "help": "A checkpoint of `earl fit` (or `earl sft`): a Lightning .ckpt file, "
+        "or the distributed (DCP) checkpoint directory EarlStrategy writes.",
+    },
     "out": {"required": True, "help": "The directory to write (new or empty, unless --overwrite)."},
     "overwrite": {"action": "store_true", "help": "Replace --out when it exists and is not empty."},
-    "model": {"default": None, "help": "The model the checkpoint was trained from, when its saved "
-                                       "hyperparameters name a path that has moved (hub id, directory or preset)."},
+    "model": {
+        "default": None,
+        "help": "The model the checkpoint was trained from, when its saved "
+        "hyperparameters name a path that has moved (hub id, directory or preset).",
+    },
 }

@@ -7,8 +7,9 @@ every layer: it imports nothing from the project.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 C = TypeVar("C")
 

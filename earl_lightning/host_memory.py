@@ -25,7 +25,6 @@ import ctypes
 import ctypes.util
 import functools
 import os
-from typing import Optional
 
 ENV = "EARL_HOST_MEMORY"
 MODES = ("retain", "glibc")
@@ -35,11 +34,14 @@ _GLIBC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_THRESHOLD: 128 * 1024,
 _RETAIN = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: _INT_MAX}
 # The same settings as glibc's environment variables, read when a process starts (for a process
 # earl does not set up itself, e.g. the other side of benchmarks/vs_trl.py).
-RETAIN_ENV = {"MALLOC_MMAP_MAX_": str(_RETAIN[_M_MMAP_MAX]), "MALLOC_TRIM_THRESHOLD_": str(_RETAIN[_M_TRIM_THRESHOLD])}
+RETAIN_ENV = {
+    "MALLOC_MMAP_MAX_": str(_RETAIN[_M_MMAP_MAX]),
+    "MALLOC_TRIM_THRESHOLD_": str(_RETAIN[_M_TRIM_THRESHOLD]),
+}
 MALLOC_ENV = (*RETAIN_ENV, "MALLOC_MMAP_THRESHOLD_")
 
 
-def host_memory_mode(value: Optional[str] = None) -> str:
+def host_memory_mode(value: str | None = None) -> str:
     """The mode ``value`` names, or ``EARL_HOST_MEMORY``'s (default ``retain``); a clear error else."""
     raw = os.environ.get(ENV, "retain") if value is None else value
     mode = raw.strip().lower()
@@ -48,18 +50,18 @@ def host_memory_mode(value: Optional[str] = None) -> str:
     return mode
 
 
-@functools.lru_cache(maxsize=None)
-def _glibc() -> Optional[ctypes.CDLL]:
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # only glibc has it (musl, macOS: nothing to tune)
+        _ = libc.gnu_get_libc_version  # only glibc has it (musl, macOS: nothing to tune)
         libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         return libc
     except (OSError, AttributeError):
         return None
 
 
-def apply_host_memory(mode: Optional[str] = None) -> bool:
+def apply_host_memory(mode: str | None = None) -> bool:
     """Set glibc's malloc for ``mode`` (default: ``EARL_HOST_MEMORY``'s); True where it was changed.
 
     Process-wide and idempotent; blocks allocated before keep their kind (a mapped block is still

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable, Generic, Iterator, Mapping, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -54,8 +55,10 @@ class Registry(Generic[T]):
         if isinstance(name, str) and name in self._items:
             return self._items[name]
         if not isinstance(name, str) or "." not in name:
-            raise ValueError(f"unknown `{arg}` {name!r}; valid {self.kind}: {self.names()}, "
-                             f"or an import path such as `my_package.module.Name`")
+            raise ValueError(
+                f"unknown `{arg}` {name!r}; valid {self.kind}: {self.names()}, "
+                f"or an import path such as `my_package.module.Name`"
+            )
         obj = import_object(name, arg)
         registered = self._registered_as.get(id(obj))
         if registered is not None:
@@ -82,20 +85,26 @@ def import_object(path: str, arg: str) -> Any:
     """The object at ``package.module.Name``; errors name ``arg``, the path and the import error."""
     module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"`{arg}` {path!r} is not an import path of the form `package.module.Name`")
+        raise ValueError(
+            f"`{arg}` {path!r} is not an import path of the form `package.module.Name`"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - any failure while importing the user's module is reported as such
-        raise ValueError(f"`{arg}` {path!r}: cannot import module {module_name!r}: "
-                         f"{type(err).__name__}: {err}") from err
+        raise ValueError(
+            f"`{arg}` {path!r}: cannot import module {module_name!r}: {type(err).__name__}: {err}"
+        ) from err
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"`{arg}` {path!r}: module {module_name!r} has no attribute {attr!r}") from None
+        raise ValueError(
+            f"`{arg}` {path!r}: module {module_name!r} has no attribute {attr!r}"
+        ) from None
 
 
-def bind_params(fn: Callable[..., Any], params: Mapping[str, Any], *, what: str, arg: str,
-                skip: int = 0) -> dict[str, Any]:
+def bind_params(
+    fn: Callable[..., Any], params: Mapping[str, Any], *, what: str, arg: str, skip: int = 0
+) -> dict[str, Any]:
     """The keyword arguments ``params`` (None values dropped: "the function's own default")
     checked against ``fn``'s signature, so a setting that ``fn`` does not take fails at config
     time. ``skip``: leading positional parameters the caller fills in (tensors). ``what`` names
@@ -104,16 +113,23 @@ def bind_params(fn: Callable[..., Any], params: Mapping[str, Any], *, what: str,
     sig = inspect.signature(fn)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return given
-    accepted = [p.name for p in list(sig.parameters.values())[skip:]
-                if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    accepted = [
+        p.name
+        for p in list(sig.parameters.values())[skip:]
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
     bad = sorted(set(given) - set(accepted))
     if bad:
-        raise ValueError(f"`{arg}.{bad[0]}` ({given[bad[0]]!r}) does not apply to {what}; its parameters: "
-                         f"{accepted}. Leave it unset (null) or pick an entry that takes it")
+        raise ValueError(
+            f"`{arg}.{bad[0]}` ({given[bad[0]]!r}) does not apply to {what}; its parameters: "
+            f"{accepted}. Leave it unset (null) or pick an entry that takes it"
+        )
     return given
 
 
-def param_default(fn: Callable[..., Any], name: str, given: Mapping[str, Any], fallback: Any) -> Any:
+def param_default(
+    fn: Callable[..., Any], name: str, given: Mapping[str, Any], fallback: Any
+) -> Any:
     """The value ``fn`` will see for parameter ``name``: the given one, else its signature default,
     else ``fallback`` (``fn`` does not take it)."""
     if given.get(name) is not None:

@@ -15,6 +15,8 @@ def run_seed(seed: int | None, arg: str) -> int:
     if seed is None:
         return int(os.environ.get("PL_GLOBAL_SEED", "0"))
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"`{arg}` must be an integer >= 0, or null for the run's seed (`--seed_everything`), "
-                         f"got {seed!r}")
+        raise ValueError(
+            f"`{arg}` must be an integer >= 0, or null for the run's seed (`--seed_everything`), "
+            f"got {seed!r}"
+        )
     return seed

@@ -23,12 +23,17 @@ LIBRARY_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     ),
     # Lightning's own pytree copy builds torch's `LeafSpec`, which newer torch deprecates; raised from
     # inside Lightning whatever the caller passes.
-    ("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "lightning.pytorch.utilities._pytree"),
+    (
+        "`isinstance(treespec, LeafSpec)` is deprecated",
+        FutureWarning,
+        "lightning.pytorch.utilities._pytree",
+    ),
 )
 
 
 def install_warning_filters() -> None:
     """Add the filters (idempotent: :func:`warnings.filterwarnings` replaces an identical filter)."""
     for prefix, category, module in LIBRARY_WARNINGS:
-        warnings.filterwarnings("ignore", message=re.escape(prefix), category=category,
-                                module=re.escape(module) + r"\Z")
+        warnings.filterwarnings(
+            "ignore", message=re.escape(prefix), category=category, module=re.escape(module) + r"\Z"
+        )

@@ -44,42 +44,110 @@ COMPARED = ("reward/mean", "loss/policy", "grad_norm", "env/errors")
 
 def overrides(run: Path, args: argparse.Namespace, chaos: bool) -> Path:
     ckpt = run / "checkpoints"
-    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                  "init_args": {"dirpath": str(ckpt), "save_last": True, "every_n_train_steps": args.every}}]
+    callbacks = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {
+                "dirpath": str(ckpt),
+                "save_last": True,
+                "every_n_train_steps": args.every,
+            },
+        }
+    ]
     if chaos:
         callbacks += [
-            {"class_path": "tests.plugins.faults.KillRank",
-             "init_args": {"rank": 1, "step": args.kill_step, "marker": str(run / "killed.marker")}},
-            {"class_path": "chaos_plugins.StopRank",
-             "init_args": {"rank": 1, "step": args.stop_step, "marker": str(run / "stopped.marker")}}]
+            {
+                "class_path": "tests.plugins.faults.KillRank",
+                "init_args": {
+                    "rank": 1,
+                    "step": args.kill_step,
+                    "marker": str(run / "killed.marker"),
+                },
+            },
+            {
+                "class_path": "chaos_plugins.StopRank",
+                "init_args": {
+                    "rank": 1,
+                    "step": args.stop_step,
+                    "marker": str(run / "stopped.marker"),
+                },
+            },
+        ]
         if args.disk:
-            callbacks.append({"class_path": "chaos_plugins.FillDisk",
-                              "init_args": {"dirpath": str(ckpt), "step": args.disk_step,
-                                            "marker": str(run / "disk.marker")}})
+            callbacks.append(
+                {
+                    "class_path": "chaos_plugins.FillDisk",
+                    "init_args": {
+                        "dirpath": str(ckpt),
+                        "step": args.disk_step,
+                        "marker": str(run / "disk.marker"),
+                    },
+                }
+            )
     inner = {"opponent": "random", "seat": "alternate", "legal_move_reward": 0.02}
     path = run / "over.yaml"
-    path.write_text(yaml.safe_dump({
-        "trainer": {"max_steps": args.steps, "limit_val_batches": 0, "enable_progress_bar": False,
-                    "log_every_n_steps": 1, "default_root_dir": str(run), "callbacks": callbacks,
-                    "strategy": {"init_args": {"collective_timeout_s": COLLECTIVE_TIMEOUT_S}}},
-        "model": {"rollout": {"env_timeout_s": ENV_TIMEOUT_S}},
-        "data": {"env": "chaos_plugins.FlakyEnv", "eval_env_kwargs": None, "batch_size": 8, "group_size": 4,
-                 "eval_episodes": 0,
-                 "env_kwargs": {"inner": "connect_four", "inner_kwargs": inner, "hang_s": HANG_S}}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "max_steps": args.steps,
+                    "limit_val_batches": 0,
+                    "enable_progress_bar": False,
+                    "log_every_n_steps": 1,
+                    "default_root_dir": str(run),
+                    "callbacks": callbacks,
+                    "strategy": {"init_args": {"collective_timeout_s": COLLECTIVE_TIMEOUT_S}},
+                },
+                "model": {"rollout": {"env_timeout_s": ENV_TIMEOUT_S}},
+                "data": {
+                    "env": "chaos_plugins.FlakyEnv",
+                    "eval_env_kwargs": None,
+                    "batch_size": 8,
+                    "group_size": 4,
+                    "eval_episodes": 0,
+                    "env_kwargs": {
+                        "inner": "connect_four",
+                        "inner_kwargs": inner,
+                        "hang_s": HANG_S,
+                    },
+                },
+            }
+        )
+    )
     return path
 
 
 def launch(run: Path, args: argparse.Namespace, chaos: bool) -> tuple[int, float, str]:
     run.mkdir(parents=True, exist_ok=True)
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "3" if chaos else "0",
-           "-m", "earl_lightning.cli", "fit", "--config", str(RECIPE), "--config", str(overrides(run, args, chaos)),
-           "--ckpt_path", "last"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")]), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3" if chaos else "0",
+        "-m",
+        "earl_lightning.cli",
+        "fit",
+        "--config",
+        str(RECIPE),
+        "--config",
+        str(overrides(run, args, chaos)),
+        "--ckpt_path",
+        "last",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts")]),
+        "OMP_NUM_THREADS": "1",
+    }
     log = run / "launch.log"
     start = time.monotonic()
     with log.open("w") as out:
-        code = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        code = subprocess.run(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT
+        ).returncode
     return code, time.monotonic() - start, log.read_text()
 
 
@@ -92,7 +160,9 @@ def final_state(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[int,
     dcp_to_torch_save(run / "checkpoints" / "last.ckpt", run / "last.pt")
     params = torch.load(run / "last.pt", weights_only=False)["state_dict"]
     scalars: dict[str, dict[int, float]] = {}
-    for version in sorted((run / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1])):
+    for version in sorted(
+        (run / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1])
+    ):
         acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
@@ -107,7 +177,9 @@ def differences(ref: Path, chaos: Path, steps: int) -> tuple[list[str], float]:
     found = [f"parameters differ: {k}" for k in pa if k not in pb or not torch.equal(pa[k], pb[k])]
     for tag in COMPARED:
         if sa.get(tag) != sb.get(tag) or len(sa.get(tag, {})) != steps:
-            found.append(f"metric {tag} differs ({len(sa.get(tag, {}))} vs {len(sb.get(tag, {}))} steps)")
+            found.append(
+                f"metric {tag} differs ({len(sa.get(tag, {}))} vs {len(sb.get(tag, {}))} steps)"
+            )
     return found, sum(sb.get("env/errors", {}).values())
 
 
@@ -115,8 +187,12 @@ def mount_tmpfs(path: Path, mib: int) -> bool:
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def main() -> None:
@@ -125,14 +201,20 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10, help="a checkpoint every this many steps")
     p.add_argument("--kill-step", type=int, default=47)
     p.add_argument("--stop-step", type=int, default=113)
-    p.add_argument("--disk-step", type=int, default=169, help="the disk fills before the save of step N+1")
+    p.add_argument(
+        "--disk-step", type=int, default=169, help="the disk fills before the save of step N+1"
+    )
     p.add_argument("--disk-mib", type=int, default=64)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "chaos")
-    p.add_argument("--csv", type=Path, default=ROOT / "docs" / "experiments" / "results" / "chaos.csv")
+    p.add_argument(
+        "--csv", type=Path, default=ROOT / "docs" / "experiments" / "results" / "chaos.csv"
+    )
     args = p.parse_args()
     if (args.disk_step + 1) % args.every:
-        p.error(f"--disk-step {args.disk_step}: the save after it must be a checkpoint step "
-                f"(--disk-step + 1 a multiple of --every {args.every})")
+        p.error(
+            f"--disk-step {args.disk_step}: the save after it must be a checkpoint step "
+            f"(--disk-step + 1 a multiple of --every {args.every})"
+        )
     ref_dir, chaos_dir = args.out / "reference", args.out / "chaos"
     for d in (ref_dir, chaos_dir):
         if d.exists():
@@ -142,20 +224,39 @@ def main() -> None:
     try:
         ref_code, ref_s, _ = launch(ref_dir, args, chaos=False)
         code, chaos_s, log = launch(chaos_dir, args, chaos=True)
-        found, env_errors = (differences(ref_dir, chaos_dir, args.steps) if code == 0 == ref_code
-                             else (["a run did not finish"], float("nan")))
+        found, env_errors = (
+            differences(ref_dir, chaos_dir, args.steps)
+            if code == 0 == ref_code
+            else (["a run did not finish"], float("nan"))
+        )
     finally:
         if args.disk:
             subprocess.run(["umount", str(chaos_dir / "checkpoints")], capture_output=True)
-    errors = [line.split("earl: error: ", 1)[1][:200] for line in log.splitlines() if "earl: error: " in line]
-    row = {"steps": args.steps, "every": args.every, "kill_step": args.kill_step, "stop_step": args.stop_step,
-           "disk_step": args.disk_step if args.disk else "not injected (needs root for a tmpfs)",
-           "env_faults_counted": env_errors, "restarts": len(re.findall(r"failed \(exitcode", log)),
-           "resumed_from_checkpoint": len(re.findall(r"Restored all states from the checkpoint", log)),
-           "error_lines": " | ".join(errors), "reference_exit": ref_code, "chaos_exit": code,
-           "reference_s": round(ref_s, 1), "chaos_s": round(chaos_s, 1), "lost_s": round(chaos_s - ref_s, 1),
-           "equal": not found, "differences": "; ".join(found)}
+    errors = [
+        line.split("earl: error: ", 1)[1][:200]
+        for line in log.splitlines()
+        if "earl: error: " in line
+    ]
+    row = {
+        "steps": args.steps,
+        "every": args.every,
+        "kill_step": args.kill_step,
+        "stop_step": args.stop_step,
+        "disk_step": args.disk_step if args.disk else "not injected (needs root for a tmpfs)",
+        "env_faults_counted": env_errors,
+        "restarts": len(re.findall(r"failed \(exitcode", log)),
+        "resumed_from_checkpoint": len(re.findall(r"Restored all states from the checkpoint", log)),
+        "error_lines": " | ".join(errors),
+        "reference_exit": ref_code,
+        "chaos_exit": code,
+        "reference_s": round(ref_s, 1),
+        "chaos_s": round(chaos_s, 1),
+        "lost_s": round(chaos_s - ref_s, 1),
+        "equal": not found,
+        "differences": "; ".join(found),
+    }
     from _rows import report_rows
+
     report_rows([row], args.csv)
     sys.exit(0 if not found else 1)
 

@@ -27,8 +27,15 @@ class FlakyEnv:
     at a turn drawn from ``[0, max_turn]``. The same seeds give the same faults in every run, so a
     run with the faults and without any other fault is the reference of a chaos run."""
 
-    def __init__(self, inner: str = "connect_four", inner_kwargs: dict | None = None, raise_p: float = 0.03,
-                 hang_p: float = 0.01, hang_s: float = 6.0, max_turn: int = 3) -> None:
+    def __init__(
+        self,
+        inner: str = "connect_four",
+        inner_kwargs: dict | None = None,
+        raise_p: float = 0.03,
+        hang_p: float = 0.01,
+        hang_s: float = 6.0,
+        max_turn: int = 3,
+    ) -> None:
         self.env = make_env(inner, "data.env_kwargs.inner", **(inner_kwargs or {}))
         self.raise_p, self.hang_p, self.hang_s, self.max_turn = raise_p, hang_p, hang_s, max_turn
         self.fault: str | None = None
@@ -37,7 +44,13 @@ class FlakyEnv:
     def reset(self, seed: int) -> str:
         rng = random.Random(seed ^ _SALT)
         draw, self.fault_turn = rng.random(), rng.randint(0, self.max_turn)
-        self.fault = "raise" if draw < self.raise_p else "hang" if draw < self.raise_p + self.hang_p else None
+        self.fault = (
+            "raise"
+            if draw < self.raise_p
+            else "hang"
+            if draw < self.raise_p + self.hang_p
+            else None
+        )
         self.turn = 0
         return self.env.reset(seed)
 
@@ -67,7 +80,11 @@ class StopRank(L.Callback):
         self.rank, self.step, self.marker = rank, step, marker
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.step and _once(self.marker):
+        if (
+            trainer.global_rank == self.rank
+            and trainer.global_step == self.step
+            and _once(self.marker)
+        ):
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
@@ -76,8 +93,15 @@ class FillDisk(L.Callback):
     with a file, leaving ``keep_bytes`` free, so that the save after that step hits a full disk. The
     restarted round frees the space at set-up (what an operator does before restarting)."""
 
-    def __init__(self, dirpath: str, step: int = 2, keep_bytes: int = 4096, marker: str = "disk.marker") -> None:
-        self.filler, self.step, self.keep_bytes, self.marker = Path(dirpath) / "filler.bin", step, keep_bytes, marker
+    def __init__(
+        self, dirpath: str, step: int = 2, keep_bytes: int = 4096, marker: str = "disk.marker"
+    ) -> None:
+        self.filler, self.step, self.keep_bytes, self.marker = (
+            Path(dirpath) / "filler.bin",
+            step,
+            keep_bytes,
+            marker,
+        )
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.global_rank == 0 and self.filler.exists():

@@ -98,8 +98,13 @@ def optional_group(annotation) -> type | None:
     return None
 
 
-def rows_of(prefix: str, params: list[tuple[str, object]], docs: dict[str, str], expand: bool = True,
-            groups: dict[str, type] | None = None) -> list[str]:
+def rows_of(
+    prefix: str,
+    params: list[tuple[str, object]],
+    docs: dict[str, str],
+    expand: bool = True,
+    groups: dict[str, type] | None = None,
+) -> list[str]:
     """Table rows for ``params``; a dataclass-valued one is expanded under its own prefix (with
     ``expand``; else one row that points to ``earl fit``'s table of the same group). ``groups``:
     parameters that default to null but may be given as a group (their settings are listed too)."""
@@ -109,16 +114,25 @@ def rows_of(prefix: str, params: list[tuple[str, object]], docs: dict[str, str],
         group = (groups or {}).get(name)
         if group is not None and default is None and expand:
             rows.append(f"| `{flag}` | `null` | {docs.get(name, '')} |")
-            rows += rows_of(flag, [(f.name, field_default(f)) for f in dataclasses.fields(group)], arg_docs(group))
+            rows += rows_of(
+                flag,
+                [(f.name, field_default(f)) for f in dataclasses.fields(group)],
+                arg_docs(group),
+            )
         elif default is REQUIRED:
             rows.append(f"| `{flag}` | (required) | {docs[name]} |")
         elif dataclasses.is_dataclass(default) and not expand:
-            rows.append(f"| `{flag}` | (group) | {docs.get(name, '')} Its settings and defaults are those of "
-                        f"`earl fit`'s `{flag}` (above). |")
+            rows.append(
+                f"| `{flag}` | (group) | {docs.get(name, '')} Its settings and defaults are those of "
+                f"`earl fit`'s `{flag}` (above). |"
+            )
         elif dataclasses.is_dataclass(default):
             rows.append(f"| `{flag}` | (group) | {docs.get(name, '')} |")
-            rows += rows_of(flag, [(f.name, field_default(f)) for f in dataclasses.fields(default)],
-                            arg_docs(type(default)))
+            rows += rows_of(
+                flag,
+                [(f.name, field_default(f)) for f in dataclasses.fields(default)],
+                arg_docs(type(default)),
+            )
         else:
             doc = docs.get(name)
             if doc is None:
@@ -144,8 +158,10 @@ def render() -> str:
     from earl_lightning.modules import AgenticRLModule
 
     parts = [HEADER]
-    for title, prefix, cls in (("`model:` (AgenticRLModule)", "--model", AgenticRLModule),
-                               ("`data:` (EpisodeDataModule)", "--data", EpisodeDataModule)):
+    for title, prefix, cls in (
+        ("`model:` (AgenticRLModule)", "--model", AgenticRLModule),
+        ("`data:` (EpisodeDataModule)", "--data", EpisodeDataModule),
+    ):
         parts.append(f"\n## {title}\n\n| setting | default | meaning |\n| --- | --- | --- |")
         parts += rows_of(prefix, signature_params(cls), arg_docs(cls), groups=signature_groups(cls))
     return "\n".join(parts + export_rows() + sft_rows()) + "\n"
@@ -177,8 +193,11 @@ def export_rows() -> list[str]:
     from earl_lightning.callbacks import ExportModel
     from earl_lightning.export import EXPORT_ARGS
 
-    rows = [EXPORT_HEADER, *rows_of("--export", signature_params(ExportModel), arg_docs(ExportModel)),
-            EXPORT_COMMAND_HEADER]
+    rows = [
+        EXPORT_HEADER,
+        *rows_of("--export", signature_params(ExportModel), arg_docs(ExportModel)),
+        EXPORT_COMMAND_HEADER,
+    ]
     for flag, spec in EXPORT_ARGS.items():
         default = "(required)" if spec.get("required") else show(spec.get("default", False))
         rows.append(f"| `--{flag}` | {default} | {spec['help']} |")
@@ -190,8 +209,11 @@ def sft_rows() -> list[str]:
     from earl_lightning.cli import SFT_ARGS
     from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
 
-    rows = [SFT_HEADER, f"| `--output_dir` | `null` | {SFT_ARGS['output_dir']} |",
-            f"| `--overwrite` | `false` | {SFT_ARGS['overwrite']} |"]
+    rows = [
+        SFT_HEADER,
+        f"| `--output_dir` | `null` | {SFT_ARGS['output_dir']} |",
+        f"| `--overwrite` | `false` | {SFT_ARGS['overwrite']} |",
+    ]
     for prefix, cls in (("--model", WarmStartModule), ("--data", DemonstrationDataModule)):
         rows += rows_of(prefix, signature_params(cls), arg_docs(cls), expand=False)
     return rows
@@ -199,7 +221,9 @@ def sft_rows() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/configuration.md is out of date")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 when docs/configuration.md is out of date"
+    )
     args = parser.parse_args()
     text = render()
     if args.check:

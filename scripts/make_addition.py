@@ -41,11 +41,22 @@ def rows(size: int, seed: int, worked_share: float, boxed_share: float, digits: 
     try:
         import reasoning_gym
     except ImportError:
-        raise SystemExit("make_addition.py needs reasoning-gym: pip install -e '.[tasks]'") from None
+        raise SystemExit(
+            "make_addition.py needs reasoning-gym: pip install -e '.[tasks]'"
+        ) from None
 
-    data = reasoning_gym.create_dataset("basic_arithmetic", size=size, seed=seed, min_terms=2, max_terms=2,
-                                        min_digits=digits, max_digits=digits, operators=("+",),
-                                        allow_parentheses=False, allow_negation=False)
+    data = reasoning_gym.create_dataset(
+        "basic_arithmetic",
+        size=size,
+        seed=seed,
+        min_terms=2,
+        max_terms=2,
+        min_digits=digits,
+        max_digits=digits,
+        operators=("+",),
+        allow_parentheses=False,
+        allow_negation=False,
+    )
     pick = random.Random(seed)
     out = []
     for entry in data:
@@ -56,13 +67,19 @@ def rows(size: int, seed: int, worked_share: float, boxed_share: float, digits: 
             text = f"{columns(a, b)}. \\boxed{{{answer}}}"
         else:
             text = f"\\boxed{{{answer}}}" if draw < worked_share + boxed_share else answer
-        out.append({"prompt": [{"role": "user", "content": entry["question"]}],
-                    "completion": [{"role": "assistant", "content": text}], "solution": answer})
+        out.append(
+            {
+                "prompt": [{"role": "user", "content": entry["question"]}],
+                "completion": [{"role": "assistant", "content": text}],
+                "solution": answer,
+            }
+        )
     return out
 
 
-def build(train: int, test: int, seed: int, worked_share: float, boxed_share: float,
-          digits: int) -> dict[str, list[dict]]:
+def build(
+    train: int, test: int, seed: int, worked_share: float, boxed_share: float, digits: int
+) -> dict[str, list[dict]]:
     """``{"train": rows, "test": rows}``: test questions unique and never in train (test
     completions worked)."""
     held, seen = [], set()
@@ -71,8 +88,11 @@ def build(train: int, test: int, seed: int, worked_share: float, boxed_share: fl
         if q not in seen and len(held) < test:
             seen.add(q)
             held.append(row)
-    kept = [row for row in rows(train + 3 * test, seed, worked_share, boxed_share, digits)
-            if row["prompt"][0]["content"] not in seen]
+    kept = [
+        row
+        for row in rows(train + 3 * test, seed, worked_share, boxed_share, digits)
+        if row["prompt"][0]["content"] not in seen
+    ]
     return {"train": kept[:train], "test": held}
 
 
@@ -81,14 +101,20 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "data" / "addition"))
     p.add_argument("--train", type=int, default=20000)
     p.add_argument("--test", type=int, default=500)
-    p.add_argument("--worked-share", type=float, default=0.3, help="share of training rows worked and boxed")
-    p.add_argument("--boxed-share", type=float, default=0.2, help="share of training rows boxed alone")
+    p.add_argument(
+        "--worked-share", type=float, default=0.3, help="share of training rows worked and boxed"
+    )
+    p.add_argument(
+        "--boxed-share", type=float, default=0.2, help="share of training rows boxed alone"
+    )
     p.add_argument("--digits", type=int, default=2, help="digits of each number")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    for split, data in build(a.train, a.test, a.seed, a.worked_share, a.boxed_share, a.digits).items():
+    for split, data in build(
+        a.train, a.test, a.seed, a.worked_share, a.boxed_share, a.digits
+    ).items():
         (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
         print(f"wrote {len(data)} rows to {out / f'{split}.jsonl'}")
 

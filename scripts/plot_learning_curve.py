@@ -1,6 +1,6 @@
 """Turn a run's TensorBoard scalars into a PNG learning curve (and a CSV of the same numbers).
 
-    python scripts/plot_learning_curve.py runs/connect4_grpo/lightning_logs/version_0 --out docs/learning_curve.png
+python scripts/plot_learning_curve.py runs/connect4_grpo/lightning_logs/version_0 --out docs/learning_curve.png
 """
 
 from __future__ import annotations
@@ -48,14 +48,21 @@ def plot(scalars: dict, out: Path, title: str) -> None:
         if tag in scalars:
             steps, values = zip(*scalars[tag])
             a.plot(steps, values, label=tag, lw=1)
-    a.set_xlabel("RL step"); a.set_title("training episodes"); a.legend(); a.grid(alpha=0.3)
+    a.set_xlabel("RL step")
+    a.set_title("training episodes")
+    a.legend()
+    a.grid(alpha=0.3)
     for tag in EVAL_TAGS:
         if tag in scalars:
             steps, values = zip(*sorted(scalars[tag]))
             b.plot(steps, values, marker="o", label=tag)
     b.axhline(0.65, color="grey", ls="--", lw=0.8, label="target win rate 0.65")
     b.axhline(0.05, color="grey", ls=":", lw=0.8, label="target invalid rate 0.05")
-    b.set_xlabel("RL step"); b.set_ylim(-0.02, 1.02); b.set_title("greedy eval, 128 fixed seeds"); b.legend(); b.grid(alpha=0.3)
+    b.set_xlabel("RL step")
+    b.set_ylim(-0.02, 1.02)
+    b.set_title("greedy eval, 128 fixed seeds")
+    b.legend()
+    b.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +73,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("logdir", help="a TensorBoard run directory (lightning_logs/version_N)")
     p.add_argument("--out", default="docs/learning_curve.png")
-    p.add_argument("--title", default=None, help="default: the run's algorithm and model (from hparams.yaml)")
+    p.add_argument(
+        "--title", default=None, help="default: the run's algorithm and model (from hparams.yaml)"
+    )
     args = p.parse_args()
     scalars = read_scalars(args.logdir)
     out = Path(args.out)

@@ -36,7 +36,9 @@ def run(cmd: list[str], log: Path) -> float:
     with log.open("w") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode:
-        raise SystemExit(f"error: {' '.join(cmd[2:5])}... failed (exit {proc.returncode}); see {log}")
+        raise SystemExit(
+            f"error: {' '.join(cmd[2:5])}... failed (exit {proc.returncode}); see {log}"
+        )
     return time.monotonic() - start
 
 
@@ -46,17 +48,38 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict:
     earl = [sys.executable, "-m", "earl_lightning.cli"]
     common = [f"--seed_everything={seed}", "--trainer.enable_progress_bar=false"]
     record: dict = {"seed": seed, "sft_wall_s": 0.0}
-    fit = [*earl, "fit", "--config", str(args.config), *common, f"--model.seed={seed}", f"--data.seed={seed}",
-           f"--trainer.default_root_dir={root / 'rl'}"]
+    fit = [
+        *earl,
+        "fit",
+        "--config",
+        str(args.config),
+        *common,
+        f"--model.seed={seed}",
+        f"--data.seed={seed}",
+        f"--trainer.default_root_dir={root / 'rl'}",
+    ]
     if args.warm_starts is not None:  # another seeds.py output's warm starts, one per seed
         warm = args.warm_starts / f"seed{seed}" / "warm_start"
         fit.append(f"--model.model={warm}")
         record.update(_sampled(warm))
     elif args.sft is not None:
         warm = root / "warm_start"
-        record["sft_wall_s"] = run([*earl, "sft", "--config", str(args.sft), *common, f"--model.seed={seed}",
-                                    f"--data.seed={seed}", f"--output_dir={warm}", "--overwrite",
-                                    f"--trainer.default_root_dir={root / 'sft'}", *args.sft_args], root / "sft.log")
+        record["sft_wall_s"] = run(
+            [
+                *earl,
+                "sft",
+                "--config",
+                str(args.sft),
+                *common,
+                f"--model.seed={seed}",
+                f"--data.seed={seed}",
+                f"--output_dir={warm}",
+                "--overwrite",
+                f"--trainer.default_root_dir={root / 'sft'}",
+                *args.sft_args,
+            ],
+            root / "sft.log",
+        )
         fit.append(f"--model.model={warm}")
         record.update(_sampled(warm))
     record["rl_wall_s"] = run([*fit, *args.fit_args], root / "fit.log")
@@ -73,7 +96,11 @@ def reread_seed(args: argparse.Namespace, seed: int) -> dict:
     else:  # written before record.json existed: the wall times of the summary it printed
         with (args.out / "summary.csv").open() as f:
             row = next(r for r in csv.DictReader(f) if int(r["seed"]) == seed)
-        record = {"seed": seed, "sft_wall_s": float(row["sft_wall_s"]), "rl_wall_s": float(row["rl_wall_s"])}
+        record = {
+            "seed": seed,
+            "sft_wall_s": float(row["sft_wall_s"]),
+            "rl_wall_s": float(row["rl_wall_s"]),
+        }
     warm = (args.warm_starts or args.out) / f"seed{seed}" / "warm_start"
     if warm.is_dir():
         record.update(_sampled(warm))
@@ -84,8 +111,12 @@ def reread_seed(args: argparse.Namespace, seed: int) -> dict:
 def _sampled(warm: Path) -> dict[str, float]:
     """The warm start's temperature-1 figures (its greedy ones are the RL curve's step 0)."""
     evaluation = json.loads((warm / "warm_start.json").read_text())["evaluation"]
-    return {f"warm_sampled/{k.split('/', 1)[1]}": v for k, v in evaluation.items()
-            if k.startswith("val_sampled/") and (k.split("/", 1)[1] in SAMPLED or k.startswith("val_sampled/rewards/"))}
+    return {
+        f"warm_sampled/{k.split('/', 1)[1]}": v
+        for k, v in evaluation.items()
+        if k.startswith("val_sampled/")
+        and (k.split("/", 1)[1] in SAMPLED or k.startswith("val_sampled/rewards/"))
+    }
 
 
 def read_curves(root: Path) -> dict[str, list[tuple[int, float]]]:
@@ -96,7 +127,9 @@ def read_curves(root: Path) -> dict[str, list[tuple[int, float]]]:
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     # Lightning logs an evaluation run after update k at step k - 1; the one before any update at 0.
-    wanted = [m for m in METRICS if m in tags] + sorted(t for t in tags if t.startswith(REWARD_FUNCTIONS))
+    wanted = [m for m in METRICS if m in tags] + sorted(
+        t for t in tags if t.startswith(REWARD_FUNCTIONS)
+    )
     return {m: [(e.step + 1 if e.step else 0, e.value) for e in acc.Scalars(m)] for m in wanted}
 
 
@@ -112,7 +145,10 @@ def write(records: list[dict], out: Path) -> None:
         row = {"seed": r["seed"]}
         for metric, points in r["curves"].items():
             name = metric.split("/", 1)[1]
-            row[f"start_{name}"], row[f"final_{name}"] = round(points[0][1], 4), round(points[-1][1], 4)
+            row[f"start_{name}"], row[f"final_{name}"] = (
+                round(points[0][1], 4),
+                round(points[-1][1], 4),
+            )
         row.update({k: round(v, 4) for k, v in r.items() if k.startswith("warm_sampled/")})
         row.update(sft_wall_s=round(r["sft_wall_s"]), rl_wall_s=round(r["rl_wall_s"]))
         rows.append(row)
@@ -127,13 +163,17 @@ def plot(records: list[dict], out: Path, title: str) -> None:
     import numpy as np
 
     functions = sorted({m for r in records for m in r["curves"] if m.startswith(REWARD_FUNCTIONS)})
-    shown = [m for m in [*METRICS[:4], *functions] if all(m in r["curves"] for r in records)] or [METRICS[-1]]
+    shown = [m for m in [*METRICS[:4], *functions] if all(m in r["curves"] for r in records)] or [
+        METRICS[-1]
+    ]
     fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4), squeeze=False)
     for ax, metric in zip(axes[0], shown):
         for r in records:
             steps, values = zip(*r["curves"][metric])
             ax.plot(steps, values, lw=1, alpha=0.6, label=f"seed {r['seed']}")
-        common = sorted(set.intersection(*(set(s for s, _ in r["curves"][metric]) for r in records)))
+        common = sorted(
+            set.intersection(*(set(s for s, _ in r["curves"][metric]) for r in records))
+        )
         mean = [np.mean([dict(r["curves"][metric])[s] for r in records]) for s in common]
         ax.plot(common, mean, lw=2.5, color="black", label="mean")
         ax.set(xlabel="RL step (0: the starting model)", ylabel=metric, title=metric)
@@ -147,26 +187,48 @@ def plot(records: list[dict], out: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, required=True, help="the RL recipe (earl fit)")
-    parser.add_argument("--sft", type=Path, default=None, help="the warm-start recipe (earl sft), run first")
-    parser.add_argument("--warm-starts", type=Path, default=None,
-                        help="start from the warm starts of an earlier seeds.py --sft output (<dir>/seed<s>/warm_start)")
-    parser.add_argument("--sft-arg", dest="sft_args", action="append", default=[], metavar="FLAG=VALUE",
-                        help="one more argument of earl sft, written --sft-arg=--data.num_episodes=500 (repeatable)")
+    parser.add_argument(
+        "--sft", type=Path, default=None, help="the warm-start recipe (earl sft), run first"
+    )
+    parser.add_argument(
+        "--warm-starts",
+        type=Path,
+        default=None,
+        help="start from the warm starts of an earlier seeds.py --sft output (<dir>/seed<s>/warm_start)",
+    )
+    parser.add_argument(
+        "--sft-arg",
+        dest="sft_args",
+        action="append",
+        default=[],
+        metavar="FLAG=VALUE",
+        help="one more argument of earl sft, written --sft-arg=--data.num_episodes=500 (repeatable)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--report", action="store_true", help="run nothing: re-read the seeds under --out and report")
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: re-read the seeds under --out and report",
+    )
     parser.add_argument("fit_args", nargs="*", help="after --: more arguments of earl fit")
     args = parser.parse_args()
     for path, name in ((args.config, "--config"), (args.sft, "--sft")):
         if path is not None and not path.is_file():
             raise SystemExit(f"error: `{name}` {str(path)!r} is not a file")
     if args.sft_args and args.sft is None:
-        raise SystemExit(f"error: `--sft-arg` {args.sft_args[0]!r} needs `--sft` (no warm start is run without it)")
+        raise SystemExit(
+            f"error: `--sft-arg` {args.sft_args[0]!r} needs `--sft` (no warm start is run without it)"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     records = [(reread_seed if args.report else one_seed)(args, seed) for seed in args.seeds]
     write(records, args.out)
-    plot(records, args.out, f"{args.config.stem}{' after ' + args.sft.stem if args.sft else ''}: "
-                            f"seeds {' '.join(map(str, args.seeds))}")
+    plot(
+        records,
+        args.out,
+        f"{args.config.stem}{' after ' + args.sft.stem if args.sft else ''}: "
+        f"seeds {' '.join(map(str, args.seeds))}",
+    )
 
 
 if __name__ == "__main__":

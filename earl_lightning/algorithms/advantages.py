@@ -25,7 +25,14 @@ from earl_lightning.algorithms._checks import (
     check_same_shape,
     check_unit_interval,
 )
-from earl_lightning.algorithms.moments import STAT_DTYPE, Moments, check_group_ids, grouped_moments, moments
+from earl_lightning.algorithms.moments import (
+    STAT_DTYPE,
+    Moments,
+    check_group_ids,
+    grouped_moments,
+    moments,
+)
+
 GRPO_SCALES = ("group", "batch", "none")
 GrpoScale = Literal["group", "batch", "none"]
 
@@ -72,7 +79,12 @@ def _normalize_in_groups(
 
 
 def anchor_state_advantages(
-    returns: Tensor, state_keys: Tensor, valid: Tensor, *, scale: GrpoScale = "group", eps: float = 1e-6
+    returns: Tensor,
+    state_keys: Tensor,
+    valid: Tensor,
+    *,
+    scale: GrpoScale = "group",
+    eps: float = 1e-6,
 ) -> Tensor:
     """GiGPO's step-level advantage (Feng et al., 2025, arXiv 2505.10978) -> [R].
 
@@ -87,7 +99,9 @@ def anchor_state_advantages(
     check_non_negative("eps", eps)
     check_same_shape("returns", returns, state_keys=state_keys, valid=valid)
     if returns.dim() != 1:
-        raise ValueError(f"`returns` must be 1-D [R] (one per turn row), got shape {tuple(returns.shape)}")
+        raise ValueError(
+            f"`returns` must be 1-D [R] (one per turn row), got shape {tuple(returns.shape)}"
+        )
     out = torch.zeros_like(returns, dtype=STAT_DTYPE)
     keep = valid.bool()
     if not keep.any():

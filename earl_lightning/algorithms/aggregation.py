@@ -10,7 +10,8 @@ right only when the slice is the whole batch.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -19,7 +20,9 @@ from earl_lightning.algorithms._checks import check_2d, check_positive, check_sa
 from earl_lightning.algorithms.registry import Registry
 
 Number = int | float | Tensor
-AggregationFn = Callable[[Tensor, Tensor, "Number | None", "Number | None", "Number | None"], Tensor]
+AggregationFn = Callable[
+    [Tensor, Tensor, "Number | None", "Number | None", "Number | None"], Tensor
+]
 LOSS_AGGREGATIONS: Registry[AggregationFn] = Registry("loss aggregations")
 AggregationMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
@@ -52,8 +55,14 @@ def aggregate(
     check_2d("token_values", token_values)
     check_same_shape("token_values", token_values, mask=mask)
     for name, value in (("num_tokens", num_tokens), ("num_seqs", num_seqs)):
-        if value is not None and not isinstance(value, Tensor) and (isinstance(value, bool) or value < 0):
-            raise ValueError(f"`{name}` must be a count >= 0 (the global denominator), got {value!r}")
+        if (
+            value is not None
+            and not isinstance(value, Tensor)
+            and (isinstance(value, bool) or value < 0)
+        ):
+            raise ValueError(
+                f"`{name}` must be a count >= 0 (the global denominator), got {value!r}"
+            )
     if norm_constant is not None and not isinstance(norm_constant, Tensor):
         check_positive("norm_constant", norm_constant)
     keep = mask.bool()
@@ -66,7 +75,9 @@ def local_counts(mask: Tensor) -> Tensor:
     micro-batch of every rank (one all-reduce) to get ``num_tokens`` / ``num_seqs`` for ``aggregate``."""
     check_2d("mask", mask)
     rows = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
-    return torch.stack([mask.bool().sum().to(torch.float64), rows])  # on mask's device, ready for NCCL
+    return torch.stack(
+        [mask.bool().sum().to(torch.float64), rows]
+    )  # on mask's device, ready for NCCL
 
 
 def _denominator(value: Number | None, local: Tensor) -> Tensor:
@@ -85,14 +96,22 @@ def _divide(total: Tensor, denominator: Tensor) -> Tensor:
 
 @LOSS_AGGREGATIONS.register("token_mean")
 def _token_mean(
-    masked: Tensor, keep: Tensor, num_tokens: Number | None, num_seqs: Number | None, norm_constant: Number | None
+    masked: Tensor,
+    keep: Tensor,
+    num_tokens: Number | None,
+    num_seqs: Number | None,
+    norm_constant: Number | None,
 ) -> Tensor:
     return _divide(masked.sum(), _denominator(num_tokens, keep.sum()))
 
 
 @LOSS_AGGREGATIONS.register("seq_mean_token_mean")
 def _seq_mean_token_mean(
-    masked: Tensor, keep: Tensor, num_tokens: Number | None, num_seqs: Number | None, norm_constant: Number | None
+    masked: Tensor,
+    keep: Tensor,
+    num_tokens: Number | None,
+    num_seqs: Number | None,
+    norm_constant: Number | None,
 ) -> Tensor:
     row_lens = keep.sum(dim=1).clamp(min=1).to(masked.dtype)  # [B]
     per_seq = masked.sum(dim=1) / row_lens  # [B]
@@ -101,7 +120,11 @@ def _seq_mean_token_mean(
 
 @LOSS_AGGREGATIONS.register("seq_mean_token_sum_norm")
 def _seq_mean_token_sum_norm(
-    masked: Tensor, keep: Tensor, num_tokens: Number | None, num_seqs: Number | None, norm_constant: Number | None
+    masked: Tensor,
+    keep: Tensor,
+    num_tokens: Number | None,
+    num_seqs: Number | None,
+    norm_constant: Number | None,
 ) -> Tensor:
     norm = masked.shape[1] if norm_constant is None else norm_constant
     per_seq = masked.sum(dim=1) / norm  # [B]

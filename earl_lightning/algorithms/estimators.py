@@ -16,8 +16,9 @@ and ``kwargs``); a parameter the estimator does not take is a config-time error.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -77,8 +78,9 @@ class AdvantageEstimator:
     needs_values: bool = False
     needs_state_keys: bool = False  # turn rows (history_turns set), each group's rows on one rank
 
-    def __call__(self, inputs: AdvantageInputs, reduce: MomentsReduce = local_moments,
-                 **params: Any) -> AdvantageOutput:
+    def __call__(
+        self, inputs: AdvantageInputs, reduce: MomentsReduce = local_moments, **params: Any
+    ) -> AdvantageOutput:
         return self.fn(inputs, reduce, **params)
 
 
@@ -87,20 +89,24 @@ def _adapt(obj: Any, arg: str) -> AdvantageEstimator:
     if isinstance(obj, AdvantageEstimator):
         return obj
     if not callable(obj):
-        raise ValueError(f"`{arg}` names {obj!r}, which is not a function; an advantage estimator is "
-                         f"`fn(inputs, reduce, **params) -> AdvantageOutput`")
+        raise ValueError(
+            f"`{arg}` names {obj!r}, which is not a function; an advantage estimator is "
+            f"`fn(inputs, reduce, **params) -> AdvantageOutput`"
+        )
     return AdvantageEstimator(obj)
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimators", adapt=_adapt)
 
 
-def register_advantage_estimator(name: str, *, needs_values: bool = False,
-                                 needs_state_keys: bool = False) -> Callable[[Any], Any]:
+def register_advantage_estimator(
+    name: str, *, needs_values: bool = False, needs_state_keys: bool = False
+) -> Callable[[Any], Any]:
     """Decorator registering ``fn(inputs, reduce, **params) -> AdvantageOutput`` as ``name``.
     ``needs_state_keys``: the estimator compares turn rows that acted in the same state (GiGPO)."""
-    return ADVANTAGE_ESTIMATORS.register(name, entry=lambda fn: AdvantageEstimator(fn, needs_values,
-                                                                                   needs_state_keys))
+    return ADVANTAGE_ESTIMATORS.register(
+        name, entry=lambda fn: AdvantageEstimator(fn, needs_values, needs_state_keys)
+    )
 
 
 def get_advantage_estimator(name: str, arg: str = "advantage_estimator") -> AdvantageEstimator:
@@ -113,28 +119,44 @@ def _per_row(adv: Tensor, mask: Tensor) -> Tensor:
 
 
 @register_advantage_estimator("grpo")
-def grpo(inputs: AdvantageInputs, reduce: MomentsReduce, *, scale: GrpoScale = "group",
-         eps: float = 1e-6) -> AdvantageOutput:
+def grpo(
+    inputs: AdvantageInputs, reduce: MomentsReduce, *, scale: GrpoScale = "group", eps: float = 1e-6
+) -> AdvantageOutput:
     """GRPO: each episode's reward normalized within its group (one reward per episode)."""
     r, g, first = inputs.rewards, inputs.group_ids, inputs.episode_rows
-    group, whole = reduce([grouped_moments(r[first], g[first], inputs.num_groups), moments(r[first])])
-    adv = grpo_advantages(r, g, num_groups=inputs.num_groups, scale=scale, eps=eps, group=group, batch=whole)
+    group, whole = reduce(
+        [grouped_moments(r[first], g[first], inputs.num_groups), moments(r[first])]
+    )
+    adv = grpo_advantages(
+        r, g, num_groups=inputs.num_groups, scale=scale, eps=eps, group=group, batch=whole
+    )
     return AdvantageOutput(_per_row(adv, inputs.mask))
 
 
 @register_advantage_estimator("gigpo", needs_state_keys=True)
-def gigpo(inputs: AdvantageInputs, reduce: MomentsReduce, *, gamma: float = 0.95, step_weight: float = 1.0,
-          scale: GrpoScale = "group", eps: float = 1e-6) -> AdvantageOutput:
+def gigpo(
+    inputs: AdvantageInputs,
+    reduce: MomentsReduce,
+    *,
+    gamma: float = 0.95,
+    step_weight: float = 1.0,
+    scale: GrpoScale = "group",
+    eps: float = 1e-6,
+) -> AdvantageOutput:
     """GiGPO (Feng et al., 2025): GRPO's episode advantage plus ``step_weight`` times a step-level
     advantage that compares the turns of a group taken in the same state by their discounted
     returns (``gamma``, applied where the turn rows are built), so a turn that differs from its
     group-mates in that state gets the credit or the blame. Needs one row per turn."""
     if inputs.state_keys is None:
-        raise ValueError("the 'gigpo' estimator needs one row per turn (`rollout.history_turns` set) and the "
-                         "rows' state keys; this batch has none")
+        raise ValueError(
+            "the 'gigpo' estimator needs one row per turn (`rollout.history_turns` set) and the "
+            "rows' state keys; this batch has none"
+        )
     episode = grpo(inputs, reduce, scale=scale, eps=eps).advantages  # [B, T]
     valid = inputs.mask.sum(dim=1) > 0
-    returns = (inputs.token_rewards * inputs.mask).sum(dim=1)  # a turn row's return sits on its last token
+    returns = (inputs.token_rewards * inputs.mask).sum(
+        dim=1
+    )  # a turn row's return sits on its last token
     step = anchor_state_advantages(returns, inputs.state_keys, valid, scale=scale, eps=eps)
     return AdvantageOutput(episode + _per_row(step_weight * step, inputs.mask))
 
@@ -149,20 +171,26 @@ def rloo(inputs: AdvantageInputs, reduce: MomentsReduce) -> AdvantageOutput:
 
 
 @register_advantage_estimator("reinforce_pp")
-def reinforce_pp(inputs: AdvantageInputs, reduce: MomentsReduce, *, gamma: float = 1.0,
-                 eps: float = 1e-8) -> AdvantageOutput:
+def reinforce_pp(
+    inputs: AdvantageInputs, reduce: MomentsReduce, *, gamma: float = 1.0, eps: float = 1e-8
+) -> AdvantageOutput:
     """REINFORCE++: discounted returns-to-go whitened over every generated token of the batch."""
     returns = discounted_returns(inputs.token_rewards, inputs.mask, gamma=gamma)
     (whole,) = reduce([moments(returns, inputs.mask)])
-    adv = reinforce_pp_advantages(inputs.token_rewards, inputs.mask, gamma=gamma, eps=eps, batch=whole)
+    adv = reinforce_pp_advantages(
+        inputs.token_rewards, inputs.mask, gamma=gamma, eps=eps, batch=whole
+    )
     return AdvantageOutput(adv)
 
 
 @register_advantage_estimator("gae", needs_values=True)
-def gae(inputs: AdvantageInputs, reduce: MomentsReduce, *, gamma: float = 1.0,
-        lam: float = 1.0) -> AdvantageOutput:
+def gae(
+    inputs: AdvantageInputs, reduce: MomentsReduce, *, gamma: float = 1.0, lam: float = 1.0
+) -> AdvantageOutput:
     """GAE over the generated tokens with the value head's estimates (PPO's actor-critic)."""
     if inputs.values is None:
         raise ValueError("the 'gae' estimator needs `values` (a value head); none were computed")
-    adv, ret = gae_advantages(inputs.token_rewards, inputs.values, inputs.mask, gamma=gamma, lam=lam)
+    adv, ret = gae_advantages(
+        inputs.token_rewards, inputs.values, inputs.mask, gamma=gamma, lam=lam
+    )
     return AdvantageOutput(adv, ret)

@@ -8,7 +8,8 @@ low variance), ``k3 = exp(d) - d - 1`` (unbiased and always >= 0). Each is usabl
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import Tensor

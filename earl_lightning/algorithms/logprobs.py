@@ -32,15 +32,21 @@ def _trl_utils() -> ModuleType:
     return utils
 
 
-def restrict_to_allowed(logits: Tensor, labels: Tensor | None, allowed: Tensor) -> tuple[Tensor, Tensor | None]:
+def restrict_to_allowed(
+    logits: Tensor, labels: Tensor | None, allowed: Tensor
+) -> tuple[Tensor, Tensor | None]:
     """The allowed tokens' logits [..., K] and the labels re-indexed into them (0 outside the set)."""
     allowed = allowed.to(device=logits.device, dtype=torch.long)
     if allowed.dim() != 1 or allowed.numel() == 0:
-        raise ValueError(f"`allowed` must be a non-empty 1-D tensor of token ids, got shape {tuple(allowed.shape)}")
+        raise ValueError(
+            f"`allowed` must be a non-empty 1-D tensor of token ids, got shape {tuple(allowed.shape)}"
+        )
     vocab = logits.shape[-1]
     if int(allowed.min()) < 0 or int(allowed.max()) >= vocab:
-        raise ValueError(f"`allowed` token ids must lie in [0, {vocab}) (the logits' vocabulary), "
-                         f"got {allowed.tolist()[:8]}")
+        raise ValueError(
+            f"`allowed` token ids must lie in [0, {vocab}) (the logits' vocabulary), "
+            f"got {allowed.tolist()[:8]}"
+        )
     sub = logits.index_select(-1, allowed)
     if labels is None:
         return sub, None
@@ -49,8 +55,9 @@ def restrict_to_allowed(logits: Tensor, labels: Tensor | None, allowed: Tensor) 
     return sub, where[labels.long()]
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0,
-                         allowed: Tensor | None = None) -> Tensor:
+def logprobs_from_logits(
+    logits: Tensor, labels: Tensor, temperature: float = 1.0, allowed: Tensor | None = None
+) -> Tensor:
     """``log softmax(logits / temperature)[labels]``: logits [B, T, V], labels [B, T] -> [B, T].
 
     With ``allowed``, the softmax runs over the allowed tokens only (module docstring)."""
@@ -65,8 +72,9 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.
     return _trl_utils().selective_log_softmax(logits, labels.long(), temperature=float(temperature))
 
 
-def shifted_logprobs(logits: Tensor, input_ids: Tensor, temperature: float = 1.0,
-                     allowed: Tensor | None = None) -> Tensor:
+def shifted_logprobs(
+    logits: Tensor, input_ids: Tensor, temperature: float = 1.0, allowed: Tensor | None = None
+) -> Tensor:
     """Per-token log-probs in the experience convention: logits [B, L, V], input_ids [B, L] -> [B, L].
 
     Entry ``t`` is ``log p(input_ids[t] | < t)`` from ``logits[:, t - 1]``; entry 0 is 0.
@@ -89,7 +97,9 @@ def entropy(logits: Tensor, temperature: float = 1.0, allowed: Tensor | None = N
     return _trl_utils().entropy_from_logits(scaled)
 
 
-def shifted_entropy(logits: Tensor, temperature: float = 1.0, allowed: Tensor | None = None) -> Tensor:
+def shifted_entropy(
+    logits: Tensor, temperature: float = 1.0, allowed: Tensor | None = None
+) -> Tensor:
     """Entropy of the distribution each token was drawn from: logits [B, L, V] -> [B, L], entry 0 is 0."""
     if logits.dim() != 3:
         raise ValueError(f"`logits` must be [B, L, V], got shape {tuple(logits.shape)}")

@@ -13,8 +13,8 @@ unregistered function by import path.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -41,8 +41,12 @@ class PolicyLossStats:
 
     def token_means(self) -> dict[str, Tensor]:
         """The statistics that are means over the masked tokens (``ratio_max`` is not)."""
-        return {"clip_frac": self.clip_frac, "dual_clip_frac": self.dual_clip_frac, "approx_kl": self.approx_kl,
-                "ratio_mean": self.ratio_mean}
+        return {
+            "clip_frac": self.clip_frac,
+            "dual_clip_frac": self.dual_clip_frac,
+            "approx_kl": self.approx_kl,
+            "ratio_mean": self.ratio_mean,
+        }
 
 
 PolicyLossFn = Callable[..., tuple[Tensor, "PolicyLossStats | Mapping[str, Tensor]"]]
@@ -50,8 +54,10 @@ PolicyLossFn = Callable[..., tuple[Tensor, "PolicyLossStats | Mapping[str, Tenso
 
 def _adapt(obj: object, arg: str) -> PolicyLossFn:
     if not callable(obj):
-        raise ValueError(f"`{arg}` names {obj!r}, which is not a function; a policy loss is "
-                         f"`fn(logprobs, old_logprobs, advantages, mask, **params) -> (losses, stats)`")
+        raise ValueError(
+            f"`{arg}` names {obj!r}, which is not a function; a policy loss is "
+            f"`fn(logprobs, old_logprobs, advantages, mask, **params) -> (losses, stats)`"
+        )
     return obj
 
 
@@ -63,7 +69,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     return POLICY_LOSSES.register(name)
 
 
-def loss_stat_means(stats: "PolicyLossStats | Mapping[str, Tensor]") -> dict[str, Tensor]:
+def loss_stat_means(stats: PolicyLossStats | Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A loss's statistics as token means (the contract allows either form)."""
     return stats.token_means() if isinstance(stats, PolicyLossStats) else dict(stats)
 
@@ -76,12 +82,18 @@ def get_policy_loss(name: str, arg: str = "policy_loss") -> PolicyLossFn:
 def check_clip_args(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
     """Config-time check of the PPO clip bounds; the ratio is clipped to [1-clip_low, 1+clip_high]."""
     check_non_negative("clip_high", clip_high)
-    if isinstance(clip_low, bool) or not isinstance(clip_low, (int, float)) or not 0.0 <= clip_low < 1.0:
+    if (
+        isinstance(clip_low, bool)
+        or not isinstance(clip_low, (int, float))
+        or not 0.0 <= clip_low < 1.0
+    ):
         raise ValueError(
             f"`clip_low` must be a number in [0, 1) (the ratio's lower bound is 1 - clip_low), got {clip_low!r}"
         )
     if dual_clip is not None and (
-        isinstance(dual_clip, bool) or not isinstance(dual_clip, (int, float)) or not dual_clip > 1.0
+        isinstance(dual_clip, bool)
+        or not isinstance(dual_clip, (int, float))
+        or not dual_clip > 1.0
     ):
         raise ValueError(f"`dual_clip` must be None or a number > 1, got {dual_clip!r}")
 
@@ -106,7 +118,9 @@ def ppo_clip_loss(
     """
     _check_policy_inputs(logprobs, old_logprobs, advantages, mask)
     log_ratio = logprobs - old_logprobs.detach()
-    return _clipped_surrogate(log_ratio, log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
+    return _clipped_surrogate(
+        log_ratio, log_ratio, advantages, mask, clip_low, clip_high, dual_clip
+    )
 
 
 @register_policy_loss("gspo")
@@ -130,10 +144,14 @@ def gspo_loss(
     keep = mask.bool()
     token_lr = torch.where(keep, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
     seq_lr = token_lr.sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
-    return _clipped_surrogate(seq_lr.expand_as(logprobs), token_lr, advantages, mask, clip_low, clip_high, dual_clip)
+    return _clipped_surrogate(
+        seq_lr.expand_as(logprobs), token_lr, advantages, mask, clip_low, clip_high, dual_clip
+    )
 
 
-def _check_policy_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> None:
+def _check_policy_inputs(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
+) -> None:
     check_2d("logprobs", logprobs)
     check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, mask=mask)
     if advantages.shape not in (logprobs.shape, logprobs.shape[:1]):
@@ -177,7 +195,9 @@ def _policy_stats(
         n = keep.sum().clamp(min=1)
         lr = token_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         k3 = torch.expm1(lr) - lr
-        ratio_max = ratio.masked_fill(~keep, float("-inf")).max() if keep.any() else ratio.new_zeros(())
+        ratio_max = (
+            ratio.masked_fill(~keep, float("-inf")).max() if keep.any() else ratio.new_zeros(())
+        )
         return PolicyLossStats(
             clip_frac=(clipped & keep).sum() / n,
             dual_clip_frac=(dual_held & keep).sum() / n,
@@ -188,7 +208,12 @@ def _policy_stats(
 
 
 def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, value_clip: float | None = 0.2
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    value_clip: float | None = 0.2,
 ) -> tuple[Tensor, Tensor]:
     """PPO's clipped value loss -> ([B, T] per-token losses, clip fraction over masked tokens).
 

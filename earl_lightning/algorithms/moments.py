@@ -33,7 +33,7 @@ class Moments:
                 f"sumsq {tuple(self.sumsq.shape)}, count {tuple(self.count.shape)}"
             )
 
-    def __add__(self, other: "Moments") -> "Moments":
+    def __add__(self, other: Moments) -> Moments:
         return Moments(self.sum + other.sum, self.sumsq + other.sumsq, self.count + other.count)
 
     def mean(self) -> Tensor:
@@ -54,7 +54,7 @@ class Moments:
         return torch.stack([self.sum, self.sumsq, self.count.to(STAT_DTYPE)])
 
     @classmethod
-    def unpack(cls, packed: Tensor) -> "Moments":
+    def unpack(cls, packed: Tensor) -> Moments:
         """Inverse of :meth:`pack`."""
         if packed.dim() < 1 or packed.shape[0] != 3:
             raise ValueError(f"packed moments must have shape [3, ...], got {tuple(packed.shape)}")
@@ -67,7 +67,9 @@ def moments(x: Tensor, mask: Tensor | None = None) -> Moments:
     if mask is None:
         mask = torch.ones_like(x, dtype=torch.bool)
     elif mask.shape != x.shape:
-        raise ValueError(f"`mask` has shape {tuple(mask.shape)}, expected {tuple(x.shape)} like `x`")
+        raise ValueError(
+            f"`mask` has shape {tuple(mask.shape)}, expected {tuple(x.shape)} like `x`"
+        )
     keep = mask.bool()
     # torch.where, not x * mask: padding may hold inf/nan that must not leak into the sums.
     xm = torch.where(keep, x, torch.zeros((), dtype=STAT_DTYPE, device=x.device))
@@ -93,9 +95,13 @@ def check_group_ids(group_ids: Tensor, num_groups: int, like: Tensor, like_name:
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
         raise ValueError(f"`num_groups` must be a positive integer, got {num_groups!r}")
     if like.dim() != 1:
-        raise ValueError(f"`{like_name}` must be 1-D [S] (one per sequence), got shape {tuple(like.shape)}")
+        raise ValueError(
+            f"`{like_name}` must be 1-D [S] (one per sequence), got shape {tuple(like.shape)}"
+        )
     if group_ids.shape != like.shape:
-        raise ValueError(f"`group_ids` has shape {tuple(group_ids.shape)}, expected {tuple(like.shape)}")
+        raise ValueError(
+            f"`group_ids` has shape {tuple(group_ids.shape)}, expected {tuple(like.shape)}"
+        )
     if group_ids.dtype.is_floating_point or group_ids.dtype == torch.bool:
         raise ValueError(f"`group_ids` must be an integer tensor, got dtype {group_ids.dtype}")
     if group_ids.numel() and (int(group_ids.min()) < 0 or int(group_ids.max()) >= num_groups):

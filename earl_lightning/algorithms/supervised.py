@@ -16,9 +16,15 @@ import torch
 from torch import Tensor
 
 
-def soft_token_cross_entropy(logits: Tensor, labels: Tensor, soft_rows: Tensor | None = None,
-                             soft_pos: Tensor | None = None, soft_owner: Tensor | None = None,
-                             soft_tokens: Tensor | None = None, soft_probs: Tensor | None = None) -> Tensor:
+def soft_token_cross_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    soft_rows: Tensor | None = None,
+    soft_pos: Tensor | None = None,
+    soft_owner: Tensor | None = None,
+    soft_tokens: Tensor | None = None,
+    soft_probs: Tensor | None = None,
+) -> Tensor:
     """Mean next-token cross-entropy over the labelled tokens (``labels != -100``).
 
     Args:
@@ -34,13 +40,18 @@ def soft_token_cross_entropy(logits: Tensor, labels: Tensor, soft_rows: Tensor |
     shifted = labels[:, 1:]
     valid = shifted != -100
     flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    nll = torch.nn.functional.cross_entropy(flat, shifted.reshape(-1), ignore_index=-100,
-                                            reduction="none").view_as(shifted)
+    nll = torch.nn.functional.cross_entropy(
+        flat, shifted.reshape(-1), ignore_index=-100, reduction="none"
+    ).view_as(shifted)
     if soft_rows is not None and soft_rows.numel():
         if not bool(valid[soft_rows, soft_pos - 1].all()):
-            raise ValueError("soft_token_cross_entropy: a soft target sits on a position that is not labelled")
+            raise ValueError(
+                "soft_token_cross_entropy: a soft target sits on a position that is not labelled"
+            )
         logp = logits[soft_rows, soft_pos - 1].float().log_softmax(-1)  # [N, V]
         entry = logp[soft_owner, soft_tokens] * soft_probs
-        soft_nll = -torch.zeros(len(soft_rows), dtype=entry.dtype, device=entry.device).index_add(0, soft_owner, entry)
+        soft_nll = -torch.zeros(len(soft_rows), dtype=entry.dtype, device=entry.device).index_add(
+            0, soft_owner, entry
+        )
         nll = nll.index_put((soft_rows, soft_pos - 1), soft_nll)
     return (nll * valid).sum() / valid.sum().clamp(min=1)

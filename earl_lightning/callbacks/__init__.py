@@ -3,8 +3,14 @@ trained model as a save_pretrained directory), and the contracts
 between the RL module and the callbacks that steer it (:mod:`.base`)."""
 
 from earl_lightning.callbacks.adaptive import AdaptiveParallelism
-from earl_lightning.callbacks.export import ExportModel
 from earl_lightning.callbacks.base import StageOOMHandler, WorkloadSource
+from earl_lightning.callbacks.export import ExportModel
 from earl_lightning.callbacks.progress import StepProgressBar
 
-__all__ = ["AdaptiveParallelism", "ExportModel", "StageOOMHandler", "StepProgressBar", "WorkloadSource"]
+__all__ = [
+    "AdaptiveParallelism",
+    "ExportModel",
+    "StageOOMHandler",
+    "StepProgressBar",
+    "WorkloadSource",
+]

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, Union
+from typing import Any, Literal, Union
 
 import lightning as L
 import torch
@@ -33,34 +34,52 @@ GIB = 2**30
 HISTORY_DECISIONS = 300
 STATE_VERSION = 1
 CONTEXT_KEYS = ("context_mean", "context_max", "context_p95", "prompt_max", "turn_prefill_max")
-LayoutLike = Union[Layout, Mapping[str, Any]]
+LayoutLike = Union[Layout, Mapping[str, Any]]  # noqa: UP007 - an alias jsonargparse reads at run time
 
 
 def _positive(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def _check_args(profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens) -> None:
+def _check_args(
+    profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens
+) -> None:
     if profile is not None and profile_budget_s is not None:
-        raise ValueError("give either `profile` (a saved table) or `profile_budget_s` (measure one at fit start), "
-                         f"not both; got profile={profile!r}, profile_budget_s={profile_budget_s!r}")
+        raise ValueError(
+            "give either `profile` (a saved table) or `profile_budget_s` (measure one at fit start), "
+            f"not both; got profile={profile!r}, profile_budget_s={profile_budget_s!r}"
+        )
     if profile is not None and not isinstance(profile, (str, os.PathLike)):
         raise ValueError(f"`profile` must be a path to a profile JSON file, got {profile!r}")
     if profile_budget_s is not None and not _positive(profile_budget_s):
-        raise ValueError(f"`profile_budget_s` must be a positive number of seconds, got {profile_budget_s!r}")
+        raise ValueError(
+            f"`profile_budget_s` must be a positive number of seconds, got {profile_budget_s!r}"
+        )
     if memory_budget_gb is not None and memory_budget_bytes is not None:
-        raise ValueError("give the memory budget once: `memory_budget_gb` or `memory_budget_bytes`, not both")
+        raise ValueError(
+            "give the memory budget once: `memory_budget_gb` or `memory_budget_bytes`, not both"
+        )
     if memory_budget_gb is not None and not _positive(memory_budget_gb):
-        raise ValueError(f"`memory_budget_gb` must be a positive number of GiB per device, got {memory_budget_gb!r}")
-    if memory_budget_bytes is not None and (not _positive(memory_budget_bytes) or memory_budget_bytes < 1):
-        raise ValueError(f"`memory_budget_bytes` must be a positive number of bytes per device, "
-                         f"got {memory_budget_bytes!r}")
+        raise ValueError(
+            f"`memory_budget_gb` must be a positive number of GiB per device, got {memory_budget_gb!r}"
+        )
+    if memory_budget_bytes is not None and (
+        not _positive(memory_budget_bytes) or memory_budget_bytes < 1
+    ):
+        raise ValueError(
+            f"`memory_budget_bytes` must be a positive number of bytes per device, "
+            f"got {memory_budget_bytes!r}"
+        )
     if micro_batch_tokens is not None and (
-            isinstance(micro_batch_tokens, (str, bytes)) or not isinstance(micro_batch_tokens, Sequence)
-            or not micro_batch_tokens or any(isinstance(m, bool) or not isinstance(m, int) or m < 1
-                                             for m in micro_batch_tokens)):
-        raise ValueError(f"`micro_batch_tokens` must be a non-empty list of positive integers, "
-                         f"got {micro_batch_tokens!r}")
+        isinstance(micro_batch_tokens, (str, bytes))
+        or not isinstance(micro_batch_tokens, Sequence)
+        or not micro_batch_tokens
+        or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in micro_batch_tokens)
+    ):
+        raise ValueError(
+            f"`micro_batch_tokens` must be a non-empty list of positive integers, "
+            f"got {micro_batch_tokens!r}"
+        )
 
 
 def _to_layout(value: Any, arg: str) -> Layout:
@@ -95,30 +114,56 @@ class AdaptiveParallelism(StageOOMHandler):
         amortize_steps: steps over which one layout switch is expected to pay off.
     """
 
-    def __init__(self, profile: str | None = None, profile_budget_s: float | None = None,
-                 profile_contexts: list[int] | None = None, profile_out: str | None = None,
-                 memory_budget_gb: float | None = None, memory_budget_bytes: int | None = None,
-                 safety_margin: float = 0.1, hysteresis: float = 0.1,
-                 candidates: Union[Literal["auto"], list[LayoutLike]] = "auto",
-                 micro_batch_tokens: list[int] | None = None, activation_checkpointing: list[bool] | None = None,
-                 amortize_steps: int = 1) -> None:
+    def __init__(
+        self,
+        profile: str | None = None,
+        profile_budget_s: float | None = None,
+        profile_contexts: list[int] | None = None,
+        profile_out: str | None = None,
+        memory_budget_gb: float | None = None,
+        memory_budget_bytes: int | None = None,
+        safety_margin: float = 0.1,
+        hysteresis: float = 0.1,
+        candidates: Literal["auto"] | list[LayoutLike] = "auto",
+        micro_batch_tokens: list[int] | None = None,
+        activation_checkpointing: list[bool] | None = None,
+        amortize_steps: int = 1,
+    ) -> None:
         super().__init__()
-        _check_args(profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens)
+        _check_args(
+            profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens
+        )
         if activation_checkpointing is not None and (
-                isinstance(activation_checkpointing, (str, bytes)) or not isinstance(activation_checkpointing, Sequence)
-                or not activation_checkpointing or any(not isinstance(a, bool) for a in activation_checkpointing)):
-            raise ValueError(f"`activation_checkpointing` must be a non-empty list of booleans such as [False, True], "
-                             f"got {activation_checkpointing!r}")
-        self.activation_checkpointing = (None if activation_checkpointing is None
-                                         else sorted(set(activation_checkpointing)))
+            isinstance(activation_checkpointing, (str, bytes))
+            or not isinstance(activation_checkpointing, Sequence)
+            or not activation_checkpointing
+            or any(not isinstance(a, bool) for a in activation_checkpointing)
+        ):
+            raise ValueError(
+                f"`activation_checkpointing` must be a non-empty list of booleans such as [False, True], "
+                f"got {activation_checkpointing!r}"
+            )
+        self.activation_checkpointing = (
+            None if activation_checkpointing is None else sorted(set(activation_checkpointing))
+        )
         if candidates != "auto":
-            if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence) or not candidates:
-                raise ValueError(f"`candidates` must be 'auto' or a non-empty list of layouts, got {candidates!r}")
+            if (
+                isinstance(candidates, (str, bytes))
+                or not isinstance(candidates, Sequence)
+                or not candidates
+            ):
+                raise ValueError(
+                    f"`candidates` must be 'auto' or a non-empty list of layouts, got {candidates!r}"
+                )
             candidates = [_to_layout(c, f"candidates[{i}]") for i, c in enumerate(candidates)]
         self.profile, self.profile_budget_s = profile, profile_budget_s
         self.profile_contexts, self.profile_out = profile_contexts, profile_out
         self.memory_budget_gb, self.memory_budget_bytes = memory_budget_gb, memory_budget_bytes
-        self.safety_margin, self.hysteresis, self.amortize_steps = safety_margin, hysteresis, amortize_steps
+        self.safety_margin, self.hysteresis, self.amortize_steps = (
+            safety_margin,
+            hysteresis,
+            amortize_steps,
+        )
         self.candidates, self.micro_batch_tokens = candidates, micro_batch_tokens
         self.selector: Selector | None = None
         self.table: ProfileTable | None = None
@@ -136,13 +181,17 @@ class AdaptiveParallelism(StageOOMHandler):
         from earl_lightning.strategies import EarlStrategy
 
         if not isinstance(trainer.strategy, EarlStrategy):
-            raise ValueError(f"AdaptiveParallelism chooses layouts through EarlStrategy; the Trainer's strategy is "
-                             f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=EarlStrategy())` "
-                             f"(or `trainer.strategy: earl` in a recipe)")
+            raise ValueError(
+                f"AdaptiveParallelism chooses layouts through EarlStrategy; the Trainer's strategy is "
+                f"{type(trainer.strategy).__name__}. Use `Trainer(strategy=EarlStrategy())` "
+                f"(or `trainer.strategy: earl` in a recipe)"
+            )
         self._trainer = trainer
         train = trainer.strategy.train_layout
         if any(a != train.activation_checkpointing for a in self.activation_checkpointing or ()):
-            trainer.strategy.checkpoint_switchable = True  # wrap the layers once, recompute per choice
+            trainer.strategy.checkpoint_switchable = (
+                True  # wrap the layers once, recompute per choice
+            )
         if self.profile is not None:  # a corrupt or mismatched file fails before any model is built
             self.table = ProfileTable.load(self.profile, world_size=trainer.world_size)
 
@@ -156,28 +205,47 @@ class AdaptiveParallelism(StageOOMHandler):
         """Build the memory model and the selector and register them with the strategy."""
         strategy = trainer.strategy
         model, work = self._policy(pl_module, strategy), self._workload(pl_module)
-        memory = MemoryModel(model.config, str(next(model.parameters()).dtype), self._optimizer_name(trainer),
-                             rollout_backend=work.backend, reference_model=work.reference_model,
-                             reuse_kv=getattr(work, "reuse_kv", True),
-                             scored_last_layer=getattr(work, "scored_last_layer", False))
+        memory = MemoryModel(
+            model.config,
+            str(next(model.parameters()).dtype),
+            self._optimizer_name(trainer),
+            rollout_backend=work.backend,
+            reference_model=work.reference_model,
+            reuse_kv=getattr(work, "reuse_kv", True),
+            scored_last_layer=getattr(work, "scored_last_layer", False),
+        )
         self._default_context = float(work.max_context_tokens)
         per_stage = self._candidates(strategy, memory, work)
         if self.table is None and self.profile_budget_s is not None:
             self.table = self._profile(trainer, pl_module, model, per_stage, work)
-        self.selector = Selector(per_stage, memory, self.table, self._budget_bytes(trainer),
-                                 safety_margin=self.safety_margin, hysteresis=self.hysteresis,
-                                 amortize_steps=self.amortize_steps)
+        self.selector = Selector(
+            per_stage,
+            memory,
+            self.table,
+            self._budget_bytes(trainer),
+            safety_margin=self.safety_margin,
+            hysteresis=self.hysteresis,
+            amortize_steps=self.amortize_steps,
+        )
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
         strategy.register_selector(_StageSelector(self))
-        rank_zero_info(f"AdaptiveParallelism: budget {self.selector.budget_bytes / GIB:.2f} GiB per device, "
-                       f"candidates { {s: [layout_key(c) for c in v] for s, v in per_stage.items()} }, "
-                       f"profile: {'none' if self.table is None else f'{len(self.table)} cells'}")
+        rank_zero_info(
+            f"AdaptiveParallelism: budget {self.selector.budget_bytes / GIB:.2f} GiB per device, "
+            f"candidates { {s: [layout_key(c) for c in v] for s, v in per_stage.items()} }, "
+            f"profile: {'none' if self.table is None else f'{len(self.table)} cells'}"
+        )
         return self.selector
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         decisions, self._step_decisions = self._step_decisions, {}
         if trainer.global_rank != 0 or not decisions:
             return
@@ -186,8 +254,14 @@ class AdaptiveParallelism(StageOOMHandler):
                 for stage, d in decisions.items():
                     logger.experiment.add_text(f"layout/{stage}", _describe(d), trainer.global_step)
 
-    def on_stage_oom(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str,
-                     stats: Mapping[str, Any] | None, err: BaseException) -> bool:
+    def on_stage_oom(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        stage: str,
+        stats: Mapping[str, Any] | None,
+        err: BaseException,
+    ) -> bool:
         """Mark the stage's current layout infeasible at this size; True when another layout is left."""
         if self.selector is None or stage not in self.selector.last_decisions:
             return False
@@ -195,29 +269,47 @@ class AdaptiveParallelism(StageOOMHandler):
         full = self.complete_stats(stage, stats)
         bucket = bucket_of(full)
         self.selector.mark_infeasible(stage, bucket, failed)
-        left = [layout_key(c) for c in self.selector.candidates(stage)
-                if not self.selector.is_infeasible(stage, bucket, c)
-                and self.selector.estimate(stage, c, full).total <= self.selector.usable_bytes]
-        self.oom_events.append(dict(step=trainer.global_step, stage=stage, layout=layout_key(failed),
-                                    error=f"{type(err).__name__}: {str(err)[:200]}", left=left))
-        rank_zero_warn(f"out of memory in stage {stage!r} under {layout_key(failed)} ({type(err).__name__}: "
-                       f"{str(err)[:120]}); marked infeasible at context<={bucket.context}, "
-                       f"num_seqs<={bucket.num_seqs}; " + (f"retrying with one of {left}" if left else
-                                                            "no other layout fits: giving up"))
+        left = [
+            layout_key(c)
+            for c in self.selector.candidates(stage)
+            if not self.selector.is_infeasible(stage, bucket, c)
+            and self.selector.estimate(stage, c, full).total <= self.selector.usable_bytes
+        ]
+        self.oom_events.append(
+            dict(
+                step=trainer.global_step,
+                stage=stage,
+                layout=layout_key(failed),
+                error=f"{type(err).__name__}: {str(err)[:200]}",
+                left=left,
+            )
+        )
+        rank_zero_warn(
+            f"out of memory in stage {stage!r} under {layout_key(failed)} ({type(err).__name__}: "
+            f"{str(err)[:120]}); marked infeasible at context<={bucket.context}, "
+            f"num_seqs<={bucket.num_seqs}; "
+            + (f"retrying with one of {left}" if left else "no other layout fits: giving up")
+        )
         return bool(left)
 
     # ---- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         if self.selector is None:
             return dict(self._pending_state or {})
-        return {"version": STATE_VERSION, "selector": self.selector.state_dict(), "last_context": self._last_context}
+        return {
+            "version": STATE_VERSION,
+            "selector": self.selector.state_dict(),
+            "last_context": self._last_context,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
         if state_dict.get("version") != STATE_VERSION:
-            raise ValueError(f"AdaptiveParallelism state must have version {STATE_VERSION}, "
-                             f"got {state_dict.get('version')!r}")
+            raise ValueError(
+                f"AdaptiveParallelism state must have version {STATE_VERSION}, "
+                f"got {state_dict.get('version')!r}"
+            )
         if self.selector is None:  # restored before fit start: applied once the selector exists
             self._pending_state = dict(state_dict)
         else:
@@ -251,15 +343,27 @@ class AdaptiveParallelism(StageOOMHandler):
         d = self.selector.decide(stage, full, current)
         self._step_decisions[stage] = d
         step = self._trainer.global_step if self._trainer is not None else 0
-        self.history.append(dict(step=step, stage=stage, layout=layout_key(d.layout), switched=d.switched,
-                                 predicted_bytes=d.predicted_bytes, predicted_tokens_per_s=d.predicted_tokens_per_s,
-                                 reason=d.reason, context_mean=full["context_mean"], num_seqs=full["num_seqs"]))
+        self.history.append(
+            dict(
+                step=step,
+                stage=stage,
+                layout=layout_key(d.layout),
+                switched=d.switched,
+                predicted_bytes=d.predicted_bytes,
+                predicted_tokens_per_s=d.predicted_tokens_per_s,
+                reason=d.reason,
+                context_mean=full["context_mean"],
+                num_seqs=full["num_seqs"],
+            )
+        )
         if self._trainer is not None:  # the strategy logs these with the stage's layout
             metrics = self._trainer.strategy.stage_metrics
             metrics[f"layout/{stage}/predicted_mib"] = d.predicted_bytes / 2**20
             metrics[f"layout/{stage}/micro_batch_tokens"] = float(d.layout.micro_batch_tokens)
             if stage == "train":
-                metrics["layout/train/activation_checkpointing"] = float(d.layout.activation_checkpointing)
+                metrics["layout/train/activation_checkpointing"] = float(
+                    d.layout.activation_checkpointing
+                )
             metrics[f"layout/{stage}/switched"] = float(d.switched)
             if d.predicted_tokens_per_s is not None:
                 metrics[f"layout/{stage}/predicted_tokens_per_s"] = float(d.predicted_tokens_per_s)
@@ -269,8 +373,10 @@ class AdaptiveParallelism(StageOOMHandler):
     @staticmethod
     def _workload(pl_module: L.LightningModule) -> Workload:
         if not isinstance(pl_module, WorkloadSource):
-            raise ValueError(f"AdaptiveParallelism sizes layouts from the module's declared `workload` and "
-                             f"`tokenizer` (AgenticRLModule has both); {type(pl_module).__name__} lacks them")
+            raise ValueError(
+                f"AdaptiveParallelism sizes layouts from the module's declared `workload` and "
+                f"`tokenizer` (AgenticRLModule has both); {type(pl_module).__name__} lacks them"
+            )
         return pl_module.workload
 
     @staticmethod
@@ -281,8 +387,10 @@ class AdaptiveParallelism(StageOOMHandler):
             model = getattr(pl_module, attr, None)
             if isinstance(model, PreTrainedModel):
                 return model
-        raise ValueError(f"AdaptiveParallelism sizes layouts from the module's HF model; none of the strategy's "
-                         f"`model_attrs` {list(strategy.model_attrs)} holds one on {type(pl_module).__name__}")
+        raise ValueError(
+            f"AdaptiveParallelism sizes layouts from the module's HF model; none of the strategy's "
+            f"`model_attrs` {list(strategy.model_attrs)} holds one on {type(pl_module).__name__}"
+        )
 
     @staticmethod
     def _optimizer_name(trainer: L.Trainer) -> str:
@@ -308,7 +416,9 @@ class AdaptiveParallelism(StageOOMHandler):
         base = int(work.micro_batch_tokens)
         return sorted({max(1, base // f) for f in (1, 2, 4)}, reverse=True)
 
-    def _candidates(self, strategy: Any, memory: MemoryModel, work: Workload) -> dict[str, list[Layout]]:
+    def _candidates(
+        self, strategy: Any, memory: MemoryModel, work: Workload
+    ) -> dict[str, list[Layout]]:
         z, world = memory.sizes, strategy.world_size
         if self.candidates == "auto":
             places = Layout.factorizations(world, z.num_heads, z.num_kv_heads)
@@ -333,13 +443,23 @@ class AdaptiveParallelism(StageOOMHandler):
 
         layouts = list({layout_key(c): c for s in STAGES for c in per_stage[s]}.values())
         top = int(self._default_context) if self._default_context > 1 else 4096
-        contexts = self.profile_contexts or [c for c in (256, 1024, 4096, 16384, 65536) if c <= max(top, 256)]
-        grid = ProfileGrid(contexts=contexts, num_seqs=[_batch_size(trainer)], gen_len=int(work.max_new_tokens))
+        contexts = self.profile_contexts or [
+            c for c in (256, 1024, 4096, 16384, 65536) if c <= max(top, 256)
+        ]
+        grid = ProfileGrid(
+            contexts=contexts, num_seqs=[_batch_size(trainer)], gen_len=int(work.max_new_tokens)
+        )
         dtype, config = next(model.parameters()).dtype, model.config
-        run = profile_stages(lambda: AutoModelForCausalLM.from_config(config).to(dtype), pl_module.tokenizer,
-                             layouts=layouts, grid=grid, model_name=getattr(config, "_name_or_path", "") or "model",
-                             budget_s=self.profile_budget_s, device=trainer.strategy.root_device,
-                             scored_last_layer=getattr(work, "scored_last_layer", False))
+        run = profile_stages(
+            lambda: AutoModelForCausalLM.from_config(config).to(dtype),
+            pl_module.tokenizer,
+            layouts=layouts,
+            grid=grid,
+            model_name=getattr(config, "_name_or_path", "") or "model",
+            budget_s=self.profile_budget_s,
+            device=trainer.strategy.root_device,
+            scored_last_layer=getattr(work, "scored_last_layer", False),
+        )
         if self.profile_out and trainer.global_rank == 0:
             out = Path(self.profile_out)
             out = out if out.is_absolute() else Path(trainer.default_root_dir) / out
@@ -368,10 +488,12 @@ def _batch_size(trainer: L.Trainer) -> int:
 
 def _describe(d: Decision) -> str:
     tps = f"{d.predicted_tokens_per_s:.0f} tok/s" if d.predicted_tokens_per_s else "no profile"
-    return (f"**{layout_key(d.layout)}** (dp={d.layout.dp}, tp={d.layout.tp}, micro_batch_tokens="
-            f"{d.layout.micro_batch_tokens}, activation_checkpointing={d.layout.activation_checkpointing}); "
-            f"predicted {d.predicted_bytes / 2**20:.1f} MiB, {tps}; "
-            f"bucket context<={d.bucket.context}, num_seqs<={d.bucket.num_seqs}. {d.reason}")
+    return (
+        f"**{layout_key(d.layout)}** (dp={d.layout.dp}, tp={d.layout.tp}, micro_batch_tokens="
+        f"{d.layout.micro_batch_tokens}, activation_checkpointing={d.layout.activation_checkpointing}); "
+        f"predicted {d.predicted_bytes / 2**20:.1f} MiB, {tps}; "
+        f"bucket context<={d.bucket.context}, num_seqs<={d.bucket.num_seqs}. {d.reason}"
+    )
 
 
 __all__ = ["AdaptiveParallelism"]

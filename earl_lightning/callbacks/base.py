@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 
@@ -18,8 +19,14 @@ from earl_lightning.parallel.memory import Workload
 class StageOOMHandler(L.Callback):
     """Base of callbacks that recover a stage from an out-of-memory error."""
 
-    def on_stage_oom(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str,
-                     stats: Optional[Mapping[str, Any]], err: BaseException) -> bool:
+    def on_stage_oom(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        stage: str,
+        stats: Mapping[str, Any] | None,
+        err: BaseException,
+    ) -> bool:
         """Called on every rank after stage ``stage`` ran out of memory on some rank; return True
         when the stage should run again (e.g. the layout that failed was marked infeasible)."""
         return False

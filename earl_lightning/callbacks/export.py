@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -33,10 +33,10 @@ class ExportModel(L.Callback):
         enabled: false: write nothing.
     """
 
-    def __init__(self, dirpath: Optional[str] = None, enabled: bool = True) -> None:
+    def __init__(self, dirpath: str | None = None, enabled: bool = True) -> None:
         self.dirpath = dirpath
         self.enabled = enabled
-        self.last_path: Optional[Path] = None  # where the last fit's model was written
+        self.last_path: Path | None = None  # where the last fit's model was written
 
     def resolve_dirpath(self, trainer: L.Trainer) -> Path:
         if self.dirpath is not None:
@@ -50,13 +50,19 @@ class ExportModel(L.Callback):
         if not self.enabled:
             return
         if not isinstance(pl_module, PretrainedSource):
-            raise TypeError(f"ExportModel needs a module with `policy` and `tokenizer` (a causal LM and its "
-                            f"tokenizer); {type(pl_module).__name__} has not")
+            raise TypeError(
+                f"ExportModel needs a module with `policy` and `tokenizer` (a causal LM and its "
+                f"tokenizer); {type(pl_module).__name__} has not"
+            )
         out = Path(trainer.strategy.broadcast(str(self.resolve_dirpath(trainer))))
-        state = gather_state_dict(pl_module.policy, keep=trainer.is_global_zero)  # every rank: a collective
+        state = gather_state_dict(
+            pl_module.policy, keep=trainer.is_global_zero
+        )  # every rank: a collective
         if trainer.is_global_zero:
             write_pretrained(pl_module.policy, pl_module.tokenizer, out, state)
-            print(f"earl: the trained model is in {str(out)!r} (save_pretrained: transformers, vLLM, "
-                  f"--model.model)")
+            print(
+                f"earl: the trained model is in {str(out)!r} (save_pretrained: transformers, vLLM, "
+                f"--model.model)"
+            )
         trainer.strategy.barrier("earl_export")
         self.last_path = out

@@ -45,8 +45,14 @@ class StepProgressBar(TQDMProgressBar):
         if trainer.max_steps <= 0:
             super().on_train_epoch_start(trainer, *args)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
         if trainer.max_steps <= 0:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return
@@ -55,9 +61,21 @@ class StepProgressBar(TQDMProgressBar):
             bar.n = trainer.global_step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws the bar
 
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         super().on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
         # One evaluation loader: say which step is being evaluated rather than "DataLoader 0".
-        if not trainer.sanity_checking and trainer.state.fn == "fit" and len(trainer.num_val_batches) == 1:
-            self.val_progress_bar.set_description(f"{self.validation_description} at step {trainer.global_step}")
+        if (
+            not trainer.sanity_checking
+            and trainer.state.fn == "fit"
+            and len(trainer.num_val_batches) == 1
+        ):
+            self.val_progress_bar.set_description(
+                f"{self.validation_description} at step {trainer.global_step}"
+            )

@@ -7,8 +7,9 @@ any part of the package is imported.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from earl_lightning.registry import Registry
 
@@ -53,9 +54,11 @@ class _NotCallable(ValueError):
     def __init__(self, arg: str, obj: Any, path: str = "") -> None:
         self.obj = obj
         where = f" {path!r}" if path else ""
-        super().__init__(f"`{arg}`{where} is {obj!r:.80} (type {type(obj).__name__}), which is not "
-                         f"callable; an environment import path must name an Env class or a function "
-                         f"that returns an Env")
+        super().__init__(
+            f"`{arg}`{where} is {obj!r:.80} (type {type(obj).__name__}), which is not "
+            f"callable; an environment import path must name an Env class or a function "
+            f"that returns an Env"
+        )
 
 
 def _as_factory(obj: Any, arg: str) -> Callable[..., Env]:
@@ -83,8 +86,10 @@ def make_env(name: str, arg: str = "env", **kwargs: Any) -> Env:
     name came from; every error names it."""
     env = _factory(name, arg)(**kwargs)
     if not isinstance(env, Env):
-        raise ValueError(f"`{arg}` {name!r} built a {type(env).__name__}, which does not implement the Env "
-                         f"protocol (reset(seed) -> str, step(action) -> StepResult)")
+        raise ValueError(
+            f"`{arg}` {name!r} built a {type(env).__name__}, which does not implement the Env "
+            f"protocol (reset(seed) -> str, step(action) -> StepResult)"
+        )
     return env
 
 

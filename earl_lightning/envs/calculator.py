@@ -16,12 +16,20 @@ import ast
 import operator
 import random
 import re
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable, Literal
+from typing import Literal
 
 from earl_lightning.envs.base import StepResult, register_env
-from earl_lightning.envs.parsing import (build_env, check_choice, check_finite, check_non_negative_int, check_seed,
-                                         find_call, read_int)
+from earl_lightning.envs.parsing import (
+    build_env,
+    check_choice,
+    check_finite,
+    check_non_negative_int,
+    check_seed,
+    find_call,
+    read_int,
+)
 
 MAX_EXPR_CHARS = 200
 MAX_EXPONENT = 16
@@ -29,8 +37,12 @@ MAX_EXPONENT = 16
 MAX_ABS = 10**18
 
 _BINOPS: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
 }
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
@@ -74,7 +86,9 @@ def _eval(node: ast.AST) -> Fraction:
 
 def _power(base: Fraction, exponent: Fraction) -> Fraction:
     if exponent.denominator != 1 or abs(exponent) > MAX_EXPONENT:
-        raise CalcError(f"exponent must be an integer of size at most {MAX_EXPONENT}, got {exponent}")
+        raise CalcError(
+            f"exponent must be an integer of size at most {MAX_EXPONENT}, got {exponent}"
+        )
     # Checked before computing: a bounded base to a small exponent is at most ~1e288, cheap.
     return _bounded(base ** int(exponent))
 
@@ -135,10 +149,15 @@ class CalculatorEnv:
     ``info["correct"]`` tells whether the final answer was right.
     """
 
-    def __init__(self, max_tool_calls: int = 3,
-                 difficulty: Literal["easy", "medium", "hard"] = "easy",
-                 correct_reward: float = 1.0, wrong_reward: float = 0.0,
-                 invalid_reward: float = -1.0, protocol: Literal["tools", "text"] = "tools") -> None:
+    def __init__(
+        self,
+        max_tool_calls: int = 3,
+        difficulty: Literal["easy", "medium", "hard"] = "easy",
+        correct_reward: float = 1.0,
+        wrong_reward: float = 0.0,
+        invalid_reward: float = -1.0,
+        protocol: Literal["tools", "text"] = "tools",
+    ) -> None:
         self.max_tool_calls = check_non_negative_int(max_tool_calls, "max_tool_calls")
         self.difficulty = check_choice(difficulty, "difficulty", tuple(_TEMPLATES))
         self.correct_reward = check_finite(correct_reward, "correct_reward")
@@ -155,8 +174,9 @@ class CalculatorEnv:
         self._done = False
         if self.protocol == "tools":
             return f"What is {self.question}? Answer with the number."
-        return (f"What is {self.question}? Use calc(expr) for a calculator, "
-                "then answer with answer(N).")
+        return (
+            f"What is {self.question}? Use calc(expr) for a calculator, then answer with answer(N)."
+        )
 
     def tools(self) -> list:
         """The calculator tool (``tools`` protocol; none for ``text``)."""
@@ -186,28 +206,39 @@ class CalculatorEnv:
             return self._calc(call[1])
         number = _number(call[1]) if call is not None else None
         if number is None:
-            return self._end("Invalid: use calc(expr) or answer(N).", self.invalid_reward,
-                             invalid_action=True)
+            return self._end(
+                "Invalid: use calc(expr) or answer(N).", self.invalid_reward, invalid_action=True
+            )
         correct = number == self.answer
         text = "Correct." if correct else f"Wrong, the answer is {self.answer}."
-        return self._end(text, self.correct_reward if correct else self.wrong_reward,
-                         correct=correct)
+        return self._end(
+            text, self.correct_reward if correct else self.wrong_reward, correct=correct
+        )
 
     def _final(self, text: str) -> StepResult:
         """``tools``: the model's message without a tool call is its answer, a bare integer."""
         number = _number(text)
         if number is None:
-            return self._end("Invalid: answer with the number.", self.invalid_reward, invalid_action=True)
+            return self._end(
+                "Invalid: answer with the number.", self.invalid_reward, invalid_action=True
+            )
         correct = number == self.answer
-        return self._end("Correct." if correct else f"Wrong, the answer is {self.answer}.",
-                         self.correct_reward if correct else self.wrong_reward, correct=correct,
-                         truncated_tools=self._calls > self.max_tool_calls)
+        return self._end(
+            "Correct." if correct else f"Wrong, the answer is {self.answer}.",
+            self.correct_reward if correct else self.wrong_reward,
+            correct=correct,
+            truncated_tools=self._calls > self.max_tool_calls,
+        )
 
     def _calc(self, expr: str) -> StepResult:
         self._calls += 1
         if self._calls > self.max_tool_calls:
-            return self._end(f"Too many calc calls (max {self.max_tool_calls}).",
-                             self.wrong_reward, truncated_tools=True, correct=False)
+            return self._end(
+                f"Too many calc calls (max {self.max_tool_calls}).",
+                self.wrong_reward,
+                truncated_tools=True,
+                correct=False,
+            )
         try:
             text = f"calc: {format_number(safe_eval(expr))}"
         except CalcError as err:
@@ -216,8 +247,12 @@ class CalculatorEnv:
 
     def _end(self, text: str, reward: float, *, invalid_action: bool = False, **info) -> StepResult:
         self._done = True
-        return StepResult(text, reward, True, {"invalid_action": invalid_action,
-                                                "tool_calls": self._calls, **info})
+        return StepResult(
+            text,
+            reward,
+            True,
+            {"invalid_action": invalid_action, "tool_calls": self._calls, **info},
+        )
 
 
 @register_env("calculator")

@@ -12,13 +12,38 @@ import random
 import re
 
 from earl_lightning.envs.base import StepResult, register_env
-from earl_lightning.envs.parsing import build_env, check_finite, check_non_negative_int, check_seed, read_int
+from earl_lightning.envs.parsing import (
+    build_env,
+    check_finite,
+    check_non_negative_int,
+    check_seed,
+    read_int,
+)
 
-ITEMS = ("apples", "bananas", "cherries", "dates", "figs", "grapes", "kiwis", "lemons", "limes", "mangoes",
-         "melons", "oranges", "pears", "plums", "peaches", "apricots")
+ITEMS = (
+    "apples",
+    "bananas",
+    "cherries",
+    "dates",
+    "figs",
+    "grapes",
+    "kiwis",
+    "lemons",
+    "limes",
+    "mangoes",
+    "melons",
+    "oranges",
+    "pears",
+    "plums",
+    "peaches",
+    "apricots",
+)
 FIELDS = ("price", "stock", "weight")
-QUESTIONS = {"price": "What does one {} cost?", "stock": "How many {} are in stock?",
-             "weight": "How much does one {} weigh?"}
+QUESTIONS = {
+    "price": "What does one {} cost?",
+    "stock": "How many {} are in stock?",
+    "weight": "How much does one {} weigh?",
+}
 _INTEGER = re.compile(r"\s*([+-]?\d+)\s*")
 
 
@@ -35,8 +60,14 @@ class InventoryEnv:
     the one the question asks for; None when no tool was called).
     """
 
-    def __init__(self, num_items: int = 8, max_tool_calls: int = 3, correct_reward: float = 1.0,
-                 wrong_reward: float = 0.0, invalid_reward: float = -1.0) -> None:
+    def __init__(
+        self,
+        num_items: int = 8,
+        max_tool_calls: int = 3,
+        correct_reward: float = 1.0,
+        wrong_reward: float = 0.0,
+        invalid_reward: float = -1.0,
+    ) -> None:
         self.num_items = check_non_negative_int(num_items, "num_items")
         if not 1 <= self.num_items <= len(ITEMS):
             raise ValueError(f"`num_items` must be in [1, {len(ITEMS)}], got {num_items!r}")
@@ -100,17 +131,26 @@ class InventoryEnv:
         return str(row[field])
 
     def step(self, action: str) -> StepResult:
-        info = {"tool_calls": self._calls,
-                "right_tool": None if self.first_tool is None else self.first_tool == self.asked}
+        info = {
+            "tool_calls": self._calls,
+            "right_tool": None if self.first_tool is None else self.first_tool == self.asked,
+        }
         match = _INTEGER.fullmatch(action)
         number = None if match is None else read_int(match.group(1))
         if number is None:
-            return StepResult("Invalid: answer with the number.", self.invalid_reward, True,
-                              {**info, "invalid_action": True, "correct": False})
+            return StepResult(
+                "Invalid: answer with the number.",
+                self.invalid_reward,
+                True,
+                {**info, "invalid_action": True, "correct": False},
+            )
         correct = number == self.answer
-        return StepResult("Correct." if correct else f"Wrong, the answer is {self.answer}.",
-                          self.correct_reward if correct else self.wrong_reward, True,
-                          {**info, "invalid_action": False, "correct": correct})
+        return StepResult(
+            "Correct." if correct else f"Wrong, the answer is {self.answer}.",
+            self.correct_reward if correct else self.wrong_reward,
+            True,
+            {**info, "invalid_action": False, "correct": correct},
+        )
 
 
 @register_env("inventory")

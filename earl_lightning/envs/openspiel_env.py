@@ -17,16 +17,26 @@ from __future__ import annotations
 import functools
 import random
 import re
-from typing import Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 import pyspiel
 from open_spiel.python.algorithms import mcts
 
 from earl_lightning.envs.base import Env, StepResult, register_env
-from earl_lightning.envs.parsing import (Seat, agent_player, build_env, check_choice, check_finite,
-                                         check_non_negative_int, check_positive_int, check_seat, check_seed,
-                                         first_int)
+from earl_lightning.envs.parsing import (
+    Seat,
+    agent_player,
+    build_env,
+    check_choice,
+    check_finite,
+    check_non_negative_int,
+    check_positive_int,
+    check_seat,
+    check_seed,
+    first_int,
+)
 
 # Marks as OpenSpiel prints them for player 0 / player 1; other games say "player 0".
 _MARKS = {"connect_four": ("x", "o"), "tic_tac_toe": ("x", "o")}
@@ -41,13 +51,18 @@ def suitable_games() -> tuple[str, ...]:
     """Registered OpenSpiel games this env can play: 2 players, sequential, deterministic,
     perfect information, reward only at the end (read from the game types, nothing loaded)."""
     T = pyspiel.GameType
-    return tuple(sorted(
-        t.short_name for t in pyspiel.registered_games()
-        if t.short_name not in _NOT_STANDALONE and t.min_num_players <= 2 <= t.max_num_players
-        and t.dynamics == T.Dynamics.SEQUENTIAL
-        and t.chance_mode == T.ChanceMode.DETERMINISTIC
-        and t.information == T.Information.PERFECT_INFORMATION
-        and t.reward_model == T.RewardModel.TERMINAL))
+    return tuple(
+        sorted(
+            t.short_name
+            for t in pyspiel.registered_games()
+            if t.short_name not in _NOT_STANDALONE
+            and t.min_num_players <= 2 <= t.max_num_players
+            and t.dynamics == T.Dynamics.SEQUENTIAL
+            and t.chance_mode == T.ChanceMode.DETERMINISTIC
+            and t.information == T.Information.PERFECT_INFORMATION
+            and t.reward_model == T.RewardModel.TERMINAL
+        )
+    )
 
 
 def load_two_player_game(game: str, arg: str = "game") -> pyspiel.Game:
@@ -56,20 +71,26 @@ def load_two_player_game(game: str, arg: str = "game") -> pyspiel.Game:
         raise ValueError(f"`{arg}` must be an OpenSpiel game name, got {game!r}")
     short = game.split("(", 1)[0].strip()
     if short not in pyspiel.registered_names():
-        raise ValueError(f"unknown `{arg}` {game!r}; suitable OpenSpiel games: {list(suitable_games())}")
+        raise ValueError(
+            f"unknown `{arg}` {game!r}; suitable OpenSpiel games: {list(suitable_games())}"
+        )
     try:
         loaded = pyspiel.load_game(game)
     except pyspiel.SpielError as err:
         raise ValueError(f"`{arg}` {game!r} could not be loaded by OpenSpiel: {err}") from err
     t = loaded.get_type()
     T = pyspiel.GameType
-    if (loaded.num_players() != 2 or t.dynamics != T.Dynamics.SEQUENTIAL
-            or t.chance_mode != T.ChanceMode.DETERMINISTIC
-            or t.information != T.Information.PERFECT_INFORMATION
-            or t.reward_model != T.RewardModel.TERMINAL):
+    if (
+        loaded.num_players() != 2
+        or t.dynamics != T.Dynamics.SEQUENTIAL
+        or t.chance_mode != T.ChanceMode.DETERMINISTIC
+        or t.information != T.Information.PERFECT_INFORMATION
+        or t.reward_model != T.RewardModel.TERMINAL
+    ):
         raise ValueError(
             f"`{arg}` {game!r} is not a 2-player, sequential, deterministic, perfect-information "
-            f"game with terminal rewards; suitable OpenSpiel games: {list(suitable_games())}")
+            f"game with terminal rewards; suitable OpenSpiel games: {list(suitable_games())}"
+        )
     return loaded
 
 
@@ -108,10 +129,18 @@ class OpenSpielEnv:
             mid-game positions. 0 (default) starts from the initial position.
     """
 
-    def __init__(self, game: str = "connect_four", opponent: Literal["random", "win_or_random", "mcts"] = "random",
-                 mcts_simulations: int = 50, mcts_rollouts: int = 1, seat: Seat = "alternate",
-                 invalid_reward: float = -1.0, legal_move_reward: float = 0.0,
-                 legal_format: Literal["slots", "list"] = "slots", random_opening: int = 0) -> None:
+    def __init__(
+        self,
+        game: str = "connect_four",
+        opponent: Literal["random", "win_or_random", "mcts"] = "random",
+        mcts_simulations: int = 50,
+        mcts_rollouts: int = 1,
+        seat: Seat = "alternate",
+        invalid_reward: float = -1.0,
+        legal_move_reward: float = 0.0,
+        legal_format: Literal["slots", "list"] = "slots",
+        random_opening: int = 0,
+    ) -> None:
         self.game_name = game
         self.game = load_two_player_game(game)
         self.opponent = check_choice(opponent, "opponent", OPPONENTS)
@@ -148,16 +177,26 @@ class OpenSpielEnv:
         if chosen is None or chosen not in legal:
             # An illegal move forfeits the game, so win-rate metrics count it as a loss.
             self._done = True
-            return StepResult(f"Invalid move. Legal: {_join(legal)}", self.invalid_reward, True,
-                              {"invalid_action": True, "outcome": "loss"})
+            return StepResult(
+                f"Invalid move. Legal: {_join(legal)}",
+                self.invalid_reward,
+                True,
+                {"invalid_action": True, "outcome": "loss"},
+            )
         state.apply_action(chosen)
         played = self._play_opponent()
         if state.is_terminal():
             self._done = True
             outcome, reward = _outcome(state.returns(), self._agent)
-            return StepResult(self._observation(played, outcome), reward + self.legal_move_reward, True,
-                              {"invalid_action": False, "outcome": outcome})
-        return StepResult(self._observation(played), self.legal_move_reward, False, {"invalid_action": False})
+            return StepResult(
+                self._observation(played, outcome),
+                reward + self.legal_move_reward,
+                True,
+                {"invalid_action": False, "outcome": outcome},
+            )
+        return StepResult(
+            self._observation(played), self.legal_move_reward, False, {"invalid_action": False}
+        )
 
     # ---- internals -----------------------------------------------------------------------
     def _make_opponent(self, seed: int) -> Callable[[pyspiel.State], int]:
@@ -245,8 +284,12 @@ def _make_openspiel(**kwargs) -> Env:
 
 @register_env("connect_four")
 def _make_connect_four(**kwargs) -> Env:
-    return build_env(functools.partial(OpenSpielEnv, game="connect_four"), "connect_four", kwargs,
-                     fixed=("game",))
+    return build_env(
+        functools.partial(OpenSpielEnv, game="connect_four"),
+        "connect_four",
+        kwargs,
+        fixed=("game",),
+    )
 
 
 # ---- scripted baselines ------------------------------------------------------------------
@@ -276,8 +319,9 @@ def preference_policy(order: Sequence[int] = (3, 2, 4, 1, 5, 0, 6)) -> Callable[
     return policy
 
 
-def evaluate_policy(env: Env, policy: Callable[[str], str], seeds: Sequence[int],
-                    max_steps: int = 1000) -> dict[str, float]:
+def evaluate_policy(
+    env: Env, policy: Callable[[str], str], seeds: Sequence[int], max_steps: int = 1000
+) -> dict[str, float]:
     """Play one episode per seed; return the fractions of ``win``/``draw``/``loss``/``invalid``
     and the ``mean_reward``."""
     counts = {"win": 0, "draw": 0, "loss": 0, "invalid": 0}

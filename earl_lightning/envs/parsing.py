@@ -9,11 +9,12 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from typing import Any, Callable, Literal, TypeVar, Union
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, Union
 
 E = TypeVar("E")
 
-Seat = Union[Literal["alternate"], int]
+Seat = Union[Literal["alternate"], int]  # noqa: UP007 - an alias jsonargparse reads at run time
 
 _FIRST_INT = re.compile(r"\d+")
 
@@ -114,8 +115,9 @@ def check_choice(value: object, arg: str, allowed: tuple[str, ...]) -> str:
     return value  # type: ignore[return-value]
 
 
-def build_env(factory: Callable[..., E], env: str, kwargs: dict[str, Any],
-              fixed: tuple[str, ...] = ()) -> E:
+def build_env(
+    factory: Callable[..., E], env: str, kwargs: dict[str, Any], fixed: tuple[str, ...] = ()
+) -> E:
     """Call ``factory(**kwargs)``, turning a misspelt keyword into a ValueError that lists the
     valid ones (``env_kwargs`` come from YAML, where a typo would otherwise be a bare TypeError).
     ``fixed`` names parameters the registered name already decides."""

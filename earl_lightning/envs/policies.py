@@ -26,7 +26,8 @@ import inspect
 import json
 import random
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from earl_lightning.envs.calculator import CalcError, safe_eval
 from earl_lightning.envs.openspiel_env import legal_from_observation, preference_policy
@@ -40,8 +41,10 @@ def _as_factory(obj: Any, arg: str) -> PolicyFactory:
     if inspect.isclass(obj):
         return obj
     if not callable(obj):
-        raise ValueError(f"`{arg}` is {obj!r:.80} (type {type(obj).__name__}), which is not callable; a "
-                         f"demonstration policy is a callable `observation -> action text` or a class building one")
+        raise ValueError(
+            f"`{arg}` is {obj!r:.80} (type {type(obj).__name__}), which is not callable; a "
+            f"demonstration policy is a callable `observation -> action text` or a class building one"
+        )
     return _Fixed(obj)
 
 
@@ -53,14 +56,20 @@ class _Fixed:
 
     def __call__(self, **kwargs: Any) -> Policy:
         if kwargs:
-            raise TypeError(f"a plain policy function takes no keyword arguments, got {sorted(kwargs)}")
+            raise TypeError(
+                f"a plain policy function takes no keyword arguments, got {sorted(kwargs)}"
+            )
         return self.policy
 
 
-DEMONSTRATION_POLICIES: Registry[PolicyFactory] = Registry("demonstration policies", adapt=_as_factory)
+DEMONSTRATION_POLICIES: Registry[PolicyFactory] = Registry(
+    "demonstration policies", adapt=_as_factory
+)
 
 
-def make_policy(name: str, kwargs: Mapping[str, Any] | None, seed: int, arg: str = "--data.policy") -> Policy:
+def make_policy(
+    name: str, kwargs: Mapping[str, Any] | None, seed: int, arg: str = "--data.policy"
+) -> Policy:
     """The policy registered as ``name`` (or at the import path ``name``) for one episode."""
     factory = DEMONSTRATION_POLICIES.get(name, arg)
     given = dict(kwargs or {})
@@ -70,16 +79,24 @@ def make_policy(name: str, kwargs: Mapping[str, Any] | None, seed: int, arg: str
     except (TypeError, ValueError):
         takes_seed = False
     try:
-        policy = factory(**({"seed": seed} if takes_seed and not isinstance(factory, _Fixed) else {}), **given)
+        policy = factory(
+            **({"seed": seed} if takes_seed and not isinstance(factory, _Fixed) else {}), **given
+        )
     except TypeError as err:
-        raise ValueError(f"`{arg}_kwargs` {given!r} do not fit demonstration policy {name!r}: {err}") from None
+        raise ValueError(
+            f"`{arg}_kwargs` {given!r} do not fit demonstration policy {name!r}: {err}"
+        ) from None
     if not callable(policy):
-        raise ValueError(f"`{arg}` {name!r} built {policy!r:.80}, which is not callable; a demonstration "
-                         f"policy is a callable `observation -> action text`")
+        raise ValueError(
+            f"`{arg}` {name!r} built {policy!r:.80}, which is not callable; a demonstration "
+            f"policy is a callable `observation -> action text`"
+        )
     return policy
 
 
-def check_policy_name(name: str, kwargs: Mapping[str, Any] | None, arg: str = "--data.policy") -> None:
+def check_policy_name(
+    name: str, kwargs: Mapping[str, Any] | None, arg: str = "--data.policy"
+) -> None:
     """Config-time check: the name resolves and its kwargs fit (one instance is built and dropped)."""
     make_policy(name, kwargs, 0, arg)
 
@@ -103,7 +120,9 @@ class RandomLegal:
     def _legal(observation: str) -> list[int]:
         legal = legal_from_observation(observation)
         if not legal:
-            raise ValueError(f"random_legal: the observation has no `Legal:` line to choose from: {observation!r:.120}")
+            raise ValueError(
+                f"random_legal: the observation has no `Legal:` line to choose from: {observation!r:.120}"
+            )
         return legal
 
 
@@ -130,17 +149,25 @@ class ImperfectCalculator:
     ``"text"`` writes ``calc(expr)`` and ``answer(N)``.
     """
 
-    def __init__(self, seed: int = 0, no_tool_share: float = 0.5, max_error: int = 9,
-                 protocol: str = "tools") -> None:
-        if isinstance(no_tool_share, bool) or not isinstance(no_tool_share, (int, float)) or \
-                not 0.0 <= no_tool_share <= 1.0:
+    def __init__(
+        self, seed: int = 0, no_tool_share: float = 0.5, max_error: int = 9, protocol: str = "tools"
+    ) -> None:
+        if (
+            isinstance(no_tool_share, bool)
+            or not isinstance(no_tool_share, (int, float))
+            or not 0.0 <= no_tool_share <= 1.0
+        ):
             raise ValueError(f"`no_tool_share` must be a number in [0, 1], got {no_tool_share!r}")
         if isinstance(max_error, bool) or not isinstance(max_error, int) or max_error < 1:
             raise ValueError(f"`max_error` must be an integer >= 1, got {max_error!r}")
         if protocol not in ("tools", "text"):
             raise ValueError(f"`protocol` must be 'tools' or 'text', got {protocol!r}")
         self.rng = random.Random(seed)
-        self.no_tool_share, self.max_error, self.protocol = float(no_tool_share), max_error, protocol
+        self.no_tool_share, self.max_error, self.protocol = (
+            float(no_tool_share),
+            max_error,
+            protocol,
+        )
 
     def __call__(self, observation: str) -> str:
         result = (_TOOL_RESULT if self.protocol == "tools" else _RESULT).match(observation)
@@ -148,21 +175,24 @@ class ImperfectCalculator:
             return self._answer(result.group(1))
         question = _QUESTION.search(observation)
         if question is None:
-            return self._answer("0")  # a calc error or anything unexpected: give up with some answer
+            return self._answer(
+                "0"
+            )  # a calc error or anything unexpected: give up with some answer
         expr = question.group(1)
         if self.rng.random() < self.no_tool_share:
             try:
                 right = int(safe_eval(expr))
             except CalcError:
                 right = 0
-            return self._answer(str(right + self.rng.choice([-1, 1]) * self.rng.randint(1, self.max_error)))
+            return self._answer(
+                str(right + self.rng.choice([-1, 1]) * self.rng.randint(1, self.max_error))
+            )
         if self.protocol == "tools":
-            return f'<tool_call>\n{json.dumps({"name": "calculate", "arguments": {"expression": expr}})}\n</tool_call>'
+            return f"<tool_call>\n{json.dumps({'name': 'calculate', 'arguments': {'expression': expr}})}\n</tool_call>"
         return f"calc({expr})"
 
     def _answer(self, number: str) -> str:
         return number if self.protocol == "tools" else f"answer({number})"
-
 
 
 _ASKS = {"cost": "price", "stock": "stock", "weigh": "weight"}
@@ -177,9 +207,14 @@ class ImperfectInventory:
     are written in the Hermes / Qwen format, the answer as the bare number."""
 
     def __init__(self, seed: int = 0, wrong_tool_share: float = 0.5) -> None:
-        if isinstance(wrong_tool_share, bool) or not isinstance(wrong_tool_share, (int, float)) or \
-                not 0.0 <= wrong_tool_share <= 1.0:
-            raise ValueError(f"`wrong_tool_share` must be a number in [0, 1], got {wrong_tool_share!r}")
+        if (
+            isinstance(wrong_tool_share, bool)
+            or not isinstance(wrong_tool_share, (int, float))
+            or not 0.0 <= wrong_tool_share <= 1.0
+        ):
+            raise ValueError(
+                f"`wrong_tool_share` must be a number in [0, 1], got {wrong_tool_share!r}"
+            )
         self.rng, self.wrong_tool_share = random.Random(seed), float(wrong_tool_share)
 
     def __call__(self, observation: str) -> str:
@@ -192,4 +227,4 @@ class ImperfectInventory:
         tool = asked
         if self.rng.random() < self.wrong_tool_share:
             tool = self.rng.choice([f for f in ("price", "stock", "weight") if f != asked])
-        return f'<tool_call>\n{json.dumps({"name": tool, "arguments": {"item": item.group(1)}})}\n</tool_call>'
+        return f"<tool_call>\n{json.dumps({'name': tool, 'arguments': {'item': item.group(1)}})}\n</tool_call>"

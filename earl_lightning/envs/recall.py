@@ -36,7 +36,9 @@ class RecallEnv:
         end_on_error: end the episode at the first wrong or missing answer.
     """
 
-    def __init__(self, num_turns: int = 10, lag: int = 1, padding_chars: int = 0, end_on_error: bool = False):
+    def __init__(
+        self, num_turns: int = 10, lag: int = 1, padding_chars: int = 0, end_on_error: bool = False
+    ):
         _check_int("num_turns", num_turns, 1)
         _check_int("lag", lag, 0)
         _check_int("padding_chars", padding_chars, 0)
@@ -52,7 +54,9 @@ class RecallEnv:
     def reset(self, seed: int) -> str:
         rng = random.Random(seed)
         self._digits = [rng.randrange(10) for _ in range(self.num_turns)]
-        self._fillers = ["".join(rng.choices(_FILLER_CHARS, k=self.padding_chars)) for _ in range(self.num_turns)]
+        self._fillers = [
+            "".join(rng.choices(_FILLER_CHARS, k=self.padding_chars)) for _ in range(self.num_turns)
+        ]
         self._turn, self._all_correct = 0, True
         return self._observation(0)
 
@@ -81,6 +85,8 @@ class RecallEnv:
         done = self._turn == self.num_turns or (self.end_on_error and correct is False)
         info: dict = {"invalid_action": expected is not None and answer is None, "correct": correct}
         if done:
-            info["outcome"] = "win" if self._all_correct and self._turn == self.num_turns else "loss"
+            info["outcome"] = (
+                "win" if self._all_correct and self._turn == self.num_turns else "loss"
+            )
         reward = 1.0 / self.num_turns if correct else 0.0
         return StepResult("" if done else self._observation(self._turn), reward, done, info)

@@ -17,11 +17,19 @@ from __future__ import annotations
 import contextlib
 import random
 import re
-from typing import Any, Callable, Iterator, Literal, Union
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 from earl_lightning.envs.base import StepResult, register_env
-from earl_lightning.envs.parsing import (Seat, agent_player, build_env, check_finite,
-                                         check_positive_int, check_seat, check_seed)
+from earl_lightning.envs.parsing import (
+    Seat,
+    agent_player,
+    build_env,
+    check_finite,
+    check_positive_int,
+    check_seat,
+    check_seed,
+)
 
 Policy = Callable[[str], str]
 _INSTALL = "pip install 'earl_lightning[textarena]'"
@@ -111,19 +119,27 @@ class TextArenaEnv:
         seat: ``"alternate"`` (agent is Player 0 and moves first on even seeds), or 0 / 1.
     """
 
-    def __init__(self, game: str = "TicTacToe-v0",
-                 opponent: Union[Literal["random"], Policy] = "random",
-                 invalid_reward: float = -1.0, max_turns: int = 100,
-                 seat: Seat = "alternate") -> None:
+    def __init__(
+        self,
+        game: str = "TicTacToe-v0",
+        opponent: Literal["random"] | Policy = "random",
+        invalid_reward: float = -1.0,
+        max_turns: int = 100,
+        seat: Seat = "alternate",
+    ) -> None:
         self._ta = _import_textarena()
         registry = self._ta.envs.registration.ENV_REGISTRY
         if not isinstance(game, str) or f"{game}-raw" not in registry:
-            raise ValueError(f"unknown `game` {game!r}; TextArena games with a random opponent: "
-                             f"{sorted(RANDOM_OPPONENT_GAMES)} (other two-player TextArena ids "
-                             "work with a callable `opponent`)")
+            raise ValueError(
+                f"unknown `game` {game!r}; TextArena games with a random opponent: "
+                f"{sorted(RANDOM_OPPONENT_GAMES)} (other two-player TextArena ids "
+                "work with a callable `opponent`)"
+            )
         if opponent == "random" and game not in RANDOM_OPPONENT_GAMES:
-            raise ValueError(f"`opponent` 'random' is not available for `game` {game!r}; it is for "
-                             f"{sorted(RANDOM_OPPONENT_GAMES)}; pass a callable opponent instead")
+            raise ValueError(
+                f"`opponent` 'random' is not available for `game` {game!r}; it is for "
+                f"{sorted(RANDOM_OPPONENT_GAMES)}; pass a callable opponent instead"
+            )
         if opponent != "random" and not callable(opponent):
             raise ValueError(f"`opponent` must be 'random' or a callable, got {opponent!r}")
         self.game, self.opponent = game, opponent
@@ -143,7 +159,9 @@ class TextArenaEnv:
         # TextArena signals a wrong player count with an assert; some of its games do not even
         # import on every Python version (SyntaxError). Either way this id is unusable here.
         except Exception as err:
-            raise ValueError(f"`game` {self.game!r} cannot be played as a two-player game: {err!r}") from err
+            raise ValueError(
+                f"`game` {self.game!r} cannot be played as a two-player game: {err!r}"
+            ) from err
         return env
 
     @contextlib.contextmanager
@@ -160,15 +178,19 @@ class TextArenaEnv:
     def reset(self, seed: int) -> str:
         seed = check_seed(seed)
         self._agent = agent_player(self.seat, seed)
-        self._policy = random_opponent(self.game, seed) if self.opponent == "random" else self.opponent
+        self._policy = (
+            random_opponent(self.game, seed) if self.opponent == "random" else self.opponent
+        )
         self._random_state = random.Random(seed).getstate()
         with self._private_random():
             self._env.reset(num_players=2, seed=seed)
         self._env.state.error_allowance = 0  # the Env protocol ends the episode on an invalid move
         self._turns, self._done = 0, False
         if self._play_opponent():
-            raise RuntimeError(f"{self.game}: the opponent ended the game before the agent moved "
-                               f"({self._env.state.game_info})")
+            raise RuntimeError(
+                f"{self.game}: the opponent ended the game before the agent moved "
+                f"({self._env.state.game_info})"
+            )
         return self._take_observation(self._agent)
 
     def step(self, action: str) -> StepResult:
@@ -181,9 +203,15 @@ class TextArenaEnv:
             return self._finish()
         if self._turns >= self.max_turns:
             self._done = True
-            return StepResult(self._take_observation(self._agent), 0.0, True,
-                              {"invalid_action": False, "truncated": True})
-        return StepResult(self._take_observation(self._agent), 0.0, False, {"invalid_action": False})
+            return StepResult(
+                self._take_observation(self._agent),
+                0.0,
+                True,
+                {"invalid_action": False, "truncated": True},
+            )
+        return StepResult(
+            self._take_observation(self._agent), 0.0, False, {"invalid_action": False}
+        )
 
     # ---- internals -----------------------------------------------------------------------
     def _take_observation(self, player: int) -> str:
@@ -210,8 +238,9 @@ class TextArenaEnv:
             text = f"{text}\n{mine['reason']}" if text else mine["reason"]
         if mine.get("invalid_move"):
             # An invalid move forfeits the game, so win-rate metrics count it as a loss.
-            return StepResult(text, self.invalid_reward, True,
-                              {"invalid_action": True, "outcome": "loss"})
+            return StepResult(
+                text, self.invalid_reward, True, {"invalid_action": True, "outcome": "loss"}
+            )
         reward = float(rewards[self._agent])
         outcome = "win" if reward > 0 else "loss" if reward < 0 else "draw"
         return StepResult(text, reward, True, {"invalid_action": False, "outcome": outcome})

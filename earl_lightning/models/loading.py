@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 import torch
 
@@ -32,12 +33,16 @@ def resolve_model_path(name_or_path: str, arg: str = "--model.name_or_path") -> 
     must hold a whole model (:func:`check_model_dir`). Anything else is a hub id, passed through as is.
     """
     if not isinstance(name_or_path, str) or not name_or_path:
-        raise ValueError(f"`{arg}` must be a hub id, a local path or one of {sorted(PRESETS)}; got {name_or_path!r}")
+        raise ValueError(
+            f"`{arg}` must be a hub id, a local path or one of {sorted(PRESETS)}; got {name_or_path!r}"
+        )
     if name_or_path in PRESETS:
         return str(make_tiny_model(name_or_path))
     expanded = os.path.expanduser(name_or_path)
-    looks_local = expanded.startswith(("/", "./", "../")) or os.sep in expanded and os.path.exists(
-        os.path.dirname(expanded) or "."
+    looks_local = (
+        expanded.startswith(("/", "./", "../"))
+        or os.sep in expanded
+        and os.path.exists(os.path.dirname(expanded) or ".")
     )
     if looks_local and not Path(expanded).exists():
         raise FileNotFoundError(
@@ -51,8 +56,11 @@ def resolve_model_path(name_or_path: str, arg: str = "--model.name_or_path") -> 
 
 
 # What `from_pretrained` needs of a local directory, for the model and for its tokenizer.
-_NEEDS = ("config.json", "model weights (*.safetensors or pytorch_model*.bin)",
-          "tokenizer files (tokenizer.json, or a vocabulary such as tokenizer.model, vocab.json or vocab.txt)")
+_NEEDS = (
+    "config.json",
+    "model weights (*.safetensors or pytorch_model*.bin)",
+    "tokenizer files (tokenizer.json, or a vocabulary such as tokenizer.model, vocab.json or vocab.txt)",
+)
 _WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 _TOKENIZER = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -62,21 +70,33 @@ def check_model_dir(path: Path, name_or_path: str, arg: str) -> None:
     """A local model directory holds config.json, weights and tokenizer files, or this says which
     are missing (transformers' own errors name neither the argument nor the missing file)."""
     if not path.is_dir():
-        raise ModelFilesError(f"`{arg}`: {name_or_path!r} is a file, not a model directory; a model directory "
-                              f"holds {', '.join(_NEEDS)} (what save_pretrained writes for a model and its tokenizer)")
+        raise ModelFilesError(
+            f"`{arg}`: {name_or_path!r} is a file, not a model directory; a model directory "
+            f"holds {', '.join(_NEEDS)} (what save_pretrained writes for a model and its tokenizer)"
+        )
     present = ((path / "config.json").is_file(), _has(path, _WEIGHTS), _has(path, _TOKENIZER))
     missing = [need for need, ok in zip(_NEEDS, present) if not ok]
-    what = "an empty directory" if next(path.iterdir(), None) is None else "not a complete model directory"
+    what = (
+        "an empty directory"
+        if next(path.iterdir(), None) is None
+        else "not a complete model directory"
+    )
     if missing:
-        raise ModelFilesError(f"`{arg}`: {name_or_path!r} is {what}: missing {', '.join(missing)}. A model directory "
-                              "is what save_pretrained writes for a model and its tokenizer")
+        raise ModelFilesError(
+            f"`{arg}`: {name_or_path!r} is {what}: missing {', '.join(missing)}. A model directory "
+            "is what save_pretrained writes for a model and its tokenizer"
+        )
     for index in _INDEXES:
         if (path / index).is_file():
-            shards = sorted(set(json.loads((path / index).read_text()).get("weight_map", {}).values()))
+            shards = sorted(
+                set(json.loads((path / index).read_text()).get("weight_map", {}).values())
+            )
             absent = [s for s in shards if not (path / s).is_file()]
             if absent:
-                raise ModelFilesError(f"`{arg}`: {name_or_path!r} is not a complete model directory: {index} names "
-                                      f"{len(absent)} weight file(s) that are missing: {absent[:3]}")
+                raise ModelFilesError(
+                    f"`{arg}`: {name_or_path!r} is not a complete model directory: {index} names "
+                    f"{len(absent)} weight file(s) that are missing: {absent[:3]}"
+                )
 
 
 def load_tokenizer(name_or_path: str, arg: str = "--model.name_or_path"):
@@ -86,11 +106,15 @@ def load_tokenizer(name_or_path: str, arg: str = "--model.name_or_path"):
     try:
         tok = AutoTokenizer.from_pretrained(path)
     except OSError as err:
-        raise FileNotFoundError(f"`{arg}`: cannot load a tokenizer from {name_or_path!r}: {err}") from None
+        raise FileNotFoundError(
+            f"`{arg}`: cannot load a tokenizer from {name_or_path!r}: {err}"
+        ) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.chat_template is None:
-        raise ValueError(f"`{arg}`: tokenizer of {name_or_path!r} has no chat template; multi-turn rollout needs one")
+        raise ValueError(
+            f"`{arg}`: tokenizer of {name_or_path!r} has no chat template; multi-turn rollout needs one"
+        )
     return tok
 
 
@@ -101,12 +125,18 @@ def load_model(name_or_path: str, dtype: str = "float32", arg: str = "--model.na
 
     path = resolve_model_path(name_or_path, arg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, "--model.dtype"))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype, "--model.dtype")
+        )
     except OSError as err:
-        raise FileNotFoundError(f"`{arg}`: cannot load a model from {name_or_path!r}: {err}") from None
+        raise FileNotFoundError(
+            f"`{arg}`: cannot load a model from {name_or_path!r}: {err}"
+        ) from None
     except SafetensorError as err:  # a truncated download or copy of the weights
-        raise ModelFilesError(f"`{arg}`: the weights in {name_or_path!r} cannot be read ({err}); the file is "
-                              "truncated or corrupt: copy or download it again") from None
+        raise ModelFilesError(
+            f"`{arg}`: the weights in {name_or_path!r} cannot be read ({err}); the file is "
+            "truncated or corrupt: copy or download it again"
+        ) from None
     return model
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Any
 
 import torch
 
@@ -27,9 +28,21 @@ ARG = "--model.peft"
 ADAPTER = "default"
 # Further peft.LoraConfig settings that keep "adapter disabled == the base model" and
 # "merged weight == W + B @ A * scale" true.
-EXTRA_KWARGS = ("use_rslora", "fan_in_fan_out", "init_lora_weights", "layers_to_transform", "layers_pattern",
-                "rank_pattern", "alpha_pattern", "exclude_modules")
-_INITS = (True, False, "gaussian")  # the others (pissa, olora, loftq, eva, corda...) rewrite the base weights
+EXTRA_KWARGS = (
+    "use_rslora",
+    "fan_in_fan_out",
+    "init_lora_weights",
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "alpha_pattern",
+    "exclude_modules",
+)
+_INITS = (
+    True,
+    False,
+    "gaussian",
+)  # the others (pissa, olora, loftq, eva, corda...) rewrite the base weights
 _PARTS = ("base_layer.weight", f"lora_A.{ADAPTER}.weight", f"lora_B.{ADAPTER}.weight")
 
 
@@ -52,40 +65,57 @@ class LoraSettings:
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: Union[str, list[str]] = "all-linear"
+    target_modules: str | list[str] = "all-linear"
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise ValueError(f"`{ARG}.r` must be a positive integer (the adapters' rank), got {self.r!r}")
+            raise ValueError(
+                f"`{ARG}.r` must be a positive integer (the adapters' rank), got {self.r!r}"
+            )
         if not _number(self.alpha) or self.alpha <= 0:
             raise ValueError(f"`{ARG}.alpha` must be a number > 0, got {self.alpha!r}")
         if not _number(self.dropout) or not 0 <= self.dropout < 1:
             raise ValueError(f"`{ARG}.dropout` must be a number in [0, 1), got {self.dropout!r}")
         t = self.target_modules
-        if not (isinstance(t, str) and t) and not (isinstance(t, (list, tuple)) and t and
-                                                   all(isinstance(n, str) and n for n in t)):
-            raise ValueError(f"`{ARG}.target_modules` must be 'all-linear', a non-empty list of module names or a "
-                             f"regular expression, got {t!r}")
+        if not (isinstance(t, str) and t) and not (
+            isinstance(t, (list, tuple)) and t and all(isinstance(n, str) and n for n in t)
+        ):
+            raise ValueError(
+                f"`{ARG}.target_modules` must be 'all-linear', a non-empty list of module names or a "
+                f"regular expression, got {t!r}"
+            )
         if not isinstance(self.kwargs, dict):
-            raise ValueError(f"`{ARG}.kwargs` must be a mapping of peft.LoraConfig settings, got {self.kwargs!r}")
+            raise ValueError(
+                f"`{ARG}.kwargs` must be a mapping of peft.LoraConfig settings, got {self.kwargs!r}"
+            )
         bad = sorted(set(self.kwargs) - set(EXTRA_KWARGS))
         if bad:
-            raise ValueError(f"`{ARG}.kwargs` sets {bad}, which is not supported; supported: {list(EXTRA_KWARGS)} "
-                             f"(r, alpha, dropout and target_modules have their own settings; the others change "
-                             f"the base weights or what a merged weight is)")
+            raise ValueError(
+                f"`{ARG}.kwargs` sets {bad}, which is not supported; supported: {list(EXTRA_KWARGS)} "
+                f"(r, alpha, dropout and target_modules have their own settings; the others change "
+                f"the base weights or what a merged weight is)"
+            )
         init = self.kwargs.get("init_lora_weights", True)
         if init not in _INITS or not isinstance(init, (bool, str)):
-            raise ValueError(f"`{ARG}.kwargs.init_lora_weights` must be true, false or 'gaussian', got {init!r} "
-                             f"(the other initialisations rewrite the base weights, which are the KL reference)")
+            raise ValueError(
+                f"`{ARG}.kwargs.init_lora_weights` must be true, false or 'gaussian', got {init!r} "
+                f"(the other initialisations rewrite the base weights, which are the KL reference)"
+            )
         self.peft_config()  # peft's own checks, now, at config time
 
     def peft_config(self) -> Any:
         """The ``peft.LoraConfig`` these settings stand for."""
         peft = import_peft()
         try:
-            return peft.LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, bias="none",
-                                   target_modules=_targets(self.target_modules), **self.kwargs)
+            return peft.LoraConfig(
+                r=self.r,
+                lora_alpha=self.alpha,
+                lora_dropout=self.dropout,
+                bias="none",
+                target_modules=_targets(self.target_modules),
+                **self.kwargs,
+            )
         except (TypeError, ValueError) as err:
             raise ValueError(f"`{ARG}`: peft rejects these settings: {err}") from None
 
@@ -94,7 +124,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _targets(value: Union[str, list[str]]) -> Union[str, list[str]]:
+def _targets(value: str | list[str]) -> str | list[str]:
     return value if isinstance(value, str) else list(value)
 
 
@@ -102,8 +132,9 @@ def import_peft() -> Any:
     try:
         import peft
     except ImportError:
-        raise ImportError(f"`{ARG}` needs peft, which is not installed; install it with: "
-                          "pip install 'peft>=0.13'") from None
+        raise ImportError(
+            f"`{ARG}` needs peft, which is not installed; install it with: pip install 'peft>=0.13'"
+        ) from None
     return peft
 
 
@@ -115,14 +146,18 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     except ValueError as err:
         if "not found" not in str(err) and "did not match" not in str(err):
             raise
-        raise ValueError(f"`{ARG}.target_modules` {settings.target_modules!r} matches no module of "
-                         f"{type(model).__name__}; e.g. 'all-linear' or ['q_proj', 'v_proj']") from None
+        raise ValueError(
+            f"`{ARG}.target_modules` {settings.target_modules!r} matches no module of "
+            f"{type(model).__name__}; e.g. 'all-linear' or ['q_proj', 'v_proj']"
+        ) from None
     from peft.tuners.lora import Linear
 
     for name, layer in lora_layers(model).items():
         if not isinstance(layer, Linear):
-            raise ValueError(f"`{ARG}.target_modules` {settings.target_modules!r} selects {name!r} "
-                             f"({type(layer.get_base_layer()).__name__}); LoRA here covers linear layers only")
+            raise ValueError(
+                f"`{ARG}.target_modules` {settings.target_modules!r} selects {name!r} "
+                f"({type(layer.get_base_layer()).__name__}); LoRA here covers linear layers only"
+            )
     return model
 
 
@@ -175,12 +210,15 @@ class Merge:
 
 def merge_plan(model: torch.nn.Module, name_of: Callable[[str], str] = str) -> dict[str, Merge]:
     """``{module name (as ``name_of`` writes it): Merge}`` for every LoRA layer of ``model``."""
-    return {name_of(n): Merge(float(m.scaling[ADAPTER]), bool(m.fan_in_fan_out))
-            for n, m in lora_layers(model).items()}
+    return {
+        name_of(n): Merge(float(m.scaling[ADAPTER]), bool(m.fan_in_fan_out))
+        for n, m in lora_layers(model).items()
+    }
 
 
-def merged_tensors(named: Iterable[tuple[str, torch.Tensor]],
-                   plan: dict[str, Merge]) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], plan: dict[str, Merge]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The plain model's ``(name, tensor)`` pairs from the adapted model's: each LoRA layer's
     ``base_layer.weight``, ``lora_A`` and ``lora_B`` become one ``weight = W + B @ A * scale``
     (computed in float32, returned in W's dtype), ``base_layer.bias`` becomes ``bias``; the rest
@@ -199,17 +237,21 @@ def merged_tensors(named: Iterable[tuple[str, torch.Tensor]],
                 del pending[prefix]
                 yield f"{prefix}.weight", merge_weight(*(got[p] for p in _PARTS), plan[prefix])
     if pending:
-        raise ValueError(f"LoRA layers {sorted(pending)} lack some of {list(_PARTS)} in the weights given")
+        raise ValueError(
+            f"LoRA layers {sorted(pending)} lack some of {list(_PARTS)} in the weights given"
+        )
 
 
 def _split(name: str, plan: dict[str, Merge]) -> tuple[str | None, str]:
     for part in (*_PARTS, "base_layer.bias"):
-        if name.endswith("." + part) and name[:-len(part) - 1] in plan:
-            return name[:-len(part) - 1], part
+        if name.endswith("." + part) and name[: -len(part) - 1] in plan:
+            return name[: -len(part) - 1], part
     return None, ""
 
 
-def merge_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, merge: Merge) -> torch.Tensor:
+def merge_weight(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, merge: Merge
+) -> torch.Tensor:
     """``weight`` [out, in] + ``lora_b`` [out, r] @ ``lora_a`` [r, in] * scaling (transposed for
     ``fan_in_fan_out`` weights, stored [in, out])."""
     delta = (lora_b.float() @ lora_a.float()) * merge.scaling  # [out, in]

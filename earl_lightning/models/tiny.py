@@ -15,7 +15,13 @@ from typing import Any
 import torch
 
 from earl_lightning.models.bpe import build_bpe_tokenizer
-from earl_lightning.models.chatml import IM_END, MESSAGES, PAD_TOKEN, SPECIAL_TOKENS, TOOLS_SYSTEM_OPEN
+from earl_lightning.models.chatml import (
+    IM_END,
+    MESSAGES,
+    PAD_TOKEN,
+    SPECIAL_TOKENS,
+    TOOLS_SYSTEM_OPEN,
+)
 
 TINY_PREFIX = "earl-tiny"
 
@@ -24,15 +30,13 @@ TINY_PREFIX = "earl-tiny"
 # messages). With `tools`, the system message lists their schemas (name, description, parameters:
 # short, for character-level models) and says how to call them.
 CHAT_TEMPLATE = (
-    TOOLS_SYSTEM_OPEN
-    + "{{ 'Tools:' }}"
+    TOOLS_SYSTEM_OPEN + "{{ 'Tools:' }}"
     "{%- for tool in tools -%}{%- set f = tool['function'] if 'function' in tool else tool -%}"
     "{{ '\n' + ({'name': f['name'], 'description': f.get('description', ''), 'parameters': f.get('parameters', {})}"
     " | tojson) }}"
     "{%- endfor -%}"
-    "{{ '\nCall one with <tool_call>\n{\"name\": <name>, \"arguments\": <arguments>}\n</tool_call>.<|im_end|>\n' }}"
-    "{%- endif -%}"
-    + MESSAGES
+    '{{ \'\nCall one with <tool_call>\n{"name": <name>, "arguments": <arguments>}\n</tool_call>.<|im_end|>\n\' }}'
+    "{%- endif -%}" + MESSAGES
 )
 
 # The same, except that, as Qwen3's template does, an assistant message before the last user
@@ -56,25 +60,43 @@ THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
 # Connect Four on two CPU cores in minutes. "earl-tiny-4l" is the same with 4 layers (0.8M
 # parameters), the Connect Four warm start's model (docs/experiments/warm_start.md).
 # "earl-tiny-100m" is the ~100M-parameter config the reshard and memory-model benchmarks use.
-_TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+_TINY = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 PRESETS: dict[str, dict[str, Any]] = {
     "earl-tiny": _TINY,
-    "earl-tiny-local": {**_TINY, "sliding_window": 128},  # the same, every layer Mistral-style windowed
+    "earl-tiny-local": {
+        **_TINY,
+        "sliding_window": 128,
+    },  # the same, every layer Mistral-style windowed
     "earl-tiny-4l": {**_TINY, "num_hidden_layers": 4},
-    "earl-tiny-think": {**_TINY, "chat_template": "thinking"},  # a template that rewrites earlier turns
+    "earl-tiny-think": {
+        **_TINY,
+        "chat_template": "thinking",
+    },  # a template that rewrites earlier turns
     # a byte-level BPE tokenizer trained offline (models/bpe.py): merges across the rollout's joins
     "earl-tiny-bpe": {**_TINY, "tokenizer": "bpe"},
     "earl-tiny-100m": dict(
-        hidden_size=768, intermediate_size=2816, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=4,
+        hidden_size=768,
+        intermediate_size=2816,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
     ),
 }
 
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-unicode map (the one byte-level BPE tokenizers use)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     chars, extra = list(keep), 0
     for b in range(256):
         if b not in keep:
@@ -130,8 +152,12 @@ def tiny_config(vocab_size: int, seed: int = 0, **overrides: Any):
     kw.update(overrides)
     window = kw.pop("sliding_window", None)
     if window is not None:  # every layer attends to the last `window` tokens only (Mistral-style)
-        kw.update(use_sliding_window=True, sliding_window=int(window), max_window_layers=0,
-                  layer_types=["sliding_attention"] * kw["num_hidden_layers"])
+        kw.update(
+            use_sliding_window=True,
+            sliding_window=int(window),
+            max_window_layers=0,
+            layer_types=["sliding_attention"] * kw["num_hidden_layers"],
+        )
     else:
         kw.update(use_sliding_window=False)
     return Qwen2Config(
@@ -153,8 +179,12 @@ def _cache_root() -> Path:
     return Path(root)
 
 
-def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.PathLike | None = None,
-                    **overrides: Any) -> Path:
+def make_tiny_model(
+    name: str = TINY_PREFIX,
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    **overrides: Any,
+) -> Path:
     """Create (once) and return the directory of an offline model.
 
     ``name`` picks a preset from :data:`PRESETS`; ``overrides`` change its sizes. The directory is
@@ -164,16 +194,25 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
     """
     if name not in PRESETS:
         raise ValueError(f"unknown tiny model preset {name!r}; valid: {sorted(PRESETS)}")
-    spec = dict(PRESETS[name]); spec.update(overrides)
+    spec = dict(PRESETS[name])
+    spec.update(overrides)
     key = hashlib.sha256(json.dumps({"spec": spec, "seed": seed, "v": 4}, sort_keys=True).encode())
-    out = Path(cache_dir) if cache_dir is not None else _cache_root() / f"{name}-{key.hexdigest()[:12]}"
+    out = (
+        Path(cache_dir)
+        if cache_dir is not None
+        else _cache_root() / f"{name}-{key.hexdigest()[:12]}"
+    )
     if _complete(out):
         return out
     from transformers import AutoModelForCausalLM
 
     sizes = dict(spec)
     template = sizes.pop("chat_template", "chatml")
-    tok = build_bpe_tokenizer() if sizes.pop("tokenizer", "char") == "bpe" else build_char_tokenizer(template)
+    tok = (
+        build_bpe_tokenizer()
+        if sizes.pop("tokenizer", "char") == "bpe"
+        else build_char_tokenizer(template)
+    )
     vocab = len(tok)
     cfg = tiny_config(vocab_size=((vocab + 7) // 8) * 8, **sizes)
     with torch.random.fork_rng(devices=[]):
@@ -187,7 +226,9 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
     model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(tmp)
     if not (tmp / "config.json").exists():
-        raise RuntimeError(f"save_pretrained wrote no config.json into {tmp}: cannot build the tiny model {name!r}")
+        raise RuntimeError(
+            f"save_pretrained wrote no config.json into {tmp}: cannot build the tiny model {name!r}"
+        )
     tok.save_pretrained(tmp)
     try:
         os.replace(tmp, out)  # atomic: concurrent ranks racing here both end with a whole model
@@ -200,4 +241,7 @@ def make_tiny_model(name: str = TINY_PREFIX, seed: int = 0, cache_dir: str | os.
 
 
 def _complete(directory: Path) -> bool:
-    return all((directory / name).exists() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+    return all(
+        (directory / name).exists()
+        for name in ("config.json", "model.safetensors", "tokenizer.json")
+    )

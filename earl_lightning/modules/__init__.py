@@ -1,8 +1,25 @@
 """The RL LightningModule and its typed configuration groups."""
 
-from earl_lightning.modules.config import (AdvantageConfig, AlgorithmConfig, KLConfig, LossConfig, OptimConfig,
-                                           RolloutConfig, SamplingOptions, ValueConfig)
+from earl_lightning.modules.config import (
+    AdvantageConfig,
+    AlgorithmConfig,
+    KLConfig,
+    LossConfig,
+    OptimConfig,
+    RolloutConfig,
+    SamplingOptions,
+    ValueConfig,
+)
 from earl_lightning.modules.rl import AgenticRLModule
 
-__all__ = ["AdvantageConfig", "AgenticRLModule", "AlgorithmConfig", "KLConfig", "LossConfig", "OptimConfig",
-           "RolloutConfig", "SamplingOptions", "ValueConfig"]
+__all__ = [
+    "AdvantageConfig",
+    "AgenticRLModule",
+    "AlgorithmConfig",
+    "KLConfig",
+    "LossConfig",
+    "OptimConfig",
+    "RolloutConfig",
+    "SamplingOptions",
+    "ValueConfig",
+]

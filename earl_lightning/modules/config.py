@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal
 
 from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, get_policy_loss
 from earl_lightning.algorithms.estimators import AdvantageEstimator, get_advantage_estimator
@@ -34,10 +34,14 @@ def _coerce_nested(group: Any, arg: str) -> None:
     for f in fields(group):
         kind = hints[f.name]
         if is_dataclass(kind) and not isinstance(getattr(group, f.name), kind):
-            object.__setattr__(group, f.name, coerce(kind, getattr(group, f.name), f"{arg}.{f.name}"))
+            object.__setattr__(
+                group, f.name, coerce(kind, getattr(group, f.name), f"{arg}.{f.name}")
+            )
 
 
-def check_number(arg: str, value: Any, *, low: float = 0.0, strict: bool = False, optional: bool = False) -> None:
+def check_number(
+    arg: str, value: Any, *, low: float = 0.0, strict: bool = False, optional: bool = False
+) -> None:
     """``value`` is a finite number >= ``low`` (> when ``strict``; None too when ``optional``), or the error
     names ``arg``."""
     if optional and value is None:
@@ -45,14 +49,18 @@ def check_number(arg: str, value: Any, *, low: float = 0.0, strict: bool = False
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < low or (strict and value == low):
         what = f"> {low:g}" if strict else f">= {low:g}"
-        raise ValueError(f"`{arg}` must be a number {what}{' or null' if optional else ''}, got {value!r}")
+        raise ValueError(
+            f"`{arg}` must be a number {what}{' or null' if optional else ''}, got {value!r}"
+        )
 
 
 def check_count(arg: str, value: Any, low: int = 1) -> None:
     """``value`` is an integer >= ``low``, or the error names ``arg``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{arg}` must be {'a positive integer' if low == 1 else f'an integer >= {low}'}, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"`{arg}` must be {'a positive integer' if low == 1 else f'an integer >= {low}'}, "
+            f"got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -76,18 +84,26 @@ class SamplingOptions:
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = field(default_factory=list)
-    allowed_tokens: Optional[list[str]] = None
+    allowed_tokens: list[str] | None = None
 
     def __post_init__(self) -> None:
         arg = f"{A}.rollout.sampling"
-        check_sampling(self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.stop, arg=arg)
+        check_sampling(
+            self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.stop, arg=arg
+        )
         t = self.allowed_tokens
-        if t is not None and (isinstance(t, str) or not isinstance(t, (list, tuple)) or not t
-                              or not all(isinstance(x, str) and x for x in t)):
-            raise ValueError(f"`{arg}.allowed_tokens` must be a non-empty list of non-empty strings such as "
-                             f"['0', '1', '2'], got {t!r}")
+        if t is not None and (
+            isinstance(t, str)
+            or not isinstance(t, (list, tuple))
+            or not t
+            or not all(isinstance(x, str) and x for x in t)
+        ):
+            raise ValueError(
+                f"`{arg}.allowed_tokens` must be a non-empty list of non-empty strings such as "
+                f"['0', '1', '2'], got {t!r}"
+            )
 
-    def token_ids(self, tokenizer: Any) -> Optional[list[int]]:
+    def token_ids(self, tokenizer: Any) -> list[int] | None:
         """The ids of :attr:`allowed_tokens` under ``tokenizer`` (None when unset)."""
         if self.allowed_tokens is None:
             return None
@@ -96,8 +112,10 @@ class SamplingOptions:
         for t in self.allowed_tokens:
             enc = tokenizer.encode(t, add_special_tokens=False)
             if len(enc) != 1:
-                raise ValueError(f"`{arg}` entry {t!r} is {len(enc)} tokens {enc} for this tokenizer; each entry "
-                                 f"must be exactly one token")
+                raise ValueError(
+                    f"`{arg}` entry {t!r} is {len(enc)} tokens {enc} for this tokenizer; each entry "
+                    f"must be exactly one token"
+                )
             ids.append(int(enc[0]))
         dup = sorted({t for t, i in zip(self.allowed_tokens, ids) if ids.count(i) > 1})
         if dup:
@@ -150,12 +168,12 @@ class RolloutConfig:
     share_prompts: bool = True
     max_turns: int = 32
     max_context_tokens: int = 4096
-    history_turns: Optional[int] = None
-    system_prompt: Optional[str] = None
+    history_turns: int | None = None
+    system_prompt: str | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
-    env_timeout_s: Optional[float] = 120.0
+    env_timeout_s: float | None = 120.0
     max_failed_share: float = 1.0
-    tool_parser: Optional[str] = None
+    tool_parser: str | None = None
     call_workers: int = 64
     call_isolation: Literal["thread", "process"] = "thread"
     continuous_turns: bool = False
@@ -166,18 +184,25 @@ class RolloutConfig:
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"unknown `{arg}.backend` {self.backend!r}; valid: ['hf', 'vllm']")
         if self.backend == "vllm":
-            from earl_lightning.rollout.backends.vllm_support import vllm_available, vllm_install_hint
+            from earl_lightning.rollout.backends.vllm_support import (
+                vllm_available,
+                vllm_install_hint,
+            )
 
             if not vllm_available():
-                raise ImportError(f"`{arg}.backend vllm` needs vLLM, which is not installed; install it "
-                                  f"with: {vllm_install_hint()}")
+                raise ImportError(
+                    f"`{arg}.backend vllm` needs vLLM, which is not installed; install it "
+                    f"with: {vllm_install_hint()}"
+                )
         check_count(f"{arg}.max_turns", self.max_turns)
         check_count(f"{arg}.max_context_tokens", self.max_context_tokens)
         check_history_turns(self.history_turns, f"{arg}.history_turns")
         check_number(f"{arg}.env_timeout_s", self.env_timeout_s, strict=True, optional=True)
         check_count(f"{arg}.call_workers", self.call_workers)
         if self.call_isolation not in ("thread", "process"):
-            raise ValueError(f"`{arg}.call_isolation` must be 'thread' or 'process', got {self.call_isolation!r}")
+            raise ValueError(
+                f"`{arg}.call_isolation` must be 'thread' or 'process', got {self.call_isolation!r}"
+            )
         if self.tool_parser is not None:
             from earl_lightning.tasks.tool_parsers import get_tool_parser
 
@@ -202,9 +227,9 @@ class AdvantageConfig:
     """
 
     name: str = "grpo"
-    gamma: Optional[float] = None
-    lam: Optional[float] = None
-    scale: Optional[Literal["group", "batch", "none"]] = None
+    gamma: float | None = None
+    lam: float | None = None
+    scale: Literal["group", "batch", "none"] | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -212,9 +237,13 @@ class AdvantageConfig:
         for name in ("gamma", "lam"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-                raise ValueError(f"`{arg}.{name}` must be a number in [0, 1] or null, got {value!r}")
+                raise ValueError(
+                    f"`{arg}.{name}` must be a number in [0, 1] or null, got {value!r}"
+                )
         if self.scale not in (None, "group", "batch", "none"):
-            raise ValueError(f"`{arg}.scale` must be one of ['group', 'batch', 'none'] or null, got {self.scale!r}")
+            raise ValueError(
+                f"`{arg}.scale` must be one of ['group', 'batch', 'none'] or null, got {self.scale!r}"
+            )
         self.params  # noqa: B018 - resolves the estimator and binds its parameters now, at config time
 
     @property
@@ -225,8 +254,13 @@ class AdvantageConfig:
     def params(self) -> dict[str, Any]:
         """The keyword parameters the estimator is called with (checked against its signature)."""
         given = {"gamma": self.gamma, "lam": self.lam, "scale": self.scale, **self.kwargs}
-        return bind_params(self.estimator.fn, given, what=f"advantage estimator {self.name!r}",
-                           arg=f"{A}.algorithm.advantage", skip=2)
+        return bind_params(
+            self.estimator.fn,
+            given,
+            what=f"advantage estimator {self.name!r}",
+            arg=f"{A}.algorithm.advantage",
+            skip=2,
+        )
 
     def effective(self, name: str, fallback: Any) -> Any:
         """The value the estimator sees for ``name`` (given, else its default, else ``fallback``)."""
@@ -250,18 +284,22 @@ class LossConfig:
     """
 
     name: str = "ppo_clip"
-    clip_low: Optional[float] = None
-    clip_high: Optional[float] = None
-    dual_clip: Optional[float] = None
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None
     aggregation: str = "token_mean"
-    norm_constant: Optional[float] = None
+    norm_constant: float | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         arg = f"{A}.algorithm.loss"
-        if self.clip_low is not None and not (isinstance(self.clip_low, (int, float)) and 0 <= self.clip_low < 1):
-            raise ValueError(f"`{arg}.clip_low` must be a number in [0, 1) (the ratio's lower bound is "
-                             f"1 - clip_low) or null, got {self.clip_low!r}")
+        if self.clip_low is not None and not (
+            isinstance(self.clip_low, (int, float)) and 0 <= self.clip_low < 1
+        ):
+            raise ValueError(
+                f"`{arg}.clip_low` must be a number in [0, 1) (the ratio's lower bound is "
+                f"1 - clip_low) or null, got {self.clip_low!r}"
+            )
         check_number(f"{arg}.clip_high", self.clip_high, optional=True)
         check_number(f"{arg}.dual_clip", self.dual_clip, low=1.0, strict=True, optional=True)
         check_number(f"{arg}.norm_constant", self.norm_constant, strict=True, optional=True)
@@ -274,8 +312,15 @@ class LossConfig:
 
     @property
     def params(self) -> dict[str, Any]:
-        given = {"clip_low": self.clip_low, "clip_high": self.clip_high, "dual_clip": self.dual_clip, **self.kwargs}
-        return bind_params(self.fn, given, what=f"policy loss {self.name!r}", arg=f"{A}.algorithm.loss", skip=4)
+        given = {
+            "clip_low": self.clip_low,
+            "clip_high": self.clip_high,
+            "dual_clip": self.dual_clip,
+            **self.kwargs,
+        }
+        return bind_params(
+            self.fn, given, what=f"policy loss {self.name!r}", arg=f"{A}.algorithm.loss", skip=4
+        )
 
 
 @dataclass(frozen=True)
@@ -307,7 +352,7 @@ class ValueConfig:
     """
 
     coef: float = 0.5
-    clip: Optional[float] = 0.2
+    clip: float | None = 0.2
 
     def __post_init__(self) -> None:
         check_number(f"{A}.algorithm.value.coef", self.coef)
@@ -384,7 +429,9 @@ class OptimConfig:
         check_number(f"{arg}.max_grad_norm", self.max_grad_norm)
         check_count(f"{arg}.warmup_steps", self.warmup_steps, low=0)
         if self.lr_schedule not in ("constant", "cosine", "linear"):
-            raise ValueError(f"unknown `{arg}.lr_schedule` {self.lr_schedule!r}; valid: ['constant', 'cosine', 'linear']")
+            raise ValueError(
+                f"unknown `{arg}.lr_schedule` {self.lr_schedule!r}; valid: ['constant', 'cosine', 'linear']"
+            )
         for name in ("ppo_epochs", "mini_batches", "micro_batch_tokens"):
             check_count(f"{arg}.{name}", getattr(self, name))
 
@@ -400,14 +447,21 @@ class OptimConfig:
         return 1.0
 
 
-def exactly_on_policy(rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig) -> bool:
+def exactly_on_policy(
+    rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig
+) -> bool:
     """Whether the old log-probs may be the training forward's own (``optim.on_policy_shortcut``):
     one optimizer step per batch (the weights the rollout sampled with are the ones the loss sees),
     log-probs that the trainer computes itself (a vLLM engine's may differ by float noise), and
     nothing else needs the experience forward before the update (values, a KL penalty in the reward)."""
-    return (optim.on_policy_shortcut and optim.ppo_epochs == 1 and optim.mini_batches == 1
-            and rollout.backend == "hf" and not algorithm.needs_values
-            and not (algorithm.kl.coef and algorithm.kl.in_reward))
+    return (
+        optim.on_policy_shortcut
+        and optim.ppo_epochs == 1
+        and optim.mini_batches == 1
+        and rollout.backend == "hf"
+        and not algorithm.needs_values
+        and not (algorithm.kl.coef and algorithm.kl.in_reward)
+    )
 
 
 def check_combination(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:
@@ -415,18 +469,24 @@ def check_combination(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> Non
     h = rollout.history_turns
     if h is None:
         if algorithm.advantage.estimator.needs_state_keys:
-            raise ValueError(f"`{A}.algorithm.advantage.name` {algorithm.advantage.name!r} compares turns taken in the "
-                             f"same state, so each turn must be its own row: set `{A}.rollout.history_turns` (e.g. 0)")
+            raise ValueError(
+                f"`{A}.algorithm.advantage.name` {algorithm.advantage.name!r} compares turns taken in the "
+                f"same state, so each turn must be its own row: set `{A}.rollout.history_turns` (e.g. 0)"
+            )
         return
     lam = algorithm.advantage.effective("lam", 1.0)
     if lam != 1.0:
-        raise ValueError(f"`{A}.algorithm.advantage.lam` must be 1.0 with `{A}.rollout.history_turns` ({h}), got "
-                         f"{lam!r}: each turn is its own row, and GAE with lam < 1 would need the value of the next "
-                         f"turn's row; leave `history_turns` unset (null) for lam < 1")
+        raise ValueError(
+            f"`{A}.algorithm.advantage.lam` must be 1.0 with `{A}.rollout.history_turns` ({h}), got "
+            f"{lam!r}: each turn is its own row, and GAE with lam < 1 would need the value of the next "
+            f"turn's row; leave `history_turns` unset (null) for lam < 1"
+        )
     if algorithm.kl.coef and algorithm.kl.in_reward:
-        raise ValueError(f"`{A}.algorithm.kl.in_reward` true is not supported with `{A}.rollout.history_turns` "
-                         f"({h}): a later turn row's KL penalty would not reach the earlier rows' returns; use the "
-                         f"KL as a loss term (in_reward false)")
+        raise ValueError(
+            f"`{A}.algorithm.kl.in_reward` true is not supported with `{A}.rollout.history_turns` "
+            f"({h}): a later turn row's KL penalty would not reach the earlier rows' returns; use the "
+            f"KL as a loss term (in_reward false)"
+        )
 
 
 def check_dtype_and_seed(dtype: str, seed: int) -> None:
@@ -436,23 +496,46 @@ def check_dtype_and_seed(dtype: str, seed: int) -> None:
     check_count(f"{A}.seed", seed, low=0)
 
 
-def check_module_args(dtype: str, seed: int, transcript_every_n_steps: int, logprob_mismatch_warn: float) -> None:
+def check_module_args(
+    dtype: str, seed: int, transcript_every_n_steps: int, logprob_mismatch_warn: float
+) -> None:
     check_dtype_and_seed(dtype, seed)
     check_count(f"{A}.transcript_every_n_steps", transcript_every_n_steps, low=0)
     check_number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, strict=True)
 
 
-def sampling_config(rollout: RolloutConfig, allowed_token_ids: Optional[list[int]]) -> SamplingConfig:
+def sampling_config(rollout: RolloutConfig, allowed_token_ids: list[int] | None) -> SamplingConfig:
     """The sampling settings of ``rollout``, its allowed tokens as ids (``sampling.token_ids(tokenizer)``)."""
     s = rollout.sampling
-    return SamplingConfig(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          stop=list(s.stop), allowed_token_ids=allowed_token_ids)
+    return SamplingConfig(
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        stop=list(s.stop),
+        allowed_token_ids=allowed_token_ids,
+    )
 
 
-def module_hparams(model: str, dtype: str, rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig,
-                   seed: int, transcript_every_n_steps: int, logprob_mismatch_warn: float) -> dict[str, Any]:
+def module_hparams(
+    model: str,
+    dtype: str,
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    optim: OptimConfig,
+    seed: int,
+    transcript_every_n_steps: int,
+    logprob_mismatch_warn: float,
+) -> dict[str, Any]:
     """The module's arguments as plain data: what checkpoints store and TensorBoard shows, and what
     ``load_from_checkpoint`` hands back to the constructor (which takes dicts for groups)."""
-    return {"model": model, "dtype": dtype, "rollout": to_dict(rollout), "algorithm": to_dict(algorithm),
-            "optim": to_dict(optim), "seed": seed, "transcript_every_n_steps": transcript_every_n_steps,
-            "logprob_mismatch_warn": logprob_mismatch_warn}
+    return {
+        "model": model,
+        "dtype": dtype,
+        "rollout": to_dict(rollout),
+        "algorithm": to_dict(algorithm),
+        "optim": to_dict(optim),
+        "seed": seed,
+        "transcript_every_n_steps": transcript_every_n_steps,
+        "logprob_mismatch_warn": logprob_mismatch_warn,
+    }

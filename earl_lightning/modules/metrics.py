@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,20 +27,43 @@ from earl_lightning.algorithms.moments import STAT_DTYPE, grouped_moments
 from earl_lightning.data.experience import ExperienceBatch
 
 # order of the entries of the count vector
-COUNT_KEYS = ("episodes", "reward_sum", "wins", "draws", "losses", "outcomes", "invalid", "errors", "truncated",
-              "turns", "graded", "correct", "tool_env", "tool_used")
+COUNT_KEYS = (
+    "episodes",
+    "reward_sum",
+    "wins",
+    "draws",
+    "losses",
+    "outcomes",
+    "invalid",
+    "errors",
+    "truncated",
+    "turns",
+    "graded",
+    "correct",
+    "tool_env",
+    "tool_used",
+)
 # metric name -> (numerator, denominator) in COUNT_KEYS
 RATES = {
-    "reward/mean": ("reward_sum", "episodes"), "env/win_rate": ("wins", "episodes"),
-    "env/draw_rate": ("draws", "episodes"), "env/loss_rate": ("losses", "episodes"),
-    "env/invalid_rate": ("invalid", "episodes"), "env/truncated_rate": ("truncated", "episodes"),
-    "env/turns": ("turns", "episodes"), "env/accuracy": ("correct", "episodes"),
+    "reward/mean": ("reward_sum", "episodes"),
+    "env/win_rate": ("wins", "episodes"),
+    "env/draw_rate": ("draws", "episodes"),
+    "env/loss_rate": ("losses", "episodes"),
+    "env/invalid_rate": ("invalid", "episodes"),
+    "env/truncated_rate": ("truncated", "episodes"),
+    "env/turns": ("turns", "episodes"),
+    "env/accuracy": ("correct", "episodes"),
     "env/tool_use_rate": ("tool_used", "episodes"),
 }
 # A rate shown only when some episode reported what it counts: game outcomes, graded answers
 # (info["correct"]: the calculator), tool calls (info["tool_calls"]).
-REPORTED_BY = {"env/win_rate": "outcomes", "env/draw_rate": "outcomes", "env/loss_rate": "outcomes",
-               "env/accuracy": "graded", "env/tool_use_rate": "tool_env"}
+REPORTED_BY = {
+    "env/win_rate": "outcomes",
+    "env/draw_rate": "outcomes",
+    "env/loss_rate": "outcomes",
+    "env/accuracy": "graded",
+    "env/tool_use_rate": "tool_env",
+}
 FLAGS = ("outcomes", "graded", "tool_env")
 
 
@@ -97,7 +121,9 @@ def _episode_metrics(sync_on_step: bool) -> nn.ModuleDict:
 
 
 def _key(name: str) -> str:
-    return name.replace("/", "__")  # ModuleDict keys cannot contain dots; slashes read badly as attributes
+    return name.replace(
+        "/", "__"
+    )  # ModuleDict keys cannot contain dots; slashes read badly as attributes
 
 
 class RunMetrics(nn.Module):
@@ -121,19 +147,31 @@ class RunMetrics(nn.Module):
         self.reward_names = list(names)
         self.val_rewards = nn.ModuleList(Rate(dist_sync_on_step=False) for _ in self.reward_names)
 
-    def step(self, episodes: Sequence[Any], episodes_counted: bool, exp: ExperienceBatch,
-             rows_counted: bool) -> dict[str, float]:
+    def step(
+        self,
+        episodes: Sequence[Any],
+        episodes_counted: bool,
+        exp: ExperienceBatch,
+        rows_counted: bool,
+    ) -> dict[str, float]:
         """This training step's global episode and context figures (every rank must call it).
         ``*_counted``: whether this rank's episodes (rollout layout) and experience rows (train
         layout) count, i.e. it is TP rank 0 of its group there."""
         c = episode_counts(episodes if episodes_counted else [])
-        out = {name: float(m(c[RATES[name][0]], c[RATES[name][1]])) for name, m in self._named(self.train_episodes)
-               if name in RATES}
+        out = {
+            name: float(m(c[RATES[name][0]], c[RATES[name][1]]))
+            for name, m in self._named(self.train_episodes)
+            if name in RATES
+        }
         out["env/errors"] = float(self.train_episodes[_key("env/errors")](c["errors"]))
-        flags = {flag: float(self.train_episodes[flag](c[flag])) > 0 for flag in FLAGS}  # the step's global counts
+        flags = {
+            flag: float(self.train_episodes[flag](c[flag])) > 0 for flag in FLAGS
+        }  # the step's global counts
         lens = exp.seq_lens.double()
         w = 1.0 if rows_counted else 0.0
-        out["context/mean"] = float(self.context_mean(w * float(lens.sum()), w * float(lens.numel())))
+        out["context/mean"] = float(
+            self.context_mean(w * float(lens.sum()), w * float(lens.numel()))
+        )
         out["context/max"] = float(self.context_max(float(lens.max()) if lens.numel() else 0.0))
         out["tokens/generated"] = float(self.generated(w * float(exp.tokens["action_mask"].sum())))
         out["tokens/total"] = float(self.tokens(w * float(exp.num_tokens)))
@@ -148,16 +186,23 @@ class RunMetrics(nn.Module):
         for flag in FLAGS:
             self.val_episodes[flag].update(c[flag])
         for name, m in zip(self.reward_names, self.val_rewards):
-            values = [ep.rewards[name] for ep in episodes if counted and ep.rewards.get(name) is not None]
+            values = [
+                ep.rewards[name] for ep in episodes if counted and ep.rewards.get(name) is not None
+            ]
             m.update(math.fsum(values), float(len(values)))
 
     def val_objects(self, flags: dict[str, bool]) -> dict[str, Metric]:
         """The validation metrics to log (Lightning computes, syncs and resets them); ``flags``:
         which optional rates the evaluation's episodes (of all ranks) report."""
-        named = {"val/" + name.split("/", 1)[1]: m for name, m in self._named(self.val_episodes)
-                 if name not in FLAGS and flags.get(REPORTED_BY.get(name, ""), True)}
+        named = {
+            "val/" + name.split("/", 1)[1]: m
+            for name, m in self._named(self.val_episodes)
+            if name not in FLAGS and flags.get(REPORTED_BY.get(name, ""), True)
+        }
         named["val/reward"] = named.pop("val/mean")
-        named.update({f"val/rewards/{name}": m for name, m in zip(self.reward_names, self.val_rewards)})
+        named.update(
+            {f"val/rewards/{name}": m for name, m in zip(self.reward_names, self.val_rewards)}
+        )
         return named
 
     def compute_val(self, flags: dict[str, bool]) -> dict[str, float]:
@@ -177,10 +222,16 @@ def _applicable(values: dict[str, float], flags: dict[str, bool]) -> dict[str, f
     return {k: v for k, v in values.items() if flags.get(REPORTED_BY.get(k, ""), True)}
 
 
-FAILURE_KINDS = {"reward": "rewards/errors", "unscored": "rewards/unscored", "row": "data/skipped_rows"}
+FAILURE_KINDS = {
+    "reward": "rewards/errors",
+    "unscored": "rewards/unscored",
+    "row": "data/skipped_rows",
+}
 
 
-def reward_metrics(episodes: Sequence[Any], names: Sequence[str], reduce: Any, prefix: str = "rewards/") -> dict[str, float]:
+def reward_metrics(
+    episodes: Sequence[Any], names: Sequence[str], reduce: Any, prefix: str = "rewards/"
+) -> dict[str, float]:
     """Each reward function's mean and std over the episodes it scored (all ranks) and the episodes
     dropped by kind (:data:`FAILURE_KINDS`). Every rank must call it with the same ``names`` (one
     all-reduce)."""
@@ -188,11 +239,13 @@ def reward_metrics(episodes: Sequence[Any], names: Sequence[str], reduce: Any, p
     for name in names:
         vals = [ep.rewards[name] for ep in episodes if ep.rewards.get(name) is not None]
         sums += [math.fsum(vals), math.fsum(v * v for v in vals), float(len(vals))]
-    sums += [float(sum(getattr(ep, "error_kind", None) == k for ep in episodes)) for k in FAILURE_KINDS]
+    sums += [
+        float(sum(getattr(ep, "error_kind", None) == k for ep in episodes)) for k in FAILURE_KINDS
+    ]
     totals = reduce.sum_floats(sums)
     out = {}
     for i, name in enumerate(names):
-        s, ss, n = totals[3 * i:3 * i + 3]
+        s, ss, n = totals[3 * i : 3 * i + 3]
         mean = s / n if n else 0.0
         out[f"{prefix}{name}/mean"] = mean
         out[f"{prefix}{name}/std"] = math.sqrt(max(ss / n - mean * mean, 0.0)) if n else 0.0
@@ -205,17 +258,25 @@ def tool_metrics(episodes: Sequence[Any], reduce: Any) -> dict[str, float]:
     """``tools/calls``, ``tools/errors`` (unknown tool, bad arguments, a failure or time-out, a call
     that could not be read) and ``tools/seconds`` (spent in calls, summed) of the step, over every
     rank (TP peers once). Every rank must call it (one all-reduce)."""
-    calls, errors, seconds = reduce.sum_floats([float(sum(ep.tool_calls for ep in episodes)),
-                                                float(sum(ep.tool_errors for ep in episodes)),
-                                                math.fsum(ep.tool_seconds for ep in episodes)])
+    calls, errors, seconds = reduce.sum_floats(
+        [
+            float(sum(ep.tool_calls for ep in episodes)),
+            float(sum(ep.tool_errors for ep in episodes)),
+            math.fsum(ep.tool_seconds for ep in episodes),
+        ]
+    )
     return {"tools/calls": calls, "tools/errors": errors, "tools/seconds": seconds}
 
 
 def logged_by_reward_funcs(outcomes: Sequence[Any], names: Sequence[str]) -> dict[str, float]:
     """The means of what each reward function passed to ``log_metric`` on this rank (logged from
     rank 0 only: a function may log on some ranks and not others, so nothing is reduced)."""
-    return {f"rewards/{name}/{k}": math.fsum(v) / len(v) for name, o in zip(names, outcomes)
-            for k, v in o.metrics.items() if v}
+    return {
+        f"rewards/{name}/{k}": math.fsum(v) / len(v)
+        for name, o in zip(names, outcomes)
+        for k, v in o.metrics.items()
+        if v
+    }
 
 
 def batch_stats(exp: ExperienceBatch, reduce: Any) -> dict[str, float]:
@@ -225,9 +286,20 @@ def batch_stats(exp: ExperienceBatch, reduce: Any) -> dict[str, float]:
     local = exp.context_stats()
     lens = exp.seq_lens.double()
     total, n = reduce.sum_floats([float(lens.sum()), float(lens.numel())])
-    keys = ("context_max", "context_p95", "prompt_max", "turn_prefill_max", "scored_max", "scored_share_max")
+    keys = (
+        "context_max",
+        "context_p95",
+        "prompt_max",
+        "turn_prefill_max",
+        "scored_max",
+        "scored_share_max",
+    )
     top = reduce.max(torch.tensor([local[k] for k in keys], dtype=torch.float64))
-    return {"num_seqs": int(n), "context_mean": total / max(n, 1), **{k: float(v) for k, v in zip(keys, top)}}
+    return {
+        "num_seqs": int(n),
+        "context_mean": total / max(n, 1),
+        **{k: float(v) for k, v in zip(keys, top)},
+    }
 
 
 def zero_spread_share(episodes: Sequence[Any], num_groups: int, reduce: Any) -> float:
@@ -263,14 +335,20 @@ class StageTimer:
         for name, sec in self.seconds.items():
             out[f"stage/{name}/seconds"] = sec
             # rollout throughput counts generated tokens; the other stages process every token
-            out[f"stage/{name}/tokens_per_s"] = (generated if name == "rollout" else total) / max(sec, 1e-9)
+            out[f"stage/{name}/tokens_per_s"] = (generated if name == "rollout" else total) / max(
+                sec, 1e-9
+            )
         return out
 
 
 def format_transcript(ep: Any) -> str:
-    head = (f"**env** {ep.spec.env} **seed** {ep.spec.seed} **reward** {ep.reward:+.2f} "
-            f"**outcome** {ep.outcome} **turns** {ep.num_turns} **invalid** {ep.invalid_action}")
-    body = "\n\n".join(f"**{m['role']}**:\n\n    " + m["content"].replace("\n", "\n    ") for m in ep.messages)
+    head = (
+        f"**env** {ep.spec.env} **seed** {ep.spec.seed} **reward** {ep.reward:+.2f} "
+        f"**outcome** {ep.outcome} **turns** {ep.num_turns} **invalid** {ep.invalid_action}"
+    )
+    body = "\n\n".join(
+        f"**{m['role']}**:\n\n    " + m["content"].replace("\n", "\n    ") for m in ep.messages
+    )
     return head + "\n\n" + body
 
 
@@ -281,4 +359,6 @@ def log_transcripts(loggers: Sequence[Any], episodes: Sequence[Any], step: int) 
     for logger in loggers:
         if isinstance(logger, TensorBoardLogger):
             for i, ep in enumerate(episodes):
-                logger.experiment.add_text(f"transcripts/episode_{i}", format_transcript(ep), global_step=step)
+                logger.experiment.add_text(
+                    f"transcripts/episode_{i}", format_transcript(ep), global_step=step
+                )

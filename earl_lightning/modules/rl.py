@@ -10,12 +10,11 @@ registries named in the typed configuration (:mod:`earl_lightning.modules.config
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import lightning as L
 import torch
 
-from earl_lightning.seeding import run_seed
 from earl_lightning.algorithms import get_kl_estimator
 from earl_lightning.callbacks.base import StageOOMHandler
 from earl_lightning.data.advantages import check_whole_groups, estimate_advantages
@@ -25,14 +24,22 @@ from earl_lightning.data.exchange import Exchanger
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.data.scored import can_score_last_layer
-from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.groups import to_dict
+from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.models.lora import LoraSettings, adapters_disabled, apply_lora
 from earl_lightning.modules import config as C
-from earl_lightning.modules.metrics import (RunMetrics, StageTimer, batch_stats, log_transcripts,
-                                            logged_by_reward_funcs, reported, reward_metrics, tool_metrics,
-                                            zero_spread_share)
+from earl_lightning.modules.metrics import (
+    RunMetrics,
+    StageTimer,
+    batch_stats,
+    log_transcripts,
+    logged_by_reward_funcs,
+    reported,
+    reward_metrics,
+    tool_metrics,
+    zero_spread_share,
+)
 from earl_lightning.modules.rollout_setup import check_first_observation, loop_kwargs
 from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
@@ -41,6 +48,7 @@ from earl_lightning.rollout.backends.base import GENERATION_BACKENDS, BackendSpe
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
+from earl_lightning.seeding import run_seed
 from earl_lightning.strategies.faults import trainer_lost_peer
 from earl_lightning.strategies.stage import StageContext, stages_of
 
@@ -63,10 +71,18 @@ class AgenticRLModule(L.LightningModule):
             and engines and exports get the merged weights. null: full fine-tuning.
     """
 
-    def __init__(self, model: str = "earl-tiny", dtype: Literal["float32", "bfloat16", "float16"] = "float32",
-                 rollout: C.RolloutConfig = C.RolloutConfig(), algorithm: C.AlgorithmConfig = C.AlgorithmConfig(),
-                 optim: C.OptimConfig = C.OptimConfig(), seed: Optional[int] = None, transcript_every_n_steps: int = 10,
-                 logprob_mismatch_warn: float = 1e-3, peft: Optional[LoraSettings] = None) -> None:
+    def __init__(
+        self,
+        model: str = "earl-tiny",
+        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        rollout: C.RolloutConfig = C.RolloutConfig(),
+        algorithm: C.AlgorithmConfig = C.AlgorithmConfig(),
+        optim: C.OptimConfig = C.OptimConfig(),
+        seed: int | None = None,
+        transcript_every_n_steps: int = 10,
+        logprob_mismatch_warn: float = 1e-3,
+        peft: LoraSettings | None = None,
+    ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.rollout_config = C.coerce(C.RolloutConfig, rollout, "--model.rollout")
@@ -77,14 +93,27 @@ class AgenticRLModule(L.LightningModule):
         C.check_module_args(dtype, seed, transcript_every_n_steps, logprob_mismatch_warn)
         self.peft_config = None if peft is None else C.coerce(LoraSettings, peft, "--model.peft")
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
-        self.save_hyperparameters({**C.module_hparams(model, dtype, self.rollout_config, self.algorithm_config,
-                                                      self.optim_config, seed, transcript_every_n_steps,
-                                                      logprob_mismatch_warn),
-                                   "peft": None if peft is None else to_dict(self.peft_config)})
+        self.save_hyperparameters(
+            {
+                **C.module_hparams(
+                    model,
+                    dtype,
+                    self.rollout_config,
+                    self.algorithm_config,
+                    self.optim_config,
+                    seed,
+                    transcript_every_n_steps,
+                    logprob_mismatch_warn,
+                ),
+                "peft": None if peft is None else to_dict(self.peft_config),
+            }
+        )
         self.tokenizer = load_tokenizer(model, "--model.model")
         self.allowed_token_ids = self.rollout_config.sampling.token_ids(self.tokenizer)
         self.policy = self.ref_policy = self.value_head = None
-        self.rl_iteration = 0  # RL iterations done (checkpointed: sampling seeds continue from here)
+        self.rl_iteration = (
+            0  # RL iterations done (checkpointed: sampling seeds continue from here)
+        )
         self.oom_recoveries = 0
         self.run_metrics = RunMetrics()
         self._backend = None
@@ -102,12 +131,18 @@ class AgenticRLModule(L.LightningModule):
     @property
     def workload(self) -> Workload:
         r = self.rollout_config
-        return Workload(backend=r.backend, max_context_tokens=r.max_context_tokens,
-                        max_new_tokens=r.sampling.max_new_tokens, micro_batch_tokens=self.optim_config.micro_batch_tokens,
-                        reference_model=self.algorithm_config.kl.coef > 0 and self.peft_config is None,  # LoRA: none
-                        reuse_kv=r.reuse_kv,
-                        scored_last_layer=self.optim_config.scored_last_layer and self.policy is not None
-                        and can_score_last_layer(self.policy, now=False))
+        return Workload(
+            backend=r.backend,
+            max_context_tokens=r.max_context_tokens,
+            max_new_tokens=r.sampling.max_new_tokens,
+            micro_batch_tokens=self.optim_config.micro_batch_tokens,
+            reference_model=self.algorithm_config.kl.coef > 0
+            and self.peft_config is None,  # LoRA: none
+            reuse_kv=r.reuse_kv,
+            scored_last_layer=self.optim_config.scored_last_layer
+            and self.policy is not None
+            and can_score_last_layer(self.policy, now=False),
+        )
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -128,8 +163,13 @@ class AgenticRLModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optim_config
-        opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=cfg.lr,
-                                weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+        opt = torch.optim.AdamW(
+            [p for p in self.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+        )
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 1000
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: cfg.lr_factor(step, total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -147,18 +187,29 @@ class AgenticRLModule(L.LightningModule):
         too long, tools without a parser, an estimator that needs whole groups per rank (the
         ``earl`` command checks them before anything runs)."""
         check_first_observation(self.rollout_config, self.tokenizer, dm.first_spec(), dm.tools)
-        check_whole_groups(self.algorithm_config.advantage.name, self.algorithm_config.advantage.estimator,
-                           world_size, dm.exchanger.config.keep_groups)
+        check_whole_groups(
+            self.algorithm_config.advantage.name,
+            self.algorithm_config.advantage.estimator,
+            world_size,
+            dm.exchanger.config.keep_groups,
+        )
 
     # ---- the RL iteration ----------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         step, specs = batch["step"], batch["specs"]
         runner, exchanger = self._runner(StageTimer()), self._exchanger()
-        episodes, rollout_ctx = runner.run("rollout", self._spec_stats(specs),
-                                           lambda ctx: (self._play(specs, ctx, self._sampling_seed(step, ctx)), ctx))
+        episodes, rollout_ctx = runner.run(
+            "rollout",
+            self._spec_stats(specs),
+            lambda ctx: (self._play(specs, ctx, self._sampling_seed(step, ctx)), ctx),
+        )
         with runner.outside("the env-failure check"):
-            check_env_failures(episodes, rollout_ctx.reduce, self.rollout_config.max_failed_share, step)
-        exp = episodes_to_experience(episodes, gamma=self.algorithm_config.advantage.effective("gamma", 1.0))
+            check_env_failures(
+                episodes, rollout_ctx.reduce, self.rollout_config.max_failed_share, step
+            )
+        exp = episodes_to_experience(
+            episodes, gamma=self.algorithm_config.advantage.effective("gamma", 1.0)
+        )
         num_groups = max(s.group_id for s in specs) + 1
 
         def experience(ctx: StageContext) -> tuple[ExperienceBatch, StageContext]:
@@ -171,8 +222,15 @@ class AgenticRLModule(L.LightningModule):
 
         def train(ctx: StageContext) -> tuple[ExperienceBatch, dict[str, float], StageContext]:
             out = exchanger.exchange(exp, src=exp_ctx.layout, to=ctx.layout)
-            update = ppo_update(Models(self.policy, self.value_head), self.optimizers(), self.lr_schedulers(), out,
-                                self._update_config(ctx), ctx.reduce, self.manual_backward)
+            update = ppo_update(
+                Models(self.policy, self.value_head),
+                self.optimizers(),
+                self.lr_schedulers(),
+                out,
+                self._update_config(ctx),
+                ctx.reduce,
+                self.manual_backward,
+            )
             self._backend.after_update(ctx.model("policy"))
             return out, update, ctx
 
@@ -181,36 +239,63 @@ class AgenticRLModule(L.LightningModule):
         exp, update, train_ctx = runner.run("train", stats, train)
         self.rl_iteration, self.oom_recoveries = step + 1, self.oom_recoveries + runner.recoveries
         with runner.outside("the step's metric reductions"):
-            metrics = self._step_metrics(runner, episodes, num_groups, exp, update, rollout_ctx, train_ctx)
+            metrics = self._step_metrics(
+                runner, episodes, num_groups, exp, update, rollout_ctx, train_ctx
+            )
         self._log_step(metrics, episodes[:2], step)
 
-    def _step_metrics(self, runner: StageRunner, episodes: list, num_groups: int, exp: ExperienceBatch,
-                      update: dict[str, float], rollout_ctx: StageContext, train_ctx: StageContext) -> dict[str, float]:
+    def _step_metrics(
+        self,
+        runner: StageRunner,
+        episodes: list,
+        num_groups: int,
+        exp: ExperienceBatch,
+        update: dict[str, float],
+        rollout_ctx: StageContext,
+        train_ctx: StageContext,
+    ) -> dict[str, float]:
         """The step's logged metrics, each reduced over all ranks (every rank calls this)."""
-        metrics = self.run_metrics.step(episodes, rollout_ctx.reduce.counts_here, exp, train_ctx.reduce.counts_here)
-        for more in (runner.timer.metrics(metrics["tokens/generated"], metrics["tokens/total"]), update,
-                     self._stages().pop_stage_metrics(), self._exchanger().pop_metrics(), self._backend.metrics()):
+        metrics = self.run_metrics.step(
+            episodes, rollout_ctx.reduce.counts_here, exp, train_ctx.reduce.counts_here
+        )
+        for more in (
+            runner.timer.metrics(metrics["tokens/generated"], metrics["tokens/total"]),
+            update,
+            self._stages().pop_stage_metrics(),
+            self._exchanger().pop_metrics(),
+            self._backend.metrics(),
+        ):
             metrics.update(more)
         metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
-        metrics["reward/zero_std_groups"] = zero_spread_share(episodes, num_groups, rollout_ctx.reduce.sum_moments)
+        metrics["reward/zero_std_groups"] = zero_spread_share(
+            episodes, num_groups, rollout_ctx.reduce.sum_moments
+        )
         if self.rollout_config.tool_parser is not None:
             metrics.update(tool_metrics(episodes, rollout_ctx.reduce))
         names = [f.name for f in self._reward_funcs()]
         if names:
             metrics.update(reward_metrics(episodes, names, rollout_ctx.reduce))
             metrics.update(logged_by_reward_funcs(self._reward_outcomes, names))
-        metrics.update({"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)})
+        metrics.update(
+            {"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)}
+        )
         return metrics
 
     def _play(self, specs: list, ctx: StageContext, seed: int, greedy: bool = False) -> list:
         """This rank's share of ``specs``, played with the stage's model (the backend is bound to it)."""
         if self._backend is None:
-            spec = BackendSpec(model_path=resolve_model_path(self.hparams.model, "--model.model"),
-                               dtype=self.hparams.dtype, seed=self.hparams.seed,
-                               max_context_tokens=self.rollout_config.max_context_tokens,
-                               reuse_kv=self.rollout_config.reuse_kv, share_prompts=self.rollout_config.share_prompts,
-                               local_rank=self.local_rank)
-            factory = GENERATION_BACKENDS.get(self.rollout_config.backend, "--model.rollout.backend")
+            spec = BackendSpec(
+                model_path=resolve_model_path(self.hparams.model, "--model.model"),
+                dtype=self.hparams.dtype,
+                seed=self.hparams.seed,
+                max_context_tokens=self.rollout_config.max_context_tokens,
+                reuse_kv=self.rollout_config.reuse_kv,
+                share_prompts=self.rollout_config.share_prompts,
+                local_rank=self.local_rank,
+            )
+            factory = GENERATION_BACKENDS.get(
+                self.rollout_config.backend, "--model.rollout.backend"
+            )
             self._backend = factory(ctx.model("policy"), self.tokenizer, spec)
         self._backend.prepare(ctx.layout, ctx.model("policy"))
         sampling = SamplingConfig(**{**vars(self.sampling), "seed": seed, "greedy": greedy})
@@ -219,11 +304,18 @@ class AgenticRLModule(L.LightningModule):
         # tensor-parallel peers generate in lock step: every turn waits for every call
         kwargs = loop_kwargs(self.rollout_config, tools, continuous=ctx.layout.tp == 1)
         try:
-            episodes = rollout(self._exchanger().rollout_share(specs, ctx.layout, self.global_rank), self._backend,
-                               self.tokenizer, sampling, **kwargs)
+            episodes = rollout(
+                self._exchanger().rollout_share(specs, ctx.layout, self.global_rank),
+                self._backend,
+                self.tokenizer,
+                sampling,
+                **kwargs,
+            )
         finally:
             self._backend.release(None)
-        self._reward_outcomes = score_episodes(episodes, self._reward_funcs(), self.tokenizer, self._reward_extras())
+        self._reward_outcomes = score_episodes(
+            episodes, self._reward_funcs(), self.tokenizer, self._reward_extras()
+        )
         return episodes
 
     def _reward_funcs(self) -> list:
@@ -235,42 +327,77 @@ class AgenticRLModule(L.LightningModule):
         from transformers import TrainerState
 
         t = self.trainer
-        return {"trainer_state": TrainerState(global_step=t.global_step, max_steps=max(t.max_steps, 0),
-                                              epoch=float(t.current_epoch))}
+        return {
+            "trainer_state": TrainerState(
+                global_step=t.global_step,
+                max_steps=max(t.max_steps, 0),
+                epoch=float(t.current_epoch),
+            )
+        }
 
     def _fill(self, exp: ExperienceBatch, ctx: StageContext) -> ExperienceBatch:
         """Old log-probs (and values), and reference log-probs when there is a KL term."""
-        kw = dict(temperature=self.rollout_config.sampling.temperature, allowed=self.allowed_token_ids,
-                  micro_batch_tokens=ctx.budget(self.optim_config.micro_batch_tokens),
-                  share_prefix=self.optim_config.share_prefix, scored=self.optim_config.scored_last_layer)
+        kw = dict(
+            temperature=self.rollout_config.sampling.temperature,
+            allowed=self.allowed_token_ids,
+            micro_batch_tokens=ctx.budget(self.optim_config.micro_batch_tokens),
+            share_prefix=self.optim_config.share_prefix,
+            scored=self.optim_config.scored_last_layer,
+        )
         if not self._on_policy:  # else the training forward's own log-probs serve as the old ones
-            exp = fill_logprobs(ctx.model("policy"), exp, name="old_logprobs", value_head=self.value_head, **kw)
+            exp = fill_logprobs(
+                ctx.model("policy"), exp, name="old_logprobs", value_head=self.value_head, **kw
+            )
         if self.ref_policy is not None:
             exp = fill_logprobs(ctx.model("ref_policy"), exp, name="ref_logprobs", **kw)
-        elif self.algorithm_config.kl.coef:  # LoRA: the reference is the policy with its adapters off
+        elif (
+            self.algorithm_config.kl.coef
+        ):  # LoRA: the reference is the policy with its adapters off
             with adapters_disabled(ctx.model("policy")) as base:
                 exp = fill_logprobs(base, exp, name="ref_logprobs", **kw)
         return exp
 
-    def _advantages(self, exp: ExperienceBatch, num_groups: int, ctx: StageContext) -> ExperienceBatch:
+    def _advantages(
+        self, exp: ExperienceBatch, num_groups: int, ctx: StageContext
+    ) -> ExperienceBatch:
         algo = self.algorithm_config
         penalty = None
         if algo.kl.coef and algo.kl.in_reward:
-            kl = get_kl_estimator(algo.kl.estimator)(exp.tokens["old_logprobs"], exp.tokens["ref_logprobs"])
+            kl = get_kl_estimator(algo.kl.estimator)(
+                exp.tokens["old_logprobs"], exp.tokens["ref_logprobs"]
+            )
             penalty = algo.kl.coef * exp.pad(kl, 0.0)
-        return estimate_advantages(exp, algo.advantage.estimator, algo.advantage.params, num_groups=num_groups,
-                                   reduce=ctx.reduce.sum_moments, kl_penalty=penalty)
+        return estimate_advantages(
+            exp,
+            algo.advantage.estimator,
+            algo.advantage.params,
+            num_groups=num_groups,
+            reduce=ctx.reduce.sum_moments,
+            kl_penalty=penalty,
+        )
 
     def _update_config(self, ctx: StageContext) -> UpdateConfig:
         algo, opt, loss = self.algorithm_config, self.optim_config, self.algorithm_config.loss
         return UpdateConfig(
-            ppo_epochs=opt.ppo_epochs, mini_batches=opt.mini_batches, micro_batch_tokens=ctx.budget(opt.micro_batch_tokens),
-            temperature=self.rollout_config.sampling.temperature, loss_fn=loss.fn, loss_params=loss.params,
-            aggregation=loss.aggregation, norm_constant=loss.norm_constant or float(self.rollout_config.max_context_tokens),
-            kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef, kl_estimator=algo.kl.estimator,
-            entropy_coef=algo.entropy_coef, value_coef=algo.value.coef, value_clip=algo.value.clip,
-            max_grad_norm=opt.max_grad_norm, allowed_token_ids=self.allowed_token_ids, on_policy=self._on_policy,
-            share_prefix=opt.share_prefix, scored_last_layer=opt.scored_last_layer)
+            ppo_epochs=opt.ppo_epochs,
+            mini_batches=opt.mini_batches,
+            micro_batch_tokens=ctx.budget(opt.micro_batch_tokens),
+            temperature=self.rollout_config.sampling.temperature,
+            loss_fn=loss.fn,
+            loss_params=loss.params,
+            aggregation=loss.aggregation,
+            norm_constant=loss.norm_constant or float(self.rollout_config.max_context_tokens),
+            kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef,
+            kl_estimator=algo.kl.estimator,
+            entropy_coef=algo.entropy_coef,
+            value_coef=algo.value.coef,
+            value_clip=algo.value.clip,
+            max_grad_norm=opt.max_grad_norm,
+            allowed_token_ids=self.allowed_token_ids,
+            on_policy=self._on_policy,
+            share_prefix=opt.share_prefix,
+            scored_last_layer=opt.scored_last_layer,
+        )
 
     # ---- helpers of the step -------------------------------------------------------------------
     def _stages(self):
@@ -279,16 +406,23 @@ class AgenticRLModule(L.LightningModule):
     def _exchanger(self) -> Exchanger:
         dm = self.trainer.datamodule
         if not isinstance(dm, EpisodeDataModule):
-            raise ValueError("AgenticRLModule trains from an EpisodeDataModule (its episode specs and exchanger); "
-                             f"got {type(dm).__name__}: pass `datamodule=EpisodeDataModule(...)` to `Trainer.fit`")
+            raise ValueError(
+                "AgenticRLModule trains from an EpisodeDataModule (its episode specs and exchanger); "
+                f"got {type(dm).__name__}: pass `datamodule=EpisodeDataModule(...)` to `Trainer.fit`"
+            )
         return dm.exchanger
 
     def _runner(self, timer: StageTimer) -> StageRunner:
         t = self.trainer
         handlers = [cb for cb in t.callbacks if isinstance(cb, StageOOMHandler)]
-        return StageRunner(self._stages(), handlers, lambda h, *a: h.on_stage_oom(t, self, *a),
-                           lambda: free_memory(t.optimizers, self._backend), timer,
-                           trainer_lost_peer(t, f"RL step {t.global_step}"))
+        return StageRunner(
+            self._stages(),
+            handlers,
+            lambda h, *a: h.on_stage_oom(t, self, *a),
+            lambda: free_memory(t.optimizers, self._backend),
+            timer,
+            trainer_lost_peer(t, f"RL step {t.global_step}"),
+        )
 
     def _spec_stats(self, specs: list) -> dict[str, float]:
         return {"num_seqs": len(specs), "gen_len": self.rollout_config.sampling.max_new_tokens}
@@ -301,8 +435,15 @@ class AgenticRLModule(L.LightningModule):
         """Max |rollout - recomputed| log-prob over generated tokens of all ranks (on-policy: the
         update measured it on its own forward); warns over the threshold."""
         t = exp.tokens
-        value = update.pop("logprob/mismatch") if self._on_policy else \
-            float(ctx.reduce.max(logprob_mismatch(t["rollout_logprobs"], t["old_logprobs"], t["action_mask"])))
+        value = (
+            update.pop("logprob/mismatch")
+            if self._on_policy
+            else float(
+                ctx.reduce.max(
+                    logprob_mismatch(t["rollout_logprobs"], t["old_logprobs"], t["action_mask"])
+                )
+            )
+        )
         check_logprob_mismatch(value, self.hparams.logprob_mismatch_warn)
         return value
 
@@ -320,7 +461,10 @@ class AgenticRLModule(L.LightningModule):
         """Play ``specs`` greedily into the validation metrics; which optional rates they report."""
         runner = self._runner(StageTimer())
         episodes, ctx = runner.run(
-            "rollout", self._spec_stats(specs), lambda ctx: (self._play(specs, ctx, seed=0, greedy=True), ctx))
+            "rollout",
+            self._spec_stats(specs),
+            lambda ctx: (self._play(specs, ctx, seed=0, greedy=True), ctx),
+        )
         self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
         with runner.outside("the evaluation's metric reductions"):
             return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
@@ -335,13 +479,25 @@ class AgenticRLModule(L.LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         flags = self._evaluate(batch["specs"])
         for name, metric in self.run_metrics.val_objects(flags).items():
-            self.log(name, metric, prog_bar=name == "val/win_rate", on_step=False, on_epoch=True, batch_size=1)
+            self.log(
+                name,
+                metric,
+                prog_bar=name == "val/win_rate",
+                on_step=False,
+                on_epoch=True,
+                batch_size=1,
+            )
 
     def on_train_start(self) -> None:
         # The first evaluation, before any update: the learning curve's baseline at step 0.
         dm = self.trainer.datamodule
-        if self.global_step == 0 and isinstance(dm, EpisodeDataModule) and dm.eval_episodes and \
-                self.trainer.val_dataloaders is not None and self.trainer.limit_val_batches:
+        if (
+            self.global_step == 0
+            and isinstance(dm, EpisodeDataModule)
+            and dm.eval_episodes
+            and self.trainer.val_dataloaders is not None
+            and self.trainer.limit_val_batches
+        ):
             flags = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
             with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
                 values = self.run_metrics.compute_val(flags)

@@ -9,7 +9,9 @@ from typing import Any
 from earl_lightning.modules.config import A, RolloutConfig
 
 
-def loop_kwargs(rollout: RolloutConfig, tools: Any = None, continuous: bool = False) -> dict[str, Any]:
+def loop_kwargs(
+    rollout: RolloutConfig, tools: Any = None, continuous: bool = False
+) -> dict[str, Any]:
     """The keyword arguments of :func:`~earl_lightning.rollout.loop.rollout` these settings give
     (``tools``: a :class:`~earl_lightning.rollout.loop.ToolUse` of the task's tools, or the task's
     tools to pair with ``rollout.tool_parser``)."""
@@ -18,15 +20,27 @@ def loop_kwargs(rollout: RolloutConfig, tools: Any = None, continuous: bool = Fa
 
     use = tools
     if not isinstance(tools, ToolUse):
-        use = ToolUse(get_tool_parser(rollout.tool_parser), tuple(tools or ())) if rollout.tool_parser else None
-    return dict(max_turns=rollout.max_turns, max_context_tokens=rollout.max_context_tokens,
-                system_prompt=rollout.system_prompt, history_turns=rollout.history_turns,
-                env_timeout_s=rollout.env_timeout_s, call_workers=rollout.call_workers,
-                call_isolation=rollout.call_isolation, tools=use,
-                continuous=continuous and rollout.continuous_turns)
+        use = (
+            ToolUse(get_tool_parser(rollout.tool_parser), tuple(tools or ()))
+            if rollout.tool_parser
+            else None
+        )
+    return dict(
+        max_turns=rollout.max_turns,
+        max_context_tokens=rollout.max_context_tokens,
+        system_prompt=rollout.system_prompt,
+        history_turns=rollout.history_turns,
+        env_timeout_s=rollout.env_timeout_s,
+        call_workers=rollout.call_workers,
+        call_isolation=rollout.call_isolation,
+        tools=use,
+        continuous=continuous and rollout.continuous_turns,
+    )
 
 
-def check_first_observation(rollout: RolloutConfig, tokenizer: Any, spec: Any, tools: Any = ()) -> None:
+def check_first_observation(
+    rollout: RolloutConfig, tokenizer: Any, spec: Any, tools: Any = ()
+) -> None:
     """``max_context_tokens`` smaller than the first prompt (an env's first observation, or the
     first dataset row's prompt, with the tools rendered) fails before any work is done; so does an
     env whose reset fails, tools without a parser to read their calls, and tools that cannot be
@@ -36,19 +50,30 @@ def check_first_observation(rollout: RolloutConfig, tokenizer: Any, spec: Any, t
     from earl_lightning.rollout.process_env import check_picklable
 
     if tools and rollout.tool_parser is None:
-        raise ValueError(f"`--data.tools` names tools {[t.name for t in tools]}, and `{A}.rollout.tool_parser` is null: "
-                         f"set the parser of the model's tool-call format (hermes, llama3_json, mistral)")
+        raise ValueError(
+            f"`--data.tools` names tools {[t.name for t in tools]}, and `{A}.rollout.tool_parser` is null: "
+            f"set the parser of the model's tool-call format (hermes, llama3_json, mistral)"
+        )
     if tools and rollout.call_isolation == "process":
         check_picklable(tools)
     try:
-        ids = first_prompt_ids(spec, tokenizer, rollout.system_prompt, loop_kwargs(rollout, tools)["tools"])
+        ids = first_prompt_ids(
+            spec, tokenizer, rollout.system_prompt, loop_kwargs(rollout, tools)["tools"]
+        )
     except EnvFault as fault:
         where = fault.where()
-        raise ValueError(f"`--data.env` {spec.env!r}: {fault}{f' (at {where})' if where else ''}") from None
+        raise ValueError(
+            f"`--data.env` {spec.env!r}: {fault}{f' (at {where})' if where else ''}"
+        ) from None
     need = len(ids) + rollout.sampling.max_new_tokens
     if need > rollout.max_context_tokens:
-        what = f"the first row's prompt (row {spec.row_index})" if spec.row is not None else \
-            f"the first observation of env {spec.env!r}"
-        raise ValueError(f"`{A}.rollout.max_context_tokens` ({rollout.max_context_tokens}) is smaller than {what} "
-                         f"plus one turn: {len(ids)} prompt tokens + {rollout.sampling.max_new_tokens} new tokens = "
-                         f"{need}; raise it to at least {need}")
+        what = (
+            f"the first row's prompt (row {spec.row_index})"
+            if spec.row is not None
+            else f"the first observation of env {spec.env!r}"
+        )
+        raise ValueError(
+            f"`{A}.rollout.max_context_tokens` ({rollout.max_context_tokens}) is smaller than {what} "
+            f"plus one turn: {len(ids)} prompt tokens + {rollout.sampling.max_new_tokens} new tokens = "
+            f"{need}; raise it to at least {need}"
+        )

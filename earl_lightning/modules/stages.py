@@ -9,8 +9,9 @@ again under the next layout the selector picks, and the step is not lost.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,10 +36,16 @@ class StageRunner:
     with, inside a stage and (:meth:`outside`) in the step's collectives between stages.
     """
 
-    def __init__(self, stages: StageStrategy, handlers: Sequence[StageOOMHandler],
-                 ask: Callable[[StageOOMHandler, str, Optional[Mapping[str, Any]], BaseException], bool],
-                 free: Callable[[], None], timer: StageTimer,
-                 lost: LostPeer, max_retries: int = 3) -> None:
+    def __init__(
+        self,
+        stages: StageStrategy,
+        handlers: Sequence[StageOOMHandler],
+        ask: Callable[[StageOOMHandler, str, Mapping[str, Any] | None, BaseException], bool],
+        free: Callable[[], None],
+        timer: StageTimer,
+        lost: LostPeer,
+        max_retries: int = 3,
+    ) -> None:
         self.stages, self.handlers, self.ask, self.free = stages, list(handlers), ask, free
         self.lost = lost
         self.timer, self.max_retries = timer, max_retries
@@ -48,7 +55,7 @@ class StageRunner:
         """For the step's collectives between stages (``where``: "the env-failure check")."""
         return self.lost.during(where)
 
-    def run(self, name: str, stats: Optional[Mapping[str, Any]], fn: Callable[[StageContext], T]) -> T:
+    def run(self, name: str, stats: Mapping[str, Any] | None, fn: Callable[[StageContext], T]) -> T:
         """``fn(ctx)`` under stage ``name``'s layout, retried on an out-of-memory error.
 
         With several processes, every rank reports after the stage whether it ran out of memory
@@ -75,7 +82,9 @@ class StageRunner:
                 err = err or MemoryError(f"out of memory in stage {name!r} on another rank")
             elif err is None:
                 return out
-            if retries >= self.max_retries or not any([self.ask(h, name, stats, err) for h in self.handlers]):
+            if retries >= self.max_retries or not any(
+                [self.ask(h, name, stats, err) for h in self.handlers]
+            ):
                 raise err
             retries += 1
             self.recoveries += 1
@@ -95,21 +104,31 @@ def free_memory(optimizers: Sequence[Any], backend: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def check_env_failures(episodes: Sequence[Any], reduce: Reducer, max_share: float, step: int) -> None:
+def check_env_failures(
+    episodes: Sequence[Any], reduce: Reducer, max_share: float, step: int
+) -> None:
     """Stop the run when at least ``max_share`` of the step's episodes (over all ranks) failed
     inside their environment, or could not be scored by a reward function (each counted on its
     own, each with its own one-line error). Every rank must call it (one small all-reduce)."""
     env = [ep for ep in episodes if ep.error is not None and ep.error_kind in (None, "env")]
     reward = [ep for ep in episodes if ep.error_kind == "reward"]
-    n_env, n_reward, total = reduce.sum_floats([float(len(env)), float(len(reward)), float(len(episodes))])
+    n_env, n_reward, total = reduce.sum_floats(
+        [float(len(env)), float(len(reward)), float(len(episodes))]
+    )
     share = f"(`--model.rollout.max_failed_share` {max_share:g})"
     if total and n_env / total >= max_share:
-        first = f"the first here: {env[0].error}" if env else "see another rank's log for the errors"
+        first = (
+            f"the first here: {env[0].error}" if env else "see another rank's log for the errors"
+        )
         raise EnvironmentFailure(
             f"{int(n_env)} of {int(total)} episodes of RL step {step} failed inside the environment {share}; "
-            f"{first}. Fix the environment, or raise max_failed_share to train through failures")
+            f"{first}. Fix the environment, or raise max_failed_share to train through failures"
+        )
     if total and n_reward / total >= max_share:
-        first = reward[0].error if reward else "a reward function failed on another rank; see its log"
+        first = (
+            reward[0].error if reward else "a reward function failed on another rank; see its log"
+        )
         raise RewardFunctionFailure(
             f"{first} ({int(n_reward)} of {int(total)} episodes of RL step {step} could not be scored {share}). "
-            f"Fix the reward function, or raise max_failed_share to train on the rows it scores")
+            f"Fix the reward function, or raise max_failed_share to train on the rows it scores"
+        )

@@ -9,8 +9,9 @@ schedule, the batch, the settings, the stage's reducer and the backward function
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,19 +33,25 @@ class UpdateConfig:
     micro_batch_tokens: int = 16384
     temperature: float = 1.0
     loss_fn: PolicyLossFn = ppo_clip_loss
-    loss_params: dict[str, Any] = field(default_factory=lambda: {"clip_low": 0.2, "clip_high": 0.28})
+    loss_params: dict[str, Any] = field(
+        default_factory=lambda: {"clip_low": 0.2, "clip_high": 0.28}
+    )
     aggregation: str = "token_mean"
     norm_constant: float = 4096.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     value_coef: float = 0.5
-    value_clip: Optional[float] = 0.2
+    value_clip: float | None = 0.2
     max_grad_norm: float = 1.0
-    allowed_token_ids: Optional[list[int]] = None
-    on_policy: bool = False  # old log-probs = this forward's, detached (modules.config.exactly_on_policy)
+    allowed_token_ids: list[int] | None = None
+    on_policy: bool = (
+        False  # old log-probs = this forward's, detached (modules.config.exactly_on_policy)
+    )
     share_prefix: bool = False  # a prompt shared by several sequences runs once (data.prefix)
-    scored_last_layer: bool = False  # the last layer only where an action token is scored (data.scored)
+    scored_last_layer: bool = (
+        False  # the last layer only where an action token is scored (data.scored)
+    )
 
 
 @dataclass
@@ -53,7 +60,7 @@ class Models:
     a value head on its last hidden state."""
 
     policy: nn.Module
-    value_head: Optional[nn.Module] = None
+    value_head: nn.Module | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         params = list(self.policy.parameters())
@@ -71,14 +78,26 @@ def mini_batch_indices(batch: ExperienceBatch, n: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(n)]
 
 
-def micro_batch_loss(models: Models, mb: ExperienceBatch, cfg: UpdateConfig, denom: dict[str, float],
-                     plan: PrefixPlan | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def micro_batch_loss(
+    models: Models,
+    mb: ExperienceBatch,
+    cfg: UpdateConfig,
+    denom: dict[str, float],
+    plan: PrefixPlan | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch, scaled so that summing over micro-batches and ranks gives the
     mini-batch loss (``plan``: its shared prompts, see :mod:`earl_lightning.data.prefix`).
     Returns the loss and un-normalized stat sums."""
-    res = forward_micro_batch(models.policy, mb, temperature=cfg.temperature, value_head=models.value_head,
-                              with_entropy=True, allowed=cfg.allowed_token_ids, plan=plan,
-                              scored=cfg.scored_last_layer)
+    res = forward_micro_batch(
+        models.policy,
+        mb,
+        temperature=cfg.temperature,
+        value_head=models.value_head,
+        with_entropy=True,
+        allowed=cfg.allowed_token_ids,
+        plan=plan,
+        scored=cfg.scored_last_layer,
+    )
     mask = mb.padded("action_mask", 0.0)  # [B, T]
     logp = mb.pad(res["logprobs"], 0.0)  # [B, T]
     old = logp.detach() if cfg.on_policy else mb.padded("old_logprobs", 0.0)  # [B, T]
@@ -86,11 +105,22 @@ def micro_batch_loss(models: Models, mb: ExperienceBatch, cfg: UpdateConfig, den
     agg = dict(num_tokens=denom["tokens"], num_seqs=denom["seqs"], norm_constant=cfg.norm_constant)
     loss = aggregate(tok_loss, mask, cfg.aggregation, **agg)
     ent = mb.pad(res["entropy"], 0.0)  # [B, T]
-    share = float(mask.sum()) / denom["tokens"]  # this micro-batch's share of the mini-batch's tokens
-    stats = {"loss/policy": float(loss.detach()), "policy/entropy": float((ent.detach() * mask).sum() / denom["tokens"])}
+    share = (
+        float(mask.sum()) / denom["tokens"]
+    )  # this micro-batch's share of the mini-batch's tokens
+    stats = {
+        "loss/policy": float(loss.detach()),
+        "policy/entropy": float((ent.detach() * mask).sum() / denom["tokens"]),
+    }
     stats.update({f"policy/{k}": float(v) * share for k, v in loss_stat_means(pstats).items()})
-    if cfg.on_policy and "rollout_logprobs" in mb.tokens:  # the rollout's log-probs vs the weights it sampled with
-        stats[MISMATCH] = float(((mb.padded("rollout_logprobs", 0.0) - old).abs() * mask).max()) if mask.numel() else 0.0
+    if (
+        cfg.on_policy and "rollout_logprobs" in mb.tokens
+    ):  # the rollout's log-probs vs the weights it sampled with
+        stats[MISMATCH] = (
+            float(((mb.padded("rollout_logprobs", 0.0) - old).abs() * mask).max())
+            if mask.numel()
+            else 0.0
+        )
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.aggregation, **agg)
     if cfg.kl_coef and "ref_logprobs" in mb.tokens:
@@ -100,15 +130,24 @@ def micro_batch_loss(models: Models, mb: ExperienceBatch, cfg: UpdateConfig, den
         stats["loss/kl"] = float(kl_loss.detach())
     if models.value_head is not None:
         v = mb.pad(res["values"], 0.0)
-        vl, _ = value_loss(v, mb.padded("values", 0.0), mb.padded("returns", 0.0), mask, value_clip=cfg.value_clip)
+        vl, _ = value_loss(
+            v, mb.padded("values", 0.0), mb.padded("returns", 0.0), mask, value_clip=cfg.value_clip
+        )
         vloss = aggregate(vl, mask, "token_mean", num_tokens=denom["tokens"])
         loss = loss + cfg.value_coef * vloss
         stats["loss/value"] = float(vloss.detach())
     return loss, stats
 
 
-def ppo_update(models: Models, optimizer: Any, scheduler: Any, batch: ExperienceBatch, cfg: UpdateConfig,
-               reduce: Reducer, backward: Callable[[torch.Tensor], None]) -> dict[str, float]:
+def ppo_update(
+    models: Models,
+    optimizer: Any,
+    scheduler: Any,
+    batch: ExperienceBatch,
+    cfg: UpdateConfig,
+    reduce: Reducer,
+    backward: Callable[[torch.Tensor], None],
+) -> dict[str, float]:
     """``cfg.ppo_epochs`` passes of ``cfg.mini_batches`` optimizer steps over ``batch``.
 
     ``optimizer``: Lightning's optimizer wrapper; only the iteration's last step goes through it
@@ -130,7 +169,9 @@ def ppo_update(models: Models, optimizer: Any, scheduler: Any, batch: Experience
                 scheduler.step()
     mismatch = totals.pop(MISMATCH, 0.0)  # a rank without micro-batches still takes part below
     keys = sorted(totals)
-    out = {k: v / len(grad_norms) for k, v in zip(keys, reduce.sum_floats([totals[k] for k in keys]))}
+    out = {
+        k: v / len(grad_norms) for k, v in zip(keys, reduce.sum_floats([totals[k] for k in keys]))
+    }
     if cfg.on_policy:
         out[MISMATCH] = float(reduce.max(torch.tensor([mismatch], dtype=torch.float64))[0])
     out["grad_norm"] = float(sum(grad_norms) / max(1, len(grad_norms)))
@@ -138,8 +179,14 @@ def ppo_update(models: Models, optimizer: Any, scheduler: Any, batch: Experience
     return out
 
 
-def _accumulate(models: Models, mini: ExperienceBatch, cfg: UpdateConfig, reduce: Reducer,
-                backward: Callable[[torch.Tensor], None], totals: dict[str, float]) -> None:
+def _accumulate(
+    models: Models,
+    mini: ExperienceBatch,
+    cfg: UpdateConfig,
+    reduce: Reducer,
+    backward: Callable[[torch.Tensor], None],
+    totals: dict[str, float],
+) -> None:
     """Forward/backward every micro-batch of one mini-batch, gradients accumulating."""
     mask_tok = mini.tokens["action_mask"]
     seqs_with_actions = float((mini.pad(mask_tok, 0.0).sum(-1) > 0).sum()) if mini.num_seqs else 0.0
@@ -152,7 +199,9 @@ def _accumulate(models: Models, mini: ExperienceBatch, cfg: UpdateConfig, reduce
     for i in range(reduce.agree_count(len(micro))):
         mine = i < len(micro)
         plan = prefix_plan(models.policy, micro[i], cfg.share_prefix) if mine else None
-        shared = cfg.share_prefix and reduce.all(plan is not None or not mine)  # a padding rank abstains
+        shared = cfg.share_prefix and reduce.all(
+            plan is not None or not mine
+        )  # a padding rank abstains
         if not mine:
             backward(zero_loss(models.policy, models.value_head, passes=2 if shared else 1))
             continue

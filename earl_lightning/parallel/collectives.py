@@ -10,8 +10,8 @@ contributes. Maxima and "any" are unaffected by replicas. Every rank must call e
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,11 +46,22 @@ def init_elastic_process_group(backend: str, timeout: timedelta, device: torch.d
         return False
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     world = int(os.environ["WORLD_SIZE"])
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                         timeout=timeout)
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timeout,
+    )
     kwargs = {} if device.type == "cpu" else {"device_id": device}
-    dist.init_process_group(backend, store=dist.PrefixStore(f"earl/attempt_{attempt}", base),
-                            rank=int(os.environ["RANK"]), world_size=world, timeout=timeout, **kwargs)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"earl/attempt_{attempt}", base),
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+        timeout=timeout,
+        **kwargs,
+    )
     return True
 
 
@@ -63,7 +74,9 @@ def collective_timeout() -> timedelta | None:
     return _timeout[0]
 
 
-def set_collective_timeout(timeout: timedelta | None, groups: Sequence[dist.ProcessGroup] = ()) -> None:
+def set_collective_timeout(
+    timeout: timedelta | None, groups: Sequence[dist.ProcessGroup] = ()
+) -> None:
     """How long a collective of the default process group (or of ``groups``) waits for a peer
     (None: unchanged).
 
@@ -75,7 +88,9 @@ def set_collective_timeout(timeout: timedelta | None, groups: Sequence[dist.Proc
         if not groups:
             _timeout[0] = timeout
         for group in groups or [None]:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)  # torch's only setter (private, since 2.2)
+            dist.distributed_c10d._set_pg_timeout(
+                timeout, group
+            )  # torch's only setter (private, since 2.2)
 
 
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -169,7 +184,7 @@ class Reducer:
         flat = self.sum(torch.cat(packed, dim=1).to(STAT_DTYPE))
         out, start = [], 0
         for m, p in zip(parts, packed):
-            out.append(Moments.unpack(flat[:, start:start + p.shape[1]].reshape(3, *m.sum.shape)))
+            out.append(Moments.unpack(flat[:, start : start + p.shape[1]].reshape(3, *m.sum.shape)))
             start += p.shape[1]
         return out
 
@@ -186,7 +201,9 @@ def clip_gradients(params: Sequence[torch.nn.Parameter], max_norm: float) -> flo
         return 0.0
     by_mesh: dict = {}
     for p in params:
-        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(
+            p
+        )
     groups = list(by_mesh.values())
     norms = []
     for g in groups:

@@ -35,8 +35,11 @@ _GLOO_DIED = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connecti
 # out (others, e.g. "invalid usage", are bugs to see in full): ncclRemoteError's text, and the
 # watchdog's on a timeout and on the communicator it then aborts.
 _NCCL_DIED = ("remote process exited or there was a network error",)
-_NCCL_SILENT = ("Watchdog caught collective operation timeout", "NCCL communicator was aborted",
-                "Some NCCL operations have failed or timed out")
+_NCCL_SILENT = (
+    "Watchdog caught collective operation timeout",
+    "NCCL communicator was aborted",
+    "Some NCCL operations have failed or timed out",
+)
 
 
 def peer_failure(err: BaseException) -> PeerFailure | None:
@@ -108,9 +111,16 @@ class LostPeer:
             saved = f"traceback in {path}"
         except OSError:
             saved = "traceback not saved"
-        cause = ("another process stopped answering (no reply within the collective timeout)"
-                 if peer_failure(err) == "silent" else "another process died")
-        resume = f"resume from {f.last_checkpoint}" if f.last_checkpoint else "no checkpoint saved yet"
+        cause = (
+            "another process stopped answering (no reply within the collective timeout)"
+            if peer_failure(err) == "silent"
+            else "another process died"
+        )
+        resume = (
+            f"resume from {f.last_checkpoint}" if f.last_checkpoint else "no checkpoint saved yet"
+        )
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return RankFailure(f"rank {f.rank} lost a peer during {where} of {f.step}: {cause} "
-                           f"({type(err).__name__}: {first[:160]}); {resume} (`--ckpt_path last`); {saved}")
+        return RankFailure(
+            f"rank {f.rank} lost a peer during {where} of {f.step}: {cause} "
+            f"({type(err).__name__}: {first[:160]}); {resume} (`--ckpt_path last`); {saved}"
+        )

@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Mapping
+from collections.abc import Mapping
 
-LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                 "NODE_RANK", "GROUP_RANK", "ROLE_RANK")
+LAUNCHER_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+)
 LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
 
 
@@ -26,7 +35,11 @@ def is_launcher_var(name: str) -> bool:
 
 def standalone_env(environ: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
     """``environ`` (default: this process's) without launcher variables, plus ``extra``."""
-    env = {k: v for k, v in (os.environ if environ is None else environ).items() if not is_launcher_var(k)}
+    env = {
+        k: v
+        for k, v in (os.environ if environ is None else environ).items()
+        if not is_launcher_var(k)
+    }
     env.update(extra)
     return env
 

@@ -51,7 +51,7 @@ class Layout:
     def tp_group_ranks(self, dp_rank: int) -> list[int]:
         return [self.rank_of(dp_rank, t) for t in range(self.tp)]
 
-    def check_world(self, world_size: int, arg: str = "layout") -> "Layout":
+    def check_world(self, world_size: int, arg: str = "layout") -> Layout:
         if self.world_size != world_size:
             raise ValueError(
                 f"`{arg}` {self.name} has dp*tp = {self.world_size}, but the world size is {world_size}; "
@@ -59,7 +59,7 @@ class Layout:
             )
         return self
 
-    def check_heads(self, num_heads: int, num_kv_heads: int, arg: str = "layout") -> "Layout":
+    def check_heads(self, num_heads: int, num_kv_heads: int, arg: str = "layout") -> Layout:
         if num_heads % self.tp or num_kv_heads % self.tp:
             raise ValueError(
                 f"`{arg}` tp={self.tp} does not divide the model's attention heads ({num_heads}) and "
@@ -69,7 +69,7 @@ class Layout:
         return self
 
     @staticmethod
-    def coerce(value, arg: str, *, allow_auto: bool = False) -> "Layout | None":
+    def coerce(value, arg: str, *, allow_auto: bool = False) -> Layout | None:
         """A Layout from a Layout or a dict of its fields (config files); ``"auto"`` gives None
         when ``allow_auto``. Errors name ``arg`` as the user wrote it."""
         if isinstance(value, Layout):
@@ -79,14 +79,19 @@ class Layout:
         if isinstance(value, dict):
             unknown = sorted(set(value) - set(Layout.__dataclass_fields__))
             if unknown:
-                raise ValueError(f"`{arg}` has unknown keys {unknown}; valid keys: {list(Layout.__dataclass_fields__)}")
+                raise ValueError(
+                    f"`{arg}` has unknown keys {unknown}; valid keys: {list(Layout.__dataclass_fields__)}"
+                )
             return Layout(**value)
         also = " or 'auto'" if allow_auto else ""
-        raise ValueError(f"`{arg}` must be a Layout or a dict like {{'dp': 2, 'tp': 1}}{also}, got {value!r}")
+        raise ValueError(
+            f"`{arg}` must be a Layout or a dict like {{'dp': 2, 'tp': 1}}{also}, got {value!r}"
+        )
 
     @staticmethod
-    def factorizations(world_size: int, num_heads: int | None = None, num_kv_heads: int | None = None,
-                       **knobs) -> list["Layout"]:
+    def factorizations(
+        world_size: int, num_heads: int | None = None, num_kv_heads: int | None = None, **knobs
+    ) -> list[Layout]:
         """Every dp x tp == world_size whose tp divides the heads (when given)."""
         out = []
         for tp in range(1, world_size + 1):

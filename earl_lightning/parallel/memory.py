@@ -17,8 +17,9 @@ checks the resulting estimates against measured peaks. Pure arithmetic: no torch
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from earl_lightning.parallel.layout import Layout, check_stage
 
@@ -64,17 +65,21 @@ class ModelSizes:
                 raise ValueError(f"`model_config.{f.name}` must be a positive integer, got {v!r}")
 
     @classmethod
-    def from_config(cls, config: Any) -> "ModelSizes":
+    def from_config(cls, config: Any) -> ModelSizes:
         """From a transformers config (Qwen2, Llama, ...) or a ``ModelSizes``."""
         if isinstance(config, ModelSizes):
             return config
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
         inter = getattr(config, "intermediate_size", None)
-        if inter is None and hasattr(config, "n_inner"):  # GPT-2 family: n_inner, None meaning 4 x hidden
+        if inter is None and hasattr(
+            config, "n_inner"
+        ):  # GPT-2 family: n_inner, None meaning 4 x hidden
             inter = config.n_inner or 4 * config.hidden_size
         need = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
-        missing = [n for n in need if getattr(config, n, None) is None] + ([] if inter else ["intermediate_size"])
+        missing = [n for n in need if getattr(config, n, None) is None] + (
+            [] if inter else ["intermediate_size"]
+        )
         if missing:
             raise ValueError(
                 f"`model_config` {type(config).__name__} lacks {missing}; pass a transformers config "
@@ -82,13 +87,17 @@ class ModelSizes:
             )
         heads = config.num_attention_heads
         return cls(
-            num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-            intermediate_size=inter, num_heads=heads,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=inter,
+            num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             vocab_size=config.vocab_size,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=bool(getattr(config, "attention_bias", getattr(config, "model_type", "") == "qwen2")),
+            qkv_bias=bool(
+                getattr(config, "attention_bias", getattr(config, "model_type", "") == "qwen2")
+            ),
         )
 
     @property
@@ -113,7 +122,9 @@ class ModelSizes:
     @property
     def num_params(self) -> int:
         lm_head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.embedding_params + lm_head + self.num_layers * self.layer_params + self.hidden_size
+        return (
+            self.embedding_params + lm_head + self.num_layers * self.layer_params + self.hidden_size
+        )
 
     def saved_per_token(self, tp: int) -> float:
         """Elements one decoder layer saves for backward per token. Measured on Qwen2 (sdpa):
@@ -141,7 +152,9 @@ class ModelSizes:
 def check_stats(stats: Mapping[str, Any], arg: str = "stats") -> dict[str, float]:
     """Validate the step statistics a stage reports; returns them as plain numbers."""
     if not isinstance(stats, Mapping):
-        raise ValueError(f"`{arg}` must be a mapping with keys {list(STATS_KEYS)}, got {type(stats).__name__}")
+        raise ValueError(
+            f"`{arg}` must be a mapping with keys {list(STATS_KEYS)}, got {type(stats).__name__}"
+        )
     missing = [k for k in STATS_KEYS if k not in stats]
     if missing:
         raise ValueError(f"`{arg}` lacks {missing}; required keys: {list(STATS_KEYS)}")
@@ -159,12 +172,16 @@ def check_stats(stats: Mapping[str, Any], arg: str = "stats") -> dict[str, float
             f"must not exceed context_max ({out['context_max']:g})"
         )
     if out.get("scored_share_max", 0) > 1:
-        raise ValueError(f"`{arg}['scored_share_max']` must be a share in [0, 1] (the most a sequence's scored "
-                         f"positions make of its length), got {out['scored_share_max']:g}")
+        raise ValueError(
+            f"`{arg}['scored_share_max']` must be a share in [0, 1] (the most a sequence's scored "
+            f"positions make of its length), got {out['scored_share_max']:g}"
+        )
     for k in OPTIONAL_STATS_KEYS:
         if out.get(k, 0) > out["context_max"]:
-            raise ValueError(f"`{arg}['{k}']` ({out[k]:g}) must not exceed context_max "
-                             f"({out['context_max']:g}): a call encodes at most the whole context")
+            raise ValueError(
+                f"`{arg}['{k}']` ({out[k]:g}) must not exceed context_max "
+                f"({out['context_max']:g}): a call encodes at most the whole context"
+            )
     return out
 
 
@@ -193,8 +210,11 @@ class MemoryEstimate:
         return asdict(self)
 
     def summary(self) -> str:
-        parts = [f"{f.name}={_gib(getattr(self, f.name))}" for f in fields(self)
-                 if f.name not in ("stage", "layout", "total") and getattr(self, f.name)]
+        parts = [
+            f"{f.name}={_gib(getattr(self, f.name))}"
+            for f in fields(self)
+            if f.name not in ("stage", "layout", "total") and getattr(self, f.name)
+        ]
         return f"{self.stage}/{self.layout}: total {_gib(self.total)} ({', '.join(parts)})"
 
 
@@ -214,7 +234,9 @@ class Workload:
     micro_batch_tokens: int = 16384
     reference_model: bool = False
     reuse_kv: bool = True
-    scored_last_layer: bool = False  # the policy forwards run the last layer at scored positions only
+    scored_last_layer: bool = (
+        False  # the policy forwards run the last layer at scored positions only
+    )
 
 
 class MemoryModel:
@@ -240,32 +262,63 @@ class MemoryModel:
         prefill_chunk_elems: the HF backend's prefill bound (batch x query x key elements).
     """
 
-    def __init__(self, model_config: Any, dtype: str = "float32",
-                 optimizer: Literal["adamw", "adam", "sgd"] = "adamw", *,
-                 rollout_backend: RolloutBackend = "hf", reference_model: bool = False, reuse_kv: bool = True,
-                 scored_last_layer: bool = False, resident_train_state: bool = False,
-                 overhead_bytes: int = DEFAULT_OVERHEAD_BYTES, prefill_chunk_elems: int = DEFAULT_PREFILL_CHUNK_ELEMS) -> None:
+    def __init__(
+        self,
+        model_config: Any,
+        dtype: str = "float32",
+        optimizer: Literal["adamw", "adam", "sgd"] = "adamw",
+        *,
+        rollout_backend: RolloutBackend = "hf",
+        reference_model: bool = False,
+        reuse_kv: bool = True,
+        scored_last_layer: bool = False,
+        resident_train_state: bool = False,
+        overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+        prefill_chunk_elems: int = DEFAULT_PREFILL_CHUNK_ELEMS,
+    ) -> None:
         self.sizes = ModelSizes.from_config(model_config)
         dtype = str(dtype).removeprefix("torch.")
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"`dtype` must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
         if optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"`optimizer` must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+            raise ValueError(
+                f"`optimizer` must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}"
+            )
         if rollout_backend not in ("hf", "vllm"):
-            raise ValueError(f"`rollout_backend` must be one of ['hf', 'vllm'], got {rollout_backend!r}")
-        for name, v in (("overhead_bytes", overhead_bytes), ("prefill_chunk_elems", prefill_chunk_elems)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "overhead_bytes" else 1):
-                raise ValueError(f"`{name}` must be a {'non-negative' if name == 'overhead_bytes' else 'positive'} "
-                                 f"integer, got {v!r}")
+            raise ValueError(
+                f"`rollout_backend` must be one of ['hf', 'vllm'], got {rollout_backend!r}"
+            )
+        for name, v in (
+            ("overhead_bytes", overhead_bytes),
+            ("prefill_chunk_elems", prefill_chunk_elems),
+        ):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int)
+                or v < (0 if name == "overhead_bytes" else 1)
+            ):
+                raise ValueError(
+                    f"`{name}` must be a {'non-negative' if name == 'overhead_bytes' else 'positive'} "
+                    f"integer, got {v!r}"
+                )
         self.dtype, self.optimizer, self.rollout_backend = dtype, optimizer, rollout_backend
         self.dtype_bytes = DTYPE_BYTES[dtype]
-        self.reference_model, self.resident_train_state = bool(reference_model), bool(resident_train_state)
+        self.reference_model, self.resident_train_state = (
+            bool(reference_model),
+            bool(resident_train_state),
+        )
         self.reuse_kv, self.scored_last_layer = bool(reuse_kv), bool(scored_last_layer)
         self.overhead_bytes, self.prefill_chunk_elems = overhead_bytes, prefill_chunk_elems
 
     # ---- public -------------------------------------------------------------------------
-    def estimate(self, stage: str, layout: Layout, stats: Mapping[str, Any], *,
-                 train_layout: Layout | None = None) -> MemoryEstimate:
+    def estimate(
+        self,
+        stage: str,
+        layout: Layout,
+        stats: Mapping[str, Any],
+        *,
+        train_layout: Layout | None = None,
+    ) -> MemoryEstimate:
         """Peak bytes per rank of ``stage`` under ``layout`` for a step with ``stats``.
 
         ``train_layout`` is where the training copy lives (default: ``layout``); it only matters
@@ -303,15 +356,30 @@ class MemoryModel:
         optimizer = OPTIMIZER_STATES[self.optimizer] * weights
         tokens, n_mb = self.micro_batches(layout, s)
         scored = None if layout.activation_checkpointing else self._scored_positions(s, tokens)
-        full = int(tokens * (z.num_layers * z.saved_per_token(layout.tp) + 3 * z.hidden_size + 6) * b)
+        full = int(
+            tokens * (z.num_layers * z.saved_per_token(layout.tp) + 3 * z.hidden_size + 6) * b
+        )
         if scored is not None:  # the last layer keeps its normed input, keys and values everywhere;
             # its other activations, the final norm's and the head's input only at the scored positions
             last = z.hidden_size + 2 + 4 * z.kv_dim / layout.tp
-            full = int((tokens * ((z.num_layers - 1) * z.saved_per_token(layout.tp) + last)
-                        + scored * (z.saved_per_token(layout.tp) + 3 * z.hidden_size + 6)) * b
-                       + scored * math.ceil(s["context_max"]) * 5)  # its [S, 1, K, L] mask, bool and float
-        ckpt = int(tokens * (z.num_layers * z.hidden_size + 3 * z.hidden_size + 6
-                             + z.recompute_per_token(layout.tp)) * b)
+            full = int(
+                (
+                    tokens * ((z.num_layers - 1) * z.saved_per_token(layout.tp) + last)
+                    + scored * (z.saved_per_token(layout.tp) + 3 * z.hidden_size + 6)
+                )
+                * b
+                + scored * math.ceil(s["context_max"]) * 5
+            )  # its [S, 1, K, L] mask, bool and float
+        ckpt = int(
+            tokens
+            * (
+                z.num_layers * z.hidden_size
+                + 3 * z.hidden_size
+                + 6
+                + z.recompute_per_token(layout.tp)
+            )
+            * b
+        )
         mask = self._mask_bytes(layout, s)  # built once per forward, saved by SDPA for backward
         full, ckpt = full + mask, ckpt + mask
         acts = ckpt if layout.activation_checkpointing else full
@@ -324,15 +392,31 @@ class MemoryModel:
         # One micro-batch: its activations are freed as the gradients appear (peak = the larger).
         # Several: the gradients of the first ones are alive during the next forward.
         total = static + (grads + acts + logits if n_mb > 1 else max(acts + logits, grads))
-        return MemoryEstimate("train", layout.name, weights, grads, optimizer, acts, full, ckpt, logits,
-                              0, transient, self.overhead_bytes, 0, total)
+        return MemoryEstimate(
+            "train",
+            layout.name,
+            weights,
+            grads,
+            optimizer,
+            acts,
+            full,
+            ckpt,
+            logits,
+            0,
+            transient,
+            self.overhead_bytes,
+            0,
+            total,
+        )
 
     def _rollout(self, layout: Layout, s: dict[str, float], resident: int) -> MemoryEstimate:
         z, b, tp = self.sizes, self.dtype_bytes, layout.tp
         weights = z.num_params * b // tp
         seqs = math.ceil(s["num_seqs"] / layout.dp)
         kv_tok = z.kv_bytes_per_token(tp, b)
-        logits = seqs * z.vocab_size * 4 * 3  # last-position logits, probabilities, sampling scratch
+        logits = (
+            seqs * z.vocab_size * 4 * 3
+        )  # last-position logits, probabilities, sampling scratch
         if self.rollout_backend == "hf":
             kv, transient = self._hf_calls(seqs, s, tp)
             total = weights + kv + transient + logits + self.overhead_bytes + resident
@@ -341,8 +425,22 @@ class MemoryModel:
             chunk = min(seqs * s["context_max"], layout.micro_batch_tokens)
             transient = int(chunk * z.inference_per_token(tp) * b)
             total = weights + kv + transient + logits + self.overhead_bytes + resident
-        return MemoryEstimate("rollout", layout.name, weights, 0, 0, 0, 0, 0, logits, kv, transient,
-                              self.overhead_bytes, resident, int(total))
+        return MemoryEstimate(
+            "rollout",
+            layout.name,
+            weights,
+            0,
+            0,
+            0,
+            0,
+            0,
+            logits,
+            kv,
+            transient,
+            self.overhead_bytes,
+            resident,
+            int(total),
+        )
 
     def _hf_calls(self, seqs: int, s: dict[str, float], tp: int) -> tuple[int, int]:
         """(KV, prefill working set) of the HF backend's dearest call. The first call encodes the
@@ -376,11 +474,27 @@ class MemoryModel:
         scored = self._scored_positions(s, tokens)
         if scored is not None:  # the logits of the scored positions only; one row's scratch of them
             width = max(1, math.ceil(s["scored_max"]))
-        logits = (scored or tokens) * z.vocab_size * (4 + (b if b != 4 else 0)) + width * z.vocab_size * 4
+        logits = (scored or tokens) * z.vocab_size * (
+            4 + (b if b != 4 else 0)
+        ) + width * z.vocab_size * 4
         mask = self._mask_bytes(layout, s)
         total = weights + max(acts, logits) + mask + self.overhead_bytes + resident
-        return MemoryEstimate("experience", layout.name, weights, 0, 0, acts, acts, acts, logits, 0, mask,
-                              self.overhead_bytes, resident, int(total))
+        return MemoryEstimate(
+            "experience",
+            layout.name,
+            weights,
+            0,
+            0,
+            acts,
+            acts,
+            acts,
+            logits,
+            0,
+            mask,
+            self.overhead_bytes,
+            resident,
+            int(total),
+        )
 
     def _scored_positions(self, s: dict[str, float], tokens: int) -> int | None:
         """The positions the scored last layer runs at in the largest micro-batch of ``tokens``
@@ -389,7 +503,12 @@ class MemoryModel:
         (its rows are no longer than its width), so the path is taken in every micro-batch when
         that share is within :data:`MAX_SCORED_SHARE`."""
         share, most = s.get("scored_share_max"), s.get("scored_max")
-        if not self.scored_last_layer or share is None or most is None or not 0 < share <= MAX_SCORED_SHARE:
+        if (
+            not self.scored_last_layer
+            or share is None
+            or most is None
+            or not 0 < share <= MAX_SCORED_SHARE
+        ):
             return None
         rows = max(1, tokens // max(1, math.ceil(s["context_max"])))
         return max(1, min(math.ceil(tokens * share), rows * math.ceil(most)))

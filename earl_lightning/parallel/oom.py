@@ -5,9 +5,16 @@ from __future__ import annotations
 import torch
 
 # Messages of allocation failures that do not have a type of their own.
-_CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "not enough memory", "Cannot allocate memory")
-_VLLM_OOM = ("No available memory for the cache blocks", "KV cache is needed, which is larger than the available",
-             "larger than the available KV cache memory")
+_CPU_OOM = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "not enough memory",
+    "Cannot allocate memory",
+)
+_VLLM_OOM = (
+    "No available memory for the cache blocks",
+    "KV cache is needed, which is larger than the available",
+    "larger than the available KV cache memory",
+)
 
 
 def is_oom_error(err: BaseException) -> bool:
@@ -16,4 +23,6 @@ def is_oom_error(err: BaseException) -> bool:
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(err)
-    return isinstance(err, (RuntimeError, ValueError)) and any(m in text for m in _CPU_OOM + _VLLM_OOM)
+    return isinstance(err, (RuntimeError, ValueError)) and any(
+        m in text for m in _CPU_OOM + _VLLM_OOM
+    )

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, CheckpointWrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh
 
 from earl_lightning.models.lora import copy_lora, has_lora
 from earl_lightning.parallel.layout import Layout
-from earl_lightning.parallel.plans import (apply_tensor_parallel, decoder_units,  # noqa: F401 (re-exported)
-                                           reject_unplanned_tp, replace_module)
+from earl_lightning.parallel.plans import (  # noqa: F401 (re-exported)
+    apply_tensor_parallel,
+    decoder_units,
+    reject_unplanned_tp,
+    replace_module,
+)
 
 
 def reject_fsdp1(model: nn.Module, arg: str = "model") -> None:
@@ -34,16 +41,20 @@ def reject_lora_tp(model: nn.Module, layout: Layout, arg: str = "layout") -> Non
     """Tensor parallel shards ``nn.Linear`` weights; a LoRA layer is not one (its adapters would
     need a plan of their own), so adapters train data-parallel only."""
     if layout.tp_enabled and has_lora(model):
-        raise ValueError(f"`{arg}` has tp={layout.tp}, but the model carries LoRA adapters (--model.peft), which "
-                         "EarlStrategy does not shard with tensor parallel; use tp=1 layouts (data parallel, FSDP) "
-                         "or full fine-tuning")
+        raise ValueError(
+            f"`{arg}` has tp={layout.tp}, but the model carries LoRA adapters (--model.peft), which "
+            "EarlStrategy does not shard with tensor parallel; use tp=1 layouts (data parallel, FSDP) "
+            "or full fine-tuning"
+        )
 
 
 def model_heads(model: nn.Module) -> tuple[int, int]:
     """(attention heads, KV heads) from a HF config; TP must divide both."""
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "num_attention_heads"):
-        raise TypeError(f"expected a HF causal LM with a `config.num_attention_heads`, got {type(model).__name__}")
+        raise TypeError(
+            f"expected a HF causal LM with a `config.num_attention_heads`, got {type(model).__name__}"
+        )
     heads = int(cfg.num_attention_heads)
     return heads, int(getattr(cfg, "num_key_value_heads", None) or heads)
 
@@ -68,8 +79,9 @@ def apply_activation_checkpointing(model: nn.Module, enabled: bool = True) -> No
     for name, layer in decoder_units(model):
         if isinstance(layer, CheckpointWrapper):
             continue
-        wrapper = SwitchableCheckpointWrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                              preserve_rng_state=False)
+        wrapper = SwitchableCheckpointWrapper(
+            layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False
+        )
         wrapper.enabled = enabled
         replace_module(model, name, wrapper)
 
@@ -85,21 +97,27 @@ def recomputes_activations(model: nn.Module, *, now: bool = True) -> bool:
     recomputation is a per-step choice); torch's own wrapper always does."""
     if getattr(model, "is_gradient_checkpointing", False):
         return True
-    return any(isinstance(m, CheckpointWrapper) and (not hasattr(m, "enabled") or (now and m.enabled))
-               for m in model.modules())
+    return any(
+        isinstance(m, CheckpointWrapper) and (not hasattr(m, "enabled") or (now and m.enabled))
+        for m in model.modules()
+    )
 
 
 def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
     """Turn recomputation of the wrapped decoder layers on or off (see :func:`apply_activation_checkpointing`)."""
     if not is_checkpoint_switchable(model):
-        raise ValueError("the model's layers are not wrapped for activation checkpointing; parallelize it with "
-                         "`checkpoint_switchable=True` (or a layout with activation_checkpointing=True)")
+        raise ValueError(
+            "the model's layers are not wrapped for activation checkpointing; parallelize it with "
+            "`checkpoint_switchable=True` (or a layout with activation_checkpointing=True)"
+        )
     for m in model.modules():
         if isinstance(m, SwitchableCheckpointWrapper):
             m.enabled = bool(enabled)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True) -> None:
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: bool = True
+) -> None:
     """FSDP2 per decoder layer (overlaps one layer's all-gather with the previous layer's compute)
     and at the root (embeddings, final norm, LM head; a tied weight is one parameter there)."""
     from torch.distributed.fsdp import fully_shard
@@ -107,7 +125,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
     layers = [layer for _, layer in decoder_units(model)]
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed again first in backward: keep them gathered.
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
+        fully_shard(
+            layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward and i < len(layers) - 1
+        )
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     # Losses are normalized by the GLOBAL token count on every rank, so the dp gradients must be
     # summed, not averaged, for a sharded update to equal the single-process one. Plain SUM
@@ -120,9 +140,15 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, *, reshard_after_forward: 
             module.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize_model(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layout,
-                      reshard_after_forward: bool = True, fsdp: bool = True,
-                      checkpoint_switchable: bool = False) -> nn.Module:
+def parallelize_model(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh | None,
+    layout: Layout,
+    reshard_after_forward: bool = True,
+    fsdp: bool = True,
+    checkpoint_switchable: bool = False,
+) -> nn.Module:
     """Shard ``model`` in place for ``layout`` on ``mesh`` (dims ``("dp", "tp")``) and return it.
 
     Order: tensor parallel first, because TP replaces ``nn.Linear`` weights by DTensors that FSDP2
@@ -150,8 +176,14 @@ def parallelize_model(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layo
         if wrap:
             apply_activation_checkpointing(model, enabled=layout.activation_checkpointing)
         return model
-    if mesh is None or tuple(mesh.mesh_dim_names or ()) != ("dp", "tp") or tuple(mesh.shape) != (layout.dp, layout.tp):
-        raise ValueError(f"`mesh` must be a ('dp', 'tp') DeviceMesh of shape ({layout.dp}, {layout.tp}), got {mesh}")
+    if (
+        mesh is None
+        or tuple(mesh.mesh_dim_names or ()) != ("dp", "tp")
+        or tuple(mesh.shape) != (layout.dp, layout.tp)
+    ):
+        raise ValueError(
+            f"`mesh` must be a ('dp', 'tp') DeviceMesh of shape ({layout.dp}, {layout.tp}), got {mesh}"
+        )
     if layout.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])
     if wrap:
@@ -161,8 +193,14 @@ def parallelize_model(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layo
     return model
 
 
-def build_replica(model: nn.Module, *, mesh: DeviceMesh | None, layout: Layout, device: torch.device | str,
-                  fsdp: bool = False) -> nn.Module:
+def build_replica(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh | None,
+    layout: Layout,
+    device: torch.device | str,
+    fsdp: bool = False,
+) -> nn.Module:
     """An empty copy of ``model``'s architecture placed for ``layout`` (weights uninitialized; fill
     them with a reshard). Built on the meta device, so no full-size copy is ever materialized.
 

@@ -24,8 +24,15 @@ from earl_lightning.parallel.layout import Layout
 # passing the shard on (fused qkv / gate_up projections, whose split is not per head);
 # "replicated_with_grad_allreduce" keeps a per-head norm's weight whole on every rank, its input
 # sharded on the heads dim (-2), and sums its gradient across TP ranks (Qwen3 / Gemma3 q_norm, k_norm).
-SUPPORTED_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output",
-                    "rowwise_split_input", "replicated_with_grad_allreduce")
+SUPPORTED_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_rep",
+    "rowwise_rep",
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "replicated_with_grad_allreduce",
+)
 
 
 def _style(name: str):
@@ -41,7 +48,9 @@ def _style(name: str):
     if name in ("rowwise_rep", "rowwise_split_input"):
         return RowwiseParallel(input_layouts=Replicate())
     if name == "replicated_with_grad_allreduce":
-        return SequenceParallel(sequence_dim=2, use_local_output=True)  # [batch, seq, heads, head_dim]: heads are TP-sharded
+        return SequenceParallel(
+            sequence_dim=2, use_local_output=True
+        )  # [batch, seq, heads, head_dim]: heads are TP-sharded
     raise AssertionError(name)
 
 
@@ -56,7 +65,11 @@ def base_tp_plan(model: nn.Module) -> dict[str, str] | None:
     if not plan:
         return None
     base = getattr(model, "base_model", model)
-    embed = _name_of(base, model.get_input_embeddings()) if hasattr(model, "get_input_embeddings") else None
+    embed = (
+        _name_of(base, model.get_input_embeddings())
+        if hasattr(model, "get_input_embeddings")
+        else None
+    )
     return {k: v for k, v in plan.items() if k != embed}
 
 
@@ -64,12 +77,16 @@ def tp_plan_error(model: nn.Module) -> str | None:
     """Why ``model`` cannot be tensor-parallel (one line), or None when its plan maps."""
     plan = base_tp_plan(model)
     if plan is None:
-        return (f"model type {model_type(model)} has no tensor-parallel plan (base_model_tp_plan); "
-                "use tp=1 layouts")
+        return (
+            f"model type {model_type(model)} has no tensor-parallel plan (base_model_tp_plan); "
+            "use tp=1 layouts"
+        )
     for key, style in plan.items():
         if style not in SUPPORTED_STYLES:
-            return (f"model type {model_type(model)}: tensor-parallel style {style!r} (for {key!r}) is not "
-                    f"supported by EarlStrategy (supported: {', '.join(SUPPORTED_STYLES)}); use tp=1 layouts")
+            return (
+                f"model type {model_type(model)}: tensor-parallel style {style!r} (for {key!r}) is not "
+                f"supported by EarlStrategy (supported: {', '.join(SUPPORTED_STYLES)}); use tp=1 layouts"
+            )
     return None
 
 
@@ -104,8 +121,10 @@ def decoder_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers):
         return [(f"model.layers.{i}", layer) for i, layer in enumerate(layers)]
-    raise TypeError(f"cannot find the decoder blocks of {type(model).__name__}: none of its modules is of a class "
-                    f"in `_no_split_modules` ({sorted(classes)}) and it has no `model.layers`")
+    raise TypeError(
+        f"cannot find the decoder blocks of {type(model).__name__}: none of its modules is of a class "
+        f"in `_no_split_modules` ({sorted(classes)}) and it has no `model.layers`"
+    )
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -118,16 +137,25 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     between blocks (no sequence parallel), so the HF code in between (norms, rotary, residuals)
     runs on plain local tensors."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     if (why := tp_plan_error(model)) is not None:
         raise ValueError(why)
     base = _name_of(model, getattr(model, "base_model", model)) or ""
     prefix = f"{base}." if base else ""
-    parallelize_module(model, tp_mesh, {prefix + k: _style(v) for k, v in base_tp_plan(model).items()})
+    parallelize_module(
+        model, tp_mesh, {prefix + k: _style(v) for k, v in base_tp_plan(model).items()}
+    )
     embed = _name_of(model, model.get_input_embeddings())
     head = _name_of(model, model.get_output_embeddings())
-    tied = head is not None and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    tied = (
+        head is not None
+        and model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    )
     # Both plans shard the [vocab, hidden] weight on dim 0 (vocab), so a tied weight gets the same
     # placement from either side and can be re-tied after distribution.
     outer = {embed: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}

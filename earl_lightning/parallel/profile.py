@@ -22,8 +22,9 @@ import math
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 
@@ -92,29 +93,46 @@ class ProfileTable:
         return isinstance(other, ProfileTable) and self.to_dict() == other.to_dict()
 
     # ---- filling ------------------------------------------------------------------------
-    def add(self, stage: str, context: int, num_seqs: int, layout: Layout | str, tokens_per_s: float) -> None:
+    def add(
+        self, stage: str, context: int, num_seqs: int, layout: Layout | str, tokens_per_s: float
+    ) -> None:
         """Record one measurement (a later one for the same cell replaces it)."""
         self._put(stage, context, num_seqs, layout, tokens_per_s, where="ProfileTable.add")
 
-    def _put(self, stage: Any, context: Any, num_seqs: Any, layout: Any, tps: Any, where: str) -> None:
+    def _put(
+        self, stage: Any, context: Any, num_seqs: Any, layout: Any, tps: Any, where: str
+    ) -> None:
         key = self._check_entry(stage, context, num_seqs, layout, tps, where)
         self._entries[(stage, int(context), int(num_seqs), key)] = float(tps)
 
-    def _check_entry(self, stage: Any, context: Any, num_seqs: Any, layout: Any, tps: Any, where: str) -> str:
+    def _check_entry(
+        self, stage: Any, context: Any, num_seqs: Any, layout: Any, tps: Any, where: str
+    ) -> str:
         if stage not in STAGES:
             raise ValueError(f"{where}: unknown stage {stage!r}; valid stages: {list(STAGES)}")
         for name, v in (("context", context), ("num_seqs", num_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{where}: `{name}` must be a positive integer, got {v!r}")
-        if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not math.isfinite(tps) or tps <= 0:
-            raise ValueError(f"{where}: `tokens_per_s` must be a positive finite number, got {tps!r}")
+        if (
+            isinstance(tps, bool)
+            or not isinstance(tps, (int, float))
+            or not math.isfinite(tps)
+            or tps <= 0
+        ):
+            raise ValueError(
+                f"{where}: `tokens_per_s` must be a positive finite number, got {tps!r}"
+            )
         key = layout_key(layout) if isinstance(layout, Layout) else layout
         m = _LAYOUT_KEY.match(key) if isinstance(key, str) else None
         if m is None:
-            raise ValueError(f"{where}: `layout` must be a Layout or a key like 'dp2xtp1', got {layout!r}")
+            raise ValueError(
+                f"{where}: `layout` must be a Layout or a key like 'dp2xtp1', got {layout!r}"
+            )
         if int(m[1]) * int(m[2]) != self.world_size:
-            raise ValueError(f"{where}: layout {key!r} spans {int(m[1]) * int(m[2])} ranks, but the table "
-                             f"is for world_size={self.world_size}")
+            raise ValueError(
+                f"{where}: layout {key!r} spans {int(m[1]) * int(m[2])} ranks, but the table "
+                f"is for world_size={self.world_size}"
+            )
         return key
 
     # ---- reading ------------------------------------------------------------------------
@@ -137,7 +155,9 @@ class ProfileTable:
     def has(self, stage: str, layout: Layout | str) -> bool:
         return self._resolve(stage, layout) is not None
 
-    def lookup(self, stage: str, layout: Layout | str, context: float, num_seqs: float) -> float | None:
+    def lookup(
+        self, stage: str, layout: Layout | str, context: float, num_seqs: float
+    ) -> float | None:
         """Predicted tokens/s, interpolated linearly in log(context) within each measured
         num_seqs bucket, then linearly in log(num_seqs) between the two nearest buckets;
         clamped outside the measured range. None when the layout was never measured for ``stage``."""
@@ -149,7 +169,10 @@ class ProfileTable:
         for (s, ctx, nseq, k), tps in self._entries.items():
             if s == stage and k == key:
                 by_nseq[nseq].append((float(ctx), tps))
-        curve = sorted((float(n), _interp_log(sorted(pts), max(float(context), 1.0))) for n, pts in by_nseq.items())
+        curve = sorted(
+            (float(n), _interp_log(sorted(pts), max(float(context), 1.0)))
+            for n, pts in by_nseq.items()
+        )
         return _interp_log(curve, max(float(num_seqs), 1.0))
 
     def _resolve(self, stage: str, layout: Layout | str) -> str | None:
@@ -164,34 +187,52 @@ class ProfileTable:
     # ---- (de)serialization --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema_version": SCHEMA_VERSION, "model": self.model, "world_size": self.world_size,
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "world_size": self.world_size,
             "device": self.device,
-            "entries": [dict(stage=s, context=c, num_seqs=n, layout=k, tokens_per_s=t)
-                        for s, c, n, k, t in self.entries()],
+            "entries": [
+                dict(stage=s, context=c, num_seqs=n, layout=k, tokens_per_s=t)
+                for s, c, n, k, t in self.entries()
+            ],
         }
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "the profile table") -> "ProfileTable":
+    def from_dict(cls, data: Any, source: str = "the profile table") -> ProfileTable:
         """Rebuild a table; every problem raises :class:`ProfileError` naming ``source``."""
         if not isinstance(data, dict):
-            raise ProfileError(f"{source} is corrupt: expected a JSON object, got {type(data).__name__}")
+            raise ProfileError(
+                f"{source} is corrupt: expected a JSON object, got {type(data).__name__}"
+            )
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise ProfileError(f"{source} has schema_version {version!r}; this version of earl_lightning "
-                               f"reads schema_version {SCHEMA_VERSION}. Re-run the profiler.")
+            raise ProfileError(
+                f"{source} has schema_version {version!r}; this version of earl_lightning "
+                f"reads schema_version {SCHEMA_VERSION}. Re-run the profiler."
+            )
         try:
             table = cls(data.get("model"), data.get("world_size"), data.get("device", ""))
         except ValueError as err:
             raise ProfileError(f"{source} is corrupt: {err}") from None
         entries = data.get("entries")
         if not isinstance(entries, list):
-            raise ProfileError(f"{source} is corrupt: `entries` must be a list, got {type(entries).__name__}")
+            raise ProfileError(
+                f"{source} is corrupt: `entries` must be a list, got {type(entries).__name__}"
+            )
         for i, e in enumerate(entries):
             if not isinstance(e, dict):
-                raise ProfileError(f"{source} is corrupt: entries[{i}] must be an object, got {e!r}")
+                raise ProfileError(
+                    f"{source} is corrupt: entries[{i}] must be an object, got {e!r}"
+                )
             try:
-                table._put(e.get("stage"), e.get("context"), e.get("num_seqs"), e.get("layout"),
-                           e.get("tokens_per_s"), where=f"{source} is corrupt: entries[{i}]")
+                table._put(
+                    e.get("stage"),
+                    e.get("context"),
+                    e.get("num_seqs"),
+                    e.get("layout"),
+                    e.get("tokens_per_s"),
+                    where=f"{source} is corrupt: entries[{i}]",
+                )
             except ValueError as err:
                 raise ProfileError(str(err)) from None
         return table
@@ -206,8 +247,9 @@ class ProfileTable:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, model: str | None = None,
-             world_size: int | None = None) -> "ProfileTable":
+    def load(
+        cls, path: str | os.PathLike, *, model: str | None = None, world_size: int | None = None
+    ) -> ProfileTable:
         """Read a saved table; ``model`` / ``world_size``, when given, must match what it was measured for."""
         src = f"profile file '{path}'"
         try:
@@ -217,19 +259,30 @@ class ProfileTable:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ProfileError(f"{src} is corrupt: not valid JSON ({err.msg} at line {err.lineno})") from None
+            raise ProfileError(
+                f"{src} is corrupt: not valid JSON ({err.msg} at line {err.lineno})"
+            ) from None
         table = cls.from_dict(data, src)
         table.check_matches(model=model, world_size=world_size, source=src)
         return table
 
-    def check_matches(self, *, model: str | None = None, world_size: int | None = None,
-                      source: str = "the profile table") -> None:
+    def check_matches(
+        self,
+        *,
+        model: str | None = None,
+        world_size: int | None = None,
+        source: str = "the profile table",
+    ) -> None:
         if world_size is not None and world_size != self.world_size:
-            raise ProfileError(f"{source} was measured for world_size={self.world_size}, but this run has "
-                               f"world_size={world_size}; profile again for this world size")
+            raise ProfileError(
+                f"{source} was measured for world_size={self.world_size}, but this run has "
+                f"world_size={world_size}; profile again for this world size"
+            )
         if model is not None and model != self.model:
-            raise ProfileError(f"{source} was measured for model {self.model!r}, but this run uses "
-                               f"{model!r}; profile again for this model")
+            raise ProfileError(
+                f"{source} was measured for model {self.model!r}, but this run uses "
+                f"{model!r}; profile again for this model"
+            )
 
     # ---- picture ------------------------------------------------------------------------
     def heatmap(self, stage: str, path: str | os.PathLike) -> Path:
@@ -237,15 +290,25 @@ class ProfileTable:
         panel per num_seqs bucket; the fastest layout of each column is starred."""
         check_stage(stage)
         if stage not in self.stages():
-            raise ValueError(f"`stage` {stage!r} has no entries in this table; stages with data: {self.stages()}")
+            raise ValueError(
+                f"`stage` {stage!r} has no entries in this table; stages with data: {self.stages()}"
+            )
         import matplotlib
 
         matplotlib.use("Agg")  # files only; never needs a display
         import matplotlib.pyplot as plt
 
-        layouts, ctxs, nseqs = self.layouts(stage), self.contexts(stage), self.num_seqs_buckets(stage)
-        fig, axes = plt.subplots(1, len(nseqs), figsize=(1.2 + 1.1 * len(ctxs) * len(nseqs), 0.9 + 0.55 * len(layouts)),
-                                 squeeze=False)
+        layouts, ctxs, nseqs = (
+            self.layouts(stage),
+            self.contexts(stage),
+            self.num_seqs_buckets(stage),
+        )
+        fig, axes = plt.subplots(
+            1,
+            len(nseqs),
+            figsize=(1.2 + 1.1 * len(ctxs) * len(nseqs), 0.9 + 0.55 * len(layouts)),
+            squeeze=False,
+        )
         for ax, n in zip(axes[0], nseqs):
             grid = [[self._entries.get((stage, c, n, k), math.nan) for c in ctxs] for k in layouts]
             _draw_panel(ax, grid, [str(c) for c in ctxs], layouts, f"{n} seqs")
@@ -262,15 +325,24 @@ class ProfileTable:
         return [self.heatmap(s, Path(directory) / f"{prefix}_{s}.png") for s in self.stages()]
 
 
-def _draw_panel(ax: Any, grid: list[list[float]], xlabels: list[str], ylabels: list[str], title: str) -> None:
+def _draw_panel(
+    ax: Any, grid: list[list[float]], xlabels: list[str], ylabels: list[str], title: str
+) -> None:
     ax.imshow(grid, aspect="auto", cmap="viridis")
     for j in range(len(xlabels)):
         col = [(v, i) for i, v in enumerate(row[j] for row in grid) if not math.isnan(v)]
         best = max(col)[1] if col else -1
         for v, i in col:
-            ax.text(j, i, f"{v:.0f}{'*' if i == best else ''}", ha="center", va="center", fontsize=7,
-                    fontweight="bold" if i == best else "normal",
-                    bbox=dict(facecolor="white", alpha=0.7, lw=0, pad=1))
+            ax.text(
+                j,
+                i,
+                f"{v:.0f}{'*' if i == best else ''}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                fontweight="bold" if i == best else "normal",
+                bbox=dict(facecolor="white", alpha=0.7, lw=0, pad=1),
+            )
     ax.set_xticks(range(len(xlabels)), xlabels, fontsize=7)
     ax.set_yticks(range(len(ylabels)), ylabels, fontsize=7)
     ax.set_xlabel("context length (tokens)")
@@ -283,7 +355,11 @@ def _nearest_variant(layout: Layout, keys: set[str]) -> str | None:
     best, best_d = None, math.inf
     for key in sorted(keys):
         m = _LAYOUT_KEY.match(key)
-        if m is None or (int(m[1]), int(m[2]), bool(m[4])) != (layout.dp, layout.tp, layout.activation_checkpointing):
+        if m is None or (int(m[1]), int(m[2]), bool(m[4])) != (
+            layout.dp,
+            layout.tp,
+            layout.activation_checkpointing,
+        ):
             continue
         mbt = int(m[3][4:]) if m[3] else _DEFAULT_LAYOUT.micro_batch_tokens
         d = abs(math.log(mbt) - math.log(layout.micro_batch_tokens))

@@ -42,7 +42,7 @@ class ReshardStats:
     seconds: float = 0.0
     num_buckets: int = 0
 
-    def __iadd__(self, other: "ReshardStats") -> "ReshardStats":
+    def __iadd__(self, other: ReshardStats) -> ReshardStats:
         self.bytes_received += other.bytes_received
         self.bytes_sent += other.bytes_sent
         self.seconds += other.seconds
@@ -68,10 +68,15 @@ class ReshardPlan:
     buckets: list[list[int]] = field(default_factory=list)  # parameter indices per bucket
 
     def bytes_received(self, rank: int, elem_sizes: list[int]) -> int:
-        return sum(_volume(t.box) * elem_sizes[t.param] for t in self.transfers if t.dst == rank and t.src != rank)
+        return sum(
+            _volume(t.box) * elem_sizes[t.param]
+            for t in self.transfers
+            if t.dst == rank and t.src != rank
+        )
 
 
 # ---- boxes (pure) ------------------------------------------------------------------------------
+
 
 def _volume(box: Box) -> int:
     return math.prod(box[1])
@@ -81,9 +86,9 @@ def intersect(a: Box, b: Box) -> Box | None:
     """The common box of ``a`` and ``b``, or None when they share no element."""
     lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
     hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1]))
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(h <= low for low, h in zip(lo, hi)):
         return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
+    return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
 def box_slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
@@ -91,8 +96,14 @@ def box_slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o - g, o - g + s) for o, s, g in zip(box[0], box[1], origin))
 
 
-def plan_reshard(src_boxes: list[list[Box]], dst_boxes: list[list[Box]], elem_sizes: list[int],
-                 param_bytes: list[int], bucket_bytes: int, dtypes: list[str]) -> ReshardPlan:
+def plan_reshard(
+    src_boxes: list[list[Box]],
+    dst_boxes: list[list[Box]],
+    elem_sizes: list[int],
+    param_bytes: list[int],
+    bucket_bytes: int,
+    dtypes: list[str],
+) -> ReshardPlan:
     """Deterministic transfer plan from per-rank boxes (``*_boxes[rank][param]``).
 
     For each destination rank and each distinct source box overlapping what it needs: the rank itself
@@ -114,14 +125,18 @@ def plan_reshard(src_boxes: list[list[Box]], dst_boxes: list[list[Box]], elem_si
                 part = intersect(box, need) if _volume(need) else None
                 if part is None:
                     continue
-                src = dst if dst in ranks else min(ranks, key=lambda r: (sent[r], (r - dst) % world))
+                src = (
+                    dst if dst in ranks else min(ranks, key=lambda r: (sent[r], (r - dst) % world))
+                )
                 if src != dst:
                     sent[src] += _volume(part) * elem_sizes[p]
                 transfers.append(Transfer(p, src, dst, part))
                 covered += _volume(part)
             if covered != _volume(need):
-                raise RuntimeError(f"reshard plan: parameter {p} on rank {dst} is covered {covered}/{_volume(need)} "
-                                   "elements; source boxes must tile the tensor (identical or disjoint)")
+                raise RuntimeError(
+                    f"reshard plan: parameter {p} on rank {dst} is covered {covered}/{_volume(need)} "
+                    "elements; source boxes must tile the tensor (identical or disjoint)"
+                )
     return ReshardPlan(transfers, _buckets(param_bytes, bucket_bytes, dtypes))
 
 
@@ -140,6 +155,7 @@ def _buckets(param_bytes: list[int], bucket_bytes: int, dtypes: list[str]) -> li
 
 
 # ---- parameters of a (possibly sharded) model --------------------------------------------------
+
 
 def _clean_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
@@ -183,14 +199,19 @@ def _check_same_params(src: list[tuple[str, Tensor]], dst: list[tuple[str, Tenso
     src_names, dst_names = [n for n, _ in src], [n for n, _ in dst]
     if src_names != dst_names:
         missing = sorted(set(src_names) ^ set(dst_names))[:5]
-        raise ValueError(f"reshard: source and destination models differ in parameters, e.g. {missing}")
+        raise ValueError(
+            f"reshard: source and destination models differ in parameters, e.g. {missing}"
+        )
     for (name, s), (_, d) in zip(src, dst):
         if tuple(s.shape) != tuple(d.shape) or s.dtype != d.dtype:
-            raise ValueError(f"reshard: parameter {name!r} is {tuple(s.shape)} {s.dtype} in the source but "
-                             f"{tuple(d.shape)} {d.dtype} in the destination")
+            raise ValueError(
+                f"reshard: parameter {name!r} is {tuple(s.shape)} {s.dtype} in the source but "
+                f"{tuple(d.shape)} {d.dtype} in the destination"
+            )
 
 
 # ---- the reference path ------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def reshard_naive(src_model: nn.Module, dst_model: nn.Module) -> ReshardStats:
@@ -212,14 +233,21 @@ def reshard_naive(src_model: nn.Module, dst_model: nn.Module) -> ReshardStats:
 
 # ---- the layout-aware path ---------------------------------------------------------------------
 
+
 class Resharder:
     """Layout-aware reshard between two fixed models; the plan is built once and reused.
 
     All ranks of the default process group must construct it and call :meth:`run` together.
     """
 
-    def __init__(self, src_model: nn.Module, dst_model: nn.Module, *, bucket_mb: float = 64.0,
-                 group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        src_model: nn.Module,
+        dst_model: nn.Module,
+        *,
+        bucket_mb: float = 64.0,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ValueError(f"`bucket_mb` must be a positive number of MiB, got {bucket_mb!r}")
         self.src_model, self.dst_model, self.group = src_model, dst_model, group
@@ -237,8 +265,12 @@ class Resharder:
         self.elem_sizes = [t.element_size() for _, t in src]
         self.dtypes = [t.dtype for _, t in src]
         self.plan = plan_reshard(
-            [e[0] for e in everyone], [e[1] for e in everyone], self.elem_sizes,
-            [t.numel() * t.element_size() for _, t in src], int(bucket_mb * 2**20), [str(d) for d in self.dtypes],
+            [e[0] for e in everyone],
+            [e[1] for e in everyone],
+            self.elem_sizes,
+            [t.numel() * t.element_size() for _, t in src],
+            int(bucket_mb * 2**20),
+            [str(d) for d in self.dtypes],
         )
         self._by_bucket = self._index_transfers()
         # Global, so every rank skips the same collectives (a bucket whose placements coincide).
@@ -262,15 +294,22 @@ class Resharder:
     @torch.no_grad()
     def run(self) -> ReshardStats:
         start = time.perf_counter()
-        src_params, dst_params = sharded_parameters(self.src_model), sharded_parameters(self.dst_model)
-        src, dst = [local_tensor(t) for _, t in src_params], [local_tensor(t) for _, t in dst_params]
+        src_params, dst_params = (
+            sharded_parameters(self.src_model),
+            sharded_parameters(self.dst_model),
+        )
+        src, dst = (
+            [local_tensor(t) for _, t in src_params],
+            [local_tensor(t) for _, t in dst_params],
+        )
         src_origin = [local_box(t)[0] for _, t in src_params]
         dst_origin = [local_box(t)[0] for _, t in dst_params]
         stats = ReshardStats("layout_aware", num_buckets=len(self.plan.buckets))
         for b, (sends, recvs, local) in enumerate(self._by_bucket):
             for t in local:
                 dst[t.param][box_slices(t.box, dst_origin[t.param])].copy_(
-                    src[t.param][box_slices(t.box, src_origin[t.param])])
+                    src[t.param][box_slices(t.box, src_origin[t.param])]
+                )
             if self.world > 1 and self._has_traffic[b]:
                 got = self._exchange(b, sends, recvs, src, src_origin)
                 for t, piece in zip(recvs, got):
@@ -280,8 +319,14 @@ class Resharder:
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _exchange(self, bucket: int, sends: list[Transfer], recvs: list[Transfer], src: list[Tensor],
-                  src_origin: list[tuple[int, ...]]) -> list[Tensor]:
+    def _exchange(
+        self,
+        bucket: int,
+        sends: list[Transfer],
+        recvs: list[Transfer],
+        src: list[Tensor],
+        src_origin: list[tuple[int, ...]],
+    ) -> list[Tensor]:
         """One all_to_all_single for the bucket; returns the received pieces (flat) in ``recvs`` order."""
         dtype = self.dtypes[self.plan.buckets[bucket][0]]
         device = src[self.plan.buckets[bucket][0]].device
@@ -297,7 +342,7 @@ class Resharder:
         offset = 0
         for i in recvs_sorted:
             n = _volume(recvs[i].box)
-            out[i] = recv_buf[offset:offset + n]
+            out[i] = recv_buf[offset : offset + n]
             offset += n
         return out
 

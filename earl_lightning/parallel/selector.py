@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
+from typing import Any, NamedTuple, Union
 
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 from earl_lightning.parallel.memory import MemoryEstimate, MemoryModel, check_stats
 from earl_lightning.parallel.profile import ProfileTable, layout_key, work_tokens
 
 STATE_VERSION = 1
-SwitchCost = Union[Mapping[str, float], Callable[[str, Layout, Layout], float], None]
+SwitchCost = Union[Mapping[str, float], Callable[[str, Layout, Layout], float], None]  # noqa: UP007
 
 
 class NoFeasibleLayoutError(ValueError):
@@ -100,15 +101,29 @@ class Selector:
         amortize_steps: steps over which one switch is expected to pay off.
     """
 
-    def __init__(self, candidates: Sequence[Layout] | Mapping[str, Sequence[Layout]], memory_model: MemoryModel,
-                 table: ProfileTable | None, budget_bytes: int, safety_margin: float = 0.1,
-                 hysteresis: float = 0.1, switch_cost_s: SwitchCost = None, amortize_steps: int = 1) -> None:
+    def __init__(
+        self,
+        candidates: Sequence[Layout] | Mapping[str, Sequence[Layout]],
+        memory_model: MemoryModel,
+        table: ProfileTable | None,
+        budget_bytes: int,
+        safety_margin: float = 0.1,
+        hysteresis: float = 0.1,
+        switch_cost_s: SwitchCost = None,
+        amortize_steps: int = 1,
+    ) -> None:
         if not isinstance(memory_model, MemoryModel):
-            raise ValueError(f"`memory_model` must be a MemoryModel, got {type(memory_model).__name__}")
+            raise ValueError(
+                f"`memory_model` must be a MemoryModel, got {type(memory_model).__name__}"
+            )
         self.memory_model = memory_model
         self._candidates = self._check_candidates(candidates)
         self._check_numbers(budget_bytes, safety_margin, hysteresis, amortize_steps)
-        self.budget_bytes, self.safety_margin, self.hysteresis = budget_bytes, float(safety_margin), float(hysteresis)
+        self.budget_bytes, self.safety_margin, self.hysteresis = (
+            budget_bytes,
+            float(safety_margin),
+            float(hysteresis),
+        )
         self.amortize_steps = amortize_steps
         self._switch_fn, self._switch_cost = self._check_switch_cost(switch_cost_s)
         self._observed: dict[str, tuple[int, float]] = {}
@@ -120,12 +135,16 @@ class Selector:
 
     # ---- validation ---------------------------------------------------------------------
     def _check_candidates(self, candidates: Any) -> dict[str, list[Layout]]:
-        per_stage = dict(candidates) if isinstance(candidates, Mapping) else {s: candidates for s in STAGES}
+        per_stage = (
+            dict(candidates) if isinstance(candidates, Mapping) else {s: candidates for s in STAGES}
+        )
         unknown = [s for s in per_stage if s not in STAGES]
         missing = [s for s in STAGES if s not in per_stage]
         if unknown or missing:
-            raise ValueError(f"`candidates` dict must have exactly the stages {list(STAGES)}; "
-                             f"unknown: {unknown}, missing: {missing}")
+            raise ValueError(
+                f"`candidates` dict must have exactly the stages {list(STAGES)}; "
+                f"unknown: {unknown}, missing: {missing}"
+            )
         world = None
         z = self.memory_model.sizes
         for stage, layouts in per_stage.items():
@@ -141,23 +160,33 @@ class Selector:
                 lay.check_heads(z.num_heads, z.num_kv_heads, arg=f"{arg}[{i}]")
             keys = [layout_key(lay) for lay in layouts]
             if len(set(keys)) != len(keys):
-                raise ValueError(f"`{arg}` has duplicate layouts: {sorted({k for k in keys if keys.count(k) > 1})}")
+                raise ValueError(
+                    f"`{arg}` has duplicate layouts: {sorted({k for k in keys if keys.count(k) > 1})}"
+                )
             per_stage[stage] = layouts
         self.world_size = world
         return per_stage
 
     @staticmethod
-    def _check_numbers(budget_bytes: Any, safety_margin: Any, hysteresis: Any, amortize_steps: Any) -> None:
+    def _check_numbers(
+        budget_bytes: Any, safety_margin: Any, hysteresis: Any, amortize_steps: Any
+    ) -> None:
         def num(v: Any) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         if not num(budget_bytes) or budget_bytes <= 0:
-            raise ValueError(f"`budget_bytes` must be a positive number of bytes per device, got {budget_bytes!r}")
+            raise ValueError(
+                f"`budget_bytes` must be a positive number of bytes per device, got {budget_bytes!r}"
+            )
         if not num(safety_margin) or not 0 <= safety_margin < 1:
             raise ValueError(f"`safety_margin` must be in [0, 1), got {safety_margin!r}")
         if not num(hysteresis) or hysteresis < 0:
             raise ValueError(f"`hysteresis` must be >= 0, got {hysteresis!r}")
-        if isinstance(amortize_steps, bool) or not isinstance(amortize_steps, int) or amortize_steps < 1:
+        if (
+            isinstance(amortize_steps, bool)
+            or not isinstance(amortize_steps, int)
+            or amortize_steps < 1
+        ):
             raise ValueError(f"`amortize_steps` must be a positive integer, got {amortize_steps!r}")
 
     @staticmethod
@@ -167,12 +196,23 @@ class Selector:
         if callable(cost):
             return cost, {}
         if not isinstance(cost, Mapping):
-            raise ValueError(f"`switch_cost_s` must be a dict stage -> seconds or a callable, got {cost!r}")
+            raise ValueError(
+                f"`switch_cost_s` must be a dict stage -> seconds or a callable, got {cost!r}"
+            )
         for stage, v in cost.items():
             if stage not in STAGES:
-                raise ValueError(f"`switch_cost_s` has unknown stage {stage!r}; valid stages: {list(STAGES)}")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise ValueError(f"`switch_cost_s['{stage}']` must be a number of seconds >= 0, got {v!r}")
+                raise ValueError(
+                    f"`switch_cost_s` has unknown stage {stage!r}; valid stages: {list(STAGES)}"
+                )
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+            ):
+                raise ValueError(
+                    f"`switch_cost_s['{stage}']` must be a number of seconds >= 0, got {v!r}"
+                )
         return None, {s: float(v) for s, v in cost.items()}
 
     # ---- configuration ------------------------------------------------------------------
@@ -204,14 +244,20 @@ class Selector:
     def observe_switch(self, stage: str, seconds: float) -> None:
         """Record a measured switch time; later decisions use the running mean for the stage."""
         check_stage(stage)
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-                or seconds < 0:
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not math.isfinite(seconds)
+            or seconds < 0
+        ):
             raise ValueError(f"`seconds` must be a number >= 0, got {seconds!r}")
         n, mean = self._observed.get(stage, (0, 0.0))
         self._observed[stage] = (n + 1, mean + (float(seconds) - mean) / (n + 1))
 
     # ---- out-of-memory recovery ---------------------------------------------------------
-    def mark_infeasible(self, stage: str, bucket: Bucket | Mapping[str, Any], layout: Layout) -> None:
+    def mark_infeasible(
+        self, stage: str, bucket: Bucket | Mapping[str, Any], layout: Layout
+    ) -> None:
         """After a real OOM: ``layout`` is not used again for ``stage`` at this bucket or any
         larger one (more context or more sequences never need less memory)."""
         check_stage(stage)
@@ -222,20 +268,27 @@ class Selector:
 
     def is_infeasible(self, stage: str, bucket: Bucket, layout: Layout) -> bool:
         key = layout_key(layout)
-        return any(s == stage and k == key and c <= bucket.context and n <= bucket.num_seqs
-                   for s, c, n, k in self._infeasible)
+        return any(
+            s == stage and k == key and c <= bucket.context and n <= bucket.num_seqs
+            for s, c, n, k in self._infeasible
+        )
 
     # ---- deciding -----------------------------------------------------------------------
     def select(self, stage: str, stats: Mapping[str, Any], current: Layout | None = None) -> Layout:
         """The layout for ``stage`` at this step; the full explanation is ``last_decisions[stage]``."""
         return self.decide(stage, stats, current).layout
 
-    def decide(self, stage: str, stats: Mapping[str, Any], current: Layout | None = None) -> Decision:
+    def decide(
+        self, stage: str, stats: Mapping[str, Any], current: Layout | None = None
+    ) -> Decision:
         check_stage(stage)
         if current is not None and not isinstance(current, Layout):
             raise ValueError(f"`current` must be a Layout or None, got {current!r}")
         bucket = bucket_of(stats)
-        reports = {layout_key(c): self._assess(stage, c, stats, bucket, current) for c in self._candidates[stage]}
+        reports = {
+            layout_key(c): self._assess(stage, c, stats, bucket, current)
+            for c in self._candidates[stage]
+        }
         usable = [k for k, r in reports.items() if r.usable]
         if not usable:
             raise self._no_fit_error(stage, stats, reports)
@@ -246,32 +299,60 @@ class Selector:
             reason += "; dropped " + ", ".join(dropped)
         layout = next(c for c in self._candidates[stage] if layout_key(c) == key)
         r = reports[key]
-        decision = Decision(stage, layout, r.predicted_bytes, r.tokens_per_s, reason, bucket,
-                            current is not None and layout_key(current) != key, r.seconds, r.switch_s,
-                            tuple(reports.values()))
+        decision = Decision(
+            stage,
+            layout,
+            r.predicted_bytes,
+            r.tokens_per_s,
+            reason,
+            bucket,
+            current is not None and layout_key(current) != key,
+            r.seconds,
+            r.switch_s,
+            tuple(reports.values()),
+        )
         self._choices[stage] = layout
         self.last_decisions[stage] = decision
         return decision
 
     def estimate(self, stage: str, layout: Layout, stats: Mapping[str, Any]) -> MemoryEstimate:
-        return self.memory_model.estimate(stage, layout, stats, train_layout=self._choices.get("train"))
+        return self.memory_model.estimate(
+            stage, layout, stats, train_layout=self._choices.get("train")
+        )
 
     @property
     def usable_bytes(self) -> float:
         return self.budget_bytes * (1.0 - self.safety_margin)
 
-    def _assess(self, stage: str, layout: Layout, stats: Mapping[str, Any], bucket: Bucket,
-                current: Layout | None) -> CandidateReport:
+    def _assess(
+        self,
+        stage: str,
+        layout: Layout,
+        stats: Mapping[str, Any],
+        bucket: Bucket,
+        current: Layout | None,
+    ) -> CandidateReport:
         est = self.estimate(stage, layout, stats)
         tps = None
         if self.table is not None:
-            tps = self.table.lookup(stage, layout, float(stats["context_mean"]), float(stats["num_seqs"]))
+            tps = self.table.lookup(
+                stage, layout, float(stats["context_mean"]), float(stats["num_seqs"])
+            )
         seconds = work_tokens(stage, stats) / tps if tps else None
         switch = self.switch_cost(stage, current, layout) / self.amortize_steps
-        return CandidateReport(layout_key(layout), est.total, est.total <= self.usable_bytes,
-                               self.is_infeasible(stage, bucket, layout), tps, seconds, switch)
+        return CandidateReport(
+            layout_key(layout),
+            est.total,
+            est.total <= self.usable_bytes,
+            self.is_infeasible(stage, bucket, layout),
+            tps,
+            seconds,
+            switch,
+        )
 
-    def _incumbent(self, stage: str, current: Layout | None, reports: dict[str, CandidateReport]) -> str | None:
+    def _incumbent(
+        self, stage: str, current: Layout | None, reports: dict[str, CandidateReport]
+    ) -> str | None:
         """The layout to keep unless another is clearly better: the stage's previous choice,
         else the layout the model is in now."""
         for lay in (self._choices.get(stage), current):
@@ -279,8 +360,13 @@ class Selector:
                 return layout_key(lay)
         return None
 
-    def _choose(self, stage: str, usable: list[str], incumbent: str | None,
-                reports: dict[str, CandidateReport]) -> tuple[str, str]:
+    def _choose(
+        self,
+        stage: str,
+        usable: list[str],
+        incumbent: str | None,
+        reports: dict[str, CandidateReport],
+    ) -> tuple[str, str]:
         inc = reports.get(incumbent) if incumbent else None
         known = [k for k in usable if reports[k].seconds is not None]
         if not known:
@@ -288,35 +374,52 @@ class Selector:
                 return incumbent, f"keep {incumbent}: no profile data for stage {stage!r}"
             # Without throughput data prefer the least tensor parallelism (the fewest collectives),
             # then no recomputation, then the largest micro-batch.
-            pick = min(usable, key=lambda k: (_tp_of(k), _ckpt_of(k), -_mbt_of(k), reports[k].predicted_bytes))
-            return pick, (f"{pick}: no profile data for stage {stage!r}; least tensor parallelism and "
-                          f"recomputation that fits")
+            pick = min(
+                usable,
+                key=lambda k: (_tp_of(k), _ckpt_of(k), -_mbt_of(k), reports[k].predicted_bytes),
+            )
+            return pick, (
+                f"{pick}: no profile data for stage {stage!r}; least tensor parallelism and "
+                f"recomputation that fits"
+            )
         # Ties (micro-batch variants of one dp x tp share its profile row): the larger micro-batch,
         # since fewer forward calls are never slower, then the smaller memory.
         best = min(known, key=lambda k: (reports[k].score, -_mbt_of(k), reports[k].predicted_bytes))
         b = reports[best]
         if inc is None or not inc.usable or inc.seconds is None:
-            why = "first choice" if inc is None else f"{incumbent} is " + (
-                "unusable" if not inc.usable else "not in the profile")
+            why = (
+                "first choice"
+                if inc is None
+                else f"{incumbent} is " + ("unusable" if not inc.usable else "not in the profile")
+            )
             return best, f"{best}: fastest that fits ({_rate(b)}); {why}"
         if best == incumbent:
             return best, f"keep {best}: still the fastest that fits ({_rate(b)})"
         gain = inc.score / b.score - 1.0 if b.score > 0 else 0.0
         if gain <= self.hysteresis:
-            return incumbent, (f"keep {incumbent} ({_rate(inc)}): {best} would be {gain:.1%} faster "
-                               f"including a {b.switch_s:.2f}s switch, within the {self.hysteresis:.0%} hysteresis")
-        return best, (f"switch {incumbent} -> {best} ({_rate(b)}): {gain:.1%} faster including a "
-                      f"{b.switch_s:.2f}s switch, above the {self.hysteresis:.0%} hysteresis")
+            return incumbent, (
+                f"keep {incumbent} ({_rate(inc)}): {best} would be {gain:.1%} faster "
+                f"including a {b.switch_s:.2f}s switch, within the {self.hysteresis:.0%} hysteresis"
+            )
+        return best, (
+            f"switch {incumbent} -> {best} ({_rate(b)}): {gain:.1%} faster including a "
+            f"{b.switch_s:.2f}s switch, above the {self.hysteresis:.0%} hysteresis"
+        )
 
     def _drop_note(self, r: CandidateReport) -> str:
         if r.marked_infeasible:
             return f"{r.layout} (out of memory at this size before)"
         return f"{r.layout} (needs {_gib(r.predicted_bytes)} > {_gib(self.usable_bytes)})"
 
-    def _no_fit_error(self, stage: str, stats: Mapping[str, Any], reports: dict[str, CandidateReport]
-                      ) -> NoFeasibleLayoutError:
+    def _no_fit_error(
+        self, stage: str, stats: Mapping[str, Any], reports: dict[str, CandidateReport]
+    ) -> NoFeasibleLayoutError:
         smallest = min(reports.values(), key=lambda r: r.predicted_bytes)
-        est = self.estimate(stage, next(c for c in self._candidates[stage] if layout_key(c) == smallest.layout), stats)
+        est = self.estimate(
+            stage,
+            next(c for c in self._candidates[stage] if layout_key(c) == smallest.layout),
+            stats,
+        )
         marked = [r.layout for r in reports.values() if r.marked_infeasible]
         return NoFeasibleLayoutError(
             f"no candidate layout fits `budget_bytes`={self.budget_bytes} ({_gib(self.budget_bytes)} per device, "
@@ -325,7 +428,7 @@ class Selector:
             f"{smallest.layout} at {_gib(smallest.predicted_bytes)} [{est.summary()}]"
             + (f"; marked infeasible after an out-of-memory error: {marked}" if marked else "")
             + ". Raise `budget_bytes`, lower the micro-batch tokens, enable activation checkpointing, "
-              "or add layouts with more parallelism."
+            "or add layouts with more parallelism."
         )
 
     # ---- checkpointing ------------------------------------------------------------------
@@ -340,20 +443,30 @@ class Selector:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"selector state must be a dict with version {STATE_VERSION}, got "
-                             f"{state.get('version') if isinstance(state, Mapping) else type(state).__name__!r}")
+            raise ValueError(
+                f"selector state must be a dict with version {STATE_VERSION}, got "
+                f"{state.get('version') if isinstance(state, Mapping) else type(state).__name__!r}"
+            )
         table = state.get("table")
-        self.set_table(ProfileTable.from_dict(table, "the selector state's profile table") if table else None)
+        self.set_table(
+            ProfileTable.from_dict(table, "the selector state's profile table") if table else None
+        )
         choices = {}
         for stage, d in state.get("choices", {}).items():
             lay = Layout(**d)
             if layout_key(lay) not in {layout_key(c) for c in self.candidates(stage)}:
-                raise ValueError(f"selector state chose {layout_key(lay)} for stage {stage!r}, which is not among "
-                                 f"the candidates {[layout_key(c) for c in self._candidates[stage]]}")
+                raise ValueError(
+                    f"selector state chose {layout_key(lay)} for stage {stage!r}, which is not among "
+                    f"the candidates {[layout_key(c) for c in self._candidates[stage]]}"
+                )
             choices[stage] = lay
         self._choices = choices
-        self._infeasible = {(str(s), int(c), int(n), str(k)) for s, c, n, k in state.get("infeasible", [])}
-        self._observed = {s: (int(v[0]), float(v[1])) for s, v in state.get("switch_observed", {}).items()}
+        self._infeasible = {
+            (str(s), int(c), int(n), str(k)) for s, c, n, k in state.get("infeasible", [])
+        }
+        self._observed = {
+            s: (int(v[0]), float(v[1])) for s, v in state.get("switch_observed", {}).items()
+        }
 
 
 def _tp_of(key: str) -> int:
@@ -370,7 +483,11 @@ def _mbt_of(key: str) -> int:
 
 
 def _rate(r: CandidateReport) -> str:
-    return f"{r.tokens_per_s:.0f} tok/s, {_gib(r.predicted_bytes)}" if r.tokens_per_s else _gib(r.predicted_bytes)
+    return (
+        f"{r.tokens_per_s:.0f} tok/s, {_gib(r.predicted_bytes)}"
+        if r.tokens_per_s
+        else _gib(r.predicted_bytes)
+    )
 
 
 def _gib(n: float) -> str:

@@ -26,8 +26,9 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,12 +37,18 @@ from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs, forward_micro_batch, zero_loss
 from earl_lightning.parallel.collectives import Reducer, broadcast_object, global_rank, world_size
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
-from earl_lightning.parallel.parallelize import model_heads, parallelize_model, set_activation_checkpointing
+from earl_lightning.parallel.parallelize import (
+    model_heads,
+    parallelize_model,
+    set_activation_checkpointing,
+)
 from earl_lightning.parallel.profile import ProfileTable, layout_key
 from earl_lightning.rollout.backends.base import GenRequest, SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
 
-_FIRST_TOKEN = 3  # ids below are the tiny tokenizer's pad / bos / eos: never part of a synthetic context
+_FIRST_TOKEN = (
+    3  # ids below are the tiny tokenizer's pad / bos / eos: never part of a synthetic context
+)
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,12 @@ class ProfileGrid:
     def __post_init__(self) -> None:
         for name in ("contexts", "num_seqs"):
             vals = list(getattr(self, name))
-            if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in vals):
-                raise ValueError(f"`{name}` must be a non-empty list of integers >= 2, got {vals!r}")
+            if not vals or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in vals
+            ):
+                raise ValueError(
+                    f"`{name}` must be a non-empty list of integers >= 2, got {vals!r}"
+                )
             object.__setattr__(self, name, tuple(sorted(set(vals))))
         for s in self.stages:
             check_stage(s, arg="stages")
@@ -78,7 +89,10 @@ class ProfileGrid:
 
     def cells(self) -> list[tuple[int, int]]:
         """(context, num_seqs) from the cheapest to the dearest."""
-        return sorted(((c, n) for c in self.contexts for n in self.num_seqs), key=lambda cn: (cn[0] * cn[1], cn))
+        return sorted(
+            ((c, n) for c in self.contexts for n in self.num_seqs),
+            key=lambda cn: (cn[0] * cn[1], cn),
+        )
 
 
 @dataclass
@@ -126,19 +140,28 @@ class _Placements:
     def get(self, layout: Layout, train: bool) -> tuple[nn.Module, Any]:
         key = (train, layout.dp, layout.tp)
         if key not in self._models:
-            torch.manual_seed(0)  # every rank builds the same weights, so sharding them needs no broadcast
+            torch.manual_seed(
+                0
+            )  # every rank builds the same weights, so sharding them needs no broadcast
             model = self.factory().to(self.device)
             placement = Layout(dp=layout.dp, tp=layout.tp)
             # Train copies are wrapped for checkpointing once; run() switches recomputation per layout.
-            parallelize_model(model, mesh=self.mesh(placement), layout=placement, fsdp=train,
-                              checkpoint_switchable=train)
+            parallelize_model(
+                model,
+                mesh=self.mesh(placement),
+                layout=placement,
+                fsdp=train,
+                checkpoint_switchable=train,
+            )
             if train:
                 model.train()
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
             else:
                 model.eval().requires_grad_(False)
                 opt = None
-            self._models = {k: v for k, v in self._models.items() if k[0] != train}  # one placement alive per kind
+            self._models = {
+                k: v for k, v in self._models.items() if k[0] != train
+            }  # one placement alive per kind
             self._models[key] = (model, opt)
         return self._models[key]
 
@@ -153,10 +176,14 @@ def _synthetic_batch(n: int, context: int, vocab: int, gen: torch.Generator) -> 
     """``n`` sequences of ``context`` tokens; the last quarter is the policy's (action mask 1)."""
     ids = torch.randint(_FIRST_TOKEN, vocab, (n, context), generator=gen)
     mask = torch.zeros(n, context)
-    mask[:, context - max(1, context // 4):] = 1.0
+    mask[:, context - max(1, context // 4) :] = 1.0
     adv = torch.randn(n, generator=gen)
-    toks = {"input_ids": list(ids), "action_mask": list(mask), "old_logprobs": [torch.zeros(context)] * n,
-            "advantages": [torch.full((context,), float(a)) for a in adv]}
+    toks = {
+        "input_ids": list(ids),
+        "action_mask": list(mask),
+        "old_logprobs": [torch.zeros(context)] * n,
+        "advantages": [torch.full((context,), float(a)) for a in adv],
+    }
     return ExperienceBatch.from_sequences(toks, {"rewards": adv.clone()})
 
 
@@ -164,17 +191,27 @@ class StageProfiler:
     """Runs one stage once under one layout and returns the slowest rank's seconds and the work
     tokens done (global)."""
 
-    def __init__(self, model_factory: Callable[[], nn.Module], tokenizer: Any, device: torch.device | str = "cpu",
-                 seed: int = 0, scored_last_layer: bool = True) -> None:
+    def __init__(
+        self,
+        model_factory: Callable[[], nn.Module],
+        tokenizer: Any,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        scored_last_layer: bool = True,
+    ) -> None:
         self.device = torch.device(device)
         self.scored = scored_last_layer  # the forwards as the trainer runs them (data/scored.py)
         self.placements = _Placements(model_factory, self.device)
         self.tokenizer, self.seed = tokenizer, seed
 
-    def run(self, stage: str, layout: Layout, context: int, num_seqs: int, gen_len: int) -> tuple[float, float]:
+    def run(
+        self, stage: str, layout: Layout, context: int, num_seqs: int, gen_len: int
+    ) -> tuple[float, float]:
         rank, _ = _rank_world()
         n = _local_count(num_seqs, layout, rank)
-        gen = torch.Generator().manual_seed(self.seed * 7919 + context * 31 + num_seqs + layout.coords(rank)[0])
+        gen = torch.Generator().manual_seed(
+            self.seed * 7919 + context * 31 + num_seqs + layout.coords(rank)[0]
+        )
         model, opt = self.placements.get(layout, train=stage == "train")
         if stage == "train":
             set_activation_checkpointing(model, layout.activation_checkpointing)
@@ -187,8 +224,14 @@ class StageProfiler:
         elif stage == "experience":
             batch = _synthetic_batch(n, context, vocab, gen).to(self.device) if n else None
             if batch is not None:
-                fill_logprobs(model, batch, name="old_logprobs", temperature=1.0,
-                              micro_batch_tokens=layout.micro_batch_tokens, scored=self.scored)
+                fill_logprobs(
+                    model,
+                    batch,
+                    name="old_logprobs",
+                    temperature=1.0,
+                    micro_batch_tokens=layout.micro_batch_tokens,
+                    scored=self.scored,
+                )
             work = float(n * context)
         else:
             work = self._train(model, opt, n, context, vocab, gen, layout)
@@ -202,7 +245,9 @@ class StageProfiler:
         ids = torch.randint(_FIRST_TOKEN, vocab, (max(n, 1), context), generator=gen).tolist()
         requests = [GenRequest(key=i, prompt_ids=ids[i]) for i in range(n)]
         # TP peers must sample the same tokens: the seed depends on the dp group only.
-        sampling = SamplingConfig(max_new_tokens=gen_len, seed=self.seed + layout.coords(_rank_world()[0])[0])
+        sampling = SamplingConfig(
+            max_new_tokens=gen_len, seed=self.seed + layout.coords(_rank_world()[0])[0]
+        )
         outs = backend.generate(requests, sampling) if requests else []
         backend.release(None)
         return float(sum(len(o.token_ids) for o in outs))
@@ -229,10 +274,19 @@ def _sum_work(work: float, layout: Layout) -> float:
     return Reducer(layout).sum_floats([work])[0]
 
 
-def profile_stages(model_factory: Callable[[], nn.Module], tokenizer: Any, *, layouts: Sequence[Layout],
-                   grid: ProfileGrid = ProfileGrid(), model_name: str = "model", budget_s: float | None = None,
-                   device: torch.device | str = "cpu", seed: int = 0, scored_last_layer: bool = True,
-                   log: Callable[[str], None] | None = None) -> ProfileRun:
+def profile_stages(
+    model_factory: Callable[[], nn.Module],
+    tokenizer: Any,
+    *,
+    layouts: Sequence[Layout],
+    grid: ProfileGrid = ProfileGrid(),
+    model_name: str = "model",
+    budget_s: float | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    scored_last_layer: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> ProfileRun:
     """Measure every (stage, cell, layout) of ``grid`` until ``budget_s`` seconds are spent.
 
     ``model_factory()`` builds the model (its weights do not matter, only its shapes); it is called
@@ -243,16 +297,26 @@ def profile_stages(model_factory: Callable[[], nn.Module], tokenizer: Any, *, la
     """
     rank, world = _rank_world()
     layouts = _check_layouts(layouts, world, model_factory)
-    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
-                                 or not math.isfinite(budget_s) or budget_s <= 0):
-        raise ValueError(f"`budget_s` must be a positive number of seconds or None, got {budget_s!r}")
+    if budget_s is not None and (
+        isinstance(budget_s, bool)
+        or not isinstance(budget_s, (int, float))
+        or not math.isfinite(budget_s)
+        or budget_s <= 0
+    ):
+        raise ValueError(
+            f"`budget_s` must be a positive number of seconds or None, got {budget_s!r}"
+        )
     run = ProfileRun(ProfileTable(model_name, world, device=_describe(torch.device(device), world)))
     prof = StageProfiler(model_factory, tokenizer, device, seed, scored_last_layer)
     start = time.perf_counter()
     for stage in grid.stages:
         # Checkpointing changes only the train stage (the others run without autograd).
-        stage_layouts = [lay for lay in layouts if stage == "train" or not lay.activation_checkpointing]
-        for layout in stage_layouts:  # warm-up: first calls pay for lazy initialization, not throughput
+        stage_layouts = [
+            lay for lay in layouts if stage == "train" or not lay.activation_checkpointing
+        ]
+        for (
+            layout
+        ) in stage_layouts:  # warm-up: first calls pay for lazy initialization, not throughput
             prof.run(stage, layout, grid.contexts[0], grid.num_seqs[0], 1)
         for (ctx, nseq), layout in _schedule(grid, stage_layouts):
             if not _agree(budget_s is None or time.perf_counter() - start < budget_s):
@@ -266,19 +330,25 @@ def profile_stages(model_factory: Callable[[], nn.Module], tokenizer: Any, *, la
             run.table.add(stage, ctx, nseq, layout, max(work, 1.0) / max(secs, 1e-9))
             run.measured += 1
             if log is not None and rank == 0:
-                log(f"{stage:10s} ctx={ctx:6d} seqs={nseq:4d} {layout_key(layout):18s} "
-                    f"{run.table.lookup(stage, layout, ctx, nseq):10.0f} tok/s ({secs:.3f}s)")
+                log(
+                    f"{stage:10s} ctx={ctx:6d} seqs={nseq:4d} {layout_key(layout):18s} "
+                    f"{run.table.lookup(stage, layout, ctx, nseq):10.0f} tok/s ({secs:.3f}s)"
+                )
     run.seconds = time.perf_counter() - start
     return run
 
 
-def _schedule(grid: ProfileGrid, layouts: Sequence[Layout]) -> Iterator[tuple[tuple[int, int], Layout]]:
+def _schedule(
+    grid: ProfileGrid, layouts: Sequence[Layout]
+) -> Iterator[tuple[tuple[int, int], Layout]]:
     for cell in grid.cells():
         for layout in layouts:
             yield cell, layout
 
 
-def _check_layouts(layouts: Sequence[Layout], world: int, model_factory: Callable[[], nn.Module]) -> list[Layout]:
+def _check_layouts(
+    layouts: Sequence[Layout], world: int, model_factory: Callable[[], nn.Module]
+) -> list[Layout]:
     layouts = list(layouts)
     if not layouts:
         raise ValueError("`layouts` must be a non-empty list of Layout")

@@ -1,11 +1,24 @@
 """Multi-turn rollout: the loop (:func:`rollout`), its types, and the generation backends."""
 
-from earl_lightning.rollout.backends.base import GenerationBackend, GenOutput, GenRequest, SamplingConfig
+from earl_lightning.rollout.backends.base import (
+    GenerationBackend,
+    GenOutput,
+    GenRequest,
+    SamplingConfig,
+)
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 
-__all__ = ["Episode", "EpisodeSpec", "GenerationBackend", "GenOutput", "GenRequest", "HFBackend",
-           "SamplingConfig", "rollout"]
+__all__ = [
+    "Episode",
+    "EpisodeSpec",
+    "GenerationBackend",
+    "GenOutput",
+    "GenRequest",
+    "HFBackend",
+    "SamplingConfig",
+    "rollout",
+]
 
 
 def __getattr__(name: str):

@@ -52,8 +52,9 @@ class ChatDeltas:
         except TypeError:  # a message with unhashable values (e.g. a list of tool calls): no memo
             key, text = None, None
         if text is None:
-            text = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
             if key is not None and len(self._renders) < MEMO_ENTRIES:
                 self._renders[key] = text
         return text
@@ -78,10 +79,12 @@ class ChatDeltas:
         """
         before = self.render(messages, generation_prompt=True)
         for text in (content, _PLACEHOLDER):
-            after = self.render([*messages, {"role": "assistant", "content": text}], generation_prompt=False)
+            after = self.render(
+                [*messages, {"role": "assistant", "content": text}], generation_prompt=False
+            )
             delta = _delta(before, after, "an assistant message")
             if delta.startswith(text):
-                return delta[len(text):]
+                return delta[len(text) :]
         raise ValueError(
             "the chat template does not render an assistant message's content verbatim after the generation "
             f"prompt (got {delta!r}); multi-turn rollout needs an append-only template"
@@ -107,7 +110,10 @@ class ChatDeltas:
         for transcripts and metrics, appends; the turn itself is generated from :meth:`prompt`)."""
         before = self.render(messages, generation_prompt=False)
         after = self.render([*messages, *new], generation_prompt=True)
-        same = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+        same = next(
+            (i for i, (a, b) in enumerate(zip(before, after)) if a != b),
+            min(len(before), len(after)),
+        )
         return after[same:]
 
 
@@ -115,6 +121,6 @@ def _delta(before: str, after: str, what: str) -> str:
     if not after.startswith(before):
         raise NotAppendOnly(
             f"the chat template is not append-only: adding {what} changed earlier text "
-            f"(render before ends {before[-40:]!r}, after has {after[len(before) - 40:len(before)]!r} there)"
+            f"(render before ends {before[-40:]!r}, after has {after[len(before) - 40 : len(before)]!r} there)"
         )
-    return after[len(before):]
+    return after[len(before) :]

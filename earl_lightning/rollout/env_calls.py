@@ -37,8 +37,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from earl_lightning.envs.base import Env, StepResult, check_env_name, make_env
 from earl_lightning.parallel.collectives import global_rank, is_distributed
@@ -83,13 +84,20 @@ class EnvFault(Exception):
 class _Failed(Exception):
     """Raised on a worker: ``call`` went wrong (``problem``, of ``kind``; ``exc``: what it raised)."""
 
-    def __init__(self, call: str, problem: str, kind: str, exc: BaseException | None = None) -> None:
+    def __init__(
+        self, call: str, problem: str, kind: str, exc: BaseException | None = None
+    ) -> None:
         super().__init__(problem)
         self.call, self.problem, self.kind, self.exc = call, problem, kind, exc
 
     @classmethod
-    def raised(cls, call: str, exc: BaseException) -> "_Failed":
-        return cls(call, f"raised {exc!r}", f"{call}() raised {type(exc).__module__}.{type(exc).__qualname__}", exc)
+    def raised(cls, call: str, exc: BaseException) -> _Failed:
+        return cls(
+            call,
+            f"raised {exc!r}",
+            f"{call}() raised {type(exc).__module__}.{type(exc).__qualname__}",
+            exc,
+        )
 
 
 class EnvCalls:
@@ -108,10 +116,20 @@ class EnvCalls:
             reports the fault itself, e.g. the set-up checks' one line).
     """
 
-    def __init__(self, timeout_s: float | None = None, workers: int = DEFAULT_WORKERS,
-                 isolation: str = "thread", task_tools: Sequence[Tool] = (), log_faults: bool = True) -> None:
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not math.isfinite(timeout_s) or timeout_s <= 0):
+    def __init__(
+        self,
+        timeout_s: float | None = None,
+        workers: int = DEFAULT_WORKERS,
+        isolation: str = "thread",
+        task_tools: Sequence[Tool] = (),
+        log_faults: bool = True,
+    ) -> None:
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s)
+            or timeout_s <= 0
+        ):
             raise ValueError(f"`env_timeout_s` must be a number > 0 or None, got {timeout_s!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`call_workers` must be an integer >= 1, got {workers!r}")
@@ -137,14 +155,18 @@ class EnvCalls:
         self._hosts.clear()
 
     # ---- calls in flight: submit now, collect when done ---------------------------------------
-    def submit_start(self, spec: EpisodeSpec) -> "Pending":
+    def submit_start(self, spec: EpisodeSpec) -> Pending:
         """Build and reset ``spec``'s env (see :meth:`start`); the result a ``(env, observation)``
         pair or an :class:`EnvFault`."""
         if spec.env is not None:
-            check_env_name(spec.env)  # an unknown name or a bad import path is a config error: it raises
+            check_env_name(
+                spec.env
+            )  # an unknown name or a bad import path is a config error: it raises
         if self.isolation == "process" and (spec.env is not None or self.task_tools):
             holder: list[Any] = []
-            job = self._pool.submit(self._start_process, spec, holder, on_abandon=lambda: [e.kill() for e in holder])
+            job = self._pool.submit(
+                self._start_process, spec, holder, on_abandon=lambda: [e.kill() for e in holder]
+            )
         else:
             job = self._pool.submit(self._start, spec)
         return Pending([job], lambda jobs: self._outcome(jobs[0], spec, "reset"))
@@ -155,36 +177,45 @@ class EnvCalls:
         host = self._hosts.get(spec.episode_id)
         return host.hosted() if host is not None else list(self.task_tools)
 
-    def submit_step(self, spec: EpisodeSpec, env: Env, action: str) -> "Pending":
+    def submit_step(self, spec: EpisodeSpec, env: Env, action: str) -> Pending:
         """``env.step(action)``, checked; the result a :class:`StepResult` or an :class:`EnvFault`."""
         job = self._pool.submit(self._step, env, action, on_abandon=_killer(env))
         return Pending([job], lambda jobs: self._outcome(jobs[0], spec, "step"))
 
-    def submit_tools(self, tools: ToolSet, calls: Sequence[ToolCall]) -> "Pending":
+    def submit_tools(self, tools: ToolSet, calls: Sequence[ToolCall]) -> Pending:
         """Every call of one turn; the result their :class:`ToolResult` list (a call that fails or
         does not return in time is an error result: the model reads its message)."""
-        jobs = [self._pool.submit(tools.call, call, on_abandon=_killer(tools.owner(call))) for call in calls]
+        jobs = [
+            self._pool.submit(tools.call, call, on_abandon=_killer(tools.owner(call)))
+            for call in calls
+        ]
         return Pending(jobs, lambda done: [self._tool_result(j, c) for j, c in zip(done, calls)])
 
-    def wait(self, pending: Sequence["Pending"], *, first: bool = False) -> list["Pending"]:
+    def wait(self, pending: Sequence[Pending], *, first: bool = False) -> list[Pending]:
         """Wait until every one of ``pending`` is done (``first``: at least one), each call at most
         ``timeout_s`` from its start; the done ones, in order."""
         self._pool.wait([p.jobs for p in pending], self.timeout_s, first=first)
         return [p for p in pending if p.done]
 
-    def start_all(self, specs: Sequence[EpisodeSpec]) -> list[tuple[Env | None, str | None] | EnvFault]:
+    def start_all(
+        self, specs: Sequence[EpisodeSpec]
+    ) -> list[tuple[Env | None, str | None] | EnvFault]:
         """:meth:`start` for every spec (env None: no call), at the same time."""
         return self._results([self.submit_start(s) for s in specs])
 
-    def step_all(self, items: Sequence[tuple[EpisodeSpec, Env, str]]) -> list[StepResult | EnvFault]:
+    def step_all(
+        self, items: Sequence[tuple[EpisodeSpec, Env, str]]
+    ) -> list[StepResult | EnvFault]:
         """``env.step(action)`` for every ``(spec, env, action)``, at the same time."""
         return self._results([self.submit_step(*item) for item in items])
 
-    def tools_all(self, items: Sequence[tuple[ToolSet, Sequence[ToolCall]]]) -> list[list[ToolResult]]:
+    def tools_all(
+        self, items: Sequence[tuple[ToolSet, Sequence[ToolCall]]]
+    ) -> list[list[ToolResult]]:
         """Every call of every episode's turn, at the same time."""
         return self._results([self.submit_tools(*item) for item in items])
 
-    def _results(self, pending: list["Pending"]) -> list[Any]:
+    def _results(self, pending: list[Pending]) -> list[Any]:
         self.wait(pending)
         return [p.result() for p in pending]
 
@@ -228,15 +259,24 @@ class EnvCalls:
         except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
             raise _Failed.raised("make_env", exc) from exc
         try:
-            observation = _awaited(env.reset(spec.seed, **(reset_kwargs(env.reset, spec.row) if spec.row else {})))
+            observation = _awaited(
+                env.reset(spec.seed, **(reset_kwargs(env.reset, spec.row) if spec.row else {}))
+            )
         except Exception as exc:  # noqa: BLE001
             raise _Failed.raised("reset", exc) from exc
         if observation is None and spec.row is not None:
             return env, None
         if not isinstance(observation, str):
-            gym = " (gymnasium's reset returns (observation, info))" if isinstance(observation, tuple) else ""
-            raise _Failed("reset", f"returned {_what(observation)}; {_RESET_CONTRACT}{gym}",
-                          f"reset() returned a {type(observation).__name__}")
+            gym = (
+                " (gymnasium's reset returns (observation, info))"
+                if isinstance(observation, tuple)
+                else ""
+            )
+            raise _Failed(
+                "reset",
+                f"returned {_what(observation)}; {_RESET_CONTRACT}{gym}",
+                f"reset() returned a {type(observation).__name__}",
+            )
         return env, observation
 
     @staticmethod
@@ -251,12 +291,20 @@ class EnvCalls:
         return checked
 
     # ---- outcomes ----------------------------------------------------------------------------
-    def _outcome(self, job: "_Job", spec: EpisodeSpec, name: str) -> Any:
+    def _outcome(self, job: _Job, spec: EpisodeSpec, name: str) -> Any:
         if job.timed_out:
-            fate = ("its process is killed" if job.on_abandon is not None else
-                    "the env is abandoned (the call keeps running in a daemon thread)")
-            return self._fault(spec, name, f"did not return within env_timeout_s={self.timeout_s:g}s; {fate}",
-                               f"{name}() timeout", stack=job.stack)
+            fate = (
+                "its process is killed"
+                if job.on_abandon is not None
+                else "the env is abandoned (the call keeps running in a daemon thread)"
+            )
+            return self._fault(
+                spec,
+                name,
+                f"did not return within env_timeout_s={self.timeout_s:g}s; {fate}",
+                f"{name}() timeout",
+                stack=job.stack,
+            )
         exc = job.future.exception()
         if isinstance(exc, _Failed):
             return self._fault(spec, exc.call, exc.problem, exc.kind, exc.exc)
@@ -264,25 +312,42 @@ class EnvCalls:
             raise exc  # KeyboardInterrupt or SystemExit, as a direct call would
         return job.future.result()
 
-    def _tool_result(self, job: "_Job", call: ToolCall) -> ToolResult:
+    def _tool_result(self, job: _Job, call: ToolCall) -> ToolResult:
         if job.timed_out:
-            return ToolResult(call.name, f"Error: {call.name!r} did not return within {self.timeout_s:g} s", True,
-                              float(self.timeout_s or 0.0))
+            return ToolResult(
+                call.name,
+                f"Error: {call.name!r} did not return within {self.timeout_s:g} s",
+                True,
+                float(self.timeout_s or 0.0),
+            )
         exc = job.future.exception()
         if exc is not None:  # ToolSet.call catches Exception: only BaseException gets here
             raise exc
         return job.future.result()
 
-    def _fault(self, spec: EpisodeSpec, call: str, problem: str, kind: str, exc: BaseException | None = None,
-               stack: str | None = None) -> EnvFault:
+    def _fault(
+        self,
+        spec: EpisodeSpec,
+        call: str,
+        problem: str,
+        kind: str,
+        exc: BaseException | None = None,
+        stack: str | None = None,
+    ) -> EnvFault:
         fault = EnvFault(f"env {spec.env!r} (seed {spec.seed}): {call}() {problem}", exc)
         if self.log_faults and kind not in _logged:
             _logged.add(kind)
             rank = f"[rank {global_rank()}] " if is_distributed() else ""
             where = f"\nwhere the call is stuck:\n{stack}" if stack else ""
-            log.warning("%s%s\n[logged once per kind of fault and process; later faults of this kind (%s) end "
-                        "their episode and count in env/errors without a log line]%s", rank, fault, kind, where,
-                        exc_info=exc)
+            log.warning(
+                "%s%s\n[logged once per kind of fault and process; later faults of this kind (%s) end "
+                "their episode and count in env/errors without a log line]%s",
+                rank,
+                fault,
+                kind,
+                where,
+                exc_info=exc,
+            )
         return fault
 
 
@@ -311,25 +376,40 @@ async def _await(value: Any) -> Any:
 def _checked(result: Any) -> StepResult | tuple[str, str]:
     """``result`` with a float reward and a bool done, or (what is wrong, the kind of fault)."""
     if isinstance(result, tuple):
-        return (f"returned a tuple; {_STEP_CONTRACT} (a gym-style (observation, reward, terminated, truncated, "
-                f"info) tuple is not one)", "step() returned a tuple")
+        return (
+            f"returned a tuple; {_STEP_CONTRACT} (a gym-style (observation, reward, terminated, truncated, "
+            f"info) tuple is not one)",
+            "step() returned a tuple",
+        )
     if not isinstance(result, StepResult):
-        return f"returned {_what(result)}; {_STEP_CONTRACT}", f"step() returned a {type(result).__name__}"
+        return (
+            f"returned {_what(result)}; {_STEP_CONTRACT}",
+            f"step() returned a {type(result).__name__}",
+        )
     try:
         reward = float(result.reward)
     except Exception:  # noqa: BLE001 - any value float() refuses is the env's bug
         reward = math.nan
     if not math.isfinite(reward):
-        return f"returned a StepResult whose reward {result.reward!r:.60} is not a finite number", "step() reward"
+        return (
+            f"returned a StepResult whose reward {result.reward!r:.60} is not a finite number",
+            "step() reward",
+        )
     try:
         done = bool(result.done)
     except Exception:  # noqa: BLE001 - e.g. a numpy array of several flags
         return f"returned a StepResult whose done {result.done!r:.60} is not a bool", "step() done"
     if not isinstance(result.info, dict):
-        return f"returned a StepResult whose info is {_what(result.info)}, not a dict", "step() info"
+        return (
+            f"returned a StepResult whose info is {_what(result.info)}, not a dict",
+            "step() info",
+        )
     if not done and not isinstance(result.observation, str):
-        return (f"returned a StepResult whose observation is {_what(result.observation)}, not a str (the episode "
-                f"is not done)", "step() observation")
+        return (
+            f"returned a StepResult whose observation is {_what(result.observation)}, not a str (the episode "
+            f"is not done)",
+            "step() observation",
+        )
     return StepResult(result.observation, reward, done, result.info)
 
 
@@ -340,7 +420,7 @@ def _what(value: Any) -> str:
 class Pending:
     """Calls in flight for one episode; :meth:`result` once :attr:`done`."""
 
-    def __init__(self, jobs: list["_Job"], finish: Callable[[list["_Job"]], Any]) -> None:
+    def __init__(self, jobs: list[_Job], finish: Callable[[list[_Job]], Any]) -> None:
         self.jobs, self._finish = jobs, finish
 
     @property
@@ -354,7 +434,9 @@ class Pending:
 class _Job:
     """One submitted call: its future, when a worker started it, and that worker."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, on_abandon: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple, on_abandon: Callable[[], Any] | None = None
+    ) -> None:
         self.fn, self.args, self.future, self.on_abandon = fn, args, Future(), on_abandon
         self.started: float | None = None
         self.thread: threading.Thread | None = None
@@ -375,7 +457,9 @@ class _Pool:
         self._queued = 0  # jobs submitted and not yet taken by a worker
         self._busy = 0  # workers running a job (not retired)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, on_abandon: Callable[[], Any] | None = None) -> _Job:
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, on_abandon: Callable[[], Any] | None = None
+    ) -> _Job:
         job = _Job(fn, args, on_abandon)
         with self._done:
             self._queued += 1
@@ -384,7 +468,9 @@ class _Pool:
         self._jobs.put(job)
         return job
 
-    def wait(self, groups: Sequence[Sequence[_Job]], timeout_s: float | None, first: bool = False) -> None:
+    def wait(
+        self, groups: Sequence[Sequence[_Job]], timeout_s: float | None, first: bool = False
+    ) -> None:
         """Until every group of jobs is done (``first``: one group, when any is given) or, with
         ``timeout_s``, has run that long since it started."""
         jobs = [j for g in groups for j in g]
@@ -393,15 +479,27 @@ class _Pool:
                 now = time.monotonic()
                 if timeout_s is not None:
                     for j in jobs:
-                        if not j.future.done() and not j.timed_out and j.started is not None \
-                                and now - j.started >= timeout_s:
+                        if (
+                            not j.future.done()
+                            and not j.timed_out
+                            and j.started is not None
+                            and now - j.started >= timeout_s
+                        ):
                             self._abandon(j)
                 finished = [all(j.future.done() or j.timed_out for j in g) for g in groups]
                 if all(finished) or (first and any(finished)):
                     return
-                starts = [j.started for j in jobs if not j.future.done() and not j.timed_out and j.started is not None]
+                starts = [
+                    j.started
+                    for j in jobs
+                    if not j.future.done() and not j.timed_out and j.started is not None
+                ]
                 # workers notify when they start and when they finish a call
-                self._done.wait(timeout=max(min(starts) + timeout_s - now, 0.0) if timeout_s and starts else None)
+                self._done.wait(
+                    timeout=max(min(starts) + timeout_s - now, 0.0)
+                    if timeout_s and starts
+                    else None
+                )
 
     def close(self) -> None:
         for _ in range(self._live):
@@ -420,7 +518,9 @@ class _Pool:
         self._busy -= 1
         if self._queued:
             self._spawn()
-        if job.on_abandon is not None:  # a call in a process of its own: ending the process ends the call
+        if (
+            job.on_abandon is not None
+        ):  # a call in a process of its own: ending the process ends the call
             job.on_abandon()
 
     def _spawn(self) -> None:

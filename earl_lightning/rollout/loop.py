@@ -27,13 +27,14 @@ row.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
+from earl_lightning.envs.base import ToolEnv
 from earl_lightning.rollout.backends.base import GenerationBackend, GenRequest, SamplingConfig
 from earl_lightning.rollout.chat import ChatDeltas
 from earl_lightning.rollout.env_calls import DEFAULT_WORKERS, EnvCalls, EnvFault, Pending
-from earl_lightning.envs.base import ToolEnv
 from earl_lightning.rollout.turns import LiveEpisode, TurnLimits
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 from earl_lightning.tasks.rows import first_messages
@@ -86,15 +87,27 @@ def rollout(
     _check_args(specs, max_turns, max_context_tokens)
     check_history_turns(history_turns, "history_turns")
     keys = [s.episode_id for s in specs]
-    calls = EnvCalls(env_timeout_s, call_workers, call_isolation, tools.tools if tools is not None else ())
-    backend.release(keys)  # a stale cache from an earlier rollout (older weights) must not be reused
+    calls = EnvCalls(
+        env_timeout_s, call_workers, call_isolation, tools.tools if tools is not None else ()
+    )
+    backend.release(
+        keys
+    )  # a stale cache from an earlier rollout (older weights) must not be reused
     try:
         states = start_episodes(specs, calls, tokenizer, system_prompt, history_turns, tools)
         for st in states:
             _check_first_fit(st, sampling.max_new_tokens, max_context_tokens)
         limits = TurnLimits(max_turns, max_context_tokens - sampling.max_new_tokens, history_turns)
         play = _play_continuous if continuous else _play_lockstep
-        play(states, backend, sampling, calls, tokenizer, limits, tools.parser if tools is not None else None)
+        play(
+            states,
+            backend,
+            sampling,
+            calls,
+            tokenizer,
+            limits,
+            tools.parser if tools is not None else None,
+        )
         return [st.to_episode() for st in states]
     finally:
         calls.close()
@@ -105,20 +118,37 @@ def _request(st: LiveEpisode) -> GenRequest:
     return GenRequest(st.spec.episode_id, st.prompt(), st.messages[-1]["content"])
 
 
-def _play_lockstep(states: list[LiveEpisode], backend: GenerationBackend, sampling: SamplingConfig,
-                   calls: EnvCalls, tokenizer: Any, limits: TurnLimits, parser: ToolParser | None) -> None:
+def _play_lockstep(
+    states: list[LiveEpisode],
+    backend: GenerationBackend,
+    sampling: SamplingConfig,
+    calls: EnvCalls,
+    tokenizer: Any,
+    limits: TurnLimits,
+    parser: ToolParser | None,
+) -> None:
     """Every turn: generate for all live episodes, then run all their calls, then apply them."""
     while live := [st for st in states if not st.finished]:
         outputs = backend.generate([_request(st) for st in live], sampling)
-        pending = [(st, _submit(st, st.record(out, tokenizer, parser), calls)) for st, out in zip(live, outputs)]
+        pending = [
+            (st, _submit(st, st.record(out, tokenizer, parser), calls))
+            for st, out in zip(live, outputs)
+        ]
         calls.wait([p for _, (p, _) in pending if p is not None])
         for st, (p, action) in pending:
             _apply(st, p, action, limits)
         backend.release([st.spec.episode_id for st in live if st.finished])
 
 
-def _play_continuous(states: list[LiveEpisode], backend: GenerationBackend, sampling: SamplingConfig,
-                     calls: EnvCalls, tokenizer: Any, limits: TurnLimits, parser: ToolParser | None) -> None:
+def _play_continuous(
+    states: list[LiveEpisode],
+    backend: GenerationBackend,
+    sampling: SamplingConfig,
+    calls: EnvCalls,
+    tokenizer: Any,
+    limits: TurnLimits,
+    parser: ToolParser | None,
+) -> None:
     """Generate for the episodes that are ready while the others' calls run; the episodes whose
     calls have come back (at least one: waited for) make the next batch."""
     ready = [st for st in states if not st.finished]
@@ -146,7 +176,9 @@ def _play_continuous(states: list[LiveEpisode], backend: GenerationBackend, samp
                 ready.append(st)
 
 
-def _submit(st: LiveEpisode, action: ParsedTurn | str | None, calls: EnvCalls) -> tuple[Pending | None, Any]:
+def _submit(
+    st: LiveEpisode, action: ParsedTurn | str | None, calls: EnvCalls
+) -> tuple[Pending | None, Any]:
     """The calls of ``st``'s turn, in flight (None: the turn called nothing)."""
     if isinstance(action, ParsedTurn):
         return calls.submit_tools(st.tools, action.calls), action
@@ -165,23 +197,39 @@ def _apply(st: LiveEpisode, pending: Pending | None, action: Any, limits: TurnLi
 def _check_args(specs: list[EpisodeSpec], max_turns: int, max_context_tokens: int) -> None:
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
         raise ValueError(f"`max_turns` must be an integer >= 1, got {max_turns!r}")
-    if isinstance(max_context_tokens, bool) or not isinstance(max_context_tokens, int) or max_context_tokens < 1:
-        raise ValueError(f"`max_context_tokens` must be an integer >= 1, got {max_context_tokens!r}")
+    if (
+        isinstance(max_context_tokens, bool)
+        or not isinstance(max_context_tokens, int)
+        or max_context_tokens < 1
+    ):
+        raise ValueError(
+            f"`max_context_tokens` must be an integer >= 1, got {max_context_tokens!r}"
+        )
     ids = [s.episode_id for s in specs]
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
-        raise ValueError(f"`specs` must have unique `episode_id`s (they key the KV cache); duplicated: {dup[:8]}")
+        raise ValueError(
+            f"`specs` must have unique `episode_id`s (they key the KV cache); duplicated: {dup[:8]}"
+        )
 
 
 def check_history_turns(value: int | None, arg: str) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"`{arg}` must be None (the whole chat) or an integer >= 0 (past exchanges kept in each "
-                         f"turn's prompt), got {value!r}")
+        raise ValueError(
+            f"`{arg}` must be None (the whole chat) or an integer >= 0 (past exchanges kept in each "
+            f"turn's prompt), got {value!r}"
+        )
 
 
-def start_episodes(specs: Sequence[EpisodeSpec], calls: EnvCalls, tokenizer: Any, system_prompt: str | None,
-                   history_turns: int | None, tools: ToolUse | None,
-                   on_fault: Callable[[EnvFault], None] | None = None) -> list[LiveEpisode]:
+def start_episodes(
+    specs: Sequence[EpisodeSpec],
+    calls: EnvCalls,
+    tokenizer: Any,
+    system_prompt: str | None,
+    history_turns: int | None,
+    tools: ToolUse | None,
+    on_fault: Callable[[EnvFault], None] | None = None,
+) -> list[LiveEpisode]:
     """Build and reset every spec's env (at the same time) and encode each first prompt; a fault
     there fails that episode.
 
@@ -213,7 +261,12 @@ def start_episodes(specs: Sequence[EpisodeSpec], calls: EnvCalls, tokenizer: Any
             st.raw, st.messages = True, [{"role": "user", "content": spec.row["prompt"]}]
         else:
             st.messages = first_messages(spec.row["prompt"], system_prompt, observation)
-        st.append(raw_prompt_ids(tokenizer, spec.row["prompt"]) if st.raw else st.chat.encode(st.chat.prompt(st.messages)), 0)
+        st.append(
+            raw_prompt_ids(tokenizer, spec.row["prompt"])
+            if st.raw
+            else st.chat.encode(st.chat.prompt(st.messages)),
+            0,
+        )
         st.prompt_tokens = len(st.token_ids)
         if history_turns is not None:
             st.next_prompt = list(st.token_ids)  # nothing to window yet
@@ -226,12 +279,20 @@ def _toolset(tools: ToolUse | None, env: Any, task: list[Tool]) -> ToolSet | Non
     environment's (a :class:`ToolEnv`)."""
     if tools is None:
         return None
-    own = [tool_of(t, "the environment's tools") for t in env.tools()] if isinstance(env, ToolEnv) else []
+    own = (
+        [tool_of(t, "the environment's tools") for t in env.tools()]
+        if isinstance(env, ToolEnv)
+        else []
+    )
     return ToolSet([*task, *own]) if task or own else None
 
 
-def first_prompt_ids(spec: EpisodeSpec, tokenizer: Any, system_prompt: str | None = None,
-                     tools: ToolUse | None = None) -> list[int]:
+def first_prompt_ids(
+    spec: EpisodeSpec,
+    tokenizer: Any,
+    system_prompt: str | None = None,
+    tools: ToolUse | None = None,
+) -> list[int]:
     """The ids the first turn of ``spec`` is generated from, built as :func:`rollout` builds them
     (its env is built and reset, its tools rendered). Raises :class:`EnvFault` when that fails, and
     ValueError when the env offers tools and ``tools`` is None (no parser would read the calls)."""
@@ -244,8 +305,10 @@ def first_prompt_ids(spec: EpisodeSpec, tokenizer: Any, system_prompt: str | Non
         raise faults[0] if faults else EnvFault(st.error)
     if tools is None and isinstance(st.env, ToolEnv) and st.env.tools():
         names = [tool_of(t, "the environment's tools").name for t in st.env.tools()]
-        raise ValueError(f"`--data.env` {spec.env!r} offers tools {names}, and `--model.rollout.tool_parser` is null: "
-                         f"set the parser of the model's tool-call format (hermes, llama3_json, mistral)")
+        raise ValueError(
+            f"`--data.env` {spec.env!r} offers tools {names}, and `--model.rollout.tool_parser` is null: "
+            f"set the parser of the model's tool-call format (hermes, llama3_json, mistral)"
+        )
     return list(st.token_ids)
 
 
@@ -262,9 +325,14 @@ def _check_first_fit(st: LiveEpisode, max_new_tokens: int, max_context_tokens: i
         return
     need = len(st.token_ids) + max_new_tokens
     if need > max_context_tokens and st.spec.row is not None:
-        st.fail(EnvFault(f"row {st.spec.row_index}: its prompt is {len(st.token_ids)} tokens, which with "
-                         f"{max_new_tokens} max_new_tokens exceeds max_context_tokens={max_context_tokens}; the row "
-                         f"is skipped"), kind="row")
+        st.fail(
+            EnvFault(
+                f"row {st.spec.row_index}: its prompt is {len(st.token_ids)} tokens, which with "
+                f"{max_new_tokens} max_new_tokens exceeds max_context_tokens={max_context_tokens}; the row "
+                f"is skipped"
+            ),
+            kind="row",
+        )
     elif need > max_context_tokens:
         raise ValueError(
             f"`max_context_tokens`={max_context_tokens} is too small: the first prompt of episode "

@@ -16,7 +16,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from earl_lightning.envs.base import StepResult
 from earl_lightning.tasks.tools import Tool
@@ -36,9 +37,13 @@ def _context():
             ctx = mp.get_context("forkserver")
             # "__main__" too: the server imports the trainer's main module once (the `earl` command's
             # imports take seconds); a child then finds it loaded instead of importing it again.
-            ctx.set_forkserver_preload(["__main__", "earl_lightning.envs", "earl_lightning.rollout.process_env"])
+            ctx.set_forkserver_preload(
+                ["__main__", "earl_lightning.envs", "earl_lightning.rollout.process_env"]
+            )
             forkserver.ensure_running()
-            ready = ctx.Process(target=_ready, daemon=True)  # returns once the server has imported them
+            ready = ctx.Process(
+                target=_ready, daemon=True
+            )  # returns once the server has imported them
             ready.start()
             ready.join()
             _CONTEXT = ctx
@@ -69,9 +74,11 @@ def check_picklable(tools: Sequence[Tool], arg: str = "--data.tools") -> None:
         try:
             pickle.dumps(tool.fn)
         except Exception as exc:  # noqa: BLE001 - pickle raises several types
-            raise ValueError(f"`{arg}` tool {tool.name!r} cannot run in a worker process (`call_isolation: "
-                             f"process`): its function does not pickle ({type(exc).__name__}: {exc}); define it at "
-                             f"module level, or use `call_isolation: thread`") from None
+            raise ValueError(
+                f"`{arg}` tool {tool.name!r} cannot run in a worker process (`call_isolation: "
+                f"process`): its function does not pickle ({type(exc).__name__}: {exc}); define it at "
+                f"module level, or use `call_isolation: thread`"
+            ) from None
 
 
 class ProcessEnv:
@@ -81,18 +88,30 @@ class ProcessEnv:
     Raises :class:`RemoteError` for an exception inside the environment, and ``EOFError`` once the
     process is gone (killed, or dead)."""
 
-    def __init__(self, name: str | None, kwargs: dict[str, Any], tools: Sequence[Tool] = ()) -> None:
+    def __init__(
+        self, name: str | None, kwargs: dict[str, Any], tools: Sequence[Tool] = ()
+    ) -> None:
         ctx = _context()
         self._conn, child = ctx.Pipe()
         task = {t.name: t.fn for t in tools}
-        self._proc = ctx.Process(target=_serve, args=(child, name, kwargs, task), daemon=True,
-                                 name=f"earl-env-{name or 'tools'}")
+        self._proc = ctx.Process(
+            target=_serve,
+            args=(child, name, kwargs, task),
+            daemon=True,
+            name=f"earl-env-{name or 'tools'}",
+        )
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
         self._hosted = [Tool(t.schema, _Remote(self, t.name)) for t in tools]
-        self._tools: list[Tool] = [] if name is None else [
-            Tool(schema, _Remote(self, schema["function"]["name"])) for schema in self._call("__tools__")]
+        self._tools: list[Tool] = (
+            []
+            if name is None
+            else [
+                Tool(schema, _Remote(self, schema["function"]["name"]))
+                for schema in self._call("__tools__")
+            ]
+        )
 
     def hosted(self) -> list[Tool]:
         """The task's tools, each call run in this process."""
@@ -133,8 +152,9 @@ class _Remote:
         return self.env._call(self.__name__, **arguments)
 
 
-def _serve(conn: Any, name: str | None, kwargs: dict[str, Any],
-           task: dict[str, Any]) -> None:  # pragma: no cover - runs in the child
+def _serve(
+    conn: Any, name: str | None, kwargs: dict[str, Any], task: dict[str, Any]
+) -> None:  # pragma: no cover - runs in the child
     from earl_lightning.envs.base import ToolEnv, make_env
     from earl_lightning.tasks.rows import reset_kwargs
     from earl_lightning.tasks.tools import tool_of
@@ -167,7 +187,9 @@ def _serve(conn: Any, name: str | None, kwargs: dict[str, Any],
                 value = tools[method](*args, **kw)
             conn.send(("ok", value))
         except Exception as exc:  # noqa: BLE001 - the environment's own failure, sent back
-            conn.send(("raised", (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc)[:500])))
+            conn.send(
+                ("raised", (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc)[:500]))
+            )
 
 
 def remote_owner(fn: Any) -> ProcessEnv | None:

@@ -13,26 +13,42 @@ function scored is ``unscored`` and dropped the same way (TRL gives it advantage
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from earl_lightning.rollout.types import Episode
-from earl_lightning.tasks.rewards import NOT_COLUMNS, RewardFunction, RewardOutcome, call_reward_funcs
+from earl_lightning.tasks.rewards import (
+    NOT_COLUMNS,
+    RewardFunction,
+    RewardOutcome,
+    call_reward_funcs,
+)
 
 
 def is_raw(ep: Episode) -> bool:
     """A standard-form (string) prompt played without an environment: plain text, no chat template."""
-    return ep.spec.row is not None and ep.spec.env is None and isinstance(ep.spec.row.get("prompt"), str)
+    return (
+        ep.spec.row is not None
+        and ep.spec.env is None
+        and isinstance(ep.spec.row.get("prompt"), str)
+    )
 
 
 def transcript(ep: Episode, tokenizer: Any) -> tuple[Any, Any, list[int]]:
     """(prompt, completion, completion ids) of ``ep`` in TRL's form."""
-    ids = list(ep.token_ids[ep.prompt_tokens:])
+    ids = list(ep.token_ids[ep.prompt_tokens :])
     if is_raw(ep):
         return ep.spec.row["prompt"], tokenizer.decode(ids, skip_special_tokens=True), ids
-    first = next((i for i, m in enumerate(ep.messages) if m["role"] == "assistant"), len(ep.messages))
+    first = next(
+        (i for i, m in enumerate(ep.messages) if m["role"] == "assistant"), len(ep.messages)
+    )
     if ep.spec.row is not None and isinstance(ep.spec.row.get("prompt"), str):
         return ep.spec.row["prompt"], tokenizer.decode(ids, skip_special_tokens=False), ids
-    return [dict(m) for m in ep.messages[:first]], _with_calls(ep.messages[first:], ep.turn_calls), ids
+    return (
+        [dict(m) for m in ep.messages[:first]],
+        _with_calls(ep.messages[first:], ep.turn_calls),
+        ids,
+    )
 
 
 def _with_calls(messages: list[dict], turn_calls: list[list]) -> list[dict]:
@@ -50,8 +66,12 @@ def _with_calls(messages: list[dict], turn_calls: list[list]) -> list[dict]:
     return out
 
 
-def score_episodes(episodes: Sequence[Episode], funcs: Sequence[RewardFunction], tokenizer: Any,
-                   extras: Mapping[str, Any] | None = None) -> list[RewardOutcome]:
+def score_episodes(
+    episodes: Sequence[Episode],
+    funcs: Sequence[RewardFunction],
+    tokenizer: Any,
+    extras: Mapping[str, Any] | None = None,
+) -> list[RewardOutcome]:
     """Score ``episodes`` in place (see the module docstring); the functions' outcomes on the
     episodes that were scored (those that did not fail in their environment), in order."""
     scored = [ep for ep in episodes if ep.error is None]
@@ -70,14 +90,21 @@ def score_episodes(episodes: Sequence[Episode], funcs: Sequence[RewardFunction],
     return outcomes
 
 
-def _apply(ep: Episode, funcs: Sequence[RewardFunction], values: list[float | None], errors: list[str | None]) -> None:
+def _apply(
+    ep: Episode,
+    funcs: Sequence[RewardFunction],
+    values: list[float | None],
+    errors: list[str | None],
+) -> None:
     ep.rewards = {f.name: v for f, v in zip(funcs, values)}
     failed = next((e for e in errors if e is not None), None)
     if failed is not None:
         _drop(ep, failed, "reward")
         return
     if all(v is None for v in values) and ep.spec.env is None:
-        _drop(ep, "no reward function returned a value for this row (each returned None)", "unscored")
+        _drop(
+            ep, "no reward function returned a value for this row (each returned None)", "unscored"
+        )
         return
     total = sum(f.weight * v for f, v in zip(funcs, values) if v is not None)
     ep.reward += total

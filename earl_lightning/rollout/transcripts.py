@@ -33,8 +33,11 @@ def conversation_row(chat: ChatDeltas, messages: Messages, train_from: int = 0) 
     """
     tok = chat.tokenizer
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    ids = chat.encode(chat.prompt(messages[:first])) if first < len(messages) else \
-        chat.encode(chat.render(messages, generation_prompt=False))
+    ids = (
+        chat.encode(chat.prompt(messages[:first]))
+        if first < len(messages)
+        else chat.encode(chat.render(messages, generation_prompt=False))
+    )
     mask = [0] * len(ids)
     i = first
     while i < len(messages):
@@ -42,26 +45,37 @@ def conversation_row(chat: ChatDeltas, messages: Messages, train_from: int = 0) 
         end = chat.end_of_turn(messages[:i], content)
         label = 1 if i >= train_from else 0
         gen = chat.encode(content) if content else []
-        eos_text = tok.decode([tok.eos_token_id], skip_special_tokens=False) if tok.eos_token_id is not None else None
+        eos_text = (
+            tok.decode([tok.eos_token_id], skip_special_tokens=False)
+            if tok.eos_token_id is not None
+            else None
+        )
         if eos_text and end.startswith(eos_text):
-            gen, end = gen + [tok.eos_token_id], end[len(eos_text):]
+            gen, end = gen + [tok.eos_token_id], end[len(eos_text) :]
         ids += gen + chat.encode(end)
         mask += [label] * len(gen) + [0] * (len(ids) - len(mask) - len(gen))
-        nxt = next((j for j in range(i + 1, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+        nxt = next(
+            (j for j in range(i + 1, len(messages)) if messages[j]["role"] == "assistant"),
+            len(messages),
+        )
         if i + 1 < len(messages):
-            before = chat.render(messages[:i + 1], generation_prompt=False)
+            before = chat.render(messages[: i + 1], generation_prompt=False)
             after = chat.render(messages[:nxt], generation_prompt=nxt < len(messages))
             if not after.startswith(before):
-                raise ValueError("the chat template is not append-only: adding the messages after an assistant "
-                                 "turn changed earlier text")
-            delta = chat.encode(after[len(before):])
+                raise ValueError(
+                    "the chat template is not append-only: adding the messages after an assistant "
+                    "turn changed earlier text"
+                )
+            delta = chat.encode(after[len(before) :])
             ids += delta
             mask += [0] * len(delta)
         i = nxt
     return LabelledRow(ids, mask)
 
 
-def sft_row(row: dict[str, Any], chat: ChatDeltas, system_prompt: str | None, where: str) -> LabelledRow:
+def sft_row(
+    row: dict[str, Any], chat: ChatDeltas, system_prompt: str | None, where: str
+) -> LabelledRow:
     """A supervised row in TRL's SFT forms: ``prompt`` + ``completion`` (the completion is
     labelled) or ``messages`` (every assistant message is labelled). A standard-form (string)
     prompt and completion are plain text, no chat template, the completion followed by eos (what
@@ -74,8 +88,10 @@ def sft_row(row: dict[str, Any], chat: ChatDeltas, system_prompt: str | None, wh
             gen = list(tok.encode(completion, add_special_tokens=False)) + [tok.eos_token_id]
             return LabelledRow(ids + gen, [0] * len(ids) + [1] * len(gen))
         if isinstance(prompt, str) or isinstance(completion, str):
-            raise ValueError(f"{where}: `prompt` and `completion` must both be strings (standard form) or both lists "
-                             f"of messages (conversational form)")
+            raise ValueError(
+                f"{where}: `prompt` and `completion` must both be strings (standard form) or both lists "
+                f"of messages (conversational form)"
+            )
         head = first_messages(check_messages(prompt, f"{where}: `prompt`"), system_prompt)
         tail = check_messages(completion, f"{where}: `completion`")
         return conversation_row(chat, head + tail, train_from=len(head))

@@ -46,7 +46,9 @@ class LiveEpisode:
     turn_starts: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     turn_prompts: list[list[int]] | None = None
-    next_prompt: list[int] | None = None  # the next turn's own prompt (history window, or a rewriting template)
+    next_prompt: list[int] | None = (
+        None  # the next turn's own prompt (history window, or a rewriting template)
+    )
     raw: bool = False  # a standard-form (string) prompt without an environment: plain text, no chat template
     rewrites: bool = False  # the chat template rewrote an earlier turn: each turn is generated from its own render
     prompt_tokens: int = 0
@@ -84,17 +86,34 @@ class LiveEpisode:
 
     def to_episode(self) -> Episode:
         return Episode(
-            spec=self.spec, token_ids=self.token_ids, action_mask=self.action_mask, logprobs=self.logprobs,
-            reward=self.reward, num_turns=self.num_turns, done=self.done, truncated=self.truncated,
-            invalid_action=self.invalid_action, outcome=self.outcome, error=self.error,
-            turn_starts=self.turn_starts, messages=self.messages, turn_rewards=self.turn_rewards,
-            turn_prompts=self.turn_prompts, info=self.info, prompt_tokens=self.prompt_tokens,
-            error_kind=self.error_kind, tool_calls=self.tool_stats.calls, tool_errors=self.tool_stats.errors,
-            tool_seconds=self.tool_stats.seconds, turn_calls=self.tool_stats.per_turn,
+            spec=self.spec,
+            token_ids=self.token_ids,
+            action_mask=self.action_mask,
+            logprobs=self.logprobs,
+            reward=self.reward,
+            num_turns=self.num_turns,
+            done=self.done,
+            truncated=self.truncated,
+            invalid_action=self.invalid_action,
+            outcome=self.outcome,
+            error=self.error,
+            turn_starts=self.turn_starts,
+            messages=self.messages,
+            turn_rewards=self.turn_rewards,
+            turn_prompts=self.turn_prompts,
+            info=self.info,
+            prompt_tokens=self.prompt_tokens,
+            error_kind=self.error_kind,
+            tool_calls=self.tool_stats.calls,
+            tool_errors=self.tool_stats.errors,
+            tool_seconds=self.tool_stats.seconds,
+            turn_calls=self.tool_stats.per_turn,
         )
 
     # ---- one turn --------------------------------------------------------------------------
-    def record(self, out: GenOutput, tokenizer: Any, parser: ToolParser | None) -> ParsedTurn | str | None:
+    def record(
+        self, out: GenOutput, tokenizer: Any, parser: ToolParser | None
+    ) -> ParsedTurn | str | None:
         """Append the generated turn; return its tool calls (a :class:`ParsedTurn` that called), the
         assistant's text for the environment's ``step``, or None when the episode ends here (a row
         played without an environment is one turn: reward functions score it)."""
@@ -105,7 +124,11 @@ class LiveEpisode:
         self.append(list(out.token_ids), 1, [float(x) for x in out.logprobs])
         self.append(self.chat.encode(closing), 0)
         self.messages.append({"role": "assistant", "content": content})
-        parsed = parser(content) if parser is not None and self.tools is not None and not self.raw else None
+        parsed = (
+            parser(content)
+            if parser is not None and self.tools is not None and not self.raw
+            else None
+        )
         self.tool_stats.per_turn.append(list(parsed.calls) if parsed is not None else [])
         if parsed is not None and parsed.has_calls:
             return parsed
@@ -115,7 +138,9 @@ class LiveEpisode:
             return None
         return content
 
-    def apply_tools(self, parsed: ParsedTurn, results: list[ToolResult], limits: TurnLimits) -> None:
+    def apply_tools(
+        self, parsed: ParsedTurn, results: list[ToolResult], limits: TurnLimits
+    ) -> None:
         """The turn's tool results (and an error message for each call that could not be read) as
         ``tool`` messages; the episode goes on."""
         unread = [ToolResult("unparsed", f"Error: {why}", True, 0.0) for why in parsed.errors]
@@ -146,16 +171,24 @@ class LiveEpisode:
             return
         try:
             delta = self.chat.encode(self.chat.next_messages(self.messages, new))
-        except NotAppendOnly:  # the template rewrote an earlier turn: every turn is its own row from now on
+        except (
+            NotAppendOnly
+        ):  # the template rewrote an earlier turn: every turn is its own row from now on
             self.rewrites = True
             if self.turn_prompts is None:
                 self.turn_prompts = [self.token_ids[:s] for s in self.turn_starts]
             delta = self.chat.encode(self.chat.rewritten_tail(self.messages, new))
         if limits.history_turns is not None:
-            self.next_prompt = self.chat.encode(self.chat.prompt(window([*self.messages, *new], limits.history_turns)))
+            self.next_prompt = self.chat.encode(
+                self.chat.prompt(window([*self.messages, *new], limits.history_turns))
+            )
         elif self.rewrites:
             self.next_prompt = self.chat.encode(self.chat.prompt([*self.messages, *new]))
-        need = len(self.next_prompt) if self.next_prompt is not None else len(self.token_ids) + len(delta)
+        need = (
+            len(self.next_prompt)
+            if self.next_prompt is not None
+            else len(self.token_ids) + len(delta)
+        )
         if need > limits.budget:
             self.truncated = True
             return
@@ -167,14 +200,15 @@ def window(messages: Messages, history_turns: int) -> Messages:
     """[system] + the last ``history_turns`` exchanges + the messages after the last assistant turn
     (the observation, or a turn's tool results)."""
     head = messages[:1] if messages and messages[0]["role"] == "system" else []
-    body = messages[len(head):]
+    body = messages[len(head) :]
     last = max((i for i, m in enumerate(body) if m["role"] == "assistant"), default=-1)
-    tail, earlier = body[last + 1:], body[:last + 1]
-    return head + earlier[max(len(earlier) - 2 * history_turns, 0):] + tail
+    tail, earlier = body[last + 1 :], body[: last + 1]
+    return head + earlier[max(len(earlier) - 2 * history_turns, 0) :] + tail
 
 
-def _assistant_text(messages: Messages, out: GenOutput, chat: ChatDeltas, tokenizer: Any,
-                    raw: bool = False) -> tuple[str, str]:
+def _assistant_text(
+    messages: Messages, out: GenOutput, chat: ChatDeltas, tokenizer: Any, raw: bool = False
+) -> tuple[str, str]:
     """The assistant message content and the mask-0 text that closes the turn (none for a
     ``raw`` text prompt: the completion is all there is).
 
@@ -192,10 +226,12 @@ def _assistant_text(messages: Messages, out: GenOutput, chat: ChatDeltas, tokeni
     if ended_eos:
         eos_text = tokenizer.decode([eos_id], skip_special_tokens=False)
         if end.startswith(eos_text):
-            return content, end[len(eos_text):]
+            return content, end[len(eos_text) :]
     return content, end
 
 
-def tool_items(states: list[LiveEpisode], parsed: list[ParsedTurn]) -> list[tuple[ToolSet, list[ToolCall]]]:
+def tool_items(
+    states: list[LiveEpisode], parsed: list[ParsedTurn]
+) -> list[tuple[ToolSet, list[ToolCall]]]:
     """What :meth:`EnvCalls.tools_all` runs for these episodes' turns."""
     return [(st.tools, p.calls) for st, p in zip(states, parsed)]

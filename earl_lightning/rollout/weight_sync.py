@@ -19,15 +19,21 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from earl_lightning.models.lora import merge_plan, merged_tensors
 
 # Wrappers that insert a path component without changing the HF layout.
-_WRAPPER_PREFIXES = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "module.")
+_WRAPPER_PREFIXES = (
+    "_orig_mod.",
+    "_fsdp_wrapped_module.",
+    "_checkpoint_wrapped_module.",
+    "module.",
+)
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_MISMATCH_THRESHOLD = 1e-2
@@ -49,7 +55,9 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def weight_buckets(model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[tuple[str, torch.Tensor]]]:
+def weight_buckets(
+    model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[list[tuple[str, torch.Tensor]]]:
     """Parameters in ``named_parameters`` order (tied weights once), grouped so that each bucket's
     full (unsharded) size is at most ``bucket_bytes`` unless one tensor alone is larger."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -66,12 +74,17 @@ def weight_buckets(model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BY
     return [b for b in buckets if b]
 
 
-def stream_full_weights(model: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                        dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_full_weights(
+    model: torch.nn.Module,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full_tensor)`` bucket by bucket; the previous bucket is released before
     the next is gathered (a LoRA layer's base weight is held until its adapters arrive). Every
     rank must consume the whole generator."""
-    for name, t in merged_tensors(_full_buckets(model, bucket_bytes), merge_plan(model, hf_parameter_name)):
+    for name, t in merged_tensors(
+        _full_buckets(model, bucket_bytes), merge_plan(model, hf_parameter_name)
+    ):
         yield name, (t if dtype is None else t.to(dtype))
 
 
@@ -90,8 +103,13 @@ class SyncReport:
     seconds: float
 
 
-def sync_weights(model: torch.nn.Module, backend: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 dtype: torch.dtype | None = None) -> SyncReport:
+def sync_weights(
+    model: torch.nn.Module,
+    backend: Any,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> SyncReport:
     """Stream ``model``'s weights into ``backend.update_weights`` (which also resets its prefix
     cache). Call on every rank after the optimizer step and before the next rollout."""
     t0 = time.perf_counter()
@@ -106,8 +124,9 @@ def sync_weights(model: torch.nn.Module, backend: Any, *, bucket_bytes: int = DE
     return SyncReport(num_tensors=n, num_bytes=total["bytes"], seconds=time.perf_counter() - t0)
 
 
-def logprob_mismatch(rollout_logprobs: torch.Tensor, recomputed_logprobs: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
+def logprob_mismatch(
+    rollout_logprobs: torch.Tensor, recomputed_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Max absolute difference over generated tokens (``mask`` 1); 0.0 when none.
 
     Args:
@@ -128,8 +147,11 @@ def logprob_mismatch(rollout_logprobs: torch.Tensor, recomputed_logprobs: torch.
     return diff.max() if diff.numel() else torch.zeros((), dtype=torch.float32)
 
 
-def check_logprob_mismatch(value: float | torch.Tensor, threshold: float = DEFAULT_MISMATCH_THRESHOLD,
-                           where: str = "rollout") -> bool:
+def check_logprob_mismatch(
+    value: float | torch.Tensor,
+    threshold: float = DEFAULT_MISMATCH_THRESHOLD,
+    where: str = "rollout",
+) -> bool:
     """Warn loudly when the mismatch exceeds ``threshold``; returns True when it does."""
     v = float(value)
     if v > threshold:

@@ -4,7 +4,8 @@ evaluation episodes (env seeds, or the dataset's evaluation rows scored by rewar
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Optional, Union
+from collections.abc import Callable
+from typing import Any, Literal
 
 import datasets
 import lightning as L
@@ -12,17 +13,17 @@ import torch
 from torch.utils.data import DataLoader
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from earl_lightning.seeding import run_seed
 from earl_lightning.data.datamodule import EvalEpisodes
 from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
-from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.modules.metrics import episode_counts
+from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.rollout.chat import ChatDeltas
 from earl_lightning.rollout.demonstrations import play_demonstrations_with_targets
 from earl_lightning.rollout.transcripts import sft_row
 from earl_lightning.rollout.types import EpisodeSpec
+from earl_lightning.seeding import run_seed
 from earl_lightning.tasks.datasets import DatasetConfig, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
 from earl_lightning.tasks.tools import Tool, resolve_tools
@@ -59,14 +60,19 @@ class SoftTargetCollator:
                     probs.append(prob)
                 rows_.append(i)
                 pos.append(p)
-        batch.update(soft_rows=torch.tensor(rows_, dtype=torch.long), soft_pos=torch.tensor(pos, dtype=torch.long),
-                     soft_owner=torch.tensor(owner, dtype=torch.long),
-                     soft_tokens=torch.tensor(tokens, dtype=torch.long),
-                     soft_probs=torch.tensor(probs, dtype=torch.float32))
+        batch.update(
+            soft_rows=torch.tensor(rows_, dtype=torch.long),
+            soft_pos=torch.tensor(pos, dtype=torch.long),
+            soft_owner=torch.tensor(owner, dtype=torch.long),
+            soft_tokens=torch.tensor(tokens, dtype=torch.long),
+            soft_probs=torch.tensor(probs, dtype=torch.float32),
+        )
         return batch
 
 
-def training_rows(episodes: list, targets: list[list[dict[int, float] | None]], expected: bool) -> list[dict[str, Any]]:
+def training_rows(
+    episodes: list, targets: list[list[dict[int, float] | None]], expected: bool
+) -> list[dict[str, Any]]:
     """The supervised rows of ``episodes``: ``input_ids``, ``labels`` (the ids on the assistant
     tokens, -100 elsewhere) and, with ``expected``, ``soft``: ``(position, {token: probability})``
     for each turn whose policy stated its distribution (the turn's first token is then trained on
@@ -74,22 +80,33 @@ def training_rows(episodes: list, targets: list[list[dict[int, float] | None]], 
     out = []
     for rows, turn_targets in zip(supervised_rows(episodes), targets):
         for row in rows:
-            soft = [(p, turn_targets[k]) for k, p in row.heads
-                    if expected and k < len(turn_targets) and turn_targets[k] is not None]
-            out.append({"input_ids": row.input_ids, "soft": soft,
-                        "labels": [t if m else -100 for t, m in zip(row.input_ids, row.action_mask)]})
+            soft = [
+                (p, turn_targets[k])
+                for k, p in row.heads
+                if expected and k < len(turn_targets) and turn_targets[k] is not None
+            ]
+            out.append(
+                {
+                    "input_ids": row.input_ids,
+                    "soft": soft,
+                    "labels": [t if m else -100 for t, m in zip(row.input_ids, row.action_mask)],
+                }
+            )
     return out
 
 
-def dataset_training_rows(rows: Any, tokenizer: Any, system_prompt: str | None,
-                          tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def dataset_training_rows(
+    rows: Any, tokenizer: Any, system_prompt: str | None, tools: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """The supervised rows of a dataset in TRL's SFT forms (see :func:`~earl_lightning.rollout.transcripts.sft_row`):
     ``input_ids`` and ``labels`` (the ids on the trained tokens, -100 elsewhere); ``tools``: the
     schemas every row is rendered with."""
     chat, out = ChatDeltas(tokenizer, tools), []
     for i, row in enumerate(rows):
         ids, mask = sft_row(row, chat, system_prompt, f"`--data.dataset` row {i}")
-        out.append({"input_ids": ids, "soft": [], "labels": [t if m else -100 for t, m in zip(ids, mask)]})
+        out.append(
+            {"input_ids": ids, "soft": [], "labels": [t if m else -100 for t, m in zip(ids, mask)]}
+        )
     return out
 
 
@@ -133,16 +150,24 @@ class DemonstrationDataModule(L.LightningDataModule):
             a dataset's rows are rendered with them (``apply_chat_template(..., tools=...)``).
     """
 
-    def __init__(self, env: Optional[str] = None, env_kwargs: dict[str, Any] | None = None,
-                 policy: str = "random_legal", policy_kwargs: dict[str, Any] | None = None, num_episodes: int = 1000,
-                 batch_size: int = 64, seed: Optional[int] = None, eval_episodes: int = 128,
-                 eval_env_kwargs: dict[str, Any] | None = None,
-                 targets: Literal["expected", "sampled"] = "expected",
-                 dataset: Optional[Union[DatasetConfig, str, datasets.Dataset, datasets.DatasetDict]] = None,
-                 eval_dataset: Optional[datasets.Dataset] = None,
-                 reward_funcs: Optional[list[Union[str, Callable[..., Any]]]] = None,
-                 reward_weights: Optional[list[float]] = None,
-                 tools: Optional[list[Union[str, Callable[..., Any], dict[str, Any]]]] = None) -> None:
+    def __init__(
+        self,
+        env: str | None = None,
+        env_kwargs: dict[str, Any] | None = None,
+        policy: str = "random_legal",
+        policy_kwargs: dict[str, Any] | None = None,
+        num_episodes: int = 1000,
+        batch_size: int = 64,
+        seed: int | None = None,
+        eval_episodes: int = 128,
+        eval_env_kwargs: dict[str, Any] | None = None,
+        targets: Literal["expected", "sampled"] = "expected",
+        dataset: DatasetConfig | str | datasets.Dataset | datasets.DatasetDict | None = None,
+        eval_dataset: datasets.Dataset | None = None,
+        reward_funcs: list[str | Callable[..., Any]] | None = None,
+        reward_weights: list[float] | None = None,
+        tools: list[str | Callable[..., Any] | dict[str, Any]] | None = None,
+    ) -> None:
         super().__init__()
         if env is None and dataset is None:
             env = "connect_four"
@@ -152,8 +177,12 @@ class DemonstrationDataModule(L.LightningDataModule):
         if dataset is None:
             check_policy_name(policy, policy_kwargs, "--data.policy")
         seed = run_seed(seed, "--data.seed")
-        for name, value, low in (("num_episodes", num_episodes, 1), ("batch_size", batch_size, 1),
-                                 ("seed", seed, 0), ("eval_episodes", eval_episodes, 0)):
+        for name, value, low in (
+            ("num_episodes", num_episodes, 1),
+            ("batch_size", batch_size, 1),
+            ("seed", seed, 0),
+            ("eval_episodes", eval_episodes, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`--data.{name}` must be an integer >= {low}, got {value!r}")
         if targets not in ("expected", "sampled"):
@@ -166,8 +195,12 @@ class DemonstrationDataModule(L.LightningDataModule):
         if self.splits is not None:
             check_columns(self.reward_funcs, self.splits.columns())
         self.save_hyperparameters(ignore=["dataset", "eval_dataset", "reward_funcs", "tools"])
-        self.hparams.update(dataset=describe(dataset), eval_dataset=describe(eval_dataset),
-                            reward_funcs=[describe(f) for f in reward_funcs or []], tools=[t.name for t in self.tools])
+        self.hparams.update(
+            dataset=describe(dataset),
+            eval_dataset=describe(eval_dataset),
+            reward_funcs=[describe(f) for f in reward_funcs or []],
+            tools=[t.name for t in self.tools],
+        )
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
         self.rows: list[dict[str, Any]] | None = None
@@ -175,8 +208,12 @@ class DemonstrationDataModule(L.LightningDataModule):
 
     def demonstration_specs(self) -> list[EpisodeSpec]:
         base = _DEMO_SEED_BASE + self.hparams.seed * self.hparams.num_episodes
-        return [EpisodeSpec(env=self.env, seed=base + i, group_id=i, episode_id=i, env_kwargs=self.env_kwargs)
-                for i in range(self.hparams.num_episodes)]
+        return [
+            EpisodeSpec(
+                env=self.env, seed=base + i, group_id=i, episode_id=i, env_kwargs=self.env_kwargs
+            )
+            for i in range(self.hparams.num_episodes)
+        ]
 
     def play(self, module: Any) -> tuple[list, list]:
         """The demonstration episodes, played with ``module``'s tokenizer and rollout settings, and
@@ -185,8 +222,13 @@ class DemonstrationDataModule(L.LightningDataModule):
         kwargs = loop_kwargs(module.rollout_config, self.tools)
         for i in range(0, len(specs), _CHUNK):
             eps, tgt = play_demonstrations_with_targets(
-                specs[i:i + _CHUNK], self.hparams.policy, self.hparams.policy_kwargs, module.tokenizer,
-                module.sampling, **kwargs)
+                specs[i : i + _CHUNK],
+                self.hparams.policy,
+                self.hparams.policy_kwargs,
+                module.tokenizer,
+                module.sampling,
+                **kwargs,
+            )
             episodes += eps
             targets += tgt
         return episodes, targets
@@ -196,34 +238,58 @@ class DemonstrationDataModule(L.LightningDataModule):
             return
         module = self.trainer.lightning_module
         if self.splits is not None:
-            self.rows = dataset_training_rows(self.splits.train, module.tokenizer, module.rollout_config.system_prompt,
-                                              [t.schema for t in self.tools])
-            self.stats = {"demo/rows": float(len(self.rows)),
-                          "demo/assistant_tokens": float(sum(sum(t != -100 for t in r["labels"]) for r in self.rows))}
+            self.rows = dataset_training_rows(
+                self.splits.train,
+                module.tokenizer,
+                module.rollout_config.system_prompt,
+                [t.schema for t in self.tools],
+            )
+            self.stats = {
+                "demo/rows": float(len(self.rows)),
+                "demo/assistant_tokens": float(
+                    sum(sum(t != -100 for t in r["labels"]) for r in self.rows)
+                ),
+            }
             return
         episodes, targets = self.play(module)
         self.rows = training_rows(episodes, targets, self.hparams.targets == "expected")
         counts = episode_counts(episodes)
         n = max(counts["episodes"], 1.0)
-        self.stats = {"demo/episodes": counts["episodes"], "demo/rows": float(len(self.rows)),
-                      "demo/assistant_tokens": float(sum(sum(t != -100 for t in r["labels"]) for r in self.rows)),
-                      "demo/soft_targets": float(sum(len(r["soft"]) for r in self.rows)),
-                      "demo/errors": counts["errors"], "demo/invalid_rate": counts["invalid"] / n}
+        self.stats = {
+            "demo/episodes": counts["episodes"],
+            "demo/rows": float(len(self.rows)),
+            "demo/assistant_tokens": float(
+                sum(sum(t != -100 for t in r["labels"]) for r in self.rows)
+            ),
+            "demo/soft_targets": float(sum(len(r["soft"]) for r in self.rows)),
+            "demo/errors": counts["errors"],
+            "demo/invalid_rate": counts["invalid"] / n,
+        }
         if counts["outcomes"]:
-            self.stats.update({"demo/win_rate": counts["wins"] / n, "demo/draw_rate": counts["draws"] / n})
+            self.stats.update(
+                {"demo/win_rate": counts["wins"] / n, "demo/draw_rate": counts["draws"] / n}
+            )
         if not self.rows:
-            raise ValueError(f"`--data.policy` {self.hparams.policy!r} produced no usable demonstration in "
-                             f"{len(episodes)} episodes (every one failed in the environment)")
+            raise ValueError(
+                f"`--data.policy` {self.hparams.policy!r} produced no usable demonstration in "
+                f"{len(episodes)} episodes (every one failed in the environment)"
+            )
 
     def train_dataloader(self) -> DataLoader:
         world = self.trainer.world_size if self.trainer is not None else 1
         if self.hparams.batch_size % world:
-            raise ValueError(f"`--data.batch_size` ({self.hparams.batch_size}) must be a multiple of the number of "
-                             f"processes ({world})")
+            raise ValueError(
+                f"`--data.batch_size` ({self.hparams.batch_size}) must be a multiple of the number of "
+                f"processes ({world})"
+            )
         pad = self.trainer.lightning_module.tokenizer.pad_token_id
-        return DataLoader(self.rows, batch_size=self.hparams.batch_size // world, shuffle=True,
-                          collate_fn=SoftTargetCollator(pad),
-                          generator=torch.Generator().manual_seed(self.hparams.seed))
+        return DataLoader(
+            self.rows,
+            batch_size=self.hparams.batch_size // world,
+            shuffle=True,
+            collate_fn=SoftTargetCollator(pad),
+            generator=torch.Generator().manual_seed(self.hparams.seed),
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.eval_batches(), batch_size=1, collate_fn=_identity, num_workers=0)

@@ -3,12 +3,11 @@ demonstration transcripts, and a greedy and a sampled evaluation in the environm
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import lightning as L
 import torch
 
-from earl_lightning.seeding import run_seed
 from earl_lightning.algorithms.supervised import soft_token_cross_entropy
 from earl_lightning.groups import to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
@@ -20,6 +19,7 @@ from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
+from earl_lightning.seeding import run_seed
 from earl_lightning.sft.data import DemonstrationDataModule
 
 _SOFT = ("soft_rows", "soft_pos", "soft_owner", "soft_tokens", "soft_probs")
@@ -45,9 +45,16 @@ class WarmStartModule(L.LightningModule):
         seed: seed of the sampled evaluation; null (default): the run's seed (``seed_everything``).
     """
 
-    def __init__(self, model: str = "earl-tiny", dtype: Literal["float32", "bfloat16", "float16"] = "float32",
-                 rollout: C.RolloutConfig = C.RolloutConfig(), lr: float = 1e-3, weight_decay: float = 0.0,
-                 warmup_steps: int = 0, seed: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        model: str = "earl-tiny",
+        dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        rollout: C.RolloutConfig = C.RolloutConfig(),
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        seed: int | None = None,
+    ) -> None:
         super().__init__()
         self.rollout_config = C.coerce(C.RolloutConfig, rollout, "--model.rollout")
         C.check_number("--model.lr", lr, strict=True)
@@ -56,12 +63,25 @@ class WarmStartModule(L.LightningModule):
         seed = run_seed(seed, f"{C.A}.seed")
         C.check_dtype_and_seed(dtype, seed)
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
-        self.save_hyperparameters(dict(model=model, dtype=dtype, rollout=to_dict(self.rollout_config), lr=lr,
-                                       weight_decay=weight_decay, warmup_steps=warmup_steps, seed=seed))
+        self.save_hyperparameters(
+            dict(
+                model=model,
+                dtype=dtype,
+                rollout=to_dict(self.rollout_config),
+                lr=lr,
+                weight_decay=weight_decay,
+                warmup_steps=warmup_steps,
+                seed=seed,
+            )
+        )
         self.tokenizer = load_tokenizer(model, "--model.model")
-        self.sampling = C.sampling_config(self.rollout_config, self.rollout_config.sampling.token_ids(self.tokenizer))
+        self.sampling = C.sampling_config(
+            self.rollout_config, self.rollout_config.sampling.token_ids(self.tokenizer)
+        )
         self.policy = None
-        self.evaluated_at_step = -1  # the global step of the last evaluation (warm_start.json needs the final one)
+        self.evaluated_at_step = (
+            -1
+        )  # the global step of the last evaluation (warm_start.json needs the final one)
         self.greedy_metrics, self.sampled_metrics = RunMetrics(), RunMetrics()
 
     def setup(self, stage: str) -> None:
@@ -84,14 +104,19 @@ class WarmStartModule(L.LightningModule):
         warm = hp.warmup_steps
 
         def factor(step: int) -> float:
-            return (step + 1) / warm if step < warm else max(0.0, (total - step) / max(total - warm, 1))
+            return (
+                (step + 1) / warm
+                if step < warm
+                else max(0.0, (total - step) / max(total - warm, 1))
+            )
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             use_cache=False).logits
+        logits = self.policy(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits
         loss = soft_token_cross_entropy(logits, batch["labels"], *(batch.get(k) for k in _SOFT))
         targets = float((batch["labels"][:, 1:] != -100).sum())
         self.log("sft/loss", loss, prog_bar=True, on_step=True)
@@ -101,26 +126,43 @@ class WarmStartModule(L.LightningModule):
     # ---- evaluation in the environment -------------------------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Play the held-out specs greedily and sampled (this rank's share of them)."""
-        specs = batch["specs"][self.global_rank::self.trainer.world_size]
+        specs = batch["specs"][self.global_rank :: self.trainer.world_size]
         r = self.rollout_config
-        backend = HFBackend(self.policy, self.tokenizer, reuse_kv=r.reuse_kv, share_prompts=r.share_prompts)
+        backend = HFBackend(
+            self.policy, self.tokenizer, reuse_kv=r.reuse_kv, share_prompts=r.share_prompts
+        )
         flags = dict.fromkeys(FLAGS, False)
         dm = self.trainer.datamodule
         funcs = dm.reward_funcs if isinstance(dm, DemonstrationDataModule) else []
-        kwargs = loop_kwargs(r, dm.tools if isinstance(dm, DemonstrationDataModule) else [], continuous=True)
+        kwargs = loop_kwargs(
+            r, dm.tools if isinstance(dm, DemonstrationDataModule) else [], continuous=True
+        )
         for metrics, greedy in ((self.greedy_metrics, True), (self.sampled_metrics, False)):
-            sampling = SamplingConfig(**{**vars(self.sampling), "greedy": greedy, "seed": self.hparams.seed})
+            sampling = SamplingConfig(
+                **{**vars(self.sampling), "greedy": greedy, "seed": self.hparams.seed}
+            )
             with eval_mode(self.policy), torch.no_grad():
                 episodes = rollout(specs, backend, self.tokenizer, sampling, **kwargs)
             score_episodes(episodes, funcs, self.tokenizer)
             metrics.update_val(episodes, True)
             now = reported(episodes)
             flags = {k: v or now[k] for k, v in flags.items()}
-        flags = {k: self.trainer.strategy.reduce_boolean_decision(v, all=False) for k, v in flags.items()}
-        for metrics, prefix in ((self.greedy_metrics, "val/"), (self.sampled_metrics, "val_sampled/")):
+        flags = {
+            k: self.trainer.strategy.reduce_boolean_decision(v, all=False) for k, v in flags.items()
+        }
+        for metrics, prefix in (
+            (self.greedy_metrics, "val/"),
+            (self.sampled_metrics, "val_sampled/"),
+        ):
             for name, metric in metrics.val_objects(flags).items():
-                self.log(prefix + name.split("/", 1)[1], metric, prog_bar=name == "val/win_rate", on_step=False,
-                         on_epoch=True, batch_size=1)
+                self.log(
+                    prefix + name.split("/", 1)[1],
+                    metric,
+                    prog_bar=name == "val/win_rate",
+                    on_step=False,
+                    on_epoch=True,
+                    batch_size=1,
+                )
 
     def on_validation_epoch_end(self) -> None:
         self.evaluated_at_step = self.global_step
@@ -129,4 +171,3 @@ class WarmStartModule(L.LightningModule):
         """The model and its tokenizer, loadable with ``from_pretrained`` (``--model.model <dir>``)."""
         self.policy.save_pretrained(directory)
         self.tokenizer.save_pretrained(directory)
-

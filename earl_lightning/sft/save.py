@@ -11,7 +11,9 @@ from earl_lightning.checkpoints import write_dir_atomically
 WARM_START_FILE = "warm_start.json"
 
 
-def save_warm_start(trainer: Any, module: Any, datamodule: Any, output_dir: str, wall_s: float) -> Path | None:
+def save_warm_start(
+    trainer: Any, module: Any, datamodule: Any, output_dir: str, wall_s: float
+) -> Path | None:
     """Rank 0 saves ``module``'s model and tokenizer (``save_pretrained``) and ``warm_start.json`` (the
     last held-out evaluation, greedy ``val/*`` and temperature-1 ``val_sampled/*``, the
     demonstrations' figures, the settings) into a temporary sibling of ``output_dir``, then
@@ -19,20 +21,31 @@ def save_warm_start(trainer: Any, module: Any, datamodule: Any, output_dir: str,
     trainer.strategy.barrier("earl_sft_save")
     if not trainer.is_global_zero:
         return None
-    record = {"evaluation": {k: float(v) for k, v in trainer.callback_metrics.items()
-                             if k.startswith(("val/", "val_sampled/"))},
-              "demonstrations": datamodule.stats, "steps": trainer.global_step,
-              "wall_s": round(wall_s, 1), "model": module.hparams.model,
-              "data": {k: v for k, v in datamodule.hparams.items() if not k.startswith("_")},  # not LightningCLI's _instantiator
-              "rollout": module.hparams.rollout}
+    record = {
+        "evaluation": {
+            k: float(v)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith(("val/", "val_sampled/"))
+        },
+        "demonstrations": datamodule.stats,
+        "steps": trainer.global_step,
+        "wall_s": round(wall_s, 1),
+        "model": module.hparams.model,
+        "data": {
+            k: v for k, v in datamodule.hparams.items() if not k.startswith("_")
+        },  # not LightningCLI's _instantiator
+        "rollout": module.hparams.rollout,
+    }
 
     def write(tmp: Path) -> None:
         module.save_pretrained(str(tmp))
         (tmp / WARM_START_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
     out = write_dir_atomically(output_dir, write)
-    print(f"earl: warm start saved to {str(out)!r} ({trainer.global_step} steps, {wall_s:.0f} s); "
-          f"load it with --model.model {str(out)}")
+    print(
+        f"earl: warm start saved to {str(out)!r} ({trainer.global_step} steps, {wall_s:.0f} s); "
+        f"load it with --model.model {str(out)}"
+    )
     return out
 
 

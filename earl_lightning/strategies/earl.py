@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -41,12 +41,22 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from earl_lightning.checkpoints import (
+    check_before_load,
+    checkpoint_unreadable,
+    disk_full_error,
+    remove_path,
+    replace_dir,
+    save_file_atomically,
+)
 from earl_lightning.errors import CheckpointError
-from earl_lightning.checkpoints import (check_before_load, checkpoint_unreadable, disk_full_error, remove_path,
-                                        replace_dir, save_file_atomically)
 from earl_lightning.models.lora import has_lora
-from earl_lightning.parallel.collectives import (Reducer, broadcast_object, init_elastic_process_group,
-                                                 set_collective_timeout)
+from earl_lightning.parallel.collectives import (
+    Reducer,
+    broadcast_object,
+    init_elastic_process_group,
+    set_collective_timeout,
+)
 from earl_lightning.parallel.layout import Layout, check_stage
 from earl_lightning.parallel.parallelize import (
     build_replica,
@@ -60,9 +70,16 @@ from earl_lightning.parallel.parallelize import (
 from earl_lightning.parallel.plans import reject_unplanned_tp, supports_tp
 from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
 from earl_lightning.strategies.faults import OneLineCollectives
-from earl_lightning.strategies.layouts import (LayoutArg, LayoutSelector, check_stage_models, parse_layouts,
-                                            same_placement, to_layout)
+from earl_lightning.strategies.layouts import (
+    LayoutArg,
+    LayoutSelector,
+    check_stage_models,
+    parse_layouts,
+    same_placement,
+    to_layout,
+)
 from earl_lightning.strategies.stage import StageContext, StageStrategy
+
 
 class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
     """FSDP2 x tensor parallel with a layout per RL stage.
@@ -89,30 +106,48 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
     def __init__(
         self,
         train_layout: LayoutArg = "auto",
-        layouts: Optional[Union[dict[str, LayoutArg], list[LayoutArg], str]] = None,
-        memory_budget_gb: Optional[float] = None,
-        process_group_backend: Optional[Literal["gloo", "nccl"]] = None,
+        layouts: dict[str, LayoutArg] | list[LayoutArg] | str | None = None,
+        memory_budget_gb: float | None = None,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
         model_attrs: Sequence[str] = ("policy", "ref_policy"),
-        stage_models: Optional[dict[str, list[str]]] = None,
+        stage_models: dict[str, list[str]] | None = None,
         reshard_method: Literal["layout_aware", "naive"] = "layout_aware",
         bucket_mb: float = 64.0,
         save_distributed_checkpoint: bool = True,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        collective_timeout_s: Optional[float] = None,
+        timeout: timedelta | None = default_pg_timeout,
+        collective_timeout_s: float | None = None,
     ) -> None:
-        if collective_timeout_s is not None and (isinstance(collective_timeout_s, bool) or not isinstance(
-                collective_timeout_s, (int, float)) or not collective_timeout_s > 0):
-            raise ValueError(f"`collective_timeout_s` must be a positive number of seconds or None, "
-                             f"got {collective_timeout_s!r}")
-        self.collective_timeout = None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        if collective_timeout_s is not None and (
+            isinstance(collective_timeout_s, bool)
+            or not isinstance(collective_timeout_s, (int, float))
+            or not collective_timeout_s > 0
+        ):
+            raise ValueError(
+                f"`collective_timeout_s` must be a positive number of seconds or None, "
+                f"got {collective_timeout_s!r}"
+            )
+        self.collective_timeout = (
+            None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
+        )
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         if process_group_backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"`process_group_backend` must be 'gloo', 'nccl' or None, got {process_group_backend!r}")
-        if memory_budget_gb is not None and (not isinstance(memory_budget_gb, (int, float)) or memory_budget_gb <= 0):
-            raise ValueError(f"`memory_budget_gb` must be a positive number of GiB or None, got {memory_budget_gb!r}")
+            raise ValueError(
+                f"`process_group_backend` must be 'gloo', 'nccl' or None, got {process_group_backend!r}"
+            )
+        if memory_budget_gb is not None and (
+            not isinstance(memory_budget_gb, (int, float)) or memory_budget_gb <= 0
+        ):
+            raise ValueError(
+                f"`memory_budget_gb` must be a positive number of GiB or None, got {memory_budget_gb!r}"
+            )
         if reshard_method not in ("layout_aware", "naive"):
-            raise ValueError(f"`reshard_method` must be 'layout_aware' or 'naive', got {reshard_method!r}")
+            raise ValueError(
+                f"`reshard_method` must be 'layout_aware' or 'naive', got {reshard_method!r}"
+            )
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ValueError(f"`bucket_mb` must be a positive number of MiB, got {bucket_mb!r}")
         self._fixed, self._candidates, self._auto_candidates = parse_layouts(layouts)
@@ -123,31 +158,35 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
         self.reshard_method = reshard_method
         self.bucket_mb = float(bucket_mb)
         self.stage_metrics: dict[str, float] = {}
-        self._selector: Optional[LayoutSelector] = None
+        self._selector: LayoutSelector | None = None
         self._meshes: dict[tuple[int, int], Any] = {}
         self._replicas: dict[tuple[str, int, int], nn.Module] = {}
         self._resharders: dict[tuple[str, int, int], Resharder] = {}
         self._version: dict[str, int] = {}
         self._synced: dict[tuple[str, int, int], int] = {}
-        self._current: Optional[Layout] = None
-        self.current_stage: Optional[str] = None
+        self._current: Layout | None = None
+        self.current_stage: str | None = None
         # Set (before setup) by a selector that may switch the train stage's activation
         # checkpointing per step: the layers are then wrapped once and recompute only when asked.
         self.checkpoint_switchable = False
 
     # ---- construction checks -------------------------------------------------------------------
-    def _resolve_train_arg(self, train: Optional[Layout]) -> Optional[Layout]:
+    def _resolve_train_arg(self, train: Layout | None) -> Layout | None:
         fixed_train = self._fixed.get("train")
         if train is not None and fixed_train is not None and not same_placement(train, fixed_train):
-            raise ValueError(f"`train_layout` {train.name} and `layouts.train` {fixed_train.name} disagree; "
-                             "give one of them (the optimizer's copy lives in the train layout)")
+            raise ValueError(
+                f"`train_layout` {train.name} and `layouts.train` {fixed_train.name} disagree; "
+                "give one of them (the optimizer's copy lives in the train layout)"
+            )
         return train or fixed_train
 
     # ---- layouts and meshes --------------------------------------------------------------------
     @property
     def train_layout(self) -> Layout:
         if self._train is None:
-            raise RuntimeError("the train layout is resolved when the processes start (Trainer.fit)")
+            raise RuntimeError(
+                "the train layout is resolved when the processes start (Trainer.fit)"
+            )
         return self._train
 
     @property
@@ -172,7 +211,9 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
 
         key = (layout.dp, layout.tp)
         if key not in self._meshes:
-            self._meshes[key] = init_device_mesh(self.root_device.type, key, mesh_dim_names=("dp", "tp"))
+            self._meshes[key] = init_device_mesh(
+                self.root_device.type, key, mesh_dim_names=("dp", "tp")
+            )
             set_collective_timeout(self.collective_timeout, self._meshes[key].get_all_groups())
         return self._meshes[key]
 
@@ -187,15 +228,21 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
 
     def _check_heads(self, model: nn.Module, attr: str) -> None:
         heads, kv_heads = model_heads(model)
-        named = [("train_layout", self._train), *((f"layouts.{s}", lay) for s, lay in self._fixed.items()),
-                 *((f"layouts[{i}]", lay) for i, lay in enumerate(self._candidates or []))]
+        named = [
+            ("train_layout", self._train),
+            *((f"layouts.{s}", lay) for s, lay in self._fixed.items()),
+            *((f"layouts[{i}]", lay) for i, lay in enumerate(self._candidates or [])),
+        ]
         for arg, layout in named:
             layout.check_heads(heads, kv_heads, arg=arg)
             reject_lora_tp(model, layout, arg=arg)
             reject_unplanned_tp(model, layout, arg=arg)
         if self._auto_candidates and self._candidates is None:
-            self._candidates = [c for c in Layout.factorizations(self.world_size, heads, kv_heads)
-                                if c.tp == 1 or (not has_lora(model) and supports_tp(model))]
+            self._candidates = [
+                c
+                for c in Layout.factorizations(self.world_size, heads, kv_heads)
+                if c.tp == 1 or (not has_lora(model) and supports_tp(model))
+            ]
 
     # ---- Lightning hooks -----------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -207,13 +254,18 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
         self.lightning_module._device_mesh = self._device_mesh
 
     def _setup_distributed(self) -> None:
-        init_elastic_process_group(self._get_process_group_backend(), self._timeout, self.root_device)
+        init_elastic_process_group(
+            self._get_process_group_backend(), self._timeout, self.root_device
+        )
         super()._setup_distributed()  # Lightning's: ranks, seed; the group is up already under torchrun
         set_collective_timeout(self.collective_timeout)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.train_layout.dp, "rank": self.train_layout.coords(self.global_rank)[0]}
+        return {
+            "num_replicas": self.train_layout.dp,
+            "rank": self.train_layout.coords(self.global_rank)[0],
+        }
 
     def setup(self, trainer) -> None:
         """Shard the module's models for the train layout, then the usual ModelParallel setup
@@ -235,18 +287,24 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
         reject_fsdp1(module, arg="LightningModule")
         fixed = self._fixed.get("train")
         switchable = self.checkpoint_switchable or (
-            fixed is not None and fixed.activation_checkpointing != self._train.activation_checkpointing)
+            fixed is not None
+            and fixed.activation_checkpointing != self._train.activation_checkpointing
+        )
         for attr in self.model_attrs:
             model = getattr(module, attr, None)
             if model is None:
                 continue
             reject_fsdp1(model, arg=attr)
             self._check_heads(model, attr)
-            parallelize_model(model, mesh=self.mesh_for(self._train), layout=self._train,
-                              checkpoint_switchable=switchable)
+            parallelize_model(
+                model,
+                mesh=self.mesh_for(self._train),
+                layout=self._train,
+                checkpoint_switchable=switchable,
+            )
             self._version[attr] = 0
 
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """DCP load; a checkpoint saved under another train layout is resharded by DCP itself.
 
         The checkpoint is checked before anything is loaded: a truncated or corrupt file or shard,
@@ -256,10 +314,17 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
 
         path = Path(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
-        if "://" not in str(checkpoint_path):  # a local file or directory (fsspec URLs go to Lightning as they are)
+        if "://" not in str(
+            checkpoint_path
+        ):  # a local file or directory (fsspec URLs go to Lightning as they are)
             state = module.state_dict() if self._plain else get_model_state_dict(module)
-            check_before_load(path, one_process=self._plain, weights_only=weights_only, strict=module.strict_loading,
-                              expected={k: tuple(v.shape) for k, v in state.items()})
+            check_before_load(
+                path,
+                one_process=self._plain,
+                weights_only=weights_only,
+                strict=module.strict_loading,
+                expected={k: tuple(v.shape) for k, v in state.items()},
+            )
         try:
             if self._plain:
                 out = Strategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
@@ -284,12 +349,22 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
         return self._plain
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return Strategy.lightning_module_state_dict(self) if self._plain else super().lightning_module_state_dict()
+        return (
+            Strategy.lightning_module_state_dict(self)
+            if self._plain
+            else super().lightning_module_state_dict()
+        )
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        return Strategy.optimizer_state(self, optimizer) if self._plain else super().optimizer_state(optimizer)
+        return (
+            Strategy.optimizer_state(self, optimizer)
+            if self._plain
+            else super().optimizer_state(optimizer)
+        )
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
+    ) -> None:
         """Save so that a crash or a full disk mid-save leaves the previous checkpoint at ``filepath``
         whole: one process writes a file beside it and renames it over; several write the DCP
         directory beside it (DCP overwrites shards in place) and rank 0 swaps it in once all are done.
@@ -297,8 +372,14 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
         from torch.distributed.checkpoint.api import CheckpointException
 
         path = Path(self.broadcast(str(filepath)))
-        local = type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and "://" not in str(path)
-        partial = path.with_name(f".{path.name}.partial")  # not *.ckpt: `ckpt_path="last"` never picks it
+        local = (
+            type(self.checkpoint_io) is TorchCheckpointIO
+            and storage_options is None
+            and "://" not in str(path)
+        )
+        partial = path.with_name(
+            f".{path.name}.partial"
+        )  # not *.ckpt: `ckpt_path="last"` never picks it
         failure = None
         try:
             if self._plain and local:
@@ -309,9 +390,15 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
                 remove_path(partial)  # what an earlier, interrupted save left
             self.barrier()
             super().save_checkpoint(checkpoint, partial, storage_options)
-        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
-            if self._plain:
-                raise disk_full_error(err, f"checkpoint {str(path)!r}") or err
+        except (
+            Exception,
+            CheckpointException,
+        ) as err:  # DCP's CheckpointException is a BaseException
+            full = disk_full_error(err, f"checkpoint {str(path)!r}") if self._plain else None
+            if self._plain and full is None:
+                raise
+            if full is not None:
+                raise full from None
             failure = err
         # Rank 0 writes meta.pt after the shards, alone: every rank learns of a failure on any.
         if self.reduce_boolean_decision(failure is None, all=True):
@@ -322,7 +409,9 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
         if self.global_rank == 0:
             remove_path(partial)
         if failure is None:
-            raise CheckpointError(f"saving checkpoint {str(path)!r} failed on another rank; the previous one is kept")
+            raise CheckpointError(
+                f"saving checkpoint {str(path)!r} failed on another rank; the previous one is kept"
+            )
         raise disk_full_error(failure, f"checkpoint {str(path)!r}") or failure
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -339,11 +428,13 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
     def register_selector(self, selector: LayoutSelector) -> None:
         """Let ``selector.select(stage, stats, current) -> Layout`` choose every stage's layout."""
         if not isinstance(selector, LayoutSelector):
-            raise TypeError(f"a layout selector needs a `select(stage, stats, current)` method; got {selector!r}")
+            raise TypeError(
+                f"a layout selector needs a `select(stage, stats, current)` method; got {selector!r}"
+            )
         self._selector = selector
 
     @contextmanager
-    def stage(self, name: str, stats: Optional[Mapping[str, Any]] = None) -> Iterator[StageContext]:
+    def stage(self, name: str, stats: Mapping[str, Any] | None = None) -> Iterator[StageContext]:
         """Run a stage under its layout; yields the :class:`StageContext` (layout, the stage's
         models, a reducer over the layout). The train layout is current again afterwards."""
         check_stage(name, arg="stage")
@@ -357,7 +448,9 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
             for attr in self.stage_models.get(name, ()):
                 if getattr(self.lightning_module, attr, None) is not None:
                     self.stage_model(attr)
-            yield StageContext(name, layout, Reducer(layout), layout.micro_batch_tokens, self.stage_model)
+            yield StageContext(
+                name, layout, Reducer(layout), layout.micro_batch_tokens, self.stage_model
+            )
         finally:
             self._current, self.current_stage = None, None
             if name == "train":
@@ -375,23 +468,34 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
                     f"stage 'train' asks for activation_checkpointing={layout.activation_checkpointing}, but `{attr}` "
                     f"was sharded with activation_checkpointing={self.train_layout.activation_checkpointing} and "
                     "cannot switch; set `strategy.checkpoint_switchable = True` before fit (AdaptiveParallelism "
-                    "does when its `activation_checkpointing` lists both)")
+                    "does when its `activation_checkpointing` lists both)"
+                )
 
-    def _select(self, name: str, stats: Optional[Mapping[str, Any]]) -> Layout:
+    def _select(self, name: str, stats: Mapping[str, Any] | None) -> Layout:
         if self._selector is None:
             return self._fixed.get(name, self.train_layout)
         layout = self._selector.select(name, stats, self.current_layout)
-        layout = broadcast_object(layout)  # one decision for all ranks, even if the selector's inputs differ
+        layout = broadcast_object(
+            layout
+        )  # one decision for all ranks, even if the selector's inputs differ
         if not isinstance(layout, Layout):
-            raise TypeError(f"the layout selector returned {layout!r} for stage {name!r}; expected a Layout")
+            raise TypeError(
+                f"the layout selector returned {layout!r} for stage {name!r}; expected a Layout"
+            )
         layout.check_world(self.world_size, arg=f"selected layout for stage {name!r}")
-        if self._candidates is not None and not any(same_placement(layout, c) for c in self._candidates):
-            raise ValueError(f"the layout selector chose {layout.name} for stage {name!r}, which is not among the "
-                             f"candidate `layouts` {[c.name for c in self._candidates]}")
+        if self._candidates is not None and not any(
+            same_placement(layout, c) for c in self._candidates
+        ):
+            raise ValueError(
+                f"the layout selector chose {layout.name} for stage {name!r}, which is not among the "
+                f"candidate `layouts` {[c.name for c in self._candidates]}"
+            )
         if name == "train" and not same_placement(layout, self.train_layout):
-            raise ValueError(f"the layout selector chose {layout.name} for stage 'train', but the optimizer lives in "
-                             f"the train layout {self.train_layout.name}; only its micro-batch and checkpointing "
-                             "knobs may change")
+            raise ValueError(
+                f"the layout selector chose {layout.name} for stage 'train', but the optimizer lives in "
+                f"the train layout {self.train_layout.name}; only its micro-batch and checkpointing "
+                "knobs may change"
+            )
         return layout
 
     def stage_model(self, attr: str = "policy") -> nn.Module:
@@ -406,13 +510,18 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
         # only if all ranks run the same forwards. Rollout and experience ranks of different dp
         # groups process different episodes (different numbers of turns and micro-batches), so
         # with dp > 1 they get a replica that is whole over dp (sharded over tp only).
-        if same_placement(layout, self.train_layout) and (self.train_layout.dp == 1 or self.current_stage == "train"):
+        if same_placement(layout, self.train_layout) and (
+            self.train_layout.dp == 1 or self.current_stage == "train"
+        ):
             return model
         key = (attr, layout.dp, layout.tp)
         if key not in self._replicas:
-            placement = Layout(dp=layout.dp, tp=layout.tp)  # inference replica: no activation checkpointing
-            self._replicas[key] = build_replica(model, mesh=self.mesh_for(placement), layout=placement,
-                                                device=self.root_device)
+            placement = Layout(
+                dp=layout.dp, tp=layout.tp
+            )  # inference replica: no activation checkpointing
+            self._replicas[key] = build_replica(
+                model, mesh=self.mesh_for(placement), layout=placement, device=self.root_device
+            )
         if self._synced.get(key) != self._version.get(attr, 0):
             self._record(self._reshard(model, key))
             self._synced[key] = self._version.get(attr, 0)
@@ -426,10 +535,16 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
         return self._resharders[key].run()
 
     def _record(self, stats: ReshardStats) -> None:
-        self.stage_metrics["reshard/bytes"] = self.stage_metrics.get("reshard/bytes", 0.0) + stats.bytes_received
-        self.stage_metrics["reshard/seconds"] = self.stage_metrics.get("reshard/seconds", 0.0) + stats.seconds
+        self.stage_metrics["reshard/bytes"] = (
+            self.stage_metrics.get("reshard/bytes", 0.0) + stats.bytes_received
+        )
+        self.stage_metrics["reshard/seconds"] = (
+            self.stage_metrics.get("reshard/seconds", 0.0) + stats.seconds
+        )
 
-    def mark_weights_updated(self, attrs: Optional[Sequence[str]] = None, all_models: bool = False) -> None:
+    def mark_weights_updated(
+        self, attrs: Sequence[str] | None = None, all_models: bool = False
+    ) -> None:
         """Invalidate replicas of the given models (default: every model with trainable parameters)."""
         module = self.lightning_module
         for attr in attrs or self.model_attrs:
@@ -452,7 +567,9 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
 
 def register(registry=StrategyRegistry) -> None:
     if "earl" not in registry:
-        registry.register("earl", EarlStrategy, description="EARL: a parallel layout per RL stage (FSDP2 x TP)")
+        registry.register(
+            "earl", EarlStrategy, description="EARL: a parallel layout per RL stage (FSDP2 x TP)"
+        )
 
 
 register()

@@ -15,9 +15,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import (
-    _SubprocessScriptLauncher,
-)
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from earl_lightning.errors import RankFailure
 from earl_lightning.parallel.faults import LostPeer, RunFacts
@@ -27,11 +25,16 @@ def trainer_lost_peer(trainer: Any, step: str | None = None) -> LostPeer:
     """A :class:`LostPeer` that reads, when a peer is lost, this rank, ``step`` (else the trainer's
     global step), the last checkpoint saved and the run's root directory (not ``trainer.log_dir``:
     reading it is a collective)."""
+
     def facts() -> RunFacts:
         ckpt = trainer.checkpoint_callback
-        return RunFacts(rank=trainer.global_rank, step=step or f"global step {trainer.global_step}",
-                        last_checkpoint=ckpt.last_model_path if ckpt is not None else "",
-                        log_dir=trainer.default_root_dir)
+        return RunFacts(
+            rank=trainer.global_rank,
+            step=step or f"global step {trainer.global_step}",
+            last_checkpoint=ckpt.last_model_path if ckpt is not None else "",
+            log_dir=trainer.default_root_dir,
+        )
+
     return LostPeer(facts)
 
 
@@ -44,16 +47,24 @@ class OneLineCollectives:
 
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if isinstance(exception, RankFailure) and isinstance(self.launcher, _SubprocessScriptLauncher):
-            self.launcher.kill(signal.SIGKILL)  # a stopped process acts on no other signal until continued
+        if isinstance(exception, RankFailure) and isinstance(
+            self.launcher, _SubprocessScriptLauncher
+        ):
+            self.launcher.kill(
+                signal.SIGKILL
+            )  # a stopped process acts on no other signal until continued
 
     def _lost_peer(self, what: str) -> AbstractContextManager[None]:
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is None:  # before the module is attached: set-up
-            return LostPeer(lambda: RunFacts(self.global_rank, "set-up", "", os.getcwd())).during(what)
+            return LostPeer(lambda: RunFacts(self.global_rank, "set-up", "", os.getcwd())).during(
+                what
+            )
         hook = module._current_fx_name
-        return trainer_lost_peer(trainer).during(f"the strategy's {what}" + (f" in {hook}" if hook else ""))
+        return trainer_lost_peer(trainer).during(
+            f"the strategy's {what}" + (f" in {hook}" if hook else "")
+        )
 
     def barrier(self, name: str | None = None) -> None:
         with self._lost_peer(f"barrier {name!r}" if name else "barrier"):
@@ -81,7 +92,13 @@ def one_line_strategy(strategy: Any, devices: Any, num_nodes: Any) -> Any:
     """The ``strategy`` a Trainer gets from the CLI: ``"ddp"``, or ``"auto"`` over several
     processes (``devices`` > 1 or ``num_nodes`` > 1), becomes :class:`OneLineDDPStrategy`;
     anything else (a strategy instance, another name, one process) is left as it is."""
-    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
+    count = (
+        len(devices)
+        if isinstance(devices, (list, tuple))
+        else devices
+        if isinstance(devices, int)
+        else 1
+    )
     nodes = num_nodes if isinstance(num_nodes, int) else 1
     if strategy == "ddp" or (strategy in (None, "auto") and (count > 1 or nodes > 1)):
         return OneLineDDPStrategy()

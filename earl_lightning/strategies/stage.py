@@ -12,9 +12,10 @@ the world, the module's own models), so the module is written once.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any
 
 from torch import nn
 
@@ -33,7 +34,7 @@ class StageContext:
     name: str
     layout: Layout
     reduce: Reducer
-    micro_batch_tokens: Optional[int]
+    micro_batch_tokens: int | None
     models: Callable[[str], nn.Module]
 
     def model(self, attr: str = "policy") -> nn.Module:
@@ -42,14 +43,20 @@ class StageContext:
 
     def budget(self, module_tokens: int) -> int:
         """The micro-batch token budget: the module's, lowered to the layout's when it has one."""
-        return module_tokens if self.micro_batch_tokens is None else min(module_tokens, self.micro_batch_tokens)
+        return (
+            module_tokens
+            if self.micro_batch_tokens is None
+            else min(module_tokens, self.micro_batch_tokens)
+        )
 
 
 class StageStrategy(ABC):
     """What a strategy that runs RL stages under their own layouts offers."""
 
     @abstractmethod
-    def stage(self, name: str, stats: Optional[Mapping[str, Any]] = None) -> AbstractContextManager[StageContext]:
+    def stage(
+        self, name: str, stats: Mapping[str, Any] | None = None
+    ) -> AbstractContextManager[StageContext]:
         """Run stage ``name`` under its layout; ``stats`` (sequences, context lengths) size it."""
 
     @abstractmethod
@@ -65,7 +72,7 @@ class DataParallelStages(StageStrategy):
         self.layout = Layout(dp=world_size, tp=1)
 
     @contextmanager
-    def stage(self, name: str, stats: Optional[Mapping[str, Any]] = None) -> Iterator[StageContext]:
+    def stage(self, name: str, stats: Mapping[str, Any] | None = None) -> Iterator[StageContext]:
         check_stage(name, arg="stage")
         yield StageContext(name, self.layout, Reducer(self.layout), None, self._model)
 
@@ -78,4 +85,6 @@ class DataParallelStages(StageStrategy):
 
 def stages_of(strategy: Any, module: nn.Module, world_size: int) -> StageStrategy:
     """The trainer's strategy when it runs stages itself, else the data-parallel stand-in."""
-    return strategy if isinstance(strategy, StageStrategy) else DataParallelStages(module, world_size)
+    return (
+        strategy if isinstance(strategy, StageStrategy) else DataParallelStages(module, world_size)
+    )

@@ -10,5 +10,14 @@ from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, open_
 from earl_lightning.tasks.rewards import RewardFunction, call_reward_funcs, resolve_reward_funcs
 from earl_lightning.tasks.rows import first_messages, prompt_form
 
-__all__ = ["DatasetConfig", "RowOrder", "Splits", "open_splits", "RewardFunction", "call_reward_funcs",
-           "resolve_reward_funcs", "first_messages", "prompt_form"]
+__all__ = [
+    "DatasetConfig",
+    "RowOrder",
+    "Splits",
+    "open_splits",
+    "RewardFunction",
+    "call_reward_funcs",
+    "resolve_reward_funcs",
+    "first_messages",
+    "prompt_form",
+]

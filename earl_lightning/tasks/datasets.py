@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,9 @@ from earl_lightning.tasks.rows import check_messages, check_prompt
 log = logging.getLogger("earl_lightning.tasks")
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-_CHECKED_ROWS = 64  # rows whose prompt form is checked when a dataset is opened (all of them: at use)
+_CHECKED_ROWS = (
+    64  # rows whose prompt form is checked when a dataset is opened (all of them: at use)
+)
 HOLDOUT_SEED = 0  # the held-out rows of `eval_size` are the same whatever the run's seed
 
 
@@ -42,31 +45,43 @@ class DatasetConfig:
     """
 
     path: str
-    name: Optional[str] = None
-    data_files: Optional[Union[str, list[str], dict[str, Union[str, list[str]]]]] = None
+    name: str | None = None
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
     train_split: str = "train"
-    eval_split: Optional[str] = None
-    eval_size: Union[int, float] = 0
+    eval_split: str | None = None
+    eval_size: int | float = 0
 
     def __post_init__(self) -> None:
         arg = "--data.dataset"
         if not isinstance(self.path, str) or not self.path:
-            raise ValueError(f"`{arg}.path` must be a hub id, a local file or directory, or a builder name; "
-                             f"got {self.path!r}")
+            raise ValueError(
+                f"`{arg}.path` must be a hub id, a local file or directory, or a builder name; "
+                f"got {self.path!r}"
+            )
         for name in ("train_split", "eval_split"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"`{arg}.{name}` must be a split name such as 'train' or 'test', got {value!r}")
+                raise ValueError(
+                    f"`{arg}.{name}` must be a split name such as 'train' or 'test', got {value!r}"
+                )
         s = self.eval_size
-        ok = (isinstance(s, int) and not isinstance(s, bool) and s >= 0) or (isinstance(s, float) and 0 < s < 1)
+        ok = (isinstance(s, int) and not isinstance(s, bool) and s >= 0) or (
+            isinstance(s, float) and 0 < s < 1
+        )
         if not ok:
-            raise ValueError(f"`{arg}.eval_size` must be a count >= 0 or a share in (0, 1), got {s!r}")
+            raise ValueError(
+                f"`{arg}.eval_size` must be a count >= 0 or a share in (0, 1), got {s!r}"
+            )
         if self.eval_split is not None and s:
-            raise ValueError(f"`{arg}.eval_split` ({self.eval_split!r}) and `{arg}.eval_size` ({s!r}) both give the "
-                             f"evaluation rows; set one")
+            raise ValueError(
+                f"`{arg}.eval_split` ({self.eval_split!r}) and `{arg}.eval_size` ({s!r}) both give the "
+                f"evaluation rows; set one"
+            )
         if self.eval_split is not None and self.eval_split == self.train_split:
-            raise ValueError(f"`{arg}.eval_split` is the training split {self.train_split!r}: evaluation rows must "
-                             f"never be trained on; name another split, or hold rows out with `{arg}.eval_size`")
+            raise ValueError(
+                f"`{arg}.eval_split` is the training split {self.train_split!r}: evaluation rows must "
+                f"never be trained on; name another split, or hold rows out with `{arg}.eval_size`"
+            )
 
 
 def load_dataset_splits(config: DatasetConfig, arg: str = "--data.dataset") -> dict[str, Any]:
@@ -75,7 +90,9 @@ def load_dataset_splits(config: DatasetConfig, arg: str = "--data.dataset") -> d
 
     path = Path(config.path).expanduser()
     try:
-        if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+        if path.is_dir() and (
+            (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+        ):
             loaded = datasets.load_from_disk(str(path))
         elif path.is_file() and path.suffix in _FILE_BUILDERS:
             loaded = datasets.load_dataset(_FILE_BUILDERS[path.suffix], data_files=str(path))
@@ -83,9 +100,15 @@ def load_dataset_splits(config: DatasetConfig, arg: str = "--data.dataset") -> d
             loaded = datasets.load_dataset(config.path, config.name, data_files=config.data_files)
     except Exception as err:  # noqa: BLE001 - whatever `datasets` raises, the user sees one line naming the path
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        hint = "" if path.exists() else " (no such local file or directory; and not a hub id reachable from here)"
-        raise ValueError(f"`{arg}.path` {config.path!r}: cannot load the dataset{hint}: "
-                         f"{type(err).__name__}: {first[:200]}") from None
+        hint = (
+            ""
+            if path.exists()
+            else " (no such local file or directory; and not a hub id reachable from here)"
+        )
+        raise ValueError(
+            f"`{arg}.path` {config.path!r}: cannot load the dataset{hint}: "
+            f"{type(err).__name__}: {first[:200]}"
+        ) from None
     if isinstance(loaded, datasets.Dataset):
         return {"train": loaded}
     return dict(loaded)
@@ -103,8 +126,12 @@ class Splits:
         return list(self.train.column_names)
 
 
-def open_splits(dataset: Any, eval_dataset: Any = None, arg: str = "--data.dataset",
-                required: Sequence[Sequence[str]] = (("prompt",),)) -> Splits:
+def open_splits(
+    dataset: Any,
+    eval_dataset: Any = None,
+    arg: str = "--data.dataset",
+    required: Sequence[Sequence[str]] = (("prompt",),),
+) -> Splits:
     """The train and evaluation rows of ``dataset`` (a :class:`DatasetConfig`, its mapping, a path
     string, a ``datasets.Dataset`` or ``DatasetDict``) and the optional ``eval_dataset`` (Python API).
 
@@ -118,16 +145,28 @@ def open_splits(dataset: Any, eval_dataset: Any = None, arg: str = "--data.datas
     if isinstance(dataset, datasets.Dataset):
         train, held, source = dataset, eval_dataset, "the given Dataset"
     elif isinstance(dataset, datasets.DatasetDict):
-        config = DatasetConfig(path="<DatasetDict>", eval_split=None if eval_dataset is not None else
-                               ("test" if "test" in dataset else None))
-        train, held, source = _split(dict(dataset), config, arg), eval_dataset, "the given DatasetDict"
+        config = DatasetConfig(
+            path="<DatasetDict>",
+            eval_split=None
+            if eval_dataset is not None
+            else ("test" if "test" in dataset else None),
+        )
+        train, held, source = (
+            _split(dict(dataset), config, arg),
+            eval_dataset,
+            "the given DatasetDict",
+        )
         if held is None and config.eval_split is not None:
             held = dataset[config.eval_split]
     else:
         config = _as_config(dataset, arg)
         splits = load_dataset_splits(config, arg)
         train, source = _split(splits, config, arg), repr(config.path)
-        held = eval_dataset if eval_dataset is not None else (splits[config.eval_split] if config.eval_split else None)
+        held = (
+            eval_dataset
+            if eval_dataset is not None
+            else (splits[config.eval_split] if config.eval_split else None)
+        )
         if config.eval_size:
             train, held = _hold_out(train, config.eval_size, arg)
     for split, rows in (("training", train), ("evaluation", held)):
@@ -146,8 +185,10 @@ def _as_config(dataset: Any, arg: str) -> DatasetConfig:
     if dataset is None:
         raise ValueError(f"`{arg}` is required: a path, a hub id, or a datasets.Dataset")
     if not isinstance(dataset, (DatasetConfig, dict)):
-        raise ValueError(f"`{arg}` must be a path or hub id, its settings ({{path: ..., eval_split: ...}}), or a "
-                         f"datasets.Dataset / DatasetDict; got {type(dataset).__name__}")
+        raise ValueError(
+            f"`{arg}` must be a path or hub id, its settings ({{path: ..., eval_split: ...}}), or a "
+            f"datasets.Dataset / DatasetDict; got {type(dataset).__name__}"
+        )
     return coerce(DatasetConfig, dataset, arg)
 
 
@@ -155,8 +196,10 @@ def _split(splits: dict[str, Any], config: DatasetConfig, arg: str) -> Any:
     for name in filter(None, (config.train_split, config.eval_split)):
         if name not in splits:
             which = "train_split" if name == config.train_split else "eval_split"
-            raise ValueError(f"`{arg}.{which}` {name!r} is not a split of {config.path!r}; its splits: "
-                             f"{sorted(splits)}")
+            raise ValueError(
+                f"`{arg}.{which}` {name!r} is not a split of {config.path!r}; its splits: "
+                f"{sorted(splits)}"
+            )
     return splits[config.train_split]
 
 
@@ -164,8 +207,10 @@ def _hold_out(train: Any, size: int | float, arg: str) -> tuple[Any, Any]:
     n = len(train)
     k = int(round(size * n)) if isinstance(size, float) else size
     if k >= n:
-        raise ValueError(f"`{arg}.eval_size` {size!r} holds out {k} of the {n} training rows; at least one must "
-                         f"stay for training")
+        raise ValueError(
+            f"`{arg}.eval_size` {size!r} holds out {k} of the {n} training rows; at least one must "
+            f"stay for training"
+        )
     order = np.random.default_rng(HOLDOUT_SEED).permutation(n)
     return train.select(np.sort(order[k:])), train.select(np.sort(order[:k]))
 
@@ -176,8 +221,10 @@ def _check_rows(rows: Any, where: str, required: Sequence[Sequence[str]]) -> Non
     cols = set(rows.column_names)
     if not any(set(option) <= cols for option in required):
         need = " or ".join("`" + "` + `".join(option) + "`" for option in required)
-        raise ValueError(f"`{where}` has no {need} column; its columns: {sorted(cols)}. Rename a column with "
-                         f"Dataset.rename_column, or map the rows into that form")
+        raise ValueError(
+            f"`{where}` has no {need} column; its columns: {sorted(cols)}. Rename a column with "
+            f"Dataset.rename_column, or map the rows into that form"
+        )
     head = rows.select(range(min(len(rows), _CHECKED_ROWS)))
     for i, row in enumerate(head):
         if "prompt" in row:
@@ -192,7 +239,9 @@ def prompt_key(prompt: Any) -> str:
 
 
 def _without_shared(train: Any, held: Any, source: str) -> Any:
-    column = "prompt" if "prompt" in held.column_names and "prompt" in train.column_names else "messages"
+    column = (
+        "prompt" if "prompt" in held.column_names and "prompt" in train.column_names else "messages"
+    )
     if column not in held.column_names or column not in train.column_names:
         return train
     held_keys = {prompt_key(p) for p in held[column]}
@@ -200,10 +249,15 @@ def _without_shared(train: Any, held: Any, source: str) -> Any:
     if len(keep) == len(train):
         return train
     if not keep:
-        raise ValueError(f"every training row of {source} is also an evaluation row; evaluation rows are never "
-                         f"trained on, so nothing is left to train")
-    log.warning("%d training rows of %s have a prompt that is also an evaluation row's: they are not trained on",
-                len(train) - len(keep), source)
+        raise ValueError(
+            f"every training row of {source} is also an evaluation row; evaluation rows are never "
+            f"trained on, so nothing is left to train"
+        )
+    log.warning(
+        "%d training rows of %s have a prompt that is also an evaluation row's: they are not trained on",
+        len(train) - len(keep),
+        source,
+    )
     return train.select(keep)
 
 
@@ -218,7 +272,10 @@ class RowOrder:
     def __getitem__(self, k: int) -> int:
         epoch, pos = divmod(k, self.num_rows)
         if epoch != self._epoch:
-            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+            self._epoch, self._perm = (
+                epoch,
+                np.random.default_rng([self.seed, epoch]).permutation(self.num_rows),
+            )
         return int(self._perm[pos])
 
     def epoch_of(self, k: int) -> float:
@@ -228,8 +285,9 @@ class RowOrder:
 def describe(value: Any) -> Any:
     """A data setting as plain data for saved hyperparameters: a Dataset by its size, a callable by
     its import path, a :class:`DatasetConfig` as a dict; plain values as they are."""
-    import datasets
     from dataclasses import asdict
+
+    import datasets
 
     if value is None or isinstance(value, (str, int, float, bool, list, dict)):
         return value

@@ -22,8 +22,9 @@ import inspect
 import math
 import numbers
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any
 
 from earl_lightning.registry import import_object
 from earl_lightning.tasks.rows import accepted_kwargs
@@ -46,7 +47,8 @@ class RewardFunction:
 
     @property
     def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))
+        method = getattr(self.fn, "__call__", None)  # noqa: B004 - the method itself, not callability
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(method)
 
     def required(self) -> list[str]:
         """The parameters it must be given (no default), in order."""
@@ -54,12 +56,17 @@ class RewardFunction:
             params = inspect.signature(self.fn).parameters.values()
         except (TypeError, ValueError):
             return []
-        return [p.name for p in params if p.default is inspect.Parameter.empty
-                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        return [
+            p.name
+            for p in params
+            if p.default is inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
 
 
-def resolve_reward_funcs(funcs: Sequence[Any] | None, weights: Sequence[float] | None,
-                         arg: str = "--data.reward_funcs") -> list[RewardFunction]:
+def resolve_reward_funcs(
+    funcs: Sequence[Any] | None, weights: Sequence[float] | None, arg: str = "--data.reward_funcs"
+) -> list[RewardFunction]:
     """The reward functions of a config: callables, or import paths of callables, with their
     weights (default 1.0 each). Names are the functions' ``__name__`` (made unique with a suffix)."""
     funcs = list(funcs or [])
@@ -67,24 +74,33 @@ def resolve_reward_funcs(funcs: Sequence[Any] | None, weights: Sequence[float] |
     if weights is not None:
         weights = list(weights)
         if len(weights) != len(funcs):
-            raise ValueError(f"`{warg}` has {len(weights)} weights for {len(funcs)} reward functions in `{arg}`; "
-                             f"give one weight per function (or leave it null: 1.0 each)")
+            raise ValueError(
+                f"`{warg}` has {len(weights)} weights for {len(funcs)} reward functions in `{arg}`; "
+                f"give one weight per function (or leave it null: 1.0 each)"
+            )
         for w in weights:
             if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-                raise ValueError(f"`{warg}` must be a list of finite numbers, got {w!r} in {weights!r}")
+                raise ValueError(
+                    f"`{warg}` must be a list of finite numbers, got {w!r} in {weights!r}"
+                )
     out: list[RewardFunction] = []
     for i, f in enumerate(funcs):
         fn = import_object(f, f"{arg}[{i}]") if isinstance(f, str) else f
         label = f if isinstance(f, str) else getattr(f, "__name__", type(f).__name__)
         if not callable(fn):
             named = f" {f!r}" if isinstance(f, str) else ""
-            raise ValueError(f"`{arg}[{i}]`{named} is {type(fn).__name__} {fn!r:.60}, not callable; a reward "
-                             f"function is fn(prompts, completions, completion_ids, **columns) -> list[float | None]")
+            raise ValueError(
+                f"`{arg}[{i}]`{named} is {type(fn).__name__} {fn!r:.60}, not callable; a reward "
+                f"function is fn(prompts, completions, completion_ids, **columns) -> list[float | None]"
+            )
         _check_signature(fn, label, f"{arg}[{i}]")
         name = _callable_name(fn)
         taken = {r.name for r in out}
-        unique = name if name not in taken else next(f"{name}_{k}" for k in range(2, len(funcs) + 2)
-                                                     if f"{name}_{k}" not in taken)
+        unique = (
+            name
+            if name not in taken
+            else next(f"{name}_{k}" for k in range(2, len(funcs) + 2) if f"{name}_{k}" not in taken)
+        )
         out.append(RewardFunction(fn, unique, float(weights[i]) if weights is not None else 1.0))
     return out
 
@@ -102,19 +118,28 @@ def _check_signature(fn: Callable[..., Any], label: str, arg: str) -> None:
     params = sig.parameters.values()
     positional_only = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY]
     if positional_only:
-        raise ValueError(f"`{arg}` {label!r} takes {positional_only} positionally only; reward functions are called "
-                         f"with keyword arguments (prompts=, completions=, completion_ids=, <column>=)")
+        raise ValueError(
+            f"`{arg}` {label!r} takes {positional_only} positionally only; reward functions are called "
+            f"with keyword arguments (prompts=, completions=, completion_ids=, <column>=)"
+        )
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return
-    takes = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                  inspect.Parameter.KEYWORD_ONLY)}
+    takes = {
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
     if "completions" not in takes:
-        raise ValueError(f"`{arg}` {label!r} has the signature {sig}, which takes no `completions`; a reward function "
-                         f"is fn(prompts, completions, completion_ids, **columns) -> list[float | None] (TRL's "
-                         f"signature: extra columns come as keyword arguments, so give it **kwargs)")
+        raise ValueError(
+            f"`{arg}` {label!r} has the signature {sig}, which takes no `completions`; a reward function "
+            f"is fn(prompts, completions, completion_ids, **columns) -> list[float | None] (TRL's "
+            f"signature: extra columns come as keyword arguments, so give it **kwargs)"
+        )
 
 
-def check_columns(funcs: Sequence[RewardFunction], columns: Sequence[str], arg: str = "--data.reward_funcs") -> None:
+def check_columns(
+    funcs: Sequence[RewardFunction], columns: Sequence[str], arg: str = "--data.reward_funcs"
+) -> None:
     """Every parameter a function requires is something it will be given (a core argument, an extra
     or a column of the rows), or the error names the function and the missing column."""
     columns = [c for c in columns if c not in NOT_COLUMNS]
@@ -122,8 +147,10 @@ def check_columns(funcs: Sequence[RewardFunction], columns: Sequence[str], arg: 
     for i, f in enumerate(funcs):
         missing = [name for name in f.required() if name not in given]
         if missing:
-            raise ValueError(f"`{arg}[{i}]` {f.name!r} needs {missing}, which the rows do not have; their columns: "
-                             f"{sorted(columns)}")
+            raise ValueError(
+                f"`{arg}[{i}]` {f.name!r} needs {missing}, which the rows do not have; their columns: "
+                f"{sorted(columns)}"
+            )
 
 
 @dataclass
@@ -131,8 +158,8 @@ class RewardOutcome:
     """One function's results on a batch: ``values[i]`` (None: not applicable, or not scored)
     and ``errors[i]`` (why row ``i`` could not be scored; None when it was)."""
 
-    values: list[Optional[float]]
-    errors: list[Optional[str]]
+    values: list[float | None]
+    errors: list[str | None]
     metrics: dict[str, list[float]] = field(default_factory=dict)  # log_metric(name, value) calls
     extra: dict[str, list[Any]] = field(default_factory=dict)  # log_extra(column, values) calls
 
@@ -141,9 +168,14 @@ class RewardFunctionError(Exception):
     """A reward function's batch call went wrong in a way that no row can be scored by it."""
 
 
-def call_reward_funcs(funcs: Sequence[RewardFunction], prompts: list[Any], completions: list[Any],
-                      completion_ids: list[list[int]], columns: Mapping[str, list[Any]],
-                      extras: Mapping[str, Any] | None = None) -> list[RewardOutcome]:
+def call_reward_funcs(
+    funcs: Sequence[RewardFunction],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    columns: Mapping[str, list[Any]],
+    extras: Mapping[str, Any] | None = None,
+) -> list[RewardOutcome]:
     """Every function of ``funcs`` on the same ``n`` rows: one :class:`RewardOutcome` each, in order.
     ``columns``: the rows' other columns, a list of ``n`` values each; ``extras``: TRL's extras
     (``trainer_state``, ...); ``log_metric`` and ``log_extra`` are provided here, per function.
@@ -152,9 +184,15 @@ def call_reward_funcs(funcs: Sequence[RewardFunction], prompts: list[Any], compl
     run on one event loop, so they interleave; the plain functions run meanwhile on this thread."""
     n = len(prompts)
     outcomes = [RewardOutcome([None] * n, [None] * n) for _ in funcs]
-    calls = [_Call(f, o, prompts, completions, completion_ids, columns, extras or {}) for f, o in zip(funcs, outcomes)]
-    waiting = [threading.Thread(target=c.run, name=f"earl-reward-{c.func.name}", daemon=True)
-               for c in calls if c.func.is_async]
+    calls = [
+        _Call(f, o, prompts, completions, completion_ids, columns, extras or {})
+        for f, o in zip(funcs, outcomes)
+    ]
+    waiting = [
+        threading.Thread(target=c.run, name=f"earl-reward-{c.func.name}", daemon=True)
+        for c in calls
+        if c.func.is_async
+    ]
     for t in waiting:
         t.start()
     for c in calls:
@@ -168,10 +206,20 @@ def call_reward_funcs(funcs: Sequence[RewardFunction], prompts: list[Any], compl
 class _Call:
     """One function's call on the batch, and its row-by-row retry when the batch call raises."""
 
-    def __init__(self, func: RewardFunction, out: RewardOutcome, prompts: list[Any], completions: list[Any],
-                 completion_ids: list[list[int]], columns: Mapping[str, list[Any]], extras: Mapping[str, Any]):
+    def __init__(
+        self,
+        func: RewardFunction,
+        out: RewardOutcome,
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        columns: Mapping[str, list[Any]],
+        extras: Mapping[str, Any],
+    ):
         self.func, self.out = func, out
-        self.rows = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        self.rows = dict(
+            prompts=prompts, completions=completions, completion_ids=completion_ids, **columns
+        )
         self.extras = {**extras, "log_metric": self._log_metric, "log_extra": self._log_extra}
 
     def _log_metric(self, name: str, value: float) -> None:
@@ -204,23 +252,35 @@ class _Call:
 
     def _take(self, rows: slice, values: Any) -> None:
         n = rows.stop - rows.start
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "__len__"):
-            raise RewardFunctionError(f"returned {type(values).__name__} {values!r:.60}; it must return a list of "
-                                      f"{n} floats or None, one per completion")
+        if (
+            isinstance(values, (str, bytes))
+            or not isinstance(values, Sequence)
+            and not hasattr(values, "__len__")
+        ):
+            raise RewardFunctionError(
+                f"returned {type(values).__name__} {values!r:.60}; it must return a list of "
+                f"{n} floats or None, one per completion"
+            )
         values = list(values)
         if len(values) != n:
-            raise RewardFunctionError(f"returned {len(values)} values for {n} completions; it must return one per "
-                                      f"completion")
+            raise RewardFunctionError(
+                f"returned {len(values)} values for {n} completions; it must return one per "
+                f"completion"
+            )
         checked = []
         for v in values:
-            v = v.item() if hasattr(v, "item") and not isinstance(v, numbers.Real) else v  # numpy / torch scalars
+            v = (
+                v.item() if hasattr(v, "item") and not isinstance(v, numbers.Real) else v
+            )  # numpy / torch scalars
             if v is None or (isinstance(v, numbers.Real) and math.isnan(float(v))):
                 checked.append(None)
             elif isinstance(v, numbers.Real) and math.isfinite(float(v)):
                 checked.append(float(v))
             else:
-                raise RewardFunctionError(f"returned {v!r:.40} ({type(v).__name__}) among its values; each must be a "
-                                          f"finite number, or None where it does not apply")
+                raise RewardFunctionError(
+                    f"returned {v!r:.40} ({type(v).__name__}) among its values; each must be a "
+                    f"finite number, or None where it does not apply"
+                )
         self.out.values[rows] = checked
 
     def _fail(self, rows: Any, why: str) -> None:

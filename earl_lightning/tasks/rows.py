@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Literal, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 Messages = list[dict[str, Any]]
 PromptForm = Literal["standard", "conversational"]
@@ -29,8 +30,10 @@ def check_messages(value: Any, where: str) -> Messages:
     """``value`` as a list of chat messages, each with a known ``role`` and a string ``content``
     (an assistant message may carry ``tool_calls`` instead of content)."""
     if prompt_form(value) != "conversational":
-        raise ValueError(f"{where} must be a non-empty list of messages such as [{{'role': 'user', 'content': "
-                         f"'...'}}], got {value!r:.120}")
+        raise ValueError(
+            f"{where} must be a non-empty list of messages such as [{{'role': 'user', 'content': "
+            f"'...'}}], got {value!r:.120}"
+        )
     out = []
     for i, m in enumerate(value):
         role, content = m.get("role"), m.get("content")
@@ -46,8 +49,10 @@ def check_prompt(value: Any, where: str) -> PromptForm:
     """The form of one ``prompt`` value, or an error naming ``where`` (e.g. "row 12 of split 'train'")."""
     form = prompt_form(value)
     if form is None:
-        raise ValueError(f"{where}: `prompt` must be a string (standard form) or a list of messages "
-                         f"(conversational form), got {type(value).__name__} {value!r:.80}")
+        raise ValueError(
+            f"{where}: `prompt` must be a string (standard form) or a list of messages "
+            f"(conversational form), got {type(value).__name__} {value!r:.80}"
+        )
     if form == "conversational":
         check_messages(value, f"{where}: `prompt`")
     return form
@@ -58,7 +63,11 @@ def first_messages(prompt: Any, system_prompt: str | None, appended: str | None 
     user message), ``system_prompt`` first when the prompt has no system message, and
     ``appended`` (what an environment's ``reset`` returned) added to the last message's content,
     as TRL's ``environment_factory`` does."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    messages = (
+        [{"role": "user", "content": prompt}]
+        if isinstance(prompt, str)
+        else [dict(m) for m in prompt]
+    )
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
     if appended:
@@ -69,12 +78,17 @@ def first_messages(prompt: Any, system_prompt: str | None, appended: str | None 
 @functools.lru_cache(maxsize=256)
 def _accepted(fn: Callable[..., Any]) -> tuple[frozenset[str], bool]:
     params = inspect.signature(fn).parameters.values()
-    names = frozenset(p.name for p in params
-                      if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+    names = frozenset(
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
     return names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def accepted_kwargs(fn: Callable[..., Any], available: Mapping[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:
+def accepted_kwargs(
+    fn: Callable[..., Any], available: Mapping[str, Any], skip: Sequence[str] = ()
+) -> dict[str, Any]:
     """The entries of ``available`` that ``fn`` takes by keyword (all of them when it has
     ``**kwargs``), less ``skip``."""
     try:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from earl_lightning.registry import Registry
 from earl_lightning.tasks.tools import ToolCall
@@ -58,7 +59,7 @@ def _call_from(obj: Any, args_key: str) -> ToolCall | str:
         return f"a tool call must be a JSON object, got {type(obj).__name__}"
     name, arguments = obj.get("name"), obj.get(args_key, {})
     if not isinstance(name, str) or not name:
-        return f"a tool call needs a \"name\" string, got {json.dumps(obj)[:80]}"
+        return f'a tool call needs a "name" string, got {json.dumps(obj)[:80]}'
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
@@ -89,7 +90,9 @@ def hermes(text: str) -> ParsedTurn:
     turn = ParsedTurn()
     for body, close in _HERMES.findall(text):
         if not close:
-            turn.errors.append(f"a <tool_call> is not closed with </tool_call>: {body.strip()[:80]!r}")
+            turn.errors.append(
+                f"a <tool_call> is not closed with </tool_call>: {body.strip()[:80]!r}"
+            )
         else:
             _add(turn, body.strip(), "arguments")
     return turn
@@ -108,10 +111,14 @@ def llama3_json(text: str) -> ParsedTurn:
         try:
             obj, end = decoder.raw_decode(body, pos)
         except json.JSONDecodeError as err:
-            turn.errors.append(f"a tool call is not valid JSON ({err.msg} at character {err.pos}): "
-                               f"{body[pos:pos + 80]!r}")
+            turn.errors.append(
+                f"a tool call is not valid JSON ({err.msg} at character {err.pos}): "
+                f"{body[pos : pos + 80]!r}"
+            )
             return turn
-        found = _call_from(obj, "parameters" if isinstance(obj, dict) and "parameters" in obj else "arguments")
+        found = _call_from(
+            obj, "parameters" if isinstance(obj, dict) and "parameters" in obj else "arguments"
+        )
         (turn.calls if isinstance(found, ToolCall) else turn.errors).append(found)
         pos = end
         while pos < len(body) and body[pos] in " \n\t;":
@@ -129,12 +136,14 @@ def mistral(text: str) -> ParsedTurn:
     at = text.find(_MISTRAL)
     if at < 0:
         return turn
-    body = text[at + len(_MISTRAL):].strip()
+    body = text[at + len(_MISTRAL) :].strip()
     try:
         calls = json.JSONDecoder().raw_decode(body)[0]
     except json.JSONDecodeError as err:
-        turn.errors.append(f"the [TOOL_CALLS] list is not valid JSON ({err.msg} at character {err.pos}): "
-                           f"{body[:80]!r}")
+        turn.errors.append(
+            f"the [TOOL_CALLS] list is not valid JSON ({err.msg} at character {err.pos}): "
+            f"{body[:80]!r}"
+        )
         return turn
     for obj in calls if isinstance(calls, list) else [calls]:
         found = _call_from(obj, "arguments")

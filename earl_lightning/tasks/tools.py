@@ -14,14 +14,20 @@ import asyncio
 import inspect
 import json
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from earl_lightning.registry import import_object
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "array": (list, tuple), "object": (dict,), "null": (type(None),),
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list, tuple),
+    "object": (dict,),
+    "null": (type(None),),
 }
 
 
@@ -78,8 +84,11 @@ class Tool:
         for name, value in arguments.items():
             kind = (props.get(name) or {}).get("type")
             kinds = kind if isinstance(kind, list) else [kind] if kind else []
-            ok = not kinds or any(isinstance(value, _JSON_TYPES.get(k, object)) and not (
-                k in ("integer", "number") and isinstance(value, bool)) for k in kinds)
+            ok = not kinds or any(
+                isinstance(value, _JSON_TYPES.get(k, object))
+                and not (k in ("integer", "number") and isinstance(value, bool))
+                for k in kinds
+            )
             if not ok:
                 return f"argument {name!r} must be of type {kind}, got {type(value).__name__} {value!r:.40}"
         return None
@@ -99,19 +108,25 @@ def tool_of(obj: Any, arg: str) -> Tool:
     if isinstance(obj, Mapping):
         schema, fn = obj.get("schema"), obj.get("fn")
         if not isinstance(schema, Mapping) or "function" not in schema or not callable(fn):
-            raise ValueError(f"`{arg}`: a tool given as a dict needs `schema` (OpenAI's {{'type': 'function', "
-                             f"'function': {{'name': ..., 'parameters': ...}}}}) and `fn` (the callable), got "
-                             f"{sorted(obj)}")
+            raise ValueError(
+                f"`{arg}`: a tool given as a dict needs `schema` (OpenAI's {{'type': 'function', "
+                f"'function': {{'name': ..., 'parameters': ...}}}}) and `fn` (the callable), got "
+                f"{sorted(obj)}"
+            )
         return Tool(dict(schema), fn)
     if not callable(obj):
-        raise ValueError(f"`{arg}` is {type(obj).__name__} {obj!r:.60}, not a tool: give a function with type hints "
-                         f"and a docstring, or {{schema, fn}}")
+        raise ValueError(
+            f"`{arg}` is {type(obj).__name__} {obj!r:.60}, not a tool: give a function with type hints "
+            f"and a docstring, or {{schema, fn}}"
+        )
     try:
         schema = get_json_schema(obj)
     except Exception as err:  # noqa: BLE001 - transformers' DocstringParsingException and TypeError alike
-        raise ValueError(f"`{arg}` {getattr(obj, '__name__', obj)!r}: no JSON schema can be read from it "
-                         f"({type(err).__name__}: {str(err).splitlines()[0][:160]}); give every argument a type hint "
-                         f"and an `Args:` line in the docstring") from None
+        raise ValueError(
+            f"`{arg}` {getattr(obj, '__name__', obj)!r}: no JSON schema can be read from it "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:160]}); give every argument a type hint "
+            f"and an `Args:` line in the docstring"
+        ) from None
     return Tool(schema, obj)
 
 
@@ -135,7 +150,9 @@ class ToolSet:
         self.tools = {t.name: t for t in tools}
         if len(self.tools) != len(tools):
             names = [t.name for t in tools]
-            raise ValueError(f"two tools share a name: {sorted({n for n in names if names.count(n) > 1})}")
+            raise ValueError(
+                f"two tools share a name: {sorted({n for n in names if names.count(n) > 1})}"
+            )
         self.timeout_s = timeout_s
 
     @property
@@ -151,16 +168,24 @@ class ToolSet:
         start = time.perf_counter()
         tool = self.tools.get(call.name)
         if tool is None:
-            return self._result(call, f"Error: unknown tool {call.name!r}; the tools are {sorted(self.tools)}", start)
+            return self._result(
+                call,
+                f"Error: unknown tool {call.name!r}; the tools are {sorted(self.tools)}",
+                start,
+            )
         problem = tool.check_arguments(call.arguments)
         if problem is not None:
             return self._result(call, f"Error: bad arguments for {call.name!r}: {problem}", start)
         try:
             value = _run(tool.fn, call.arguments, self.timeout_s)
         except TimeoutError:
-            return self._result(call, f"Error: {call.name!r} did not return within {self.timeout_s:g} s", start)
+            return self._result(
+                call, f"Error: {call.name!r} did not return within {self.timeout_s:g} s", start
+            )
         except Exception as err:  # noqa: BLE001 - the user's tool: its failure is the model's observation
-            return self._result(call, f"Error: {call.name!r} raised {type(err).__name__}: {str(err)[:300]}", start)
+            return self._result(
+                call, f"Error: {call.name!r} raised {type(err).__name__}: {str(err)[:300]}", start
+            )
         return ToolResult(call.name, _as_text(value), False, time.perf_counter() - start)
 
     @staticmethod
@@ -172,7 +197,9 @@ def _run(fn: Callable[..., Any], arguments: dict[str, Any], timeout_s: float | N
     if inspect.iscoroutinefunction(fn):
         from earl_lightning.tasks.rewards import event_loop
 
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(fn(**arguments), timeout_s), event_loop())
+        future = asyncio.run_coroutine_threadsafe(
+            asyncio.wait_for(fn(**arguments), timeout_s), event_loop()
+        )
         return future.result()
     if timeout_s is None:
         return fn(**arguments)

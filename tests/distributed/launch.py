@@ -25,7 +25,6 @@ import torch.multiprocessing as mp
 
 from earl_lightning.parallel.launch_env import free_port, standalone_env
 
-
 _POLL_S = 0.2  # how often the parent checks that every rank is still alive while it waits
 JOIN_TIMEOUT_S = 120.0  # for every rank to be in the process group (normally seconds)
 STALL_ENV = "EARL_TEST_STALL_JOIN"  # launcher tests: "<file>:<n>": rank 0 never joins in the first n launches
@@ -45,8 +44,16 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 # Imported once by the fork server, so that each rank starts forked with them in place instead of
 # importing them afresh (~3-9 s of CPU a rank on 2 cores, most of a short distributed test).
-_PRELOAD = ["torch", "torch.distributed.tensor", "lightning.pytorch", "transformers", "earl_lightning.modules",
-            "earl_lightning.strategies", "earl_lightning.callbacks", "tests.distributed.launch"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed.tensor",
+    "lightning.pytorch",
+    "transformers",
+    "earl_lightning.modules",
+    "earl_lightning.strategies",
+    "earl_lightning.callbacks",
+    "tests.distributed.launch",
+]
 
 
 def _context():
@@ -61,8 +68,13 @@ def _context():
 def _worker(rank, world_size, port, fn, args, queue, environ):
     os.environ.clear()  # the caller's environment now, not the fork server's when it started
     os.environ.update(environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     try:
         _stall(rank)
@@ -92,7 +104,9 @@ def _stall(rank: int) -> None:
     time.sleep(3600)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, join_timeout: float = JOIN_TIMEOUT_S):
+def run_distributed(
+    fn, world_size: int, *args, timeout: float = 300.0, join_timeout: float = JOIN_TIMEOUT_S
+):
     """``fn`` on ``world_size`` gloo processes; their return values in rank order.
 
     Fails (RuntimeError) as soon as a rank reports an exception, dies without reporting (a segfault,
@@ -105,8 +119,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, join_tim
         try:
             return _launch(fn, world_size, args, timeout, join_timeout)
         except RendezvousHang as second:
-            raise RuntimeError(f"distributed worker failed: the gloo group did not form, twice ({first}; then "
-                               f"{second})") from None
+            raise RuntimeError(
+                f"distributed worker failed: the gloo group did not form, twice ({first}; then "
+                f"{second})"
+            ) from None
 
 
 def _launch(fn, world_size: int, args: tuple, timeout: float, join_timeout: float) -> list:
@@ -114,8 +130,10 @@ def _launch(fn, world_size: int, args: tuple, timeout: float, join_timeout: floa
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, environ))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, environ))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     try:
@@ -123,7 +141,9 @@ def _launch(fn, world_size: int, args: tuple, timeout: float, join_timeout: floa
     except BaseException:
         _stop(procs, grace_s=0.0)  # survivors may wait forever in a collective with a dead rank
         raise
-    _stop(procs, grace_s=30.0)  # every rank reported: give them time to tear their process group down
+    _stop(
+        procs, grace_s=30.0
+    )  # every rank reported: give them time to tear their process group down
     return [results[r] for r in range(world_size)]
 
 
@@ -137,16 +157,22 @@ def _collect(queue, procs, timeout: float, join_timeout: float = JOIN_TIMEOUT_S)
             continue
         waiting = [r for r in range(len(procs)) if r not in joined and r not in results]
         if waiting and time.monotonic() > start + join_limit and not _dead(procs, results):
-            raise RendezvousHang(f"rank(s) {waiting} not in the process group after {join_limit:g} s")
+            raise RendezvousHang(
+                f"rank(s) {waiting} not in the process group after {join_limit:g} s"
+            )
         # Nothing arrived: is a rank gone? Its result may have reached the pipe just before it
         # exited, so read what is left before calling it dead.
         if _dead(procs, results) and not _receive(queue, results, _POLL_S, joined):
             rank, code = _dead(procs, results)[0]
-            raise RuntimeError(f"distributed worker failed: rank {rank} died without reporting a result "
-                               f"({_describe_exit(code)})")
+            raise RuntimeError(
+                f"distributed worker failed: rank {rank} died without reporting a result "
+                f"({_describe_exit(code)})"
+            )
         if time.monotonic() > deadline:
             missing = [r for r in range(len(procs)) if r not in results]
-            raise RuntimeError(f"distributed worker failed: no result from rank(s) {missing} within {timeout:g} s")
+            raise RuntimeError(
+                f"distributed worker failed: no result from rank(s) {missing} within {timeout:g} s"
+            )
     return results
 
 
@@ -168,7 +194,9 @@ def _receive(queue, results: dict, wait_s: float, joined: set) -> bool:
 
 def _dead(procs, results: dict) -> list[tuple[int, int]]:
     """(rank, exit code) of the ranks that ended without a result."""
-    return [(r, p.exitcode) for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+    return [
+        (r, p.exitcode) for r, p in enumerate(procs) if r not in results and p.exitcode is not None
+    ]
 
 
 def _describe_exit(code: int) -> str:

@@ -29,7 +29,9 @@ def main(mode: str, rank: int, port: str, timeout_s: float) -> None:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     set_collective_timeout(timedelta(seconds=timeout_s))
     set_collective_timeout(timedelta(seconds=timeout_s), mesh.get_all_groups())
-    later = dist.new_group([0, 1], timeout=collective_timeout())  # as the dispatcher makes its groups
+    later = dist.new_group(
+        [0, 1], timeout=collective_timeout()
+    )  # as the dispatcher makes its groups
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
@@ -37,7 +39,12 @@ def main(mode: str, rank: int, port: str, timeout_s: float) -> None:
         group = {"stop_mesh": mesh.get_group("tp"), "stop_later": later}.get(mode)
         dist.all_reduce(torch.ones(3), group=group)
     except Exception as err:  # noqa: BLE001 - what the test classifies
-        print(json.dumps({"type": f"{type(err).__module__}.{type(err).__qualname__}", "text": str(err)}), flush=True)
+        print(
+            json.dumps(
+                {"type": f"{type(err).__module__}.{type(err).__qualname__}", "text": str(err)}
+            ),
+            flush=True,
+        )
         os._exit(0)  # gloo's threads may abort the interpreter's exit with the peer gone
     raise SystemExit("the all-reduce returned with the peer gone")
 

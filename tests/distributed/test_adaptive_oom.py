@@ -36,9 +36,19 @@ def _fit_two_steps(world: int, root: str, cb, box: dict):
     from earl_lightning.strategies import EarlStrategy
     from tests.unit.test_adaptive import datamodule, module
 
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=EarlStrategy(), callbacks=[cb], max_steps=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=root)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=EarlStrategy(),
+        callbacks=[cb],
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
     box["strategy"] = trainer.strategy
     trainer.fit(module(), datamodule(batch_size=8, group_size=2))
     return trainer
@@ -66,12 +76,18 @@ def _fit(rank: int, world: int, root: str, profile_path: str) -> dict:
     inject("rollout", rl.AgenticRLModule, "_play", VLLM_OOM, lambda lay: lay.tp == 1)
     inject("experience", rl, "fill_logprobs", CPU_OOM, lambda lay: lay.tp == 1)
     inject("train", rl, "ppo_update", CUDA_OOM, lambda lay: lay.micro_batch_tokens == 1024)
-    cb = AdaptiveParallelism(profile=profile_path, memory_budget_gb=1, micro_batch_tokens=[1024, 256])
+    cb = AdaptiveParallelism(
+        profile=profile_path, memory_budget_gb=1, micro_batch_tokens=[1024, 256]
+    )
     trainer = _fit_two_steps(world, root, cb, box)
-    return dict(global_step=trainer.global_step, seen=seen, oom=[(e["stage"], e["layout"]) for e in cb.oom_events],
-                history=[(h["step"], h["stage"], h["layout"]) for h in cb.history],
-                recoveries=float(trainer.logged_metrics.get("oom/recoveries", torch.tensor(-1.0))),
-                world=dist.get_world_size())
+    return dict(
+        global_step=trainer.global_step,
+        seen=seen,
+        oom=[(e["stage"], e["layout"]) for e in cb.oom_events],
+        history=[(h["step"], h["stage"], h["layout"]) for h in cb.history],
+        recoveries=float(trainer.logged_metrics.get("oom/recoveries", torch.tensor(-1.0))),
+        world=dist.get_world_size(),
+    )
 
 
 def test_each_stage_recovers_on_two_processes(tmp_path):
@@ -84,8 +100,13 @@ def test_each_stage_recovers_on_two_processes(tmp_path):
         # dp2xtp1 fails with either micro-batch (the injected OOM depends on tp only): the smaller
         # micro-batch is tried first, then the other placement; step 1 goes straight to what worked
         tried = ["dp2xtp1-mbt1024", "dp2xtp1-mbt256", "dp1xtp2-mbt1024"]
-        assert r["oom"] == [("rollout", tried[0]), ("rollout", tried[1]), ("experience", tried[0]),
-                            ("experience", tried[1]), ("train", "dp2xtp1-mbt1024")]
+        assert r["oom"] == [
+            ("rollout", tried[0]),
+            ("rollout", tried[1]),
+            ("experience", tried[0]),
+            ("experience", tried[1]),
+            ("train", "dp2xtp1-mbt1024"),
+        ]
         assert r["seen"]["rollout"] == r["seen"]["experience"] == tried + ["dp1xtp2-mbt1024"]
         assert r["seen"]["train"] == ["dp2xtp1-mbt1024", "dp2xtp1-mbt256", "dp2xtp1-mbt256"]
     assert r0["history"] == r1["history"]  # one decision for both ranks
@@ -112,9 +133,13 @@ def _fit_one_rank_oom(rank: int, world: int, root: str, profile_path: str) -> di
     rl.AgenticRLModule._play = rollout
     cb = AdaptiveParallelism(profile=profile_path, memory_budget_gb=1, micro_batch_tokens=[1024])
     trainer = _fit_two_steps(world, root, cb, box)
-    return dict(global_step=trainer.global_step, seen=seen, oom=[(e["stage"], e["layout"]) for e in cb.oom_events],
-                errors=[e["error"].split(":")[0] for e in cb.oom_events],
-                history=[(h["step"], h["stage"], h["layout"]) for h in cb.history])
+    return dict(
+        global_step=trainer.global_step,
+        seen=seen,
+        oom=[(e["stage"], e["layout"]) for e in cb.oom_events],
+        errors=[e["error"].split(":")[0] for e in cb.oom_events],
+        history=[(h["step"], h["stage"], h["layout"]) for h in cb.history],
+    )
 
 
 def test_an_oom_on_one_rank_is_retried_by_all(tmp_path):
@@ -125,5 +150,7 @@ def test_an_oom_on_one_rank_is_retried_by_all(tmp_path):
         assert r["oom"] == [("rollout", "dp2xtp1-mbt1024")]
         # both ranks ran the rollout under dp2xtp1, then both retried it under dp1xtp2 (kept at step 1)
         assert r["seen"] == ["dp2xtp1", "dp1xtp2", "dp1xtp2"]
-    assert r0["errors"] == ["RuntimeError"] and r1["errors"] == ["MemoryError"]  # rank 1 learned it from rank 0
+    assert r0["errors"] == ["RuntimeError"] and r1["errors"] == [
+        "MemoryError"
+    ]  # rank 1 learned it from rank 0
     assert r0["history"] == r1["history"]

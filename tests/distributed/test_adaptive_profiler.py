@@ -19,9 +19,13 @@ def _profile(rank: int, world: int, path: str) -> dict:
     from earl_lightning.profiling.stages import ProfileGrid, profile_stages
 
     layouts = [Layout(2, 1, 256), Layout(1, 2, 256)]
-    run = profile_stages(lambda: AutoModelForCausalLM.from_pretrained(path), load_tokenizer("earl-tiny"),
-                         layouts=layouts, grid=ProfileGrid(contexts=[32, 96], num_seqs=[3], gen_len=2),
-                         model_name="tiny")
+    run = profile_stages(
+        lambda: AutoModelForCausalLM.from_pretrained(path),
+        load_tokenizer("earl-tiny"),
+        layouts=layouts,
+        grid=ProfileGrid(contexts=[32, 96], num_seqs=[3], gen_len=2),
+        model_name="tiny",
+    )
     return dict(table=run.table.to_dict(), measured=run.measured, skipped=run.skipped)
 
 
@@ -31,7 +35,9 @@ def test_profiles_every_layout_on_two_processes():
 
     path = str(make_tiny_model("earl-tiny", hidden_size=64, intermediate_size=128))
     r0, r1 = run_distributed(_profile, 2, path)
-    assert r0["table"] == r1["table"]  # times are the slowest rank's, work the global sum: one answer
+    assert (
+        r0["table"] == r1["table"]
+    )  # times are the slowest rank's, work the global sum: one answer
     assert r0["measured"] == 12 and r0["skipped"] == []
     table = ProfileTable.from_dict(r0["table"])
     assert table.world_size == 2

@@ -15,8 +15,15 @@ from tests.distributed.test_invariance_layouts import _worker, reference_update
 pytestmark = pytest.mark.distributed
 
 # Two layers, 4 heads / 2 KV heads (GQA; tp=2 divides both), vocab 128 (fixed_batch draws ids < 100).
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64)
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 FAMILIES = {
     "llama": {},
     "qwen2": {},
@@ -32,7 +39,9 @@ def tiny_config(model_type: str):
     from transformers import AutoConfig
 
     if model_type == NO_PLAN:
-        return AutoConfig.for_model("gpt2", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+        return AutoConfig.for_model(
+            "gpt2", vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64
+        )
     return AutoConfig.for_model(model_type, **_COMMON, **FAMILIES[model_type])
 
 
@@ -52,8 +61,13 @@ def _check_family(ref, results, model_type: str) -> None:
         assert loss == pytest.approx(ref_loss, rel=1e-4), where
         assert params.keys() == ref_params.keys(), where
         for name, value in params.items():
-            torch.testing.assert_close(torch.from_numpy(value), ref_params[name], rtol=1e-4, atol=1e-6,
-                                       msg=f"{name} {where}")
+            torch.testing.assert_close(
+                torch.from_numpy(value),
+                ref_params[name],
+                rtol=1e-4,
+                atol=1e-6,
+                msg=f"{name} {where}",
+            )
 
 
 def _family_worker(rank: int, world: int, runs: dict[str, tuple[str, list]]):
@@ -70,7 +84,11 @@ def _run(tmp_path, world: int, layouts: dict[str, list]) -> None:
 def test_families_on_2_processes(tmp_path):
     """dp=2 with activation checkpointing on the `_no_split_modules` blocks; tp=2 from the model's
     plan; the model without a plan at dp=2 only."""
-    _run(tmp_path, 2, {**{t: [(2, 1, True), (1, 2, False)] for t in FAMILIES}, NO_PLAN: [(2, 1, True)]})
+    _run(
+        tmp_path,
+        2,
+        {**{t: [(2, 1, True), (1, 2, False)] for t in FAMILIES}, NO_PLAN: [(2, 1, True)]},
+    )
 
 
 def test_families_on_4_processes(tmp_path):

@@ -28,10 +28,23 @@ def episodes(dp_rank: int, dp: int) -> list[Episode]:
     out = []
     for i in range(dp_rank, 8, dp):
         n = 3 + i
-        out.append(Episode(spec=EpisodeSpec("x", i, i, i), token_ids=list(range(n)), action_mask=[0, 1] * (n // 2) +
-                           [0] * (n % 2), logprobs=[0.0] * n, reward=0.5 * i - 1, num_turns=1 + i % 3, done=True,
-                           truncated=i == 5, invalid_action=i == 2, outcome=OUTCOMES[i],
-                           error="boom" if i == 6 else None, turn_starts=[1], messages=[]))
+        out.append(
+            Episode(
+                spec=EpisodeSpec("x", i, i, i),
+                token_ids=list(range(n)),
+                action_mask=[0, 1] * (n // 2) + [0] * (n % 2),
+                logprobs=[0.0] * n,
+                reward=0.5 * i - 1,
+                num_turns=1 + i % 3,
+                done=True,
+                truncated=i == 5,
+                invalid_action=i == 2,
+                outcome=OUTCOMES[i],
+                error="boom" if i == 6 else None,
+                turn_starts=[1],
+                messages=[],
+            )
+        )
     return out
 
 
@@ -39,15 +52,20 @@ def grouped(dp_rank: int, dp: int) -> list[Episode]:
     """Episodes ``i`` of 8 in groups of two (``i // 2``), each group split over the dp ranks when
     dp = 2; groups 0 and 2 have equal rewards (no spread), groups 1 and 3 do not."""
     rewards = [1.0, 1.0, 0.0, 1.0, -2.0, -2.0, 0.3, 0.30001]
-    return [replace(e, spec=EpisodeSpec("x", i, i // 2, i), reward=rewards[i])
-            for e, i in zip(episodes(dp_rank, dp), range(dp_rank, 8, dp))]
+    return [
+        replace(e, spec=EpisodeSpec("x", i, i // 2, i), reward=rewards[i])
+        for e, i in zip(episodes(dp_rank, dp), range(dp_rank, 8, dp))
+    ]
 
 
 def experience(eps: list[Episode]) -> ExperienceBatch:
     return ExperienceBatch.from_sequences(
-        {"input_ids": [torch.tensor(e.token_ids) for e in eps],
-         "action_mask": [torch.tensor(e.action_mask, dtype=torch.float32) for e in eps]},
-        {"rewards": torch.tensor([e.reward for e in eps])})
+        {
+            "input_ids": [torch.tensor(e.token_ids) for e in eps],
+            "action_mask": [torch.tensor(e.action_mask, dtype=torch.float32) for e in eps],
+        },
+        {"rewards": torch.tensor([e.reward for e in eps])},
+    )
 
 
 def metrics_of(layout: Layout | None) -> tuple[dict[str, float], dict[str, float]]:
@@ -79,7 +97,9 @@ def check(rank: int, world: int, tp: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step, val = metrics_of(layout)
-    assert not [w for w in caught if "sync" in str(w.message).lower()], [str(w.message) for w in caught]
+    assert not [w for w in caught if "sync" in str(w.message).lower()], [
+        str(w.message) for w in caught
+    ]
     from earl_lightning.modules.metrics import zero_spread_share
 
     flat = zero_spread_share(grouped(dp_rank, layout.dp), 4, reducer.sum_moments)
@@ -94,7 +114,9 @@ def test_reducer_and_run_metrics_equal_one_process(world, tp):
     step, val = metrics_of(None)  # one process, all 8 episodes
     flat = zero_spread_share(grouped(0, 1), 4, lambda parts: parts)
     assert flat == 0.5  # groups 0 and 2 of 4
-    assert step["env/errors"] == 1.0 and step["env/win_rate"] == 3 / 8 and step["context/max"] == 10.0
+    assert (
+        step["env/errors"] == 1.0 and step["env/win_rate"] == 3 / 8 and step["context/max"] == 10.0
+    )
     for res in results:
         assert res["flat"] == flat
         assert res["step"].keys() == step.keys()

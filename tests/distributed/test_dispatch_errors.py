@@ -18,23 +18,33 @@ pytestmark = pytest.mark.distributed
 def small_batch(rank: int, n: int = 3, reward_dtype=torch.float32) -> ExperienceBatch:
     return ExperienceBatch.from_sequences(
         {"input_ids": [torch.arange(k + 1) for k in range(n)]},
-        {"rewards": torch.ones(n, dtype=reward_dtype), "group_ids": torch.zeros(n, dtype=torch.long),
-         "episode_ids": torch.arange(n) + 100 * rank},
+        {
+            "rewards": torch.ones(n, dtype=reward_dtype),
+            "group_ids": torch.zeros(n, dtype=torch.long),
+            "episode_ids": torch.arange(n) + 100 * rank,
+        },
     )
 
 
 def check_errors(rank: int, world: int) -> str:
     d = Dispatcher()
-    with pytest.raises(ValueError, match=r"`to` dp4xtp1 has dp\*tp = 4, but the world size is 2; "
-                                         r"valid layouts: \['dp2xtp1', 'dp1xtp2'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"`to` dp4xtp1 has dp\*tp = 4, but the world size is 2; "
+        r"valid layouts: \['dp2xtp1', 'dp1xtp2'\]",
+    ):
         d.exchange(small_batch(rank), Layout(dp=4, tp=1))
     with pytest.raises(ValueError, match=r"`src` dp1xtp1 has dp\*tp = 1, but the world size is 2"):
         d.exchange(small_batch(rank), Layout(dp=2, tp=1), src=Layout(dp=1, tp=1))
     with pytest.raises(ValueError, match=r"`to` must be a Layout\(dp=..., tp=...\), got 'dp2'"):
         d.exchange(small_batch(rank), "dp2")
-    with pytest.raises(ValueError, match=r"`tp_mode` must be one of \['auto', 'direct', 'broadcast'\], got 'ring'"):
+    with pytest.raises(
+        ValueError, match=r"`tp_mode` must be one of \['auto', 'direct', 'broadcast'\], got 'ring'"
+    ):
         Dispatcher(tp_mode="ring")
-    with pytest.raises(ValueError, match=r"`method` must be one of \['tensor', 'object'\], got 'pickle'"):
+    with pytest.raises(
+        ValueError, match=r"`method` must be one of \['tensor', 'object'\], got 'pickle'"
+    ):
         CentralizedDispatcher(method="pickle")
 
     # A NaN reward written into rank 1's batch after construction: rank 1 names the episode, rank 0
@@ -42,26 +52,37 @@ def check_errors(rank: int, world: int) -> str:
     batch = small_batch(rank)
     if rank == 1:
         batch.seqs["rewards"][2] = float("nan")
-    expected = r"reward of episode 102 is nan" if rank == 1 else r"the batch of rank\(s\) \[1\] is invalid"
+    expected = (
+        r"reward of episode 102 is nan" if rank == 1 else r"the batch of rank\(s\) \[1\] is invalid"
+    )
     with pytest.raises(ValueError, match=expected):
         d.exchange(batch, Layout(dp=2, tp=1))
     # Mismatched field lengths, same treatment.
     batch = small_batch(rank)
     if rank == 0:
         batch.tokens["input_ids"] = batch.tokens["input_ids"][:-1]
-    expected = r"token field 'input_ids' has shape \(5,\), expected \(6,\)" if rank == 0 else r"rank\(s\) \[0\]"
+    expected = (
+        r"token field 'input_ids' has shape \(5,\), expected \(6,\)"
+        if rank == 0
+        else r"rank\(s\) \[0\]"
+    )
     with pytest.raises(ValueError, match=expected):
         d.exchange(batch, Layout(dp=1, tp=2))
     # Ranks holding sequences with different fields.
     with pytest.raises(ValueError, match=r"ranks hold batches with different fields"):
-        d.exchange(small_batch(rank, reward_dtype=torch.float64 if rank else torch.float32), Layout(dp=2, tp=1))
+        d.exchange(
+            small_batch(rank, reward_dtype=torch.float64 if rank else torch.float32),
+            Layout(dp=2, tp=1),
+        )
     with pytest.raises(ValueError, match=r"`keep_groups=True` needs a `group_ids` sequence field"):
         b = small_batch(rank)
         del b.seqs["group_ids"]
         d.exchange(b, Layout(dp=2, tp=1), keep_groups=True)
     # The dispatcher still works after all those errors, and an empty rank built without fields
     # adopts the others' fields.
-    batch = small_batch(rank, n=4) if rank == 0 else ExperienceBatch(torch.zeros(1, dtype=torch.long))
+    batch = (
+        small_batch(rank, n=4) if rank == 0 else ExperienceBatch(torch.zeros(1, dtype=torch.long))
+    )
     out = d.exchange(batch, Layout(dp=2, tp=1))
     assert out.schema() == small_batch(0).schema()
     stats = d.last_stats
@@ -89,12 +110,20 @@ def check_subgroup_broadcast_refused(rank: int, world: int) -> str:
     with pytest.raises(ValueError) as err:
         d.exchange(small_batch(rank % 2), Layout(dp=1, tp=2))
     assert moved == []
-    direct = Dispatcher(pairs[rank // 2], tp_mode="direct").exchange(small_batch(rank % 2), Layout(dp=1, tp=2))
+    direct = Dispatcher(pairs[rank // 2], tp_mode="direct").exchange(
+        small_batch(rank % 2), Layout(dp=1, tp=2)
+    )
     assert sorted(direct.seqs["episode_ids"].tolist()) == [0, 1, 2, 100, 101, 102]
     return str(err.value)
 
 
 def test_broadcast_over_a_group_that_does_not_span_the_world_is_refused():
     results = run_distributed(check_subgroup_broadcast_refused, 4)
-    assert results == ["Dispatcher(group=...): a TP broadcast needs the group to span every process (got 2 of 4); "
-                       "use tp_mode='direct' or the default group"] * 4
+    assert (
+        results
+        == [
+            "Dispatcher(group=...): a TP broadcast needs the group to span every process (got 2 of 4); "
+            "use tp_mode='direct' or the default group"
+        ]
+        * 4
+    )

@@ -66,9 +66,20 @@ def draw_cases(world: int, n: int) -> list[dict]:
 
     collect()
     # Always one large case with wildly different lengths, whatever hypothesis drew.
-    out.append({"world": world, "src": (world, 1), "dst": (1, world) if world < 4 else (2, 2),
-                "counts": [80 // world + 1] * world, "max_len": 3000, "groups": 16, "keep_groups": False,
-                "tp_mode": "auto", "locality": True, "seed": 12345})
+    out.append(
+        {
+            "world": world,
+            "src": (world, 1),
+            "dst": (1, world) if world < 4 else (2, 2),
+            "counts": [80 // world + 1] * world,
+            "max_len": 3000,
+            "groups": 16,
+            "keep_groups": False,
+            "tp_mode": "auto",
+            "locality": True,
+            "seed": 12345,
+        }
+    )
     return out
 
 
@@ -77,7 +88,11 @@ def build_batch(case: dict, dp_rank: int) -> ExperienceBatch:
     g = torch.Generator().manual_seed(case["seed"] * 1000 + dp_rank)
     n = case["counts"][dp_rank]
     # log-uniform lengths: sequences of very different sizes side by side
-    lens = torch.exp(torch.rand(n, generator=g) * torch.log(torch.tensor(float(case["max_len"])))).long().clamp(min=1)
+    lens = (
+        torch.exp(torch.rand(n, generator=g) * torch.log(torch.tensor(float(case["max_len"]))))
+        .long()
+        .clamp(min=1)
+    )
     toks = {
         "input_ids": [torch.randint(0, 104, (k,), generator=g) for k in lens.tolist()],
         "action_mask": [torch.rand(k, generator=g) > 0.3 for k in lens.tolist()],
@@ -92,7 +107,9 @@ def build_batch(case: dict, dp_rank: int) -> ExperienceBatch:
         "num_turns": torch.randint(1, 5, (n,), generator=g).to(torch.int32),
     }
     if n == 0:
-        return ExperienceBatch.empty(build_batch({**case, "counts": [1] * len(case["counts"])}, 0).schema())
+        return ExperienceBatch.empty(
+            build_batch({**case, "counts": [1] * len(case["counts"])}, 0).schema()
+        )
     return ExperienceBatch.from_sequences(toks, seqs)
 
 
@@ -106,9 +123,12 @@ def digest(b: ExperienceBatch) -> str:
 
 
 def equal(a: ExperienceBatch, b: ExperienceBatch) -> bool:
-    return (torch.equal(a.cu_seqlens, b.cu_seqlens) and a.schema() == b.schema()
-            and all(torch.equal(a.tokens[k], b.tokens[k]) for k in a.tokens)
-            and all(torch.equal(a.seqs[k], b.seqs[k]) for k in a.seqs))
+    return (
+        torch.equal(a.cu_seqlens, b.cu_seqlens)
+        and a.schema() == b.schema()
+        and all(torch.equal(a.tokens[k], b.tokens[k]) for k in a.tokens)
+        and all(torch.equal(a.seqs[k], b.seqs[k]) for k in a.seqs)
+    )
 
 
 def check_rows_match_input(out: ExperienceBatch, case: dict) -> None:
@@ -116,7 +136,9 @@ def check_rows_match_input(out: ExperienceBatch, case: dict) -> None:
     inputs = {d: build_batch(case, d) for d in range(case["src"][0])}
     for j, ep in enumerate(out.seqs["episode_ids"].tolist()):
         expected = inputs[ep // 10_000].select([ep % 10_000])
-        assert equal(out.select([j]), expected), f"row of episode {ep} differs from the input; case {case}"
+        assert equal(out.select([j]), expected), (
+            f"row of episode {ep} differs from the input; case {case}"
+        )
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -128,14 +150,27 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         dispatcher = Dispatcher(tp_mode=case["tp_mode"], locality=case["locality"])
         out = dispatcher.exchange(batch, dst, **kw)
         check_rows_match_input(out, case)
-        tensor = CentralizedDispatcher(method="tensor", locality=case["locality"]).exchange(batch, dst, **kw)
-        obj = CentralizedDispatcher(method="object", locality=case["locality"]).exchange(batch, dst, **kw)
+        tensor = CentralizedDispatcher(method="tensor", locality=case["locality"]).exchange(
+            batch, dst, **kw
+        )
+        obj = CentralizedDispatcher(method="object", locality=case["locality"]).exchange(
+            batch, dst, **kw
+        )
         plan = dispatcher.last_plan
-        results.append({"episodes": out.seqs["episode_ids"].tolist(), "digest": digest(out),
-                        "same_as_tensor": equal(out, tensor), "same_as_object": equal(out, obj),
-                        "dp_tokens": plan.dp_tokens(), "lengths": plan.lengths,
-                        "groups": dict(zip(out.seqs["episode_ids"].tolist(), out.seqs["group_ids"].tolist())),
-                        "imbalance": dispatcher.last_stats["imbalance"]})
+        results.append(
+            {
+                "episodes": out.seqs["episode_ids"].tolist(),
+                "digest": digest(out),
+                "same_as_tensor": equal(out, tensor),
+                "same_as_object": equal(out, obj),
+                "dp_tokens": plan.dp_tokens(),
+                "lengths": plan.lengths,
+                "groups": dict(
+                    zip(out.seqs["episode_ids"].tolist(), out.seqs["group_ids"].tolist())
+                ),
+                "imbalance": dispatcher.last_stats["imbalance"],
+            }
+        )
     return results
 
 
@@ -152,18 +187,26 @@ def check_case(case: dict, per_rank: list[dict]) -> None:
     for g in range(dst.dp):
         members = [per_rank[r] for r in dst.tp_group_ranks(g)]
         assert len({m["digest"] for m in members}) == 1, f"TP group {g} members differ; case {case}"
-        assert members[0]["episodes"] == sorted(members[0]["episodes"]), f"order not canonical; case {case}"
+        assert members[0]["episodes"] == sorted(members[0]["episodes"]), (
+            f"order not canonical; case {case}"
+        )
         delivered += members[0]["episodes"]
     assert sorted(delivered) == every, f"not every sequence delivered exactly once; case {case}"
-    assert all(r["same_as_tensor"] and r["same_as_object"] for r in per_rank), f"differs from centralized; {case}"
+    assert all(r["same_as_tensor"] and r["same_as_object"] for r in per_rank), (
+        f"differs from centralized; {case}"
+    )
     if case["keep_groups"]:
         owner = {}
         for g in range(dst.dp):
             for gid in per_rank[dst.rank_of(g, 0)]["groups"].values():
-                assert owner.setdefault(gid, g) == g, f"group {gid} split across dp ranks; case {case}"
+                assert owner.setdefault(gid, g) == g, (
+                    f"group {gid} split across dp ranks; case {case}"
+                )
     lengths = per_rank[0]["lengths"]
     if len(lengths) >= 64 and not case["keep_groups"]:
-        assert max(per_rank[0]["dp_tokens"]) <= 1.05 * lower_bound(lengths, dst.dp), f"imbalanced; case {case}"
+        assert max(per_rank[0]["dp_tokens"]) <= 1.05 * lower_bound(lengths, dst.dp), (
+            f"imbalanced; case {case}"
+        )
 
 
 def check_world(world: int) -> None:
@@ -195,9 +238,21 @@ def run_after_uneven_groups(rank: int, world: int, case: dict) -> list[dict]:
 
 
 def test_broadcast_group_forms_after_ranks_made_different_groups():
-    case = {"world": 4, "src": (4, 1), "dst": (1, 4), "counts": [5, 3, 0, 7], "max_len": 300, "groups": 4,
-            "keep_groups": False, "tp_mode": "broadcast", "locality": True, "seed": 7}
+    case = {
+        "world": 4,
+        "src": (4, 1),
+        "dst": (1, 4),
+        "counts": [5, 3, 0, 7],
+        "max_len": 300,
+        "groups": 4,
+        "keep_groups": False,
+        "tp_mode": "broadcast",
+        "locality": True,
+        "seed": 7,
+    }
     results = run_distributed(run_after_uneven_groups, 4, case, timeout=120.0)
     for i in range(2):
         check_case(case, [results[r][i] for r in range(4)])
-        assert len({results[r][i]["digest"] for r in range(4)}) == 1  # the TP-4 group holds one batch
+        assert (
+            len({results[r][i]["digest"] for r in range(4)}) == 1
+        )  # the TP-4 group holds one batch

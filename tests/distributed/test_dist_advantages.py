@@ -16,9 +16,15 @@ from earl_lightning.parallel.layout import Layout
 from tests.distributed.launch import run_distributed
 
 NUM_SEQS, NUM_GROUPS, WIDTH = 37, 7, 23
-CASES = [("grpo", dict(scale="group")), ("grpo", dict(scale="batch")), ("grpo", dict(scale="none")),
-         ("rloo", {}), ("reinforce_pp", dict(gamma=1.0)), ("reinforce_pp", dict(gamma=0.9)),
-         ("gae", dict(gamma=0.9, lam=0.95))]
+CASES = [
+    ("grpo", dict(scale="group")),
+    ("grpo", dict(scale="batch")),
+    ("grpo", dict(scale="none")),
+    ("rloo", {}),
+    ("reinforce_pp", dict(gamma=1.0)),
+    ("reinforce_pp", dict(gamma=0.9)),
+    ("gae", dict(gamma=0.9, lam=0.95)),
+]
 
 pytestmark = pytest.mark.distributed
 
@@ -28,16 +34,27 @@ def global_inputs() -> AdvantageInputs:
     rewards = torch.randn(NUM_SEQS, generator=g) * 3 + 1
     group_ids = torch.randint(0, NUM_GROUPS, (NUM_SEQS,), generator=g)
     mask = (torch.rand(NUM_SEQS, WIDTH, generator=g) > 0.4).float()
-    return AdvantageInputs(rewards=rewards, group_ids=group_ids, num_groups=NUM_GROUPS,
-                           episode_rows=torch.ones(NUM_SEQS, dtype=torch.bool),
-                           token_rewards=torch.randn(NUM_SEQS, WIDTH, generator=g) * mask, mask=mask,
-                           values=torch.randn(NUM_SEQS, WIDTH, generator=g))
+    return AdvantageInputs(
+        rewards=rewards,
+        group_ids=group_ids,
+        num_groups=NUM_GROUPS,
+        episode_rows=torch.ones(NUM_SEQS, dtype=torch.bool),
+        token_rewards=torch.randn(NUM_SEQS, WIDTH, generator=g) * mask,
+        mask=mask,
+        values=torch.randn(NUM_SEQS, WIDTH, generator=g),
+    )
 
 
 def rows_of(inputs: AdvantageInputs, rows: torch.Tensor) -> AdvantageInputs:
-    return AdvantageInputs(rewards=inputs.rewards[rows], group_ids=inputs.group_ids[rows], num_groups=NUM_GROUPS,
-                           episode_rows=inputs.episode_rows[rows], token_rewards=inputs.token_rewards[rows],
-                           mask=inputs.mask[rows], values=inputs.values[rows])
+    return AdvantageInputs(
+        rewards=inputs.rewards[rows],
+        group_ids=inputs.group_ids[rows],
+        num_groups=NUM_GROUPS,
+        episode_rows=inputs.episode_rows[rows],
+        token_rewards=inputs.token_rewards[rows],
+        mask=inputs.mask[rows],
+        values=inputs.values[rows],
+    )
 
 
 def shard(dp_rank: int, dp: int) -> torch.Tensor:
@@ -55,8 +72,12 @@ def compare(rank: int, world: int, tp: int) -> int:
         est = get_advantage_estimator(name)
         local = est(rows_of(full, rows), reducer.sum_moments, **params)
         single = est(full, **params)
-        torch.testing.assert_close(local.advantages, single.advantages[rows], rtol=1e-6, atol=1e-6, msg=name)
-    with pytest.raises(ValueError, match=r"`scale` must be one of \['group', 'batch', 'none'\], got 'rank'"):
+        torch.testing.assert_close(
+            local.advantages, single.advantages[rows], rtol=1e-6, atol=1e-6, msg=name
+        )
+    with pytest.raises(
+        ValueError, match=r"`scale` must be one of \['group', 'batch', 'none'\], got 'rank'"
+    ):
         get_advantage_estimator("grpo")(rows_of(full, rows), reducer.sum_moments, scale="rank")
     with pytest.raises(ValueError, match=r"`layout` dp3xtp1 has dp\*tp = 3, but the world size is"):
         Reducer(Layout(3, 1))

@@ -31,7 +31,7 @@ def fixed_batch() -> dict[str, torch.Tensor]:
     ids = torch.randint(3, 100, (B, T), generator=g)
     mask = torch.zeros(B, T)
     for i in range(B):
-        mask[i, 4: 6 + i % 6] = 1.0
+        mask[i, 4 : 6 + i % 6] = 1.0
     adv = torch.randn(B, generator=g)[:, None].expand(B, T).clone()
     noise = 0.3 * torch.randn(B, T, generator=g)
     return dict(ids=ids, mask=mask, adv=adv, noise=noise)
@@ -78,13 +78,18 @@ def sharded_update(path: str, layout: Layout) -> tuple[float, dict[str, torch.Te
     dp_rank, _ = layout.coords(dist.get_rank())
     per = B // layout.dp  # ranks of one TP group take the same rows
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    loss = ppo_clip_sum(model, batch, slice(dp_rank * per, (dp_rank + 1) * per)) / batch["mask"].sum()
+    loss = (
+        ppo_clip_sum(model, batch, slice(dp_rank * per, (dp_rank + 1) * per)) / batch["mask"].sum()
+    )
     loss.backward()
     opt.step()
     total = loss.detach().clone()
     dist.all_reduce(total)
     full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
-    params = {n.replace("_checkpoint_wrapped_module.", ""): full(p).detach().clone() for n, p in model.named_parameters()}
+    params = {
+        n.replace("_checkpoint_wrapped_module.", ""): full(p).detach().clone()
+        for n, p in model.named_parameters()
+    }
     return total.item() / layout.tp, params
 
 
@@ -93,7 +98,10 @@ def _worker(rank: int, world: int, path: str, layouts: list[tuple[int, int, bool
     for dp, tp, ckpt in layouts:
         loss, params = sharded_update(path, Layout(dp=dp, tp=tp, activation_checkpointing=ckpt))
         # numpy pickles by value; torch tensors would travel as shared memory of an exiting process
-        out[(dp, tp, ckpt)] = (loss, {n: p.numpy() for n, p in params.items()} if rank == 0 else None)
+        out[(dp, tp, ckpt)] = (
+            loss,
+            {n: p.numpy() for n, p in params.items()} if rank == 0 else None,
+        )
     return out
 
 
@@ -103,15 +111,27 @@ def _check(reference, results) -> None:
         assert loss == pytest.approx(ref_loss, rel=1e-4), f"dp={dp} tp={tp} ckpt={ckpt}"
         assert params.keys() == ref_params.keys()
         for name, value in params.items():
-            torch.testing.assert_close(torch.from_numpy(value), ref_params[name], rtol=1e-4, atol=1e-6, msg=f"{name} dp={dp} tp={tp} ckpt={ckpt}")
-        moved = sum((torch.from_numpy(params[n]) - p0).abs().sum().item() for n, p0 in initial_params().items())
+            torch.testing.assert_close(
+                torch.from_numpy(value),
+                ref_params[name],
+                rtol=1e-4,
+                atol=1e-6,
+                msg=f"{name} dp={dp} tp={tp} ckpt={ckpt}",
+            )
+        moved = sum(
+            (torch.from_numpy(params[n]) - p0).abs().sum().item()
+            for n, p0 in initial_params().items()
+        )
         assert moved > 0, "the update must change the parameters"
 
 
 def initial_params() -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    return {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(tiny_path()).named_parameters()}
+    return {
+        n: p.detach()
+        for n, p in AutoModelForCausalLM.from_pretrained(tiny_path()).named_parameters()
+    }
 
 
 def test_update_invariant_on_2_processes():

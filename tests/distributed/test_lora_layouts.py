@@ -14,8 +14,8 @@ from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import build_replica, parallelize_model
 from earl_lightning.parallel.reshard import reshard_naive
 from earl_lightning.rollout.weight_sync import stream_full_weights
-from tests.distributed.test_invariance_layouts import B, LR, fixed_batch, ppo_clip_sum, tiny_path
 from tests.distributed.launch import run_distributed
+from tests.distributed.test_invariance_layouts import LR, B, fixed_batch, ppo_clip_sum, tiny_path
 
 pytestmark = pytest.mark.distributed
 
@@ -24,7 +24,9 @@ def adapted(path: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)  # lora_A's initialisation
-    return apply_lora(AutoModelForCausalLM.from_pretrained(path), LoraSettings(r=4, alpha=8.0, dropout=0.0))
+    return apply_lora(
+        AutoModelForCausalLM.from_pretrained(path), LoraSettings(r=4, alpha=8.0, dropout=0.0)
+    )
 
 
 def update(model: torch.nn.Module, rows: slice) -> float:
@@ -60,7 +62,9 @@ def _worker(rank: int, world: int, path: str) -> dict:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
     for ckpt in (False, True):
         model = adapted(path)
-        parallelize_model(model, mesh=mesh, layout=Layout(dp=2, tp=1, activation_checkpointing=ckpt))
+        parallelize_model(
+            model, mesh=mesh, layout=Layout(dp=2, tp=1, activation_checkpointing=ckpt)
+        )
         total = torch.tensor(update(model, slice(rank * B // 2, (rank + 1) * B // 2)))
         dist.all_reduce(total)
         merged = {n: t.numpy() for n, t in stream_full_weights(model)}  # every rank: a collective
@@ -79,10 +83,19 @@ def test_lora_update_replica_and_merged_weights_equal_one_process():
         for ckpt, got in by_ckpt.items():
             where = f"rank {rank}, activation_checkpointing={ckpt}"
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), where
-            torch.testing.assert_close(torch.from_numpy(got["on"]), ref["on"], rtol=1e-4, atol=1e-5, msg=where)
-            torch.testing.assert_close(torch.from_numpy(got["off"]), ref["off"], rtol=1e-4, atol=1e-5, msg=where)
+            torch.testing.assert_close(
+                torch.from_numpy(got["on"]), ref["on"], rtol=1e-4, atol=1e-5, msg=where
+            )
+            torch.testing.assert_close(
+                torch.from_numpy(got["off"]), ref["off"], rtol=1e-4, atol=1e-5, msg=where
+            )
             assert got["merged"].keys() == ref["merged"].keys(), where
             for name, value in got["merged"].items():
-                torch.testing.assert_close(torch.from_numpy(value), ref["merged"][name], rtol=1e-4, atol=1e-6,
-                                           msg=f"{name}: {where}")
+                torch.testing.assert_close(
+                    torch.from_numpy(value),
+                    ref["merged"][name],
+                    rtol=1e-4,
+                    atol=1e-6,
+                    msg=f"{name}: {where}",
+                )
     assert (ref["on"] - ref["off"]).abs().max() > 1e-4, "the update must move the adapters"

@@ -31,7 +31,9 @@ def _play(backend, local: int, libc) -> tuple[int, dict[str, float]]:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := the current RSS
     base = _status("VmRSS")
-    stats = play_turns(backend, dict(num_seqs=local, context=PROMPT, obs=OBS, turns=TURNS, gen_len=1))
+    stats = play_turns(
+        backend, dict(num_seqs=local, context=PROMPT, obs=OBS, turns=TURNS, gen_len=1)
+    )
     return _status("VmHWM") - base, stats
 
 
@@ -52,13 +54,23 @@ def _rollout_peak(rank: int, world: int, tp: int) -> dict:
     layout = Layout(dp=world // tp, tp=tp)
     cfg = tiny_config(104, **PRESETS["earl-tiny"])
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval().requires_grad_(False)
-    parallelize_model(model, mesh=init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp")),
-                      layout=layout, fsdp=False)
+    parallelize_model(
+        model,
+        mesh=init_device_mesh("cpu", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp")),
+        layout=layout,
+        fsdp=False,
+    )
     backend = HFBackend(model, build_char_tokenizer())
-    backend.generate([GenRequest(0, [5, 6, 7])], SamplingConfig(max_new_tokens=2, seed=0))  # warm-up
+    backend.generate(
+        [GenRequest(0, [5, 6, 7])], SamplingConfig(max_new_tokens=2, seed=0)
+    )  # warm-up
     backend.release()
     peak, stats = _play(backend, SEQS // layout.dp, libc)
-    estimate = MemoryModel(cfg).estimate("rollout", layout, {**stats, "num_seqs": SEQS, "gen_len": 1}).total
+    estimate = (
+        MemoryModel(cfg)
+        .estimate("rollout", layout, {**stats, "num_seqs": SEQS, "gen_len": 1})
+        .total
+    )
     return {"peak": peak, "estimate": estimate}
 
 
@@ -67,6 +79,8 @@ def test_tp_rollout_peak_within_30_percent_of_the_estimate(tp):
     ranks = run_distributed(_rollout_peak, 2, tp)
     peak, estimate = max(r["peak"] for r in ranks), ranks[0]["estimate"]
     err = estimate / peak - 1
-    print(f"\n{'dp1xtp2' if tp == 2 else 'dp2xtp1'}: estimate {estimate / 2**20:.1f} MiB, "
-          f"measured {peak / 2**20:.1f} MiB ({err:+.1%})")
+    print(
+        f"\n{'dp1xtp2' if tp == 2 else 'dp2xtp1'}: estimate {estimate / 2**20:.1f} MiB, "
+        f"measured {peak / 2**20:.1f} MiB ({err:+.1%})"
+    )
     assert abs(err) <= TOLERANCE, f"estimate {estimate} vs measured peak {peak}: {err:+.1%}"

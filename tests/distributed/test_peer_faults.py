@@ -18,12 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from earl_lightning.errors import RankFailure
-from earl_lightning.parallel.faults import (
-    LostPeer,
-    RunFacts,
-    is_peer_failure,
-    peer_failure,
-)
+from earl_lightning.parallel.faults import LostPeer, RunFacts, is_peer_failure, peer_failure
 from earl_lightning.parallel.launch_env import free_port
 from tests.distributed.launch import subprocess_env
 
@@ -35,12 +30,27 @@ def gloo_error(mode: str, timeout_s: float = 2.0) -> tuple[RuntimeError, float]:
     """The error rank 0's all-reduce raised when rank 1 was killed or stopped, rebuilt here (gloo
     raises plain RuntimeErrors), and how long rank 0 waited for it."""
     port = str(free_port())
-    cmd = lambda rank: [sys.executable, "-m", "tests.distributed.peer_child", mode, str(rank), port, str(timeout_s)]
+
+    def cmd(rank):
+        return [
+            sys.executable,
+            "-m",
+            "tests.distributed.peer_child",
+            mode,
+            str(rank),
+            port,
+            str(timeout_s),
+        ]
+
     env = subprocess_env(OMP_NUM_THREADS="1")
-    peer = subprocess.Popen(cmd(1), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    peer = subprocess.Popen(
+        cmd(1), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         start = time.monotonic()
-        out = subprocess.run(cmd(0), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+        out = subprocess.run(
+            cmd(0), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False
+        )
     finally:
         if peer.poll() is None:
             os.kill(peer.pid, signal.SIGKILL)
@@ -51,7 +61,12 @@ def gloo_error(mode: str, timeout_s: float = 2.0) -> tuple[RuntimeError, float]:
 
 
 def facts() -> RunFacts:
-    return RunFacts(rank=0, step="RL step 3", last_checkpoint="/run/checkpoints/last.ckpt", log_dir="/nonexistent/x")
+    return RunFacts(
+        rank=0,
+        step="RL step 3",
+        last_checkpoint="/run/checkpoints/last.ckpt",
+        log_dir="/nonexistent/x",
+    )
 
 
 def test_a_killed_peer_is_a_lost_peer_that_died():
@@ -59,9 +74,13 @@ def test_a_killed_peer_is_a_lost_peer_that_died():
     assert "gloo/transport" in str(err) and "by peer" in str(err)  # "Connection reset by peer" here
     assert peer_failure(err) == "died"
     line = str(LostPeer(facts).error("the env-failure check", err))
-    assert line.startswith("rank 0 lost a peer during the env-failure check of RL step 3: another process died "
-                           "(RuntimeError: [")
-    assert "resume from /run/checkpoints/last.ckpt (`--ckpt_path last`)" in line and "\n" not in line
+    assert line.startswith(
+        "rank 0 lost a peer during the env-failure check of RL step 3: another process died "
+        "(RuntimeError: ["
+    )
+    assert (
+        "resume from /run/checkpoints/last.ckpt (`--ckpt_path last`)" in line and "\n" not in line
+    )
 
 
 @pytest.mark.parametrize("mode", ["stop", "stop_mesh", "stop_later"])
@@ -72,21 +91,32 @@ def test_a_stopped_peer_is_a_lost_peer_that_went_silent(mode):
     assert "Timed out waiting 2000ms for" in str(err) and "gloo/transport" in str(err)
     assert 1.5 < waited < 60
     assert peer_failure(err) == "silent"
-    line = (r"^rank 0 lost a peer during the strategy's barrier of RL step 3: another process stopped answering "
-            r"\(no reply within the collective timeout\)")
+    line = (
+        r"^rank 0 lost a peer during the strategy's barrier of RL step 3: another process stopped answering "
+        r"\(no reply within the collective timeout\)"
+    )
     with pytest.raises(RankFailure, match=line), LostPeer(facts).during("the strategy's barrier"):
         raise err
 
 
-@pytest.mark.parametrize("err", [
-    RuntimeError("env 'tests.plugins.faulty_envs.Hangs' (seed 3): step() raised TimeoutError('timed out after 5 s')"),
-    RuntimeError("Timed out waiting 3000ms for recv operation to complete"),  # gloo's words, not from gloo
-    RuntimeError("Connection reset by peer"),  # a tool's HTTP call
-    TimeoutError("timed out"),
-    ConnectionResetError("Connection reset by peer"),
-    dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN)"),
-    ValueError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"),
-])
+@pytest.mark.parametrize(
+    "err",
+    [
+        RuntimeError(
+            "env 'tests.plugins.faulty_envs.Hangs' (seed 3): step() raised TimeoutError('timed out after 5 s')"
+        ),
+        RuntimeError(
+            "Timed out waiting 3000ms for recv operation to complete"
+        ),  # gloo's words, not from gloo
+        RuntimeError("Connection reset by peer"),  # a tool's HTTP call
+        TimeoutError("timed out"),
+        ConnectionResetError("Connection reset by peer"),
+        dist.DistBackendError(
+            "NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN)"
+        ),
+        ValueError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"),
+    ],
+)
 def test_errors_that_only_look_alike_are_not_a_lost_peer(err):
     assert not is_peer_failure(err)
     with pytest.raises(type(err)) as raised, LostPeer(facts).during("the batch statistics"):
@@ -94,14 +124,27 @@ def test_errors_that_only_look_alike_are_not_a_lost_peer(err):
     assert raised.value is err
 
 
-@pytest.mark.parametrize("err,kind", [
-    # NCCL's texts (not producible on this CPU build): ncclRemoteError, and the watchdog's timeout
-    (dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a "
-                           "network error, NCCL version 2.21.5"), "died"),
-    (dist.DistBackendError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
-                           "OpType=ALLREDUCE) ran for 600081 milliseconds before timing out."), "silent"),
-    (dist.DistStoreError("wait timeout after 30000ms, keys: /default_pg/0//cuda//0"), "silent"),
-    (dist.DistNetworkError("Connection reset by peer"), "died"),
-])
+@pytest.mark.parametrize(
+    "err,kind",
+    [
+        # NCCL's texts (not producible on this CPU build): ncclRemoteError, and the watchdog's timeout
+        (
+            dist.DistBackendError(
+                "NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a "
+                "network error, NCCL version 2.21.5"
+            ),
+            "died",
+        ),
+        (
+            dist.DistBackendError(
+                "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+                "OpType=ALLREDUCE) ran for 600081 milliseconds before timing out."
+            ),
+            "silent",
+        ),
+        (dist.DistStoreError("wait timeout after 30000ms, keys: /default_pg/0//cuda//0"), "silent"),
+        (dist.DistNetworkError("Connection reset by peer"), "died"),
+    ],
+)
 def test_nccl_and_store_errors_by_type_and_text(err, kind):
     assert peer_failure(err) == kind

@@ -9,7 +9,12 @@ import torch.distributed as dist
 from earl_lightning.models import make_tiny_model
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import build_replica, parallelize_model
-from earl_lightning.parallel.reshard import Resharder, local_tensor, reshard_naive, sharded_parameters
+from earl_lightning.parallel.reshard import (
+    Resharder,
+    local_tensor,
+    reshard_naive,
+    sharded_parameters,
+)
 from tests.distributed.launch import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -38,29 +43,48 @@ def _train_model(path: str, layout: Layout):
     return model
 
 
-def _worker(rank: int, world: int, path: str, train: tuple[int, int], targets: list[tuple[int, int]]):
+def _worker(
+    rank: int, world: int, path: str, train: tuple[int, int], targets: list[tuple[int, int]]
+):
     train_layout = Layout(*train)
     model = _train_model(path, train_layout)
     before = _locals(model)
     out = []
     for dst in targets:
         layout = Layout(*dst)
-        aware, naive = (build_replica(model, mesh=_mesh(layout), layout=layout, device="cpu") for _ in range(2))
+        aware, naive = (
+            build_replica(model, mesh=_mesh(layout), layout=layout, device="cpu") for _ in range(2)
+        )
         resharder = Resharder(model, aware, bucket_mb=0.05)  # small buckets: several all-to-alls
         s_aware, s_naive = resharder.run(), reshard_naive(model, naive)
         equal = all(torch.equal(a, b) for a, b in zip(_locals(aware), _locals(naive)))
         # Round trip back into a fresh, empty train-layout copy (FSDP x TP), bit for bit.
-        back = build_replica(model, mesh=_mesh(train_layout), layout=train_layout, device="cpu", fsdp=True)
+        back = build_replica(
+            model, mesh=_mesh(train_layout), layout=train_layout, device="cpu", fsdp=True
+        )
         Resharder(aware, back).run()
         round_trip = all(torch.equal(a, b) for a, b in zip(_locals(back), before))
         # Same answer from the replica: the forward of the resharded model matches the train model.
         ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(5))
         with torch.no_grad():
             diff = (aware(ids).logits - model(ids).logits).abs().max().item()
-        colwise_moves = [t for t in resharder.plan.transfers
-                         if t.src != t.dst and "q_proj.weight" in resharder.names[t.param]]
-        out.append(dict(dst=dst, equal=equal, round_trip=round_trip, diff=diff, aware=s_aware.bytes_received,
-                        naive=s_naive.bytes_received, buckets=s_aware.num_buckets, colwise_moves=len(colwise_moves)))
+        colwise_moves = [
+            t
+            for t in resharder.plan.transfers
+            if t.src != t.dst and "q_proj.weight" in resharder.names[t.param]
+        ]
+        out.append(
+            dict(
+                dst=dst,
+                equal=equal,
+                round_trip=round_trip,
+                diff=diff,
+                aware=s_aware.bytes_received,
+                naive=s_naive.bytes_received,
+                buckets=s_aware.num_buckets,
+                colwise_moves=len(colwise_moves),
+            )
+        )
     dist.barrier()
     return out
 

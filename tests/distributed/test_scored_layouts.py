@@ -11,13 +11,19 @@ from earl_lightning.data import forward as forward_mod
 from earl_lightning.modules.update import Models, UpdateConfig
 from earl_lightning.parallel.collectives import Reducer
 from tests.distributed.launch import run_distributed
-from tests.distributed.test_shared_prefix_layouts import _with_values, assert_layouts_match_one_process, placed
+from tests.distributed.test_shared_prefix_layouts import (
+    _with_values,
+    assert_layouts_match_one_process,
+    placed,
+)
 from tests.distributed.test_update_uneven import _params, update, value_head
 from tests.unit.test_scored_last_layer import _batch
 
 pytestmark = pytest.mark.distributed
 
-CFG = UpdateConfig(micro_batch_tokens=4096, max_grad_norm=0.0, value_coef=1.0, value_clip=None, entropy_coef=0.01)
+CFG = UpdateConfig(
+    micro_batch_tokens=4096, max_grad_norm=0.0, value_coef=1.0, value_clip=None, entropy_coef=0.01
+)
 LAYOUTS = [(2, 1, False), (1, 2, False), (2, 1, True)]  # (dp, tp, with a value head)
 
 
@@ -31,10 +37,18 @@ def _worker(rank: int, world: int, path: str):
         taken.clear()
         model, layout, mine = placed(path, full, dp, tp)
         models = Models(model, value_head() if with_value else None)
-        stats = update(models, mine, UpdateConfig(**{**CFG.__dict__, "scored_last_layer": True}), Reducer(layout))
+        stats = update(
+            models,
+            mine,
+            UpdateConfig(**{**CFG.__dict__, "scored_last_layer": True}),
+            Reducer(layout),
+        )
         params = _params(models)  # a collective: every rank gathers
-        out[(dp, tp, with_value)] = (({n: p.numpy() for n, p in params.items()}, stats["loss/policy"], len(taken))
-                                     if rank == 0 else None)
+        out[(dp, tp, with_value)] = (
+            ({n: p.numpy() for n, p in params.items()}, stats["loss/policy"], len(taken))
+            if rank == 0
+            else None
+        )
     return out
 
 

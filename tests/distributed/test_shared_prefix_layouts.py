@@ -27,7 +27,10 @@ LAYOUTS = [(2, 1, False), (1, 2, False), (2, 1, True)]  # (dp, tp, with a value 
 
 def _with_values(batch):
     g = torch.Generator().manual_seed(11)
-    extra = {k: 0.1 * torch.randn(batch.num_tokens, generator=g) for k in ("old_logprobs", "values", "returns")}
+    extra = {
+        k: 0.1 * torch.randn(batch.num_tokens, generator=g)
+        for k in ("old_logprobs", "values", "returns")
+    }
     return type(batch)(batch.cu_seqlens, {**batch.tokens, **extra}, batch.seqs)
 
 
@@ -38,7 +41,9 @@ def placed(path: str, full, dp: int, tp: int):
 
     model = AutoModelForCausalLM.from_pretrained(path)
     layout = Layout(dp=dp, tp=tp)
-    parallelize_model(model, mesh=init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), layout=layout)
+    parallelize_model(
+        model, mesh=init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")), layout=layout
+    )
     dp_rank, _ = layout.coords(dist.get_rank())  # the ranks of one TP group hold the same rows
     per = full.num_seqs // dp
     return model, layout, full.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
@@ -54,7 +59,9 @@ def _worker(rank: int, world: int, path: str):
         cfg = UpdateConfig(**{**CFG.__dict__, "share_prefix": True})
         stats = update(models, mine, cfg, Reducer(layout))
         params = _params(models)  # a collective: every rank gathers
-        out[(dp, tp, with_value)] = ({n: p.numpy() for n, p in params.items()}, stats["loss/policy"]) if rank == 0 else None
+        out[(dp, tp, with_value)] = (
+            ({n: p.numpy() for n, p in params.items()}, stats["loss/policy"]) if rank == 0 else None
+        )
     return out
 
 
@@ -64,15 +71,22 @@ def assert_layouts_match_one_process(got: dict, path: str, batch, cfg: UpdateCon
     from transformers import AutoModelForCausalLM
 
     for (dp, tp, with_value), (params, loss, *_) in got.items():
-        ref = Models(AutoModelForCausalLM.from_pretrained(path), value_head() if with_value else None)
+        ref = Models(
+            AutoModelForCausalLM.from_pretrained(path), value_head() if with_value else None
+        )
         before = _params(ref)
         stats = update(ref, batch, cfg, Reducer())
         expected = _params(ref)
         assert loss == pytest.approx(stats["loss/policy"], rel=1e-4, abs=1e-7)
         assert sum((expected[n] - before[n]).abs().sum().item() for n in before) > 0
         for name, value in expected.items():
-            torch.testing.assert_close(torch.from_numpy(params[name]), value, rtol=1e-4, atol=1e-6,
-                                       msg=f"{name} dp={dp} tp={tp} value={with_value}")
+            torch.testing.assert_close(
+                torch.from_numpy(params[name]),
+                value,
+                rtol=1e-4,
+                atol=1e-6,
+                msg=f"{name} dp={dp} tp={tp} value={with_value}",
+            )
 
 
 def test_shared_prefix_update_under_layouts_matches_one_process_plain():
@@ -84,7 +98,10 @@ def test_shared_prefix_update_under_layouts_matches_one_process_plain():
     assert_layouts_match_one_process(got, path, _with_values(_batch(GROUPS)), CFG)
 
 
-UNEVEN = {0: ((12, 4), (20, 4)), 1: ((16, 4),)}  # rank -> groups; budget below splits rank 0's batch
+UNEVEN = {
+    0: ((12, 4), (20, 4)),
+    1: ((16, 4),),
+}  # rank -> groups; budget below splits rank 0's batch
 UNEVEN_CFG = UpdateConfig(micro_batch_tokens=100, max_grad_norm=0.0, share_prefix=True)
 
 
@@ -98,7 +115,9 @@ def _uneven_worker(rank: int, world: int, path: str):
 
     model = AutoModelForCausalLM.from_pretrained(path)
     layout = Layout(dp=2, tp=1)
-    parallelize_model(model, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")), layout=layout)
+    parallelize_model(
+        model, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")), layout=layout
+    )
     forwards = []
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     mine = _uneven_batch(rank)
@@ -106,8 +125,11 @@ def _uneven_worker(rank: int, world: int, path: str):
     shares = [plan_shared_prefix(mb) is not None for mb in micro]
     update(Models(model), mine, UNEVEN_CFG, Reducer(layout))
     params = _params(Models(model))
-    return {"forwards": len(forwards), "shares": shares,
-            "params": {n: p.numpy() for n, p in params.items()} if rank == 0 else None}
+    return {
+        "forwards": len(forwards),
+        "shares": shares,
+        "params": {n: p.numpy() for n, p in params.items()} if rank == 0 else None,
+    }
 
 
 def test_ranks_that_disagree_or_pad_run_the_same_forwards():
@@ -122,10 +144,16 @@ def test_ranks_that_disagree_or_pad_run_the_same_forwards():
     out = run_distributed(_uneven_worker, 2, path, timeout=300)
     assert len(out[0]["shares"]) > len(out[1]["shares"])  # rank 1 pads
     assert out[0]["forwards"] == out[1]["forwards"]
-    expected_forwards = sum(2 if all(s) else 1 for s in zip(out[0]["shares"], out[1]["shares"] + [True] * 9))
-    assert out[0]["forwards"] == expected_forwards > len(out[0]["shares"])  # some passes were shared
+    expected_forwards = sum(
+        2 if all(s) else 1 for s in zip(out[0]["shares"], out[1]["shares"] + [True] * 9)
+    )
+    assert (
+        out[0]["forwards"] == expected_forwards > len(out[0]["shares"])
+    )  # some passes were shared
     whole = type(_uneven_batch(0)).concat([_uneven_batch(0), _uneven_batch(1)])
     ref = Models(AutoModelForCausalLM.from_pretrained(path))
     update(ref, whole, UpdateConfig(**{**UNEVEN_CFG.__dict__, "share_prefix": False}), Reducer())
     for name, value in _params(ref).items():
-        torch.testing.assert_close(torch.from_numpy(out[0]["params"][name]), value, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            torch.from_numpy(out[0]["params"][name]), value, rtol=1e-4, atol=1e-6, msg=name
+        )

@@ -52,8 +52,15 @@ class TinyRL(L.LightningModule):
             self.manual_backward(loss)
             opt.step()
             opt.zero_grad()
-        self.seen.append(dict(layout=layout.name, coords=coords, train_logits=logits.detach(),
-                              rollout_logits=rollout_logits, metrics=strategy.pop_stage_metrics()))
+        self.seen.append(
+            dict(
+                layout=layout.name,
+                coords=coords,
+                train_logits=logits.detach(),
+                rollout_logits=rollout_logits,
+                metrics=strategy.pop_stage_metrics(),
+            )
+        )
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.policy.parameters(), lr=0.05)
@@ -63,21 +70,34 @@ class TinyRL(L.LightningModule):
 
 
 def _trainer(strategy, root: str, steps: int) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_steps=steps,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, default_root_dir=root)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
 
 
 def _full_params(model) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def _fit_save_resume(rank: int, world: int, path: str, root: str):
     module = TinyRL(path)
-    strategy = EarlStrategy(train_layout={"dp": 2, "tp": 1}, layouts={"rollout": {"dp": 1, "tp": 2},
-                                                                        "experience": {"dp": 1, "tp": 2}})
+    strategy = EarlStrategy(
+        train_layout={"dp": 2, "tp": 1},
+        layouts={"rollout": {"dp": 1, "tp": 2}, "experience": {"dp": 1, "tp": 2}},
+    )
     trainer = _trainer(strategy, root, steps=2)
     trainer.fit(module)
     seen = module.seen
@@ -94,10 +114,14 @@ def _fit_save_resume(rank: int, world: int, path: str, root: str):
         with trainer2.strategy.stage("bogus"):
             pass
     return dict(
-        layouts=[s["layout"] for s in seen], coords=[s["coords"] for s in seen],
-        metrics=[s["metrics"] for s in seen], logits_close=all(torch.allclose(s["rollout_logits"], s["train_logits"], atol=1e-4)
-                                       for s in seen[:1]),
-        resumed_equal=all(torch.equal(saved[n], loaded[n]) for n in saved), step=trainer2.global_step,
+        layouts=[s["layout"] for s in seen],
+        coords=[s["coords"] for s in seen],
+        metrics=[s["metrics"] for s in seen],
+        logits_close=all(
+            torch.allclose(s["rollout_logits"], s["train_logits"], atol=1e-4) for s in seen[:1]
+        ),
+        resumed_equal=all(torch.equal(saved[n], loaded[n]) for n in saved),
+        step=trainer2.global_step,
     )
 
 
@@ -120,12 +144,18 @@ def _errors(rank: int, world: int, path: str):
     from torch.distributed.fsdp import FullyShardedDataParallel
     from transformers import AutoModelForCausalLM
 
-    with pytest.raises(ValueError, match=r"`train_layout` dp1xtp1 has dp\*tp = 1, but the world size is 2"):
+    with pytest.raises(
+        ValueError, match=r"`train_layout` dp1xtp1 has dp\*tp = 1, but the world size is 2"
+    ):
         _trainer(EarlStrategy(train_layout={"dp": 1, "tp": 1}), "/tmp", 1).fit(TinyRL(path))
     with pytest.raises(ValueError, match=r"`layouts.rollout` dp4xtp1 has dp\*tp = 4"):
         _trainer(EarlStrategy(layouts={"rollout": {"dp": 4, "tp": 1}}), "/tmp", 1).fit(TinyRL(path))
-    wrapped = FullyShardedDataParallel(AutoModelForCausalLM.from_pretrained(path), device_id=torch.device("cpu"))
-    with pytest.raises(TypeError, match=r"`model` is wrapped in .*FullyShardedDataParallel \(FSDP1\)"):
+    wrapped = FullyShardedDataParallel(
+        AutoModelForCausalLM.from_pretrained(path), device_id=torch.device("cpu")
+    )
+    with pytest.raises(
+        TypeError, match=r"`model` is wrapped in .*FullyShardedDataParallel \(FSDP1\)"
+    ):
         parallelize_model(wrapped, mesh=None, layout=Layout(dp=2))
     return True
 
@@ -141,21 +171,32 @@ def test_errors_at_construction():
         EarlStrategy(train_layout={"dp": 2, "tp": 0})
     with pytest.raises(ValueError, match=r"`train_layout` has unknown keys \['pp'\]"):
         EarlStrategy(train_layout={"dp": 2, "pp": 2})
-    with pytest.raises(ValueError, match=r"`train_layout` dp2xtp1 and `layouts.train` dp1xtp2 disagree"):
+    with pytest.raises(
+        ValueError, match=r"`train_layout` dp2xtp1 and `layouts.train` dp1xtp2 disagree"
+    ):
         EarlStrategy(train_layout={"dp": 2, "tp": 1}, layouts={"train": {"dp": 1, "tp": 2}})
     with pytest.raises(ValueError, match=r"`memory_budget_gb` must be a positive number"):
         EarlStrategy(memory_budget_gb=-1)
-    with pytest.raises(ValueError, match=r"`reshard_method` must be 'layout_aware' or 'naive', got 'fast'"):
+    with pytest.raises(
+        ValueError, match=r"`reshard_method` must be 'layout_aware' or 'naive', got 'fast'"
+    ):
         EarlStrategy(reshard_method="fast")
 
 
 def test_tp_must_divide_heads():
     from transformers import AutoModelForCausalLM
 
-    odd = make_tiny_model("earl-tiny", hidden_size=48, intermediate_size=96, num_attention_heads=3,
-                          num_key_value_heads=3)
+    odd = make_tiny_model(
+        "earl-tiny",
+        hidden_size=48,
+        intermediate_size=96,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+    )
     model = AutoModelForCausalLM.from_pretrained(str(odd))
-    with pytest.raises(ValueError, match=r"`layout` tp=2 does not divide the model's attention heads \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"`layout` tp=2 does not divide the model's attention heads \(3\)"
+    ):
         parallelize_model(model, mesh=None, layout=Layout(dp=1, tp=2))
 
 
@@ -190,7 +231,10 @@ def test_selector_drives_stage_layout_and_metrics():
     selector = FixedSelector(Layout(dp=1, tp=1, micro_batch_tokens=256))
     strategy.register_selector(selector)
     with strategy.stage("rollout", {"num_seqs": 4}) as ctx:
-        assert strategy.current_layout.micro_batch_tokens == 256 and ctx.layout is strategy.current_layout
+        assert (
+            strategy.current_layout.micro_batch_tokens == 256
+            and ctx.layout is strategy.current_layout
+        )
         assert ctx.name == "rollout" and ctx.micro_batch_tokens == 256 and ctx.budget(1024) == 256
         assert strategy.layout_coords() == (0, 0) and strategy.current_stage == "rollout"
     assert strategy.current_layout == strategy.train_layout and strategy.current_stage is None
@@ -205,10 +249,14 @@ def test_selector_errors():
     with pytest.raises(TypeError, match=r"needs a `select\(stage, stats, current\)` method"):
         strategy.register_selector(object())
     strategy.register_selector(FixedSelector("dp1xtp1"))
-    with pytest.raises(TypeError, match=r"returned 'dp1xtp1' for stage 'rollout'; expected a Layout"):
+    with pytest.raises(
+        TypeError, match=r"returned 'dp1xtp1' for stage 'rollout'; expected a Layout"
+    ):
         with strategy.stage("rollout"):
             pass
     strategy.register_selector(FixedSelector(Layout(dp=2, tp=1)))
-    with pytest.raises(ValueError, match=r"`selected layout for stage 'experience'` dp2xtp1 has dp\*tp = 2"):
+    with pytest.raises(
+        ValueError, match=r"`selected layout for stage 'experience'` dp2xtp1 has dp\*tp = 2"
+    ):
         with strategy.stage("experience"):
             pass

@@ -12,7 +12,9 @@ from pathlib import Path
 from earl_lightning.models import make_tiny_model
 from tests.distributed.launch import run_distributed
 
-SPEC = dict(hidden_size=32, intermediate_size=64)  # a spec no other test builds: always built fresh here
+SPEC = dict(
+    hidden_size=32, intermediate_size=64
+)  # a spec no other test builds: always built fresh here
 
 
 def _build(rank: int, world: int, cache: str) -> list[str]:
@@ -30,7 +32,9 @@ def test_every_rank_builds_a_whole_model_into_a_fresh_cache(tmp_path):
     listings = run_distributed(_build, 2, str(tmp_path))
     for files in listings:
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files), files
-    assert [p.name for p in tmp_path.iterdir()] == [next(tmp_path.iterdir()).name]  # no temp dirs left
+    assert [p.name for p in tmp_path.iterdir()] == [
+        next(tmp_path.iterdir()).name
+    ]  # no temp dirs left
 
 
 def test_an_incomplete_model_directory_is_rebuilt(tmp_path, monkeypatch):
@@ -39,5 +43,9 @@ def test_an_incomplete_model_directory_is_rebuilt(tmp_path, monkeypatch):
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         (whole / name).unlink()  # what the rank-0-only save left: the tokenizer alone
     again = Path(make_tiny_model("earl-tiny", **SPEC))
-    assert again == whole and (again / "model.safetensors").is_file() and (again / "config.json").is_file()
+    assert (
+        again == whole
+        and (again / "model.safetensors").is_file()
+        and (again / "config.json").is_file()
+    )
     shutil.rmtree(again)

@@ -31,10 +31,25 @@ def episodes() -> list[Episode]:
             ids += [5 + t] * n + [4]
             mask += [1] * n + [0]
             rewards.append(float(torch.randn(1, generator=g)))
-        out.append(Episode(spec=EpisodeSpec("recall", 0, e // 4, e), token_ids=ids, action_mask=mask,
-                           logprobs=[-0.1 if m else 0.0 for m in mask], reward=sum(rewards), num_turns=turns,
-                           done=True, truncated=False, invalid_action=False, outcome=None, error=None,
-                           turn_starts=starts, messages=[], turn_rewards=rewards, turn_prompts=prompts))
+        out.append(
+            Episode(
+                spec=EpisodeSpec("recall", 0, e // 4, e),
+                token_ids=ids,
+                action_mask=mask,
+                logprobs=[-0.1 if m else 0.0 for m in mask],
+                reward=sum(rewards),
+                num_turns=turns,
+                done=True,
+                truncated=False,
+                invalid_action=False,
+                outcome=None,
+                error=None,
+                turn_starts=starts,
+                messages=[],
+                turn_rewards=rewards,
+                turn_prompts=prompts,
+            )
+        )
     return out
 
 
@@ -42,7 +57,9 @@ PARAMS = {"grpo": dict(scale="group"), "reinforce_pp": dict(gamma=0.9), "gigpo":
 
 
 def advantages(batch, name: str, **kw):
-    return estimate_advantages(batch, get_advantage_estimator(name), PARAMS[name], num_groups=3, **kw)
+    return estimate_advantages(
+        batch, get_advantage_estimator(name), PARAMS[name], num_groups=3, **kw
+    )
 
 
 def _worker(rank: int, world: int) -> dict[str, list[float]]:
@@ -53,8 +70,14 @@ def _worker(rank: int, world: int) -> dict[str, list[float]]:
     for est in ("grpo", "reinforce_pp"):
         res = advantages(local, est, reduce=Reducer().sum_moments)
         out[est] = res.tokens["advantages"].tolist()
-    whole_groups = exp.select(_group_rows(exp, rank, world))  # keep_groups: group g on rank g % world
-    out["gigpo"] = advantages(whole_groups, "gigpo", reduce=Reducer().sum_moments).tokens["advantages"].tolist()
+    whole_groups = exp.select(
+        _group_rows(exp, rank, world)
+    )  # keep_groups: group g on rank g % world
+    out["gigpo"] = (
+        advantages(whole_groups, "gigpo", reduce=Reducer().sum_moments)
+        .tokens["advantages"]
+        .tolist()
+    )
     return out
 
 
@@ -71,13 +94,19 @@ def test_turn_row_advantages_split_across_ranks_equal_one_process():
         for rank, res in enumerate(results):
             rows = [i for i in range(exp.num_seqs) if i % 2 == rank]
             expected = single[exp.token_positions(rows)]
-            torch.testing.assert_close(torch.tensor(res[est]), expected, rtol=1e-6, atol=1e-6, msg=f"{est} {rank}")
+            torch.testing.assert_close(
+                torch.tensor(res[est]), expected, rtol=1e-6, atol=1e-6, msg=f"{est} {rank}"
+            )
 
 
 def test_gigpo_with_whole_groups_on_each_rank_equals_one_process():
     exp = episodes_to_experience(episodes(), gamma=0.9)
     single = advantages(exp, "gigpo").tokens["advantages"]
-    assert not torch.equal(single, advantages(exp, "grpo").tokens["advantages"])  # the groups share states
+    assert not torch.equal(
+        single, advantages(exp, "grpo").tokens["advantages"]
+    )  # the groups share states
     for rank, res in enumerate(run_distributed(_worker, 2)):
         expected = single[exp.token_positions(_group_rows(exp, rank, 2))]
-        torch.testing.assert_close(torch.tensor(res["gigpo"]), expected, rtol=1e-6, atol=1e-6, msg=f"gigpo {rank}")
+        torch.testing.assert_close(
+            torch.tensor(res["gigpo"]), expected, rtol=1e-6, atol=1e-6, msg=f"gigpo {rank}"
+        )

@@ -47,15 +47,29 @@ def batch(rows: list[int]) -> ExperienceBatch:
     for _, n in LENGTHS:
         ids = torch.randint(3, 100, (n,), generator=g)
         mask = torch.zeros(n)
-        mask[n // 2:] = 1.0
-        seqs.append((ids, mask, 0.3 * torch.randn(n, generator=g), torch.randn(1, generator=g).expand(n).clone(),
-                     0.1 * torch.randn(n, generator=g), torch.randn(n, generator=g)))
+        mask[n // 2 :] = 1.0
+        seqs.append(
+            (
+                ids,
+                mask,
+                0.3 * torch.randn(n, generator=g),
+                torch.randn(1, generator=g).expand(n).clone(),
+                0.1 * torch.randn(n, generator=g),
+                torch.randn(n, generator=g),
+            )
+        )
     pick = [seqs[i] for i in rows]
     return ExperienceBatch.from_sequences(
-        {"input_ids": [s[0] for s in pick], "action_mask": [s[1] for s in pick],
-         "old_logprobs": [s[2] for s in pick], "advantages": [s[3] for s in pick],
-         "values": [s[4] for s in pick], "returns": [s[5] for s in pick]},
-        {"rewards": torch.zeros(len(pick))})
+        {
+            "input_ids": [s[0] for s in pick],
+            "action_mask": [s[1] for s in pick],
+            "old_logprobs": [s[2] for s in pick],
+            "advantages": [s[3] for s in pick],
+            "values": [s[4] for s in pick],
+            "returns": [s[5] for s in pick],
+        },
+        {"rewards": torch.zeros(len(pick))},
+    )
 
 
 def _params(models: Models) -> dict[str, torch.Tensor]:
@@ -64,7 +78,9 @@ def _params(models: Models) -> dict[str, torch.Tensor]:
     named = [(f"policy.{n}", p) for n, p in models.policy.named_parameters()]
     if models.value_head is not None:
         named += [(f"value_head.{n}", p) for n, p in models.value_head.named_parameters()]
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named
+    }
 
 
 def value_head() -> torch.nn.Linear:
@@ -72,13 +88,17 @@ def value_head() -> torch.nn.Linear:
     return torch.nn.Linear(64, 1)
 
 
-def _worker(rank: int, world: int, path: str, with_value: bool = False, cfg: UpdateConfig = CFG, tp: int = 1):
+def _worker(
+    rank: int, world: int, path: str, with_value: bool = False, cfg: UpdateConfig = CFG, tp: int = 1
+):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
     layout = Layout(dp=2, tp=tp)
-    parallelize_model(model, mesh=init_device_mesh("cpu", (2, tp), mesh_dim_names=("dp", "tp")), layout=layout)
+    parallelize_model(
+        model, mesh=init_device_mesh("cpu", (2, tp), mesh_dim_names=("dp", "tp")), layout=layout
+    )
     dp_rank, _ = layout.coords(dist.get_rank())  # the ranks of one TP group hold the same rows
     mine = [i for i, (r, _) in enumerate(LENGTHS) if r == dp_rank]
     models = Models(model, value_head() if with_value else None)
@@ -93,8 +113,14 @@ def test_uneven_micro_batches_do_not_hang_and_match_one_process():
     from tests.distributed.test_invariance_layouts import tiny_path
 
     path = tiny_path()
-    assert [len(batch([i for i, (r, _) in enumerate(LENGTHS) if r == k]).split_by_tokens(CFG.micro_batch_tokens))
-            for k in (0, 1)] == [1, 3]
+    assert [
+        len(
+            batch([i for i, (r, _) in enumerate(LENGTHS) if r == k]).split_by_tokens(
+                CFG.micro_batch_tokens
+            )
+        )
+        for k in (0, 1)
+    ] == [1, 3]
     ref = Models(AutoModelForCausalLM.from_pretrained(path))
     before = _params(ref)
     update(ref, batch(list(range(len(LENGTHS)))), CFG, Reducer())
@@ -102,7 +128,9 @@ def test_uneven_micro_batches_do_not_hang_and_match_one_process():
     got = run_distributed(_worker, 2, path, timeout=120)[0][0]
     assert sum((expected[n] - before[n]).abs().sum().item() for n in before) > 0
     for name, value in expected.items():
-        torch.testing.assert_close(torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name
+        )
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "dp2xtp2"])
@@ -125,4 +153,6 @@ def test_value_head_and_gradient_clipping_under_fsdp_match_one_process(tp):
     assert norm == pytest.approx(out["grad_norm"], rel=1e-4)
     assert {"value_head.weight", "value_head.bias"} <= set(got)
     for name, value in expected.items():
-        torch.testing.assert_close(torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name
+        )

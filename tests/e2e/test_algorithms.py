@@ -16,9 +16,11 @@ from earl_lightning.cli import main
 from tests.e2e.test_multiprocess import scalars
 
 ESTIMATORS = ["grpo", "rloo", "reinforce_pp", "gae"]
-LOSSES = {"ppo_clip": {"name": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28},
-          "dual_clip": {"name": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
-          "gspo": {"name": "gspo"}}  # GSPO's own sequence-level bounds
+LOSSES = {
+    "ppo_clip": {"name": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28},
+    "dual_clip": {"name": "ppo_clip", "clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
+    "gspo": {"name": "gspo"},
+}  # GSPO's own sequence-level bounds
 
 
 def recipe(algorithm: dict) -> dict:
@@ -26,14 +28,31 @@ def recipe(algorithm: dict) -> dict:
     tries (a user's env by import path), one digit per turn."""
     return {
         "seed_everything": 0,
-        "trainer": {"max_steps": 2, "limit_val_batches": 0, "enable_progress_bar": False,
-                    "enable_checkpointing": False, "log_every_n_steps": 1},
-        "model": {"model": "earl-tiny", "transcript_every_n_steps": 0, "algorithm": algorithm,
-                  "rollout": {"max_turns": 3, "max_context_tokens": 512,
-                              "sampling": {"max_new_tokens": 1, "allowed_tokens": list("123456789")}},
-                  "optim": {"lr": 1e-3, "micro_batch_tokens": 2048}},
-        "data": {"env": "tests.plugins.envs.GuessGame", "env_kwargs": {"low": 1, "high": 9, "max_guesses": 3},
-                 "batch_size": 8, "group_size": 4, "eval_episodes": 0},
+        "trainer": {
+            "max_steps": 2,
+            "limit_val_batches": 0,
+            "enable_progress_bar": False,
+            "enable_checkpointing": False,
+            "log_every_n_steps": 1,
+        },
+        "model": {
+            "model": "earl-tiny",
+            "transcript_every_n_steps": 0,
+            "algorithm": algorithm,
+            "rollout": {
+                "max_turns": 3,
+                "max_context_tokens": 512,
+                "sampling": {"max_new_tokens": 1, "allowed_tokens": list("123456789")},
+            },
+            "optim": {"lr": 1e-3, "micro_batch_tokens": 2048},
+        },
+        "data": {
+            "env": "tests.plugins.envs.GuessGame",
+            "env_kwargs": {"low": 1, "high": 9, "max_guesses": 3},
+            "batch_size": 8,
+            "group_size": 4,
+            "eval_episodes": 0,
+        },
     }
 
 
@@ -55,13 +74,19 @@ def check(logged: dict[str, list[float]]) -> None:
 def test_estimator_and_loss_from_yaml_fit_two_steps(tmp_path, estimator, loss):
     logged = fit(tmp_path, {"advantage": {"name": estimator}, "loss": LOSSES[loss]})
     check(logged)
-    assert ("loss/value" in logged) == (estimator == "gae")  # the value head comes with the estimator
+    assert ("loss/value" in logged) == (
+        estimator == "gae"
+    )  # the value head comes with the estimator
     assert ("policy/dual_clip_frac" in logged) and "policy/clip_frac" in logged
 
 
 def test_gigpo_fits_two_steps_on_turn_rows(tmp_path):
-    cfg = recipe({"advantage": {"name": "gigpo", "kwargs": {"step_weight": 0.5}}, "loss": LOSSES["ppo_clip"]})
-    cfg["model"]["rollout"]["history_turns"] = 0  # one row per turn: GiGPO compares turns in the same state
+    cfg = recipe(
+        {"advantage": {"name": "gigpo", "kwargs": {"step_weight": 0.5}}, "loss": LOSSES["ppo_clip"]}
+    )
+    cfg["model"]["rollout"]["history_turns"] = (
+        0  # one row per turn: GiGPO compares turns in the same state
+    )
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(cfg))
     main(["fit", "--config", str(path), "--trainer.default_root_dir", str(tmp_path / "run")])
@@ -69,8 +94,17 @@ def test_gigpo_fits_two_steps_on_turn_rows(tmp_path):
 
 
 def test_user_loss_and_estimator_by_import_path_fit_two_steps(tmp_path):
-    logged = fit(tmp_path, {"advantage": {"name": "tests.plugins.algorithms.whole_batch_baseline"},
-                            "loss": {"name": "tests.plugins.algorithms.centered_reinforce_loss",
-                                     "kwargs": {"scale": 0.5}}})
+    logged = fit(
+        tmp_path,
+        {
+            "advantage": {"name": "tests.plugins.algorithms.whole_batch_baseline"},
+            "loss": {
+                "name": "tests.plugins.algorithms.centered_reinforce_loss",
+                "kwargs": {"scale": 0.5},
+            },
+        },
+    )
     check(logged)
-    assert "policy/ratio_mean" in logged and "policy/clip_frac" not in logged  # the user loss's own statistics
+    assert (
+        "policy/ratio_mean" in logged and "policy/clip_frac" not in logged
+    )  # the user loss's own statistics

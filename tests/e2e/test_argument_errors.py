@@ -20,8 +20,13 @@ HINT = "earl: `earl fit --help` lists every option"
 
 
 def earl_fit(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).with_name("earl")), "fit", "--config", str(RECIPE), *argv],
-                          capture_output=True, text=True, env=subprocess_env(PYTHONPATH=str(ROOT)), timeout=300)
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("earl")), "fit", "--config", str(RECIPE), *argv],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        timeout=300,
+    )
 
 
 def test_an_unknown_key_is_two_lines():
@@ -29,30 +34,63 @@ def test_an_unknown_key_is_two_lines():
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [
-        ("earl: error: `--model.no_such_key` (given '3') is not an option; `--model` takes algorithm, dtype, "
-         "logprob_mismatch_warn, model, optim, peft, rollout, seed, transcript_every_n_steps"), HINT]
+        (
+            "earl: error: `--model.no_such_key` (given '3') is not an option; `--model` takes algorithm, dtype, "
+            "logprob_mismatch_warn, model, optim, peft, rollout, seed, transcript_every_n_steps"
+        ),
+        HINT,
+    ]
 
 
 def test_a_value_of_the_wrong_type_is_two_lines():
     proc = earl_fit("--trainer.max_steps", "abc")
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert proc.stderr.splitlines() == ["earl: error: `--trainer.max_steps`: 'abc' is not an int", HINT]
+    assert proc.stderr.splitlines() == [
+        "earl: error: `--trainer.max_steps`: 'abc' is not an int",
+        HINT,
+    ]
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["--model.rollout.max_turnz", "3"], ("`--model.rollout.max_turnz` (given '3') is not an option; did you mean "
-                                          "`--model.rollout.max_turns`?")),
-    (["--trainre.max_steps=3"], ("`--trainre.max_steps` (given '3') is not an option; did you mean "
-                                 "`--trainer.max_steps`?")),
-    # a key's prefix is not the key (argparse's abbreviations would have run `--trainer.max_steps 3`)
-    (["--trainer.max_step=3"], ("`--trainer.max_step` (given '3') is not an option; did you mean "
-                                "`--trainer.max_steps` or `--trainer.max_time` or `--trainer.min_steps`?")),
-    (["--model.rollout.max_turn", "3"], ("`--model.rollout.max_turn` (given '3') is not an option; did you mean "
-                                         "`--model.rollout.max_turns`?")),
-    (["--model.dtype", "float8"], "`--model.dtype`: 'float8' is not one of 'float32', 'bfloat16', 'float16'"),
-    (["--model.peft", "3"], "`--model.peft`: '3' is not a LoraSettings or null"),
-])
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["--model.rollout.max_turnz", "3"],
+            (
+                "`--model.rollout.max_turnz` (given '3') is not an option; did you mean "
+                "`--model.rollout.max_turns`?"
+            ),
+        ),
+        (
+            ["--trainre.max_steps=3"],
+            (
+                "`--trainre.max_steps` (given '3') is not an option; did you mean "
+                "`--trainer.max_steps`?"
+            ),
+        ),
+        # a key's prefix is not the key (argparse's abbreviations would have run `--trainer.max_steps 3`)
+        (
+            ["--trainer.max_step=3"],
+            (
+                "`--trainer.max_step` (given '3') is not an option; did you mean "
+                "`--trainer.max_steps` or `--trainer.max_time` or `--trainer.min_steps`?"
+            ),
+        ),
+        (
+            ["--model.rollout.max_turn", "3"],
+            (
+                "`--model.rollout.max_turn` (given '3') is not an option; did you mean "
+                "`--model.rollout.max_turns`?"
+            ),
+        ),
+        (
+            ["--model.dtype", "float8"],
+            "`--model.dtype`: 'float8' is not one of 'float32', 'bfloat16', 'float16'",
+        ),
+        (["--model.peft", "3"], "`--model.peft`: '3' is not a LoraSettings or null"),
+    ],
+)
 def test_misspelt_keys_and_wrong_values_in_process(capsys, argv, line):
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -69,7 +107,8 @@ def test_an_unknown_key_in_a_config_file(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         "earl: error: `--model.optim.lrr` (in a --config file) is not an option; did you mean `--model.optim.lr`?",
-        HINT]
+        HINT,
+    ]
 
 
 def test_an_unrecognised_message_is_kept_in_one_line():

@@ -16,13 +16,24 @@ from pathlib import Path
 import pytest
 import torch
 
+from earl_lightning.checkpoints import (
+    check_before_load,
+    newest_last_checkpoint,
+    read_dcp_metadata,
+    read_dcp_shapes,
+    save_file_atomically,
+)
 from earl_lightning.cli import main
-from earl_lightning.checkpoints import (check_before_load, newest_last_checkpoint, read_dcp_metadata, read_dcp_shapes,
-                                        save_file_atomically)
 from earl_lightning.errors import CheckpointError
 from earl_lightning.modules.rl import AgenticRLModule
 from tests.distributed.launch import subprocess_env
-from tests.e2e.test_file_errors import RECIPE, error_line, fit, recipe_saving_last_every_step, run_earl
+from tests.e2e.test_file_errors import (
+    RECIPE,
+    error_line,
+    fit,
+    recipe_saving_last_every_step,
+    run_earl,
+)
 
 ROOT = Path(__file__).parents[2]
 
@@ -46,8 +57,10 @@ def plant(ckpt: Path, marker: Path) -> Path:
 
 
 def refused(ckpt: Path) -> str:
-    return (f"checkpoint '{ckpt}': its .metadata holds posix.system, a type a checkpoint does not (the file was "
-            "not written by a save); refused without running it")
+    return (
+        f"checkpoint '{ckpt}': its .metadata holds posix.system, a type a checkpoint does not (the file was "
+        "not written by a save); refused without running it"
+    )
 
 
 def dcp_saved(path: Path) -> Path:
@@ -56,13 +69,20 @@ def dcp_saved(path: Path) -> Path:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"state_dict": {"w": torch.ones(3, 4, dtype=torch.bfloat16)}, "step": 3,
-                  "optimizer": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}}, checkpoint_id=str(path))
+        dcp.save(
+            {
+                "state_dict": {"w": torch.ones(3, 4, dtype=torch.bfloat16)},
+                "step": 3,
+                "optimizer": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+            },
+            checkpoint_id=str(path),
+        )
     torch.save({"global_step": 3}, path / "meta.pt")
     return path
 
 
 # ---- a planted .metadata --------------------------------------------------------------------------
+
 
 def test_a_real_dcp_metadata_is_read(tmp_path):
     ckpt = dcp_saved(tmp_path / "last.ckpt")
@@ -74,8 +94,11 @@ def test_a_planted_metadata_is_refused_by_every_reader(tmp_path):
     """read_dcp_shapes is what EarlStrategy's load and `earl export` call before torch reads the file."""
     marker = tmp_path / "ran"
     ckpt = plant(tmp_path / "last.ckpt", marker)
-    for read in (read_dcp_metadata, read_dcp_shapes,
-                 lambda p: check_before_load(p, one_process=False, expected={}, strict=False)):
+    for read in (
+        read_dcp_metadata,
+        read_dcp_shapes,
+        lambda p: check_before_load(p, one_process=False, expected={}, strict=False),
+    ):
         with pytest.raises(CheckpointError) as err:
             read(ckpt)
         assert str(err.value) == refused(ckpt)
@@ -85,13 +108,20 @@ def test_a_planted_metadata_is_refused_by_every_reader(tmp_path):
 def test_a_metadata_that_is_not_metadata_is_refused(tmp_path):
     ckpt = dcp_saved(tmp_path / "last.ckpt")
     (ckpt / ".metadata").write_bytes(pickle.dumps({"a": [1, 2]}))
-    with pytest.raises(CheckpointError, match=r"its \.metadata holds a dict, not a checkpoint's metadata; refused"):
+    with pytest.raises(
+        CheckpointError, match=r"its \.metadata holds a dict, not a checkpoint's metadata; refused"
+    ):
         read_dcp_metadata(ckpt)
 
 
 def earl(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).with_name("earl")), *argv], capture_output=True, text=True,
-                          env=subprocess_env(PYTHONPATH=str(ROOT)), timeout=300)
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("earl")), *argv],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        timeout=300,
+    )
 
 
 def test_export_refuses_a_planted_checkpoint(tmp_path):
@@ -119,13 +149,17 @@ def test_ckpt_path_last_refuses_a_planted_checkpoint_where_the_run_writes(tmp_pa
     marker = tmp_path / "ran"
     recipe = recipe_saving_last_every_step(tmp_path)
     ckpt = plant(tmp_path / "run" / "checkpoints" / "last.ckpt", marker)
-    code, err = run_earl(capsys, fit(recipe, tmp_path / "run", 1, "--trainer.strategy", "earl", "--ckpt_path", "last"))
+    code, err = run_earl(
+        capsys,
+        fit(recipe, tmp_path / "run", 1, "--trainer.strategy", "earl", "--ckpt_path", "last"),
+    )
     assert code == 1
     assert error_line(err) == f"earl: error: {refused(ckpt)}"
     assert not marker.exists()
 
 
 # ---- --ckpt_path last --------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def starts(monkeypatch) -> list[int]:
@@ -148,12 +182,20 @@ def test_ckpt_path_last_ignores_checkpoints_the_run_does_not_write(tmp_path, cap
     capsys.readouterr()
     main(fit(recipe, tmp_path / "run", 1, "--trainer.strategy", "earl", "--ckpt_path", "last"))
     err = capsys.readouterr().err
-    assert f"earl: no checkpoint named last*.ckpt under '{tmp_path / 'run'}': starting from the beginning" in err
+    assert (
+        f"earl: no checkpoint named last*.ckpt under '{tmp_path / 'run'}': starting from the beginning"
+        in err
+    )
     assert starts == [0] and not marker.exists()
-    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 1
+    assert (
+        torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+        == 1
+    )
 
 
-def test_ckpt_path_last_resumes_from_what_a_crash_between_the_renames_left(tmp_path, capsys, starts):
+def test_ckpt_path_last_resumes_from_what_a_crash_between_the_renames_left(
+    tmp_path, capsys, starts
+):
     """The state a kill between replace_dir's two renames leaves: only `.last.ckpt.old`. The run
     resumes from it (step 1), says so in one line, and does not start over at step 0."""
     recipe = recipe_saving_last_every_step(tmp_path)
@@ -164,8 +206,10 @@ def test_ckpt_path_last_resumes_from_what_a_crash_between_the_renames_left(tmp_p
     capsys.readouterr()
     main(fit(recipe, tmp_path / "run", 2, "--trainer.strategy", "earl", "--ckpt_path", "last"))
     err = capsys.readouterr().err
-    assert (f"earl: the save that replaced '{last}' was interrupted; resuming from the previous checkpoint, "
-            f"'{old}'") in err.splitlines(), err[-3000:]
+    assert (
+        f"earl: the save that replaced '{last}' was interrupted; resuming from the previous checkpoint, "
+        f"'{old}'"
+    ) in err.splitlines(), err[-3000:]
     assert starts == [0, 1]
     assert torch.load(last, weights_only=True)["global_step"] == 2
 
@@ -188,8 +232,12 @@ def test_a_kill_between_the_renames_leaves_the_previous_checkpoint_found(tmp_pat
     folder = tmp_path / "checkpoints"
     last = dcp_saved(folder / "last.ckpt")
     new = dcp_saved(folder / ".last.ckpt.partial")
-    proc = subprocess.Popen([sys.executable, "-c", REPLACE_AND_DIE, str(new), str(last)], stdout=subprocess.PIPE,
-                            text=True, env=subprocess_env(PYTHONPATH=str(ROOT)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", REPLACE_AND_DIE, str(new), str(last)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+    )
     assert proc.stdout.readline() == "renamed\n"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -217,8 +265,12 @@ save_file_atomically({"step": 2, "w": torch.ones(1_000_000)}, sys.argv[1])
 
 def test_a_killed_save_leaves_no_temporary_after_the_next_save(tmp_path):
     path = tmp_path / "last.ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", SAVE_AND_DIE, str(path)], stdout=subprocess.PIPE, text=True,
-                            env=subprocess_env(PYTHONPATH=str(ROOT)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SAVE_AND_DIE, str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+    )
     assert proc.stdout.readline() == "written\n"
     proc.send_signal(signal.SIGKILL)
     proc.wait()

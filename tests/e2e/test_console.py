@@ -31,9 +31,23 @@ LIGHTNING_USE = (
 
 
 def fit_args(root: Path) -> list[str]:
-    return ["fit", "--config", str(RECIPE), "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
-            "--trainer.default_root_dir", str(root),
-            "--data.batch_size", "8", "--data.group_size", "4", "--data.eval_episodes", "4"]
+    return [
+        "fit",
+        "--config",
+        str(RECIPE),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.default_root_dir",
+        str(root),
+        "--data.batch_size",
+        "8",
+        "--data.group_size",
+        "4",
+        "--data.eval_episodes",
+        "4",
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -45,16 +59,28 @@ def _argv(monkeypatch):
 def test_default_fit_emits_no_warning_of_ours(tmp_path, capsys):
     # A checkpoint every step, so that 2 steps reach ModelCheckpoint's manual-optimization save (the
     # recipe's own checkpoint saves every 20 steps).
-    args = fit_args(tmp_path) + ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps", "1"]
+    args = fit_args(tmp_path) + [
+        "--trainer.callbacks+=ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps",
+        "1",
+    ]
     with warnings.catch_warnings(record=True) as caught:
         # "always" overrides pytest's filterwarnings (pyproject ignores DeprecationWarning) and the
         # once-per-location default; main() puts the project's narrow filters in front of it.
         warnings.simplefilter("always")
-        warnings.warn("sanity: recording works", DeprecationWarning)
+        warnings.warn("sanity: recording works", DeprecationWarning, stacklevel=2)
         main(args)
-    assert any(str(w.message) == "sanity: recording works" for w in caught), "warnings are not recorded"
-    bad = [w for w in caught if w.filename.startswith(PACKAGE_DIR) or str(w.message).startswith(LIGHTNING_USE)]
-    assert not bad, "\n".join(f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in bad)
+    assert any(str(w.message) == "sanity: recording works" for w in caught), (
+        "warnings are not recorded"
+    )
+    bad = [
+        w
+        for w in caught
+        if w.filename.startswith(PACKAGE_DIR) or str(w.message).startswith(LIGHTNING_USE)
+    ]
+    assert not bad, "\n".join(
+        f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in bad
+    )
     assert list(tmp_path.rglob("*step=*.ckpt")), "the per-step checkpoint was not saved"
     out = capsys.readouterr().out
     assert "2/2" in out and "v_num" not in out and "Epoch 0/-2" not in out, out[-2000:]
@@ -68,8 +94,8 @@ def test_filters_match_only_the_library_internal_call_site():
         warnings.simplefilter("always")
         install_warning_filters()
         _tree_flatten(1)  # Lightning's own construction of a LeafSpec: silenced
-        warnings.warn(leaf, FutureWarning)  # the same words from elsewhere still show
-        warnings.warn(LIGHTNING_USE[0], UserWarning)
+        warnings.warn(leaf, FutureWarning, stacklevel=2)  # the same words from elsewhere still show
+        warnings.warn(LIGHTNING_USE[0], UserWarning, stacklevel=2)
     assert [str(w.message) for w in caught] == [leaf, LIGHTNING_USE[0]]
 
 
@@ -87,11 +113,15 @@ class _Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("extra, expected", [
-    ([], StepProgressBar),
-    (["--trainer.callbacks+=TQDMProgressBar"], TQDMProgressBar),  # the user's own bar wins
-    (["--trainer.enable_progress_bar", "false"], type(None)),
-], ids=["default", "user_bar", "disabled"])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ([], StepProgressBar),
+        (["--trainer.callbacks+=TQDMProgressBar"], TQDMProgressBar),  # the user's own bar wins
+        (["--trainer.enable_progress_bar", "false"], type(None)),
+    ],
+    ids=["default", "user_bar", "disabled"],
+)
 def test_cli_progress_bar_is_a_default_the_user_overrides(extra, expected, tmp_path):
     _SetupProbe.progress_bar = "unset"
     with pytest.raises(_Stop):
@@ -140,9 +170,17 @@ class _BarTextAt(Callback):
 def test_step_progress_bar_reads_step_of_max_steps(tmp_path):
     install_warning_filters()  # importing earl_lightning.callbacks did, but pytest resets filters after collection
     probe = _BarTextAt(3)  # after the bar in the list: it reads what the bar has just drawn
-    trainer = Trainer(max_steps=10, default_root_dir=tmp_path, callbacks=[StepProgressBar(), probe],
-                      enable_checkpointing=False, enable_model_summary=False, accelerator="cpu")
+    trainer = Trainer(
+        max_steps=10,
+        default_root_dir=tmp_path,
+        callbacks=[StepProgressBar(), probe],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
     trainer.fit(_Tiny())
     assert "step" in probe.text and "3/10" in probe.text, probe.text
     assert "reward/mean=0.5" in probe.text, probe.text
-    assert "v_num" not in probe.text, probe.text  # a logger is on (default TensorBoard): its version is not shown
+    assert "v_num" not in probe.text, (
+        probe.text
+    )  # a logger is on (default TensorBoard): its version is not shown

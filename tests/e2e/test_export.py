@@ -46,9 +46,26 @@ def two_processes(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("earl")
     recipe = recipe_saving_last_every_step(tmp)
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run([str(earl), *fit(recipe, tmp / "run", 2, "--trainer.devices", "2", "--trainer.strategy",
-                                           "earl", "--export.dirpath", str(tmp / "run" / "exported"))],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            str(earl),
+            *fit(
+                recipe,
+                tmp / "run",
+                2,
+                "--trainer.devices",
+                "2",
+                "--trainer.strategy",
+                "earl",
+                "--export.dirpath",
+                str(tmp / "run" / "exported"),
+            ),
+        ],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp / "run" / "checkpoints" / "last.ckpt" / ".metadata").is_file()
     return tmp / "run"
@@ -58,7 +75,9 @@ def policy_of(ckpt: Path) -> torch.nn.Module:
     """The trained policy as the checkpoint holds it (the reference)."""
     model = load_model("earl-tiny")
     state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
-    model.load_state_dict({k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")})
+    model.load_state_dict(
+        {k[len("policy.") :]: v for k, v in state.items() if k.startswith("policy.")}
+    )
     return model.eval()
 
 
@@ -88,9 +107,12 @@ def test_fit_ends_with_a_model_transformers_loads_with_the_policys_logprobs(one_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = one_process / EXPORT_DIRNAME
-    assert sorted(p.name for p in one_process.iterdir() if p.name.startswith(".")) == []  # no temporary left
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= \
-        {p.name for p in out.iterdir()}
+    assert (
+        sorted(p.name for p in one_process.iterdir() if p.name.startswith(".")) == []
+    )  # no temporary left
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()
+    }
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out)
     assert model.config.use_cache  # served with the KV cache, although training turns it off
@@ -101,24 +123,43 @@ def test_fit_ends_with_a_model_transformers_loads_with_the_policys_logprobs(one_
     ids = tok.apply_chat_template(chat, tokenize=True, return_dict=False)
     assert ids == original.apply_chat_template(chat, tokenize=True, return_dict=False)
     reference = policy_of(one_process / "checkpoints" / "last.ckpt")
-    torch.testing.assert_close(token_logprobs(model, ids), token_logprobs(reference, ids), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        token_logprobs(model, ids), token_logprobs(reference, ids), rtol=0, atol=1e-6
+    )
     assert_trained(out)
 
 
 def test_export_of_a_ckpt_file_is_the_fits_own_export(one_process, tmp_path, capsys):
     out = tmp_path / "exported"
-    main(["export", "--ckpt_path", str(one_process / "checkpoints" / "last.ckpt"), "--out", str(out)])
+    main(
+        ["export", "--ckpt_path", str(one_process / "checkpoints" / "last.ckpt"), "--out", str(out)]
+    )
     assert f"to {str(out)!r}" in capsys.readouterr().out
     assert_same_weights(weights(out), weights(one_process / EXPORT_DIRNAME))
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert json.loads((out / name).read_text()) == json.loads((one_process / EXPORT_DIRNAME / name).read_text())
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        assert json.loads((out / name).read_text()) == json.loads(
+            (one_process / EXPORT_DIRNAME / name).read_text()
+        )
 
 
 def test_export_of_a_two_process_dcp_checkpoint_is_the_gathered_model(two_processes, tmp_path):
     """Read in one process, the DCP shards of 2 processes give the weights rank 0 gathered from
     FSDP at the end of the fit, bit for bit."""
     out = tmp_path / "exported"
-    main(["export", "--ckpt_path", str(two_processes / "checkpoints" / "last.ckpt"), "--out", str(out)])
+    main(
+        [
+            "export",
+            "--ckpt_path",
+            str(two_processes / "checkpoints" / "last.ckpt"),
+            "--out",
+            str(out),
+        ]
+    )
     gathered = two_processes / "exported"
     assert not (two_processes / EXPORT_DIRNAME).exists()  # --export.dirpath was obeyed
     assert_same_weights(weights(out), weights(gathered))
@@ -129,18 +170,31 @@ def test_export_of_a_two_process_dcp_checkpoint_is_the_gathered_model(two_proces
 
 def test_export_can_be_switched_off_and_moved_from_the_command_line(capsys):
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(ROOT / "recipes" / "connect4_ppo.yaml"), "--export.enabled", "false",
-              "--export.dirpath", "elsewhere", "--print_config"])
+        main(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "recipes" / "connect4_ppo.yaml"),
+                "--export.enabled",
+                "false",
+                "--export.dirpath",
+                "elsewhere",
+                "--print_config",
+            ]
+        )
     printed = capsys.readouterr().out
     assert "export:\n  dirpath: elsewhere\n  enabled: false" in printed, printed[-2000:]
 
 
 # ---- errors: one line naming the argument ------------------------------------------------------------
 
+
 def fake_checkpoint(path: Path, model: str = "earl-tiny") -> Path:
     """A Lightning-shaped checkpoint of ``model``'s untrained weights."""
     state = {f"policy.{k}": v for k, v in load_model("earl-tiny").state_dict().items()}
-    torch.save({"hyper_parameters": {"model": model, "dtype": "float32"}, "state_dict": state}, path)
+    torch.save(
+        {"hyper_parameters": {"model": model, "dtype": "float32"}, "state_dict": state}, path
+    )
     return path
 
 
@@ -153,21 +207,26 @@ def export_error(capsys, *argv: str) -> str:
 def test_missing_and_non_checkpoint_paths(tmp_path, capsys):
     missing = tmp_path / "missing.ckpt"
     out = str(tmp_path / "out")
-    assert export_error(capsys, "--ckpt_path", str(missing), "--out", out) == \
-        f"earl: error: `--ckpt_path`: checkpoint '{missing}' does not exist"
+    assert (
+        export_error(capsys, "--ckpt_path", str(missing), "--out", out)
+        == f"earl: error: `--ckpt_path`: checkpoint '{missing}' does not exist"
+    )
     assert export_error(capsys, "--ckpt_path", str(tmp_path), "--out", out) == (
         f"earl: error: `--ckpt_path`: checkpoint '{tmp_path}' is a directory but not a distributed (DCP) checkpoint "
-        "(no .metadata, no *.distcp shards); give a .ckpt file or a DCP checkpoint directory")
+        "(no .metadata, no *.distcp shards); give a .ckpt file or a DCP checkpoint directory"
+    )
     text = tmp_path / "notes.ckpt"
     text.write_text("not a checkpoint")
     assert export_error(capsys, "--ckpt_path", str(text), "--out", out) == (
         f"earl: error: `--ckpt_path`: checkpoint '{text}' is truncated or not a checkpoint file (16 bytes, no "
-        "end-of-archive record): its save or copy was interrupted? Use an earlier checkpoint")
+        "end-of-archive record): its save or copy was interrupted? Use an earlier checkpoint"
+    )
     other = tmp_path / "other.pt"
     torch.save({"weights": torch.zeros(2)}, other)
     assert export_error(capsys, "--ckpt_path", str(other), "--out", out) == (
         f"earl: error: `--ckpt_path`: checkpoint '{other}' is not a checkpoint of `earl fit` or `earl sft`: it names "
-        "no model in its hyperparameters or holds no policy weights")
+        "no model in its hyperparameters or holds no policy weights"
+    )
     assert not Path(out).exists()
 
 
@@ -178,29 +237,46 @@ def test_out_must_be_new_or_empty_unless_overwrite(tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     assert export_error(capsys, "--ckpt_path", str(ckpt), "--out", str(out)) == (
         f"earl: error: `--out` '{out}' exists and is not empty; pass --overwrite to replace it, or choose another "
-        "directory")
+        "directory"
+    )
     assert export_error(capsys, "--ckpt_path", str(ckpt), "--out", str(ckpt)) == (
-        f"earl: error: `--out` '{ckpt}' is a file; it must be a directory (new, empty, or with --overwrite)")
+        f"earl: error: `--out` '{ckpt}' is a file; it must be a directory (new, empty, or with --overwrite)"
+    )
     main(["export", "--ckpt_path", str(ckpt), "--out", str(out), "--overwrite"])
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.ckpt", "out"]  # no temporary or old copy left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "fake.ckpt",
+        "out",
+    ]  # no temporary or old copy left
 
 
 def test_model_that_moved_or_differs(tmp_path, capsys):
     ckpt = fake_checkpoint(tmp_path / "moved.ckpt", model=str(tmp_path / "gone" / "model"))
     line = export_error(capsys, "--ckpt_path", str(ckpt), "--out", str(tmp_path / "out"))
-    assert line.startswith(f"earl: error: `--ckpt_path's model (moved.ckpt: hyper_parameters.model)`: model path "
-                           f"'{tmp_path / 'gone' / 'model'}' does not exist."), line
-    main(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "out"), "--model", "earl-tiny"])
+    assert line.startswith(
+        f"earl: error: `--ckpt_path's model (moved.ckpt: hyper_parameters.model)`: model path "
+        f"'{tmp_path / 'gone' / 'model'}' does not exist."
+    ), line
+    main(
+        ["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "out"), "--model", "earl-tiny"]
+    )
     assert (tmp_path / "out" / "model.safetensors").is_file()
-    line = export_error(capsys, "--ckpt_path", str(ckpt), "--out", str(tmp_path / "out4"), "--model", "earl-tiny-4l")
-    assert line.startswith(f"earl: error: `--ckpt_path`: checkpoint '{ckpt}' is from another model: "), line
+    line = export_error(
+        capsys, "--ckpt_path", str(ckpt), "--out", str(tmp_path / "out4"), "--model", "earl-tiny-4l"
+    )
+    assert line.startswith(
+        f"earl: error: `--ckpt_path`: checkpoint '{ckpt}' is from another model: "
+    ), line
     assert line.endswith("(the model and the recipe must be those of the run that saved it)"), line
 
 
 def test_required_arguments(capsys):
     code, err = run_earl(capsys, ["export", "--out", "x"])
-    assert code == 2 and err.splitlines()[-1] == "earl export: error: the following arguments are required: --ckpt_path"
+    assert (
+        code == 2
+        and err.splitlines()[-1]
+        == "earl export: error: the following arguments are required: --ckpt_path"
+    )
 
 
 def test_truncated_dcp_shard(two_processes, tmp_path, capsys):
@@ -208,6 +284,8 @@ def test_truncated_dcp_shard(two_processes, tmp_path, capsys):
     shutil.copytree(two_processes / "checkpoints" / "last.ckpt", bad)
     os.truncate(bad / "__1_0.distcp", 1000)
     line = export_error(capsys, "--ckpt_path", str(bad), "--out", str(tmp_path / "out"))
-    assert line.startswith(f"earl: error: `--ckpt_path`: checkpoint '{bad}' is truncated: shard __1_0.distcp has "
-                           "1,000 bytes, its .metadata needs "), line
+    assert line.startswith(
+        f"earl: error: `--ckpt_path`: checkpoint '{bad}' is truncated: shard __1_0.distcp has "
+        "1,000 bytes, its .metadata needs "
+    ), line
     assert not (tmp_path / "out").exists()

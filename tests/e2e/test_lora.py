@@ -25,15 +25,23 @@ from tests.e2e.test_file_errors import fit, last_ckpt, recipe_saving_last_every_
 RECIPES = Path(__file__).parents[2] / "recipes"
 LORA = ("--model.peft.r", "4", "--model.peft.alpha", "8", "--model.algorithm.kl.coef", "0.1")
 # legal moves only: the untrained model's illegal ones all score the same, and GRPO would learn nothing
-SMALL = ("--data.batch_size", "8", "--data.group_size", "4", "--model.rollout.sampling.allowed_tokens",
-         '["0", "1", "2", "3", "4", "5", "6"]')
+SMALL = (
+    "--data.batch_size",
+    "8",
+    "--data.group_size",
+    "4",
+    "--model.rollout.sampling.allowed_tokens",
+    '["0", "1", "2", "3", "4", "5", "6"]',
+)
 IDS = [1, 5, 9, 14, 3, 22, 7, 11, 30, 2]
 
 
 def adapted_policy(ckpt: Path, settings: LoraSettings) -> torch.nn.Module:
     state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     model = apply_lora(load_model("earl-tiny"), settings)
-    model.load_state_dict({k[len("policy."):]: v for k, v in state.items() if k.startswith("policy.")})
+    model.load_state_dict(
+        {k[len("policy.") :]: v for k, v in state.items() if k.startswith("policy.")}
+    )
     return model.eval()
 
 
@@ -51,31 +59,65 @@ def test_a_lora_step_trains_only_the_adapters_against_the_base_model(tmp_path, m
         return out
 
     monkeypatch.setattr(rl, "fill_logprobs", spy)
-    main(fit(recipe_saving_last_every_step(tmp_path, RECIPES / f"{recipe}.yaml"), tmp_path / "run", 2, *SMALL, *LORA))
+    main(
+        fit(
+            recipe_saving_last_every_step(tmp_path, RECIPES / f"{recipe}.yaml"),
+            tmp_path / "run",
+            2,
+            *SMALL,
+            *LORA,
+        )
+    )
     assert same_as_base == [True, True]  # step 2's reference too, after the adapters moved
     ckpt = torch.load(last_ckpt(tmp_path / "run"), map_location="cpu", weights_only=True)
-    state = {k[len("policy."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")}
+    state = {
+        k[len("policy.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")
+    }
     adapters = [k for k in state if ".lora_" in k]
     for name, value in base.state_dict().items():
-        key = name if name in state else name.replace(".weight", ".base_layer.weight").replace(".bias",
-                                                                                              ".base_layer.bias")
+        key = (
+            name
+            if name in state
+            else name.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        )
         assert torch.equal(state[key], value), f"base weight {key} changed"
-    assert any(state[k].abs().max() > 0 for k in adapters if ".lora_B." in k), "the adapters did not train"
+    assert any(state[k].abs().max() > 0 for k in adapters if ".lora_B." in k), (
+        "the adapters did not train"
+    )
     in_optimizer = sum(len(g["params"]) for g in ckpt["optimizer_states"][0]["param_groups"])
-    assert in_optimizer == len(adapters) + (2 if recipe == "connect4_ppo" else 0)  # + the value head
+    assert in_optimizer == len(adapters) + (
+        2 if recipe == "connect4_ppo" else 0
+    )  # + the value head
 
     exported = tmp_path / "run" / "hf_model"
-    assert not [k for k in load_file(str(exported / "model.safetensors")) if "lora" in k or "base_layer" in k]
+    assert not [
+        k
+        for k in load_file(str(exported / "model.safetensors"))
+        if "lora" in k or "base_layer" in k
+    ]
     from transformers import AutoModelForCausalLM
 
     plain, info = AutoModelForCausalLM.from_pretrained(str(exported), output_loading_info=True)
     assert not any(info.values()), info
     trained = adapted_policy(last_ckpt(tmp_path / "run"), LoraSettings(r=4, alpha=8.0))
-    torch.testing.assert_close(token_logprobs(plain.eval(), IDS), token_logprobs(trained, IDS), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        token_logprobs(plain.eval(), IDS), token_logprobs(trained, IDS), rtol=0, atol=1e-5
+    )
     assert (token_logprobs(base, IDS) - token_logprobs(trained, IDS)).abs().max() > 1e-4
 
-    main(["export", "--ckpt_path", str(last_ckpt(tmp_path / "run")), "--out", str(tmp_path / "again")])
-    again, ours = load_file(str(tmp_path / "again" / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    main(
+        [
+            "export",
+            "--ckpt_path",
+            str(last_ckpt(tmp_path / "run")),
+            "--out",
+            str(tmp_path / "again"),
+        ]
+    )
+    again, ours = (
+        load_file(str(tmp_path / "again" / "model.safetensors")),
+        load_file(str(exported / "model.safetensors")),
+    )
     assert sorted(again) == sorted(ours) and all(torch.equal(again[k], ours[k]) for k in ours)
 
 
@@ -83,10 +125,24 @@ def test_a_resumed_lora_run_ends_where_an_uninterrupted_one_does(tmp_path):
     recipe = RECIPES / "connect4_grpo.yaml"
     full, part = tmp_path / "full", tmp_path / "part"
     full.mkdir(), part.mkdir()
-    short = (*SMALL, *LORA, "--model.rollout.max_turns", "6")  # three fits: short episodes keep it quick
+    short = (
+        *SMALL,
+        *LORA,
+        "--model.rollout.max_turns",
+        "6",
+    )  # three fits: short episodes keep it quick
     main(fit(recipe_saving_last_every_step(full, recipe), full / "run", 2, *short))
     main(fit(recipe_saving_last_every_step(part, recipe), part / "run", 1, *short))
-    main(fit(recipe_saving_last_every_step(part, recipe), part / "run", 2, *short, "--ckpt_path", "last"))
+    main(
+        fit(
+            recipe_saving_last_every_step(part, recipe),
+            part / "run",
+            2,
+            *short,
+            "--ckpt_path",
+            "last",
+        )
+    )
     a = torch.load(last_ckpt(full / "run"), map_location="cpu", weights_only=True)
     b = torch.load(last_ckpt(part / "run"), map_location="cpu", weights_only=True)
     assert a["global_step"] == b["global_step"] == 2
@@ -101,9 +157,28 @@ def test_lora_on_two_processes_under_earl_strategy(tmp_path):
     of the DCP checkpoint gives the same weights."""
     recipe = recipe_saving_last_every_step(tmp_path, RECIPES / "connect4_grpo.yaml")
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run([str(earl), *fit(recipe, tmp_path / "run", 2, *SMALL, *LORA, "--trainer.devices", "2",
-                                           "--trainer.strategy", "earl", "--data.batch_size", "16")],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            str(earl),
+            *fit(
+                recipe,
+                tmp_path / "run",
+                2,
+                *SMALL,
+                *LORA,
+                "--trainer.devices",
+                "2",
+                "--trainer.strategy",
+                "earl",
+                "--data.batch_size",
+                "16",
+            ),
+        ],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     from tests.e2e.test_multiprocess import scalars
 
@@ -111,19 +186,36 @@ def test_lora_on_two_processes_under_earl_strategy(tmp_path):
     assert s["layout/train/dp"] == [2.0, 2.0] and max(s["logprob/mismatch"]) < 1e-4
     assert s["grad_norm"][0] > 0
     weights = load_file(str(tmp_path / "run" / "hf_model" / "model.safetensors"))
-    assert sorted(weights) == sorted(load_file(f"{resolve_model_path('earl-tiny')}/model.safetensors"))
+    assert sorted(weights) == sorted(
+        load_file(f"{resolve_model_path('earl-tiny')}/model.safetensors")
+    )
     dcp = tmp_path / "run" / "checkpoints" / "last.ckpt"  # the DCP directory both processes wrote
     main(["export", "--ckpt_path", str(dcp), "--out", str(tmp_path / "from_dcp")])
     again = load_file(str(tmp_path / "from_dcp" / "model.safetensors"))
-    assert sorted(again) == sorted(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
+    assert sorted(again) == sorted(weights) and all(
+        torch.equal(again[k], weights[k]) for k in weights
+    )
 
 
-@pytest.mark.parametrize("flag, value, line", [
-    ("--model.peft.r", "0", "`--model.peft.r` must be a positive integer (the adapters' rank), got 0"),
-    ("--model.peft.dropout", "1.5", "`--model.peft.dropout` must be a number in [0, 1), got 1.5"),
-])
+@pytest.mark.parametrize(
+    "flag, value, line",
+    [
+        (
+            "--model.peft.r",
+            "0",
+            "`--model.peft.r` must be a positive integer (the adapters' rank), got 0",
+        ),
+        (
+            "--model.peft.dropout",
+            "1.5",
+            "`--model.peft.dropout` must be a number in [0, 1), got 1.5",
+        ),
+    ],
+)
 def test_a_bad_lora_setting_is_one_line_from_the_command(capsys, flag, value, line):
     from tests.e2e.test_file_errors import error_line, run_earl
 
-    code, err = run_earl(capsys, fit(RECIPES / "connect4_grpo.yaml", Path("unused"), 1, flag, value))
+    code, err = run_earl(
+        capsys, fit(RECIPES / "connect4_grpo.yaml", Path("unused"), 1, flag, value)
+    )
     assert code == 2 and error_line(err) == f"earl: error: {line}"

@@ -27,7 +27,7 @@ def section(title: str) -> str:
     text = README.read_text()
     start = text.index(f"\n## {title}")
     end = text.find("\n## ", start + 1)
-    return text[start: end if end > 0 else None]
+    return text[start : end if end > 0 else None]
 
 
 def earl_commands() -> list[list[str]]:
@@ -37,25 +37,36 @@ def earl_commands() -> list[list[str]]:
     text = README.read_text()
     shell = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    shell += re.findall(r"`((?:\.venv/bin/)?earl (?:fit|validate|sft|export) [^`]+)`", prose)  # inline commands
+    shell += re.findall(
+        r"`((?:\.venv/bin/)?earl (?:fit|validate|sft|export) [^`]+)`", prose
+    )  # inline commands
     for block in shell:
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("&&"):
                 words = shlex.split(part, comments=True)
                 for i, w in enumerate(words):
                     if w.endswith("/earl") or w == "earl":
-                        out.append(words[i + 1:])
+                        out.append(words[i + 1 :])
                         break
     return out
 
 
 def test_python_api_example_trains(monkeypatch, tmp_path):
-    api = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if "AgenticRLModule(" in b)
+    api = next(
+        b
+        for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+        if "AgenticRLModule(" in b
+    )
     made = []
 
     class TwoSteps(lightning.Trainer):  # the example as written, for 2 steps instead of 200
         def __init__(self, **kwargs):
-            kwargs.update(max_steps=2, val_check_interval=2, default_root_dir=str(tmp_path), enable_progress_bar=False)
+            kwargs.update(
+                max_steps=2,
+                val_check_interval=2,
+                default_root_dir=str(tmp_path),
+                enable_progress_bar=False,
+            )
             super().__init__(**kwargs)
             made.append(self)
 
@@ -70,7 +81,11 @@ def test_python_api_example_trains(monkeypatch, tmp_path):
 def _flag_values(argv: list[str]) -> dict[str, str]:
     flags = {}
     for flag, value in zip(argv, argv[1:] + [""]):
-        if flag.startswith(("--model.", "--data.", "--trainer.")) and value and not value.startswith("--"):
+        if (
+            flag.startswith(("--model.", "--data.", "--trainer."))
+            and value
+            and not value.startswith("--")
+        ):
             flags[flag[2:]] = value
     return flags
 
@@ -85,20 +100,30 @@ def _check_print_config(argv: list[str], capsys) -> None:
         got = cfg
         for key in dotted.split("."):
             got = got[key]
-        assert got == _scalar(value) or str(got) == value, (dotted, got, value)  # devices: str | int
+        assert got == _scalar(value) or str(got) == value, (
+            dotted,
+            got,
+            value,
+        )  # devices: str | int
 
 
 def _scalar(value: str):
     """A flag's value as the CLI reads it (YAML, with ``5e-4`` a float as in YAML 1.2)."""
     try:
-        return float(value) if re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value) else yaml.safe_load(value)
+        return (
+            float(value)
+            if re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value)
+            else yaml.safe_load(value)
+        )
     except yaml.YAMLError:
         return value
 
 
 def test_every_earl_command_in_readme_parses(capsys):
     commands = [c for c in earl_commands() if not any(PLACEHOLDER.search(w) for w in c)]
-    assert len(commands) >= 8, commands  # the two main commands, warm start, resume, several processes, vLLM
+    assert len(commands) >= 8, (
+        commands
+    )  # the two main commands, warm start, resume, several processes, vLLM
     for argv in commands:
         if argv[0] == "export":  # not LightningCLI: its own parser, no recipe
             from earl_lightning.export import export_parser
@@ -111,9 +136,16 @@ def test_every_earl_command_in_readme_parses(capsys):
 
 
 def test_configuration_flags_in_readme_set_what_they_name(capsys):
-    flags = [shlex.split(s) for s in re.findall(r"`(--(?:model|data|trainer)\.[^`]+)`", section("Recipes and configuration"))]
+    flags = [
+        shlex.split(s)
+        for s in re.findall(
+            r"`(--(?:model|data|trainer)\.[^`]+)`", section("Recipes and configuration")
+        )
+    ]
     assert len(flags) >= 3, flags
-    _check_print_config(["fit", "--config", "recipes/connect4_grpo.yaml", *[w for f in flags for w in f]], capsys)
+    _check_print_config(
+        ["fit", "--config", "recipes/connect4_grpo.yaml", *[w for f in flags for w in f]], capsys
+    )
 
 
 def _slugs(md: Path) -> set[str]:
@@ -153,15 +185,27 @@ def test_plugin_and_adaptive_examples_run_as_written(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     plugin = next(b for b in blocks if "@register_policy_loss" in b)
     adaptive = next(b for b in blocks if "AdaptiveParallelism(" in b)
-    check = ("from earl_lightning.algorithms.losses import POLICY_LOSSES\n"
-             "from earl_lightning.algorithms.estimators import ADVANTAGE_ESTIMATORS\n"
-             "assert 'my_loss' in POLICY_LOSSES.names() and 'my_adv' in ADVANTAGE_ESTIMATORS.names()\n"
-             "assert not ADVANTAGE_ESTIMATORS.get('my_adv', 'advantage').needs_values\n")
+    check = (
+        "from earl_lightning.algorithms.losses import POLICY_LOSSES\n"
+        "from earl_lightning.algorithms.estimators import ADVANTAGE_ESTIMATORS\n"
+        "assert 'my_loss' in POLICY_LOSSES.names() and 'my_adv' in ADVANTAGE_ESTIMATORS.names()\n"
+        "assert not ADVANTAGE_ESTIMATORS.get('my_adv', 'advantage').needs_values\n"
+    )
     script = tmp_path / "examples.py"
-    script.write_text(plugin + check + adaptive.replace("Trainer(", "trainer = Trainer(", 1)
-                      + "assert isinstance(trainer.strategy, EarlStrategy) and trainer.num_devices == 2\nprint('ok')\n")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=subprocess_env(PYTHONPATH=str(ROOT)))
+    script.write_text(
+        plugin
+        + check
+        + adaptive.replace("Trainer(", "trainer = Trainer(", 1)
+        + "assert isinstance(trainer.strategy, EarlStrategy) and trainer.num_devices == 2\nprint('ok')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 

@@ -12,11 +12,15 @@ import yaml
 from earl_lightning.cli import main
 from tests.distributed.launch import subprocess_env
 
-RECIPES = sorted(p for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml")
-                 # the warm-start pipeline's recipes (*_sft, *_warm) are smoke-run by tests/e2e/test_sft.py, a
-                 # dataset task's (which need its data and warm start) by tests/e2e/test_dataset_tasks.py
-                 if "vllm" not in p.name and not p.stem.endswith(("_sft", "_warm"))
-                 and "dataset" not in yaml.safe_load(p.read_text())["data"])
+RECIPES = sorted(
+    p
+    for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml")
+    # the warm-start pipeline's recipes (*_sft, *_warm) are smoke-run by tests/e2e/test_sft.py, a
+    # dataset task's (which need its data and warm start) by tests/e2e/test_dataset_tasks.py
+    if "vllm" not in p.name
+    and not p.stem.endswith(("_sft", "_warm"))
+    and "dataset" not in yaml.safe_load(p.read_text())["data"]
+)
 
 
 def run_recipe(recipe: Path, args: list[str]) -> None:
@@ -25,20 +29,31 @@ def run_recipe(recipe: Path, args: list[str]) -> None:
         main(args)
         return
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run([str(earl), *args], env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [str(earl), *args], env=subprocess_env(), capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 def smoke_args(recipe: Path, root: Path) -> list[str]:
     return [
-        "fit", "--config", str(recipe),
-        "--trainer.max_steps", "2",
-        "--trainer.val_check_interval", "2",
-        "--trainer.default_root_dir", str(root),
-        "--trainer.enable_progress_bar", "false",
-        "--data.batch_size", "8",
-        "--data.group_size", "4",
-        "--data.eval_episodes", "4",
+        "fit",
+        "--config",
+        str(recipe),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.batch_size",
+        "8",
+        "--data.group_size",
+        "4",
+        "--data.eval_episodes",
+        "4",
     ]
 
 
@@ -51,16 +66,31 @@ def test_recipe_smoke_runs_two_steps(recipe, tmp_path):
     assert events, "no TensorBoard events written"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(events[0].parent)); acc.Reload()
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("reward/mean", "env/invalid_rate", "context/mean", "stage/rollout/seconds", "loss/policy",
-                "grad_norm", "logprob/mismatch", "val/win_rate" if "calculator" not in recipe.name else "val/reward"):
+    for tag in (
+        "reward/mean",
+        "env/invalid_rate",
+        "context/mean",
+        "stage/rollout/seconds",
+        "loss/policy",
+        "grad_norm",
+        "logprob/mismatch",
+        "val/win_rate" if "calculator" not in recipe.name else "val/reward",
+    ):
         assert tag in tags, f"{tag} not logged by {recipe.name}; got {sorted(tags)}"
     steps = [e.step for e in acc.Scalars("reward/mean")]
     assert len(steps) == 2
     mismatch = [e.value for e in acc.Scalars("logprob/mismatch")]
     assert max(mismatch) < 1e-4, "rollout and recomputed log-probs disagree"
     assert list(tmp_path.rglob("last.ckpt")) or list(tmp_path.rglob("*.ckpt"))
-    if "adaptive" in recipe.name:  # profiled at fit start, saved under the run's root, decisions logged
+    if (
+        "adaptive" in recipe.name
+    ):  # profiled at fit start, saved under the run's root, decisions logged
         assert (tmp_path / "profile" / "profile.json").is_file()
-        assert {"layout/train/activation_checkpointing", "layout/rollout/tp", "layout/train/predicted_mib"} <= tags
+        assert {
+            "layout/train/activation_checkpointing",
+            "layout/rollout/tp",
+            "layout/train/predicted_mib",
+        } <= tags

@@ -15,24 +15,47 @@ RECIPE = RECIPES / "connect4_ppo.yaml"  # the default: value head, turn rows, al
 
 def recipe_checkpointing_every_step(tmp_path: Path, recipe: Path = RECIPE) -> Path:
     cfg = yaml.safe_load(recipe.read_text())
-    cfg["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                    "init_args": {"save_last": True, "every_n_train_steps": 1}}]
+    cfg["trainer"]["callbacks"] = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"save_last": True, "every_n_train_steps": 1},
+        }
+    ]
     out = tmp_path / "recipe.yaml"
     out.write_text(yaml.safe_dump(cfg))
     return out
 
 
 def args(recipe, root, steps, *extra):
-    return ["fit", "--config", str(recipe), "--trainer.max_steps", str(steps), "--trainer.default_root_dir", str(root),
-            "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", "100",
-            "--trainer.limit_val_batches", "0", "--data.batch_size", "8", "--data.group_size", "4",
-            "--data.eval_episodes", "0", *extra]
+    return [
+        "fit",
+        "--config",
+        str(recipe),
+        "--trainer.max_steps",
+        str(steps),
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.val_check_interval",
+        "100",
+        "--trainer.limit_val_batches",
+        "0",
+        "--data.batch_size",
+        "8",
+        "--data.group_size",
+        "4",
+        "--data.eval_episodes",
+        "0",
+        *extra,
+    ]
 
 
 def scalars(root: Path, tag: str) -> dict[int, float]:
     out = {}
     for ev in sorted(root.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(ev)); acc.Reload()
+        acc = EventAccumulator(str(ev))
+        acc.Reload()
         if tag in acc.Tags()["scalars"]:
             out.update({e.step: e.value for e in acc.Scalars(tag)})
     return out
@@ -43,8 +66,10 @@ def last_state(root: Path) -> dict:
     return torch.load(ckpt, map_location="cpu", weights_only=False)
 
 
-@pytest.mark.parametrize("name, strategy", [("connect4_ppo", "auto"), ("connect4_ppo", "earl"),
-                                            ("connect4_grpo", "auto")])
+@pytest.mark.parametrize(
+    "name, strategy",
+    [("connect4_ppo", "auto"), ("connect4_ppo", "earl"), ("connect4_grpo", "auto")],
+)
 def test_resume_matches_uninterrupted_run(tmp_path, name, strategy):
     full, part = tmp_path / "full", tmp_path / "part"
     recipe = recipe_checkpointing_every_step(tmp_path, RECIPES / f"{name}.yaml")
@@ -56,11 +81,17 @@ def test_resume_matches_uninterrupted_run(tmp_path, name, strategy):
     assert a["global_step"] == b["global_step"] == 4
     assert a["earl"]["rl_iteration"] == b["earl"]["rl_iteration"] == 4
     for k, v in a["state_dict"].items():
-        torch.testing.assert_close(b["state_dict"][k], v, rtol=0, atol=0, msg=f"parameter {k} differs")
+        torch.testing.assert_close(
+            b["state_dict"][k], v, rtol=0, atol=0, msg=f"parameter {k} differs"
+        )
     ra, rb = scalars(full, "reward/mean"), scalars(part, "reward/mean")
     assert set(ra) == set(rb) and len(ra) == 4
-    resumed = max((part / "lightning_logs").glob("version_*"))  # the relaunch's own logs start at step 2
-    assert sorted(scalars(resumed, "reward/mean")) == [2, 3], "the relaunch did not resume from the checkpoint"
+    resumed = max(
+        (part / "lightning_logs").glob("version_*")
+    )  # the relaunch's own logs start at step 2
+    assert sorted(scalars(resumed, "reward/mean")) == [2, 3], (
+        "the relaunch did not resume from the checkpoint"
+    )
     for step in ra:
         assert ra[step] == rb[step], f"reward/mean differs at step {step}"
 
@@ -74,5 +105,18 @@ def test_checkpoint_holds_each_weight_once_and_validates(tmp_path):
     assert all(k.startswith(("policy.", "value_head.")) for k in keys), keys[:5]
     assert {"value_head.weight", "value_head.bias"} <= set(keys)
     ckpt = max((tmp_path / "run").rglob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
-    main(["validate", "--config", str(recipe), "--ckpt_path", str(ckpt), "--trainer.default_root_dir",
-          str(tmp_path / "val"), "--trainer.enable_progress_bar", "false", "--data.eval_episodes", "4"])
+    main(
+        [
+            "validate",
+            "--config",
+            str(recipe),
+            "--ckpt_path",
+            str(ckpt),
+            "--trainer.default_root_dir",
+            str(tmp_path / "val"),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--data.eval_episodes",
+            "4",
+        ]
+    )

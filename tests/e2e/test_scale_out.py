@@ -37,13 +37,30 @@ def overrides(run: Path) -> Path:
     logger version must find the last one)."""
     path = run / "over.yaml"
     run.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({
-        "trainer": {"max_steps": STEPS, "limit_val_batches": 0, "enable_progress_bar": False,
-                    "log_every_n_steps": 1, "default_root_dir": str(run),
-                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                   "init_args": {"dirpath": str(run / "checkpoints"), "save_last": True,
-                                                 "every_n_train_steps": 1}}]},
-        "data": {"batch_size": 8, "group_size": 4, "eval_episodes": 0}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "max_steps": STEPS,
+                    "limit_val_batches": 0,
+                    "enable_progress_bar": False,
+                    "log_every_n_steps": 1,
+                    "default_root_dir": str(run),
+                    "callbacks": [
+                        {
+                            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                            "init_args": {
+                                "dirpath": str(run / "checkpoints"),
+                                "save_last": True,
+                                "every_n_train_steps": 1,
+                            },
+                        }
+                    ],
+                },
+                "data": {"batch_size": 8, "group_size": 4, "eval_episodes": 0},
+            }
+        )
+    )
     return path
 
 
@@ -54,12 +71,28 @@ ONE_THREAD = "1"
 
 
 def torchrun(run: Path, *launch: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    cmd = [str(Path(sys.executable).with_name("torchrun")), *launch, "-m", "earl_lightning.cli", "fit",
-           "--config", str(RECIPE), "--config", str(overrides(run)), *extra]
+    cmd = [
+        str(Path(sys.executable).with_name("torchrun")),
+        *launch,
+        "-m",
+        "earl_lightning.cli",
+        "fit",
+        "--config",
+        str(RECIPE),
+        "--config",
+        str(overrides(run)),
+        *extra,
+    ]
     log = run / f"launch{len(list(run.glob('launch*.log')))}.log"
     # its own session: a launch that outlives the test is killed with everything it started
-    proc = subprocess.Popen(cmd, env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=ONE_THREAD),
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=ONE_THREAD),
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     proc.log = log
     return proc
 
@@ -97,14 +130,23 @@ def assert_same_run(a: Path, b: Path, steps: int = STEPS) -> None:
     assert pa.keys() == pb.keys()
     for k in pa:
         torch.testing.assert_close(pb[k], pa[k], rtol=0, atol=0, msg=f"parameter {k}")
-    for tag in ("reward/mean", "loss/policy", "grad_norm", "context/mean", "logprob/mismatch", "dispatch/bytes"):
+    for tag in (
+        "reward/mean",
+        "loss/policy",
+        "grad_norm",
+        "context/mean",
+        "logprob/mismatch",
+        "dispatch/bytes",
+    ):
         assert sb[tag] == sa[tag] and len(sa[tag]) == steps, tag
 
 
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("one_node")
-    finish(torchrun(run, "--standalone", "--nproc-per-node", "2"))  # standalone: a free port of its own
+    finish(
+        torchrun(run, "--standalone", "--nproc-per-node", "2")
+    )  # standalone: a free port of its own
     return run
 
 
@@ -112,17 +154,44 @@ def one_node(tmp_path_factory) -> Path:
 def test_two_nodes_equal_one_node(one_node, tmp_path, rendezvous):
     port = free_port()
     if rendezvous == "static":
-        launch = [["--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", str(port)] for r in (0, 1)]
+        launch = [
+            ["--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            for r in (0, 1)
+        ]
     else:  # elastic rendezvous: the nodes agree on their ranks through a c10d store
-        launch = [["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "scale-out"]] * 2
-    nodes = [torchrun(tmp_path, "--nnodes", "2", "--nproc-per-node", "1", *node,
-                      extra=("--trainer.num_nodes", "2", "--trainer.devices", "1")) for node in launch]
+        launch = [
+            [
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "scale-out",
+            ]
+        ] * 2
+    nodes = [
+        torchrun(
+            tmp_path,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            *node,
+            extra=("--trainer.num_nodes", "2", "--trainer.devices", "1"),
+        )
+        for node in launch
+    ]
     finish(*nodes)
     assert_same_run(one_node, tmp_path)
 
 
-FOUR = ("--trainer.strategy.layouts", '{"rollout": {"dp": 2, "tp": 2}, "experience": {"dp": 4, "tp": 1}, '
-        '"train": {"dp": 2, "tp": 2}}', "--trainer.max_steps", "2")
+FOUR = (
+    "--trainer.strategy.layouts",
+    '{"rollout": {"dp": 2, "tp": 2}, "experience": {"dp": 4, "tp": 1}, '
+    '"train": {"dp": 2, "tp": 2}}',
+    "--trainer.max_steps",
+    "2",
+)
 
 
 def test_two_nodes_of_two_equal_one_node_of_four(tmp_path):
@@ -130,11 +199,29 @@ def test_two_nodes_of_two_equal_one_node_of_four(tmp_path):
     group inside a node; two torchrun launches (``--nnodes 2 --nproc-per-node 2``) equal one launch
     of 4 processes on one node, bit for bit (2 steps)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    finish(torchrun(one, "--standalone", "--nproc-per-node", "4", extra=(*FOUR, "--trainer.devices", "4")))
+    finish(
+        torchrun(
+            one, "--standalone", "--nproc-per-node", "4", extra=(*FOUR, "--trainer.devices", "4")
+        )
+    )
     port = free_port()
-    nodes = [torchrun(two, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(r), "--master-addr",
-                      "127.0.0.1", "--master-port", str(port),
-                      extra=(*FOUR, "--trainer.num_nodes", "2", "--trainer.devices", "2")) for r in (0, 1)]
+    nodes = [
+        torchrun(
+            two,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--node-rank",
+            str(r),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            extra=(*FOUR, "--trainer.num_nodes", "2", "--trainer.devices", "2"),
+        )
+        for r in (0, 1)
+    ]
     finish(*nodes)
     assert_same_run(one, two, steps=2)
 
@@ -142,15 +229,43 @@ def test_two_nodes_of_two_equal_one_node_of_four(tmp_path):
 def srun_task(run: Path, rank: int, port: int) -> subprocess.Popen:
     """One task of ``srun --nodes 2 --ntasks-per-node 1 earl fit ...``: the process and the variables
     srun gives it (no torchrun; Lightning's SLURMEnvironment reads them)."""
-    slurm = dict(SLURM_JOB_ID="4242", SLURM_JOB_NAME="earl", SLURM_NTASKS="2", SLURM_NNODES="2",
-                 SLURM_NTASKS_PER_NODE="1", SLURM_NODELIST="127.0.0.1", SLURM_PROCID=str(rank),
-                 SLURM_LOCALID="0", SLURM_NODEID=str(rank), MASTER_PORT=str(port), PYTHONPATH=str(ROOT),
-                 OMP_NUM_THREADS=ONE_THREAD)
-    cmd = [sys.executable, "-m", "earl_lightning.cli", "fit", "--config", str(RECIPE), "--config",
-           str(overrides(run)), "--trainer.num_nodes", "2", "--trainer.devices", "1"]
+    slurm = dict(
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="earl",
+        SLURM_NTASKS="2",
+        SLURM_NNODES="2",
+        SLURM_NTASKS_PER_NODE="1",
+        SLURM_NODELIST="127.0.0.1",
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID="0",
+        SLURM_NODEID=str(rank),
+        MASTER_PORT=str(port),
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS=ONE_THREAD,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "earl_lightning.cli",
+        "fit",
+        "--config",
+        str(RECIPE),
+        "--config",
+        str(overrides(run)),
+        "--trainer.num_nodes",
+        "2",
+        "--trainer.devices",
+        "1",
+    ]
     log = run / f"srun{rank}.log"
-    proc = subprocess.Popen(cmd, env=subprocess_env(**slurm), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            cwd=ROOT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=subprocess_env(**slurm),
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     proc.log = log
     return proc
 
@@ -158,9 +273,15 @@ def srun_task(run: Path, rank: int, port: int) -> subprocess.Popen:
 def test_two_slurm_nodes_equal_one_node(one_node, tmp_path):
     port = free_port()
     finish(*[srun_task(tmp_path, rank, port) for rank in (0, 1)])
-    for rank in (0, 1):  # ranks from SLURM_PROCID (no RANK is set), under Lightning's SLURM environment
+    for rank in (
+        0,
+        1,
+    ):  # ranks from SLURM_PROCID (no RANK is set), under Lightning's SLURM environment
         log = (tmp_path / f"srun{rank}.log").read_text()
-        assert f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in log and "SLURM auto-requeueing enabled" in log
+        assert (
+            f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in log
+            and "SLURM auto-requeueing enabled" in log
+        )
     assert_same_run(one_node, tmp_path)
 
 
@@ -172,12 +293,30 @@ def test_killed_rank_restarts_and_resumes_bit_identical(one_node, tmp_path):
     then — it read the dead round's addresses from torchrun's store; EarlStrategy now keys each
     round's rendezvous apart.)"""
     marker = tmp_path / "killed.marker"
-    run = torchrun(tmp_path, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                   extra=("--ckpt_path", "last", "--trainer.callbacks+=tests.plugins.faults.KillRank",
-                          "--trainer.callbacks.step", "3", "--trainer.callbacks.marker", str(marker)))
+    run = torchrun(
+        tmp_path,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        extra=(
+            "--ckpt_path",
+            "last",
+            "--trainer.callbacks+=tests.plugins.faults.KillRank",
+            "--trainer.callbacks.step",
+            "3",
+            "--trainer.callbacks.marker",
+            str(marker),
+        ),
+    )
     finish(run)
     log = run.log.read_text()
-    assert marker.exists() and "starting from the beginning" in log and "Restored all states from the checkpoint" in log
+    assert (
+        marker.exists()
+        and "starting from the beginning" in log
+        and "Restored all states from the checkpoint" in log
+    )
     assert_same_run(one_node, tmp_path)
 
 
@@ -185,12 +324,29 @@ def test_dead_rank_stops_the_survivor_with_one_line(tmp_path):
     timeout_s = 20
     marker = tmp_path / "killed.marker"
     earl = Path(sys.executable).with_name("earl")
-    cmd = [str(earl), "fit", "--config", str(RECIPE), "--config", str(overrides(tmp_path)),
-           "--trainer.strategy.collective_timeout_s", str(timeout_s),
-           "--trainer.callbacks+=tests.plugins.faults.KillRank", "--trainer.callbacks.step", "3",
-           "--trainer.callbacks.marker", str(marker)]
-    proc = subprocess.run(cmd, env=subprocess_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    cmd = [
+        str(earl),
+        "fit",
+        "--config",
+        str(RECIPE),
+        "--config",
+        str(overrides(tmp_path)),
+        "--trainer.strategy.collective_timeout_s",
+        str(timeout_s),
+        "--trainer.callbacks+=tests.plugins.faults.KillRank",
+        "--trainer.callbacks.step",
+        "3",
+        "--trainer.callbacks.marker",
+        str(marker),
+    ]
+    proc = subprocess.run(
+        cmd,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     ended = time.time()
     assert proc.returncode != 0 and marker.exists()
     assert ended - marker.stat().st_mtime < timeout_s + 30

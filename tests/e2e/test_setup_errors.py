@@ -15,15 +15,34 @@ ROOT = Path(__file__).parents[2]
 def test_an_env_whose_reset_raises_is_one_line_naming_where(tmp_path):
     earl = Path(sys.executable).with_name("earl")
     proc = subprocess.run(
-        [str(earl), "fit", "--config", str(ROOT / "recipes" / "connect4_grpo.yaml"),
-         "--data.env", "tests.plugins.faulty_envs.RaisesInReset", "--data.env_kwargs",
-         "{num_turns: 3, padding_chars: 4}", "--trainer.max_steps", "1",
-         "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
-        env=subprocess_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300, cwd=ROOT)
+        [
+            str(earl),
+            "fit",
+            "--config",
+            str(ROOT / "recipes" / "connect4_grpo.yaml"),
+            "--data.env",
+            "tests.plugins.faulty_envs.RaisesInReset",
+            "--data.env_kwargs",
+            "{num_turns: 3, padding_chars: 4}",
+            "--trainer.max_steps",
+            "1",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert lines[-1].startswith("earl: error: `--data.env` 'tests.plugins.faulty_envs.RaisesInReset': env "
-                                "'tests.plugins.faulty_envs.RaisesInReset' (seed "), lines[-1]
+    assert lines[-1].startswith(
+        "earl: error: `--data.env` 'tests.plugins.faulty_envs.RaisesInReset': env "
+        "'tests.plugins.faulty_envs.RaisesInReset' (seed "
+    ), lines[-1]
     assert "reset() raised OSError('reset broke') (at " in lines[-1]
     assert lines[-1].endswith(f"{ROOT / 'tests' / 'plugins' / 'faulty_envs.py'}:43)"), lines[-1]

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 import torch
+import yaml
 
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_scale_out import RECIPE, ROOT, overrides
@@ -29,13 +29,29 @@ STEPS = 3
 def earl_fit(run: Path, *extra: str, name: str) -> tuple[int, str]:
     """``earl fit`` of the recipe in ``run`` (exit code, stderr). Output goes to files: a stopped
     rank holds the pipes it inherited open, and a reader of pipes would wait for it forever."""
-    cmd = [str(Path(sys.executable).with_name("earl")), "fit", "--config", str(RECIPE), "--config",
-           str(overrides(run)), "--trainer.max_steps", str(STEPS),
-           "--trainer.strategy.collective_timeout_s", str(TIMEOUT_S), *extra]
+    cmd = [
+        str(Path(sys.executable).with_name("earl")),
+        "fit",
+        "--config",
+        str(RECIPE),
+        "--config",
+        str(overrides(run)),
+        "--trainer.max_steps",
+        str(STEPS),
+        "--trainer.strategy.collective_timeout_s",
+        str(TIMEOUT_S),
+        *extra,
+    ]
     err = run / f"{name}.err"
     with err.open("w") as stderr:
-        proc = subprocess.Popen(cmd, env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
         try:
             code = proc.wait(timeout=300)
         finally:
@@ -48,9 +64,19 @@ def fault(run: Path, sig: str) -> tuple[int, str, float, int]:
     """Run with ``sig`` sent to rank 1 at the end of step 2: (exit code, stderr, seconds from the
     signal to rank 0's exit, rank 1's pid)."""
     marker = run / "fault.marker"
-    code, err = earl_fit(run, "--trainer.callbacks+=tests.plugins.faults.KillRank", "--trainer.callbacks.step", "2",
-                         "--trainer.callbacks.marker", str(marker), "--trainer.callbacks.sig", sig,
-                         "--trainer.callbacks.at", "end", name="fault")
+    code, err = earl_fit(
+        run,
+        "--trainer.callbacks+=tests.plugins.faults.KillRank",
+        "--trainer.callbacks.step",
+        "2",
+        "--trainer.callbacks.marker",
+        str(marker),
+        "--trainer.callbacks.sig",
+        sig,
+        "--trainer.callbacks.at",
+        "end",
+        name="fault",
+    )
     ended = time.time()
     assert marker.exists(), err[-3000:]
     return code, err, ended - marker.stat().st_mtime, int(marker.read_text().split("pid ")[1])
@@ -101,7 +127,11 @@ def test_a_stopped_rank_stops_the_survivor_in_one_line_and_the_run_resumes(tmp_p
 
 def test_a_killed_rank_during_a_checkpoint_save_stops_the_survivor_in_one_line(tmp_path):
     code, err, waited, _ = fault(tmp_path, "SIGKILL")
-    assert code == 1 and waited < 25, (code, waited, err[-3000:])  # gloo notices a dead peer at once
+    assert code == 1 and waited < 25, (
+        code,
+        waited,
+        err[-3000:],
+    )  # gloo notices a dead peer at once
     line = one_line(err)
     assert "in on_train_batch_end of global step 2: another process died (RuntimeError: " in line
     assert_whole(tmp_path / "checkpoints" / "last.ckpt", step=1)
@@ -114,18 +144,51 @@ def test_a_killed_rank_under_strategy_auto_is_one_line_too(tmp_path):
     recipe = ROOT / "recipes" / "connect4_grpo.yaml"
     marker = tmp_path / "fault.marker"
     over = tmp_path / "over.yaml"
-    over.write_text(yaml.safe_dump({
-        "trainer": {"devices": 2, "max_steps": STEPS, "limit_val_batches": 0, "enable_progress_bar": False,
+    over.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {
+                    "devices": 2,
+                    "max_steps": STEPS,
+                    "limit_val_batches": 0,
+                    "enable_progress_bar": False,
                     "default_root_dir": str(tmp_path),
-                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                   "init_args": {"dirpath": str(tmp_path / "checkpoints"), "save_last": True,
-                                                 "every_n_train_steps": 1}},
-                                  {"class_path": "tests.plugins.faults.KillRank",
-                                   "init_args": {"step": 2, "marker": str(marker), "at": "end"}}]},
-        "data": {"batch_size": 8, "group_size": 4, "eval_episodes": 0}}))
-    cmd = [str(Path(sys.executable).with_name("earl")), "fit", "--config", str(recipe), "--config", str(over)]
-    proc = subprocess.run(cmd, env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"), cwd=ROOT,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+                    "callbacks": [
+                        {
+                            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                            "init_args": {
+                                "dirpath": str(tmp_path / "checkpoints"),
+                                "save_last": True,
+                                "every_n_train_steps": 1,
+                            },
+                        },
+                        {
+                            "class_path": "tests.plugins.faults.KillRank",
+                            "init_args": {"step": 2, "marker": str(marker), "at": "end"},
+                        },
+                    ],
+                },
+                "data": {"batch_size": 8, "group_size": 4, "eval_episodes": 0},
+            }
+        )
+    )
+    cmd = [
+        str(Path(sys.executable).with_name("earl")),
+        "fit",
+        "--config",
+        str(recipe),
+        "--config",
+        str(over),
+    ]
+    proc = subprocess.run(
+        cmd,
+        env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and marker.exists(), proc.stderr[-3000:]
     line = one_line(proc.stderr)
     assert line.startswith("earl: error: rank 0 lost a peer during the strategy's ")

@@ -14,8 +14,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_slow_calls_benchmark_runs(tmp_path):
     out = tmp_path / "slow_calls.csv"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "slow_calls.py"), "--quick", "--cases", "uniform",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "slow_calls.py"),
+            "--quick",
+            "--cases",
+            "uniform",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with out.with_name("slow_calls_summary.csv").open() as f:
         rows = {r["mode"]: r for r in csv.DictReader(f)}

@@ -25,7 +25,9 @@ def tiny():
     from earl_lightning.models.loading import resolve_model_path
 
     path = resolve_model_path("earl-tiny")
-    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32
+    )
 
 
 def test_episode_is_the_whole_chat_of_every_turn(tiny):
@@ -43,20 +45,52 @@ def test_flop_count_is_three_times_the_linear_layers_forward_plus_causal_attenti
     ids = torch.randint(3, cfg.vocab_size, (batch, length))
     counted, attention = count_flops(model, ids)
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    per_layer = h * h + 2 * h * kv + h * h + 3 * h * cfg.intermediate_size  # q, k, v, o, gate/up/down
+    per_layer = (
+        h * h + 2 * h * kv + h * h + 3 * h * cfg.intermediate_size
+    )  # q, k, v, o, gate/up/down
     linear_params = cfg.num_hidden_layers * per_layer + h * cfg.vocab_size  # + lm_head
     assert counted == pytest.approx(3 * 2 * batch * length * linear_params, rel=0.01)
     head_dim = h // cfg.num_attention_heads
     assert attention == pytest.approx(
-        3 * 2 * 2 * (length * length / 2) * head_dim * cfg.num_attention_heads * cfg.num_hidden_layers * batch)
+        3
+        * 2
+        * 2
+        * (length * length / 2)
+        * head_dim
+        * cfg.num_attention_heads
+        * cfg.num_hidden_layers
+        * batch
+    )
 
 
 def test_script_writes_its_csv(tmp_path):
     out = tmp_path / "roofline.csv"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_roofline.py"), "--batch", "2",
-                           "--turns", "2", "--repeats", "1", "--threads", "1", "--micro", "1", "--attention", "math",
-                           "eager", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "train_roofline.py"),
+            "--batch",
+            "2",
+            "--turns",
+            "2",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--micro",
+            "1",
+            "--attention",
+            "math",
+            "eager",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     with out.open() as f:
         rows = {r["what"]: float(r["value"]) for r in csv.DictReader(f)}
@@ -64,7 +98,10 @@ def test_script_writes_its_csv(tmp_path):
     assert rows["train_seconds"] > 0 and rows["peak_2048_gflops"] > 0
     assert 0 < rows["train_share_of_peak"] < 2
     for kernel in ("math", "eager"):
-        assert rows[f"train_seconds_attention_{kernel}"] > 0 and rows[f"train_seconds_attention_{kernel}_micro_8_episodes"] > 0
+        assert (
+            rows[f"train_seconds_attention_{kernel}"] > 0
+            and rows[f"train_seconds_attention_{kernel}_micro_8_episodes"] > 0
+        )
 
 
 def test_the_attention_kernels_compared_compute_the_same_log_probs(tiny):
@@ -90,8 +127,10 @@ def test_the_attention_kernels_compared_compute_the_same_log_probs(tiny):
 
 def test_trls_seconds_come_from_the_multi_turn_row_of_the_same_point(tmp_path):
     csv_path = tmp_path / "vs_trl.csv"
-    csv_path.write_text("side,mode,completion_len,turns,seconds_per_step\n"
-                        "trl,multi,8,4,1.5\ntrl,single,8,1,0.3\nearl,multi,8,10,2.0\ntrl,multi,8,10,5.0\n")
+    csv_path.write_text(
+        "side,mode,completion_len,turns,seconds_per_step\n"
+        "trl,multi,8,4,1.5\ntrl,single,8,1,0.3\nearl,multi,8,10,2.0\ntrl,multi,8,10,5.0\n"
+    )
     assert trl_multi_seconds(csv_path, 8, 10) == 5.0  # not the first TRL multi-turn row (4 turns)
     assert trl_multi_seconds(csv_path, 8, 4) == 1.5
     assert trl_multi_seconds(csv_path, 16, 10) is None

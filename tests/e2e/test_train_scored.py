@@ -28,9 +28,26 @@ def test_the_action_mask_covers_the_replies_and_nothing_else():
 
 def test_script_runs_and_writes_its_csv(tmp_path):
     out = tmp_path / "scored.csv"
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_scored.py"), "--repeats", "2",
-                          "--batch", "3", "--turns", "3", "--threads", "1", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "train_scored.py"),
+            "--repeats",
+            "2",
+            "--batch",
+            "3",
+            "--turns",
+            "3",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     rows = {r["what"]: float(r["value"]) for r in csv.DictReader(out.open())}
     assert rows["episodes"] == 3 and rows["scored_positions"] == 24

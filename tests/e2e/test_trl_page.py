@@ -28,22 +28,44 @@ def blocks(kind: str) -> list[str]:
 @pytest.fixture()
 def workdir(tmp_path, monkeypatch):
     """A directory holding data/addition/{train,test}.jsonl (small), the page's relative paths."""
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_addition.py"), "--out",
-                    str(tmp_path / "data" / "addition"), "--train", "64", "--test", "8"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "make_addition.py"),
+            "--out",
+            str(tmp_path / "data" / "addition"),
+            "--train",
+            "64",
+            "--test",
+            "8",
+        ],
+        check=True,
+        capture_output=True,
+    )
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
 def _source(block: str) -> str:
-    return block.replace(HUB_ID, resolve_model_path("earl-tiny")).replace("max_steps=100", "max_steps=2")
+    return block.replace(HUB_ID, resolve_model_path("earl-tiny")).replace(
+        "max_steps=100", "max_steps=2"
+    )
 
 
 def test_the_trl_script_runs(workdir):
     trl = next(b for b in blocks("python") if "GRPOTrainer(" in b)
     scope: dict = {}
-    exec(compile(_source(trl).replace('output_dir="runs/trl_addition"', 'output_dir="runs/trl", report_to=[], '
-                                      'use_cpu=True, disable_tqdm=True'), str(PAGE), "exec"), scope)
+    exec(
+        compile(
+            _source(trl).replace(
+                'output_dir="runs/trl_addition"',
+                'output_dir="runs/trl", report_to=[], use_cpu=True, disable_tqdm=True',
+            ),
+            str(PAGE),
+            "exec",
+        ),
+        scope,
+    )
     assert scope["trainer"].state.global_step == 2
 
 
@@ -53,7 +75,9 @@ def test_the_earl_python_program_runs(workdir, monkeypatch):
 
     class Quiet(lightning.Trainer):
         def __init__(self, **kwargs):
-            kwargs.update(val_check_interval=2, default_root_dir=str(workdir), enable_progress_bar=False)
+            kwargs.update(
+                val_check_interval=2, default_root_dir=str(workdir), enable_progress_bar=False
+            )
             super().__init__(**kwargs)
             made.append(self)
 
@@ -61,20 +85,40 @@ def test_the_earl_python_program_runs(workdir, monkeypatch):
     exec(compile(_source(earl), str(PAGE), "exec"), {})
     metrics = made[0].callback_metrics
     assert made[0].global_step == 2
-    assert {"rewards/accuracy_reward/mean", "rewards/format_reward/mean", "val/rewards/accuracy_reward"} <= set(metrics)
+    assert {
+        "rewards/accuracy_reward/mean",
+        "rewards/format_reward/mean",
+        "val/rewards/accuracy_reward",
+    } <= set(metrics)
 
 
 def test_the_yaml_recipe_runs(workdir):
     earl = next(b for b in blocks("python") if "EpisodeDataModule(" in b)
-    (workdir / "my_rewards.py").write_text(re.search(r"def format_reward.*?\n\n\n", earl, flags=re.S).group())
+    (workdir / "my_rewards.py").write_text(
+        re.search(r"def format_reward.*?\n\n\n", earl, flags=re.S).group()
+    )
     recipe = yaml.safe_load(blocks("yaml")[0])
     recipe["model"]["model"] = resolve_model_path("earl-tiny")
     (workdir / "my_grpo.yaml").write_text(yaml.safe_dump(recipe))
     sys.path.insert(0, str(workdir))
     try:
-        main(["fit", "--config", "my_grpo.yaml", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
-              "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(workdir / "run"),
-              "--data.eval_episodes", "4"])
+        main(
+            [
+                "fit",
+                "--config",
+                "my_grpo.yaml",
+                "--trainer.max_steps",
+                "2",
+                "--trainer.val_check_interval",
+                "2",
+                "--trainer.enable_progress_bar",
+                "false",
+                "--trainer.default_root_dir",
+                str(workdir / "run"),
+                "--data.eval_episodes",
+                "4",
+            ]
+        )
     finally:
         sys.path.remove(str(workdir))
         sys.modules.pop("my_rewards", None)

@@ -36,8 +36,13 @@ from earl_lightning.parallel.memory import MemoryModel
 from earl_lightning.parallel.profile import layout_key
 from earl_lightning.strategies import EarlStrategy
 
-SHAPE_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-             "num_key_value_heads": 2}
+SHAPE_05B = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+}
 MIB = 2**20
 STAGE_KEYS = ("rollout", "experience", "train")
 OOM_BIG, OOM_SMALL = 32768, 2048  # micro-batch token budgets the OOM part chooses between
@@ -67,14 +72,22 @@ class MeasuredStrategy(EarlStrategy):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        rec = {"stage": name, "step": self.lightning_module.rl_iteration, "stats": dict(stats or {}), "ok": False,
-               "before_mib": torch.cuda.memory_allocated() / MIB if cuda else math.nan}
+        rec = {
+            "stage": name,
+            "step": self.lightning_module.rl_iteration,
+            "stats": dict(stats or {}),
+            "ok": False,
+            "before_mib": torch.cuda.memory_allocated() / MIB if cuda else math.nan,
+        }
         self.records.append(rec)
         try:
             with super().stage(name, stats) as ctx:
-                rec["layout"] = Layout(ctx.layout.dp, ctx.layout.tp,
-                                       ctx.budget(self.lightning_module.optim_config.micro_batch_tokens),
-                                       ctx.layout.activation_checkpointing)
+                rec["layout"] = Layout(
+                    ctx.layout.dp,
+                    ctx.layout.tp,
+                    ctx.budget(self.lightning_module.optim_config.micro_batch_tokens),
+                    ctx.layout.activation_checkpointing,
+                )
                 if name == "train" and self.cap_train and cuda:
                     self._cap(rec["stats"])
                 yield ctx
@@ -90,10 +103,14 @@ class MeasuredStrategy(EarlStrategy):
     def _cap(self, stats: dict) -> None:
         model = memory_model(self.lightning_module)
         s = {**stats, "gen_len": 0}
-        small, big = (model.estimate("train", Layout(1, 1, m), s).total for m in (OOM_SMALL, OOM_BIG))
+        small, big = (
+            model.estimate("train", Layout(1, 1, m), s).total for m in (OOM_SMALL, OOM_BIG)
+        )
         if big < 2 * small:
-            raise RuntimeError(f"the OOM workload is too small: train predicted {small / MIB:.0f} MiB with "
-                               f"{OOM_SMALL} tokens, {big / MIB:.0f} MiB with {OOM_BIG}; the cap needs a 2x gap")
+            raise RuntimeError(
+                f"the OOM workload is too small: train predicted {small / MIB:.0f} MiB with "
+                f"{OOM_SMALL} tokens, {big / MIB:.0f} MiB with {OOM_BIG}; the cap needs a 2x gap"
+            )
         cap = math.sqrt(small * big)
         total = torch.cuda.get_device_properties(self.root_device).total_memory
         torch.cuda.empty_cache()  # cached blocks of the rollout would count against the cap
@@ -104,50 +121,97 @@ class MeasuredStrategy(EarlStrategy):
 def memory_model(module: AgenticRLModule) -> MemoryModel:
     """The memory model AdaptiveParallelism would build for this module."""
     work = module.workload
-    return MemoryModel(module.policy.config, str(next(module.policy.parameters()).dtype), "adamw",
-                       rollout_backend=work.backend, reference_model=work.reference_model, reuse_kv=work.reuse_kv)
+    return MemoryModel(
+        module.policy.config,
+        str(next(module.policy.parameters()).dtype),
+        "adamw",
+        rollout_backend=work.backend,
+        reference_model=work.reference_model,
+        reuse_kv=work.reuse_kv,
+    )
 
 
 class StepLog(L.Callback):
     """The logged figures of every RL step (``trainer.callback_metrics``)."""
 
-    NAMES = ("reward/mean", "logprob/mismatch", "tokens/generated", "context/mean", "oom/recoveries",
-             *(f"stage/{s}/{k}" for s in STAGE_KEYS for k in ("seconds", "tokens_per_s")))
+    NAMES = (
+        "reward/mean",
+        "logprob/mismatch",
+        "tokens/generated",
+        "context/mean",
+        "oom/recoveries",
+        *(f"stage/{s}/{k}" for s in STAGE_KEYS for k in ("seconds", "tokens_per_s")),
+    )
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         m = trainer.callback_metrics
-        self.rows.append({"step": len(self.rows), **{k: float(m[k]) if k in m else math.nan for k in self.NAMES}})
+        self.rows.append(
+            {"step": len(self.rows), **{k: float(m[k]) if k in m else math.nan for k in self.NAMES}}
+        )
 
 
-def build(args: argparse.Namespace, backend: str, batch: int, turns: int, mbt: int) -> tuple[AgenticRLModule, Any]:
+def build(
+    args: argparse.Namespace, backend: str, batch: int, turns: int, mbt: int
+) -> tuple[AgenticRLModule, Any]:
     cuda = args.device == "cuda"
     module = AgenticRLModule(
-        model=model_path(args.preset), dtype="bfloat16" if cuda else "float32", seed=0, transcript_every_n_steps=0,
+        model=model_path(args.preset),
+        dtype="bfloat16" if cuda else "float32",
+        seed=0,
+        transcript_every_n_steps=0,
         logprob_mismatch_warn=1.0,  # bf16: recorded, not warned about
-        rollout={"backend": backend, "max_turns": turns, "max_context_tokens": 2048,
-                 "sampling": {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": 0}},
-        algorithm={"advantage": {"name": "grpo"}, "loss": {"name": "ppo_clip", "aggregation": "token_mean"}},
-        optim={"lr": 1e-5, "micro_batch_tokens": mbt})
-    data = EpisodeDataModule(env="recall", env_kwargs={"num_turns": turns, "padding_chars": 48}, batch_size=batch,
-                             group_size=8, eval_episodes=0)
+        rollout={
+            "backend": backend,
+            "max_turns": turns,
+            "max_context_tokens": 2048,
+            "sampling": {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": 0},
+        },
+        algorithm={
+            "advantage": {"name": "grpo"},
+            "loss": {"name": "ppo_clip", "aggregation": "token_mean"},
+        },
+        optim={"lr": 1e-5, "micro_batch_tokens": mbt},
+    )
+    data = EpisodeDataModule(
+        env="recall",
+        env_kwargs={"num_turns": turns, "padding_chars": 48},
+        batch_size=batch,
+        group_size=8,
+        eval_episodes=0,
+    )
     return module, data
 
 
-def trainer_for(args: argparse.Namespace, strategy: EarlStrategy, callbacks: list, steps: int) -> L.Trainer:
-    return L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, strategy=strategy,
-                     callbacks=callbacks, max_steps=steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                     default_root_dir=str(args.out / "lightning"))
+def trainer_for(
+    args: argparse.Namespace, strategy: EarlStrategy, callbacks: list, steps: int
+) -> L.Trainer:
+    return L.Trainer(
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=1,
+        strategy=strategy,
+        callbacks=callbacks,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(args.out / "lightning"),
+    )
 
 
 def memory_rows(module: AgenticRLModule, records: list[dict]) -> list[dict]:
     """Measured peak vs predicted per stage attempt; rollout is predicted from the step's final
     contexts (what the experience stage sees), as AdaptiveParallelism does from the last step."""
     model = memory_model(module)
-    ctx = {r["step"]: r["stats"] for r in records if r["stage"] == "experience" and "context_max" in r["stats"]}
+    ctx = {
+        r["step"]: r["stats"]
+        for r in records
+        if r["stage"] == "experience" and "context_max" in r["stats"]
+    }
     gen = module.rollout_config.sampling.max_new_tokens
     rows = []
     for r in records:
@@ -155,10 +219,23 @@ def memory_rows(module: AgenticRLModule, records: list[dict]) -> list[dict]:
         if stats is None or "layout" not in r:
             continue
         est = model.estimate(r["stage"], r["layout"], {**stats, "gen_len": gen}).total / MIB
-        err = 100 * (est - r["peak_mib"]) / r["peak_mib"] if r["peak_mib"] == r["peak_mib"] else math.nan
-        rows.append({"step": r["step"], "stage": r["stage"], "layout": layout_key(r["layout"]), "ok": r["ok"],
-                     "allocated_before_mib": r["before_mib"], "measured_peak_mib": r["peak_mib"],
-                     "predicted_mib": est, "error_pct": err})
+        err = (
+            100 * (est - r["peak_mib"]) / r["peak_mib"]
+            if r["peak_mib"] == r["peak_mib"]
+            else math.nan
+        )
+        rows.append(
+            {
+                "step": r["step"],
+                "stage": r["stage"],
+                "layout": layout_key(r["layout"]),
+                "ok": r["ok"],
+                "allocated_before_mib": r["before_mib"],
+                "measured_peak_mib": r["peak_mib"],
+                "predicted_mib": est,
+                "error_pct": err,
+            }
+        )
     return rows
 
 
@@ -168,7 +245,9 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
-        w.writerows({k: f"{v:.5g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+        w.writerows(
+            {k: f"{v:.5g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows
+        )
     print(f"wrote {path}")
 
 
@@ -177,13 +256,17 @@ def fit(args: argparse.Namespace) -> None:
     strategy = MeasuredStrategy(process_group_backend="nccl" if args.device == "cuda" else "gloo")
     log = StepLog()
     trainer_for(args, strategy, [log], args.steps).fit(module, data)
-    write_csv(args.out / f"fit_{args.backend}.csv", [{"backend": args.backend, **r} for r in log.rows])
+    write_csv(
+        args.out / f"fit_{args.backend}.csv", [{"backend": args.backend, **r} for r in log.rows]
+    )
     write_csv(args.out / f"memory_{args.backend}.csv", memory_rows(module, strategy.records))
     timed = log.rows[1:] or log.rows  # the first step pays for CUDA / engine warm-up
     for s in STAGE_KEYS:
         tps = sorted(r[f"stage/{s}/tokens_per_s"] for r in timed)
         print(f"{args.backend} {s}: median {tps[len(tps) // 2]:.0f} tokens/s")
-    print(f"{args.backend} logprob/mismatch per step: {[round(r['logprob/mismatch'], 5) for r in log.rows]}")
+    print(
+        f"{args.backend} logprob/mismatch per step: {[round(r['logprob/mismatch'], 5) for r in log.rows]}"
+    )
     if len(log.rows) != args.steps:
         raise SystemExit(f"fit ran {len(log.rows)} of {args.steps} steps")
 
@@ -219,15 +302,24 @@ def oom(args: argparse.Namespace) -> None:
     with contextlib.nullcontext() if cuda else emulated_oom(strategy):
         trainer_for(args, strategy, [cb, log], args.steps).fit(module, data)
     train = [r for r in strategy.records if r["stage"] == "train"]
-    rows = [{"step": r["step"], "layout": layout_key(r["layout"]) if "layout" in r else "", "ok": r["ok"],
-             "peak_mib": r["peak_mib"], **(strategy.caps[i] if i < len(strategy.caps) else {})}
-            for i, r in enumerate(train)]
+    rows = [
+        {
+            "step": r["step"],
+            "layout": layout_key(r["layout"]) if "layout" in r else "",
+            "ok": r["ok"],
+            "peak_mib": r["peak_mib"],
+            **(strategy.caps[i] if i < len(strategy.caps) else {}),
+        }
+        for i, r in enumerate(train)
+    ]
     write_csv(args.out / "oom.csv", rows)
     events = [(e["stage"], e["layout"], e["error"][:60]) for e in cb.oom_events]
     print(f"oom events: {events}; recoveries logged: {[r['oom/recoveries'] for r in log.rows]}")
     if len(log.rows) != args.steps or not cb.oom_events or cb.oom_events[0]["stage"] != "train":
-        raise SystemExit(f"expected {args.steps} steps with a recovered train-stage OOM; got {len(log.rows)} steps, "
-                         f"events {events}")
+        raise SystemExit(
+            f"expected {args.steps} steps with a recovered train-stage OOM; got {len(log.rows)} steps, "
+            f"events {events}"
+        )
     if cuda and "OutOfMemoryError" not in cb.oom_events[0]["error"]:
         raise SystemExit(f"the OOM was not torch.OutOfMemoryError: {cb.oom_events[0]['error']}")
 
@@ -239,13 +331,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: fit 5, oom 2)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--preset", default="qwen2.5-0.5b-shape", help="qwen2.5-0.5b-shape, or a preset / path")
+    p.add_argument(
+        "--preset", default="qwen2.5-0.5b-shape", help="qwen2.5-0.5b-shape, or a preset / path"
+    )
     args = p.parse_args(argv)
     args.steps = args.steps or (5 if args.part == "fit" else 2)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA GPU here; use --device cpu --preset earl-tiny for a dry run")
+        p.error(
+            "--device cuda: no CUDA GPU here; use --device cpu --preset earl-tiny for a dry run"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (fit if args.part == "fit" else oom)(args)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -29,7 +29,9 @@ def unmet(requirements: list[str], extras: set[str], needed_by: str) -> list[str
     out = []
     for text in requirements:
         req = Requirement(text)
-        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in (extras or {""})):
+        if req.marker is not None and not any(
+            req.marker.evaluate({"extra": e}) for e in (extras or {""})
+        ):
             continue
         if canonicalize_name(req.name) in OPTIONAL:
             continue
@@ -45,7 +47,7 @@ def unmet(requirements: list[str], extras: set[str], needed_by: str) -> list[str
 
 def check(site: Path | None, pyproject: Path) -> list[str]:
     problems = []
-    for dist in (metadata.distributions(path=[str(site)]) if site else []):
+    for dist in metadata.distributions(path=[str(site)]) if site else []:
         name = canonicalize_name(dist.metadata["Name"])
         problems += unmet(dist.requires or [], EXTRAS.get(name, set()), f"{name} {dist.version}")
     project = tomllib.loads(pyproject.read_text())["project"]
@@ -55,7 +57,9 @@ def check(site: Path | None, pyproject: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--site", type=Path, default=None, help="the folder the carried wheels were installed into")
+    p.add_argument(
+        "--site", type=Path, default=None, help="the folder the carried wheels were installed into"
+    )
     p.add_argument("--pyproject", type=Path, default=ROOT / "pyproject.toml")
     args = p.parse_args(argv)
     if args.site is not None and not args.site.is_dir():

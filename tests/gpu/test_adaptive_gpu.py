@@ -35,16 +35,28 @@ def test_real_cuda_oom_in_train_stage_recovers(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rl, "ppo_update", hungry_update)
     cb = AdaptiveParallelism(memory_budget_gb=8, micro_batch_tokens=[1024, 256])
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=EarlStrategy(process_group_backend="nccl"),
-                        callbacks=[cb], max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=EarlStrategy(process_group_backend="nccl"),
+        callbacks=[cb],
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+    )
     box["strategy"] = trainer.strategy
     trainer.fit(module(), datamodule())
     assert trainer.global_step == 2
     assert len(errors) == 1 and isinstance(errors[0], torch.OutOfMemoryError)
     assert [(e["stage"], e["layout"]) for e in cb.oom_events] == [("train", "dp1xtp1-mbt1024")]
-    assert [h["layout"] for h in cb.history if h["stage"] == "train"] == \
-        ["dp1xtp1-mbt1024", "dp1xtp1-mbt256", "dp1xtp1-mbt256"]
+    assert [h["layout"] for h in cb.history if h["stage"] == "train"] == [
+        "dp1xtp1-mbt1024",
+        "dp1xtp1-mbt256",
+        "dp1xtp1-mbt256",
+    ]
     assert trainer.logged_metrics["oom/recoveries"] == 1.0
     assert torch.cuda.memory_allocated() < torch.cuda.get_device_properties(0).total_memory // 2

@@ -20,8 +20,14 @@ class GuessGame:
     ``invalid_reward`` and ``info["invalid_action"] = True``.
     """
 
-    def __init__(self, low: int = 1, high: int = 100, max_guesses: int = 7, win_reward: float = 1.0,
-                 invalid_reward: float = -1.0) -> None:
+    def __init__(
+        self,
+        low: int = 1,
+        high: int = 100,
+        max_guesses: int = 7,
+        win_reward: float = 1.0,
+        invalid_reward: float = -1.0,
+    ) -> None:
         if not low < high:
             raise ValueError(f"`low` must be < `high`, got low={low}, high={high}")
         if max_guesses < 1:
@@ -32,22 +38,34 @@ class GuessGame:
     def reset(self, seed: int) -> str:
         self.secret = random.Random(seed).randint(self.low, self.high)
         self.left = self.max_guesses
-        return (f"I picked a number between {self.low} and {self.high}. You have {self.left} guesses. "
-                f"Reply with one number.")
+        return (
+            f"I picked a number between {self.low} and {self.high}. You have {self.left} guesses. "
+            f"Reply with one number."
+        )
 
     def step(self, action: str) -> StepResult:
         match = _INT.search(action)
         guess = int(match.group()) if match else None
         if guess is None or not self.low <= guess <= self.high:
-            return StepResult(f"Invalid guess {action!r}.", self.invalid_reward, True, {"invalid_action": True})
+            return StepResult(
+                f"Invalid guess {action!r}.", self.invalid_reward, True, {"invalid_action": True}
+            )
         self.left -= 1
         if guess == self.secret:
-            return StepResult("Correct!", self.win_reward, True, {"invalid_action": False, "outcome": "win"})
+            return StepResult(
+                "Correct!", self.win_reward, True, {"invalid_action": False, "outcome": "win"}
+            )
         hint = "Higher" if guess < self.secret else "Lower"
         if self.left == 0:
-            return StepResult(f"{hint}. No guesses left; it was {self.secret}.", 0.0, True,
-                              {"invalid_action": False, "outcome": "loss"})
-        return StepResult(f"{hint}. {self.left} guesses left.", 0.0, False, {"invalid_action": False})
+            return StepResult(
+                f"{hint}. No guesses left; it was {self.secret}.",
+                0.0,
+                True,
+                {"invalid_action": False, "outcome": "loss"},
+            )
+        return StepResult(
+            f"{hint}. {self.left} guesses left.", 0.0, False, {"invalid_action": False}
+        )
 
 
 def small_guess_game(max_guesses: int = 4) -> GuessGame:

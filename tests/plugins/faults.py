@@ -17,15 +17,27 @@ class KillRank(L.Callback):
     (torchrun ``--max-restarts``, or a re-launch) goes through. ``SIGKILL``: the rank dies;
     ``SIGSTOP``: it stays alive but silent until the test kills or continues it (the pid)."""
 
-    def __init__(self, rank: int = 1, step: int = 2, marker: str = "killed.marker",
-                 sig: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL", at: Literal["start", "end"] = "start") -> None:
+    def __init__(
+        self,
+        rank: int = 1,
+        step: int = 2,
+        marker: str = "killed.marker",
+        sig: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL",
+        at: Literal["start", "end"] = "start",
+    ) -> None:
         self.rank, self.step, self.marker, self.sig, self.at = rank, step, Path(marker), sig, at
 
     def _maybe(self, trainer: L.Trainer, at: str) -> None:
-        if at == self.at and trainer.global_rank == self.rank and trainer.global_step == self.step \
-                and not self.marker.exists():
+        if (
+            at == self.at
+            and trainer.global_rank == self.rank
+            and trainer.global_step == self.step
+            and not self.marker.exists()
+        ):
             verb = "killed" if self.sig == "SIGKILL" else "stopped"
-            self.marker.write_text(f"{verb} rank {self.rank} at step {self.step} ({at}), pid {os.getpid()}\n")
+            self.marker.write_text(
+                f"{verb} rank {self.rank} at step {self.step} ({at}), pid {os.getpid()}\n"
+            )
             os.kill(os.getpid(), getattr(signal, self.sig))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

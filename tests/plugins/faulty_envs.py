@@ -69,8 +69,18 @@ class BadStepResult(_Faulty):
 
     def fault(self, action: str):
         res = RecallEnv.step(self, action)
-        bad = {"reward": float("nan"), "done": np.array([True, False]), "info": ["invalid_action"], "observation": None}
-        fields = {"observation": res.observation, "reward": res.reward, "done": False, "info": res.info}
+        bad = {
+            "reward": float("nan"),
+            "done": np.array([True, False]),
+            "info": ["invalid_action"],
+            "observation": None,
+        }
+        fields = {
+            "observation": res.observation,
+            "reward": res.reward,
+            "done": False,
+            "info": res.info,
+        }
         return StepResult(**{**fields, self.what: bad[self.what]})
 
 

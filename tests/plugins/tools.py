@@ -91,7 +91,9 @@ class Counter:
     def step(self, action: str) -> StepResult:
         m = _INT.search(action)
         right = m is not None and int(m.group()) == self.total == self.target
-        return StepResult("", 1.0 if right else 0.0, True, {"correct": right, "tool_calls": self.total})
+        return StepResult(
+            "", 1.0 if right else 0.0, True, {"correct": right, "tool_calls": self.total}
+        )
 
 
 class HoldsTheGil:

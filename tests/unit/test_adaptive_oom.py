@@ -14,21 +14,30 @@ from tests.unit.test_adaptive import datamodule, module, trainer
 
 BAD = 1024  # the micro-batch budget that "does not fit"
 
-CPU_OOM = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
-                       "you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)")
-CUDA_OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
-                                  "79.15 GiB of which 1.02 GiB is free.")
+CPU_OOM = RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+    "you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)"
+)
+CUDA_OOM = torch.OutOfMemoryError(
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+    "79.15 GiB of which 1.02 GiB is free."
+)
 # vLLM's text (vllm/v1/core/kv_cache_utils.py), raised as the same type, ValueError
-VLLM_OOM = ValueError("To serve at least one request with the model's max seq len (4096), (0.50 GiB KV cache is "
-                      "needed, which is larger than the available KV cache memory (0.10 GiB). Try increasing "
-                      "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+VLLM_OOM = ValueError(
+    "To serve at least one request with the model's max seq len (4096), (0.50 GiB KV cache is "
+    "needed, which is larger than the available KV cache memory (0.10 GiB). Try increasing "
+    "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
+)
 
 
 def inject(monkeypatch, stage: str, err: BaseException) -> list[str]:
     """Make ``stage``'s own function raise ``err`` under the BAD micro-batch; returns the layouts it ran under."""
     seen: list[str] = []
-    target = {"rollout": (rl.AgenticRLModule, "_play"), "experience": (rl, "fill_logprobs"),
-              "train": (rl, "ppo_update")}[stage]
+    target = {
+        "rollout": (rl.AgenticRLModule, "_play"),
+        "experience": (rl, "fill_logprobs"),
+        "train": (rl, "ppo_update"),
+    }[stage]
     real = getattr(*target)
 
     def wrapped(*args, **kw):
@@ -45,8 +54,11 @@ def inject(monkeypatch, stage: str, err: BaseException) -> list[str]:
 STRATEGY: dict = {}  # the running Trainer's strategy, set by each test
 
 
-@pytest.mark.parametrize("stage, err", [("rollout", VLLM_OOM), ("experience", CPU_OOM), ("train", CUDA_OOM)],
-                         ids=["rollout-vllm-kv", "experience-cpu-alloc", "train-torch-oom"])
+@pytest.mark.parametrize(
+    "stage, err",
+    [("rollout", VLLM_OOM), ("experience", CPU_OOM), ("train", CUDA_OOM)],
+    ids=["rollout-vllm-kv", "experience-cpu-alloc", "train-torch-oom"],
+)
 def test_stage_oom_moves_to_next_layout_and_keeps_the_step(tmp_path, monkeypatch, stage, err):
     seen = inject(monkeypatch, stage, err)
     cb = AdaptiveParallelism(memory_budget_gb=1, micro_batch_tokens=[BAD, 256])
@@ -54,14 +66,19 @@ def test_stage_oom_moves_to_next_layout_and_keeps_the_step(tmp_path, monkeypatch
     STRATEGY["current"] = t.strategy
     t.fit(module(), datamodule())
     assert t.global_step == 2  # both optimizer steps happened
-    assert seen[:2] == ["dp1xtp1-mbt1024", "dp1xtp1-mbt256"]  # failed, then retried under the next layout
+    assert seen[:2] == [
+        "dp1xtp1-mbt1024",
+        "dp1xtp1-mbt256",
+    ]  # failed, then retried under the next layout
     assert seen[2:] == ["dp1xtp1-mbt256"] * (len(seen) - 2)  # marked infeasible: never tried again
     assert len(cb.oom_events) == 1 and cb.oom_events[0]["stage"] == stage
     assert cb.oom_events[0]["error"].startswith(type(err).__name__)
     first = [h["layout"] for h in cb.history if h["stage"] == stage and h["step"] == 0]
     assert first == ["dp1xtp1-mbt1024", "dp1xtp1-mbt256"]
-    assert "dp1xtp1-mbt1024 (out of memory at this size before)" in \
-        [h for h in cb.history if h["stage"] == stage][1]["reason"]
+    assert (
+        "dp1xtp1-mbt1024 (out of memory at this size before)"
+        in [h for h in cb.history if h["stage"] == stage][1]["reason"]
+    )
     assert t.logged_metrics["oom/recoveries"] == 1.0
 
 

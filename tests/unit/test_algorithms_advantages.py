@@ -40,7 +40,9 @@ def test_grpo_batch_and_none_scale_by_hand():
     centered = torch.tensor([-2.0, 1.0, -2.0, -1.0, 4.0])  # minus the GROUP mean, 2 in both groups
     got = grpo_advantages(REWARDS, GROUPS, num_groups=2, scale="batch", eps=0.0)
     torch.testing.assert_close(got, centered / math.sqrt(6.5))
-    torch.testing.assert_close(grpo_advantages(REWARDS, GROUPS, num_groups=2, scale="none"), centered)
+    torch.testing.assert_close(
+        grpo_advantages(REWARDS, GROUPS, num_groups=2, scale="none"), centered
+    )
 
 
 def test_grpo_eps_and_degenerate_groups():
@@ -64,11 +66,17 @@ def test_rloo_by_hand():
 def test_moments_by_hand():
     m = moments(torch.tensor([[1.0, 2.0], [3.0, 100.0]]), torch.tensor([[1, 1], [1, 0]]))
     assert (m.sum.item(), m.sumsq.item(), m.count.item()) == (6.0, 14.0, 3.0)
-    assert m.mean().item() == 2.0 and m.var().item() == 1.0 and m.var(unbiased=False).item() == pytest.approx(2 / 3)
+    assert (
+        m.mean().item() == 2.0
+        and m.var().item() == 1.0
+        and m.var(unbiased=False).item() == pytest.approx(2 / 3)
+    )
     g = grouped_moments(REWARDS, GROUPS, num_groups=3)  # group 2 is empty
     torch.testing.assert_close(g.sum, torch.tensor([4.0, 6.0, 0.0], dtype=torch.float64))
     torch.testing.assert_close(g.count, torch.tensor([2.0, 3.0, 0.0], dtype=torch.float64))
-    torch.testing.assert_close(g.std(), torch.tensor([math.sqrt(2), math.sqrt(12), 0.0], dtype=torch.float64))
+    torch.testing.assert_close(
+        g.std(), torch.tensor([math.sqrt(2), math.sqrt(12), 0.0], dtype=torch.float64)
+    )
     torch.testing.assert_close(Moments.unpack(g.pack()).sumsq, g.sumsq)
 
 
@@ -96,11 +104,15 @@ def test_grpo_moments_path_equals_local(k, scale):
     full = grpo_advantages(rewards, ids, num_groups=num_groups, scale=scale)
     parts = _chunks(len(rewards), k, seed=k)
     # What a distributed caller does: local moments per shard, summed (all-reduce), then passed in.
-    group = sum((grouped_moments(rewards[p], ids[p], num_groups) for p in parts[1:]),
-                grouped_moments(rewards[parts[0]], ids[parts[0]], num_groups))
+    group = sum(
+        (grouped_moments(rewards[p], ids[p], num_groups) for p in parts[1:]),
+        grouped_moments(rewards[parts[0]], ids[parts[0]], num_groups),
+    )
     batch = sum((moments(rewards[p]) for p in parts[1:]), moments(rewards[parts[0]]))
     for p in parts:
-        got = grpo_advantages(rewards[p], ids[p], num_groups=num_groups, scale=scale, group=group, batch=batch)
+        got = grpo_advantages(
+            rewards[p], ids[p], num_groups=num_groups, scale=scale, group=group, batch=batch
+        )
         torch.testing.assert_close(got, full[p], rtol=1e-6, atol=1e-6)
 
 
@@ -114,7 +126,9 @@ def test_rloo_moments_path_equals_local(k):
     for p in parts[1:]:
         group = group + grouped_moments(rewards[p], ids[p], 3)
     for p in parts:
-        torch.testing.assert_close(rloo_advantages(rewards[p], ids[p], num_groups=3, group=group), full[p])
+        torch.testing.assert_close(
+            rloo_advantages(rewards[p], ids[p], num_groups=3, group=group), full[p]
+        )
 
 
 def test_outcome_to_token_rewards():
@@ -130,9 +144,13 @@ def test_discounted_returns_skip_observation_tokens_by_hand():
     r = torch.tensor([[0.0, 1.0, 0.0, 9.0, 4.0, 0.0]])
     mask = torch.tensor([[0, 1, 1, 0, 1, 0]])
     # G4 = 4; G2 = 0 + 0.5 * 4 = 2; G1 = 1 + 0.5 * 2 = 2
-    torch.testing.assert_close(discounted_returns(r, mask, gamma=0.5), torch.tensor([[0.0, 2.0, 2.0, 0.0, 4.0, 0.0]]))
+    torch.testing.assert_close(
+        discounted_returns(r, mask, gamma=0.5), torch.tensor([[0.0, 2.0, 2.0, 0.0, 4.0, 0.0]])
+    )
     # gamma 1 takes the cumulative-sum path: G4 = 4, G2 = 4, G1 = 5
-    torch.testing.assert_close(discounted_returns(r, mask), torch.tensor([[0.0, 5.0, 4.0, 0.0, 4.0, 0.0]]))
+    torch.testing.assert_close(
+        discounted_returns(r, mask), torch.tensor([[0.0, 5.0, 4.0, 0.0, 4.0, 0.0]])
+    )
 
 
 def test_reinforce_pp_by_hand():
@@ -212,14 +230,29 @@ def test_registry_lookup_and_unknown_name():
     gae = get_advantage_estimator("gae")
     assert gae.needs_values and not get_advantage_estimator("grpo").needs_values
     mask = torch.tensor([[0.0, 1.0, 1.0]])
-    out = gae(AdvantageInputs(rewards=torch.zeros(1), group_ids=torch.zeros(1, dtype=torch.long), num_groups=1,
-                              episode_rows=torch.ones(1, dtype=torch.bool), token_rewards=torch.tensor([[0, 0, 1.0]]),
-                              mask=mask, values=torch.tensor([[0, 0.5, 0.25]])), gamma=0.5, lam=1.0)
-    expected = gae_advantages(torch.tensor([[0, 0, 1.0]]), torch.tensor([[0, 0.5, 0.25]]), mask, gamma=0.5, lam=1.0)
+    out = gae(
+        AdvantageInputs(
+            rewards=torch.zeros(1),
+            group_ids=torch.zeros(1, dtype=torch.long),
+            num_groups=1,
+            episode_rows=torch.ones(1, dtype=torch.bool),
+            token_rewards=torch.tensor([[0, 0, 1.0]]),
+            mask=mask,
+            values=torch.tensor([[0, 0.5, 0.25]]),
+        ),
+        gamma=0.5,
+        lam=1.0,
+    )
+    expected = gae_advantages(
+        torch.tensor([[0, 0, 1.0]]), torch.tensor([[0, 0.5, 0.25]]), mask, gamma=0.5, lam=1.0
+    )
     torch.testing.assert_close(out.advantages, expected[0])
     torch.testing.assert_close(out.returns, expected[1])
-    with pytest.raises(ValueError, match=r"unknown `advantage_estimator` 'ppo'; "
-                                         r"valid advantage estimators: \['gae', 'gigpo', 'grpo'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown `advantage_estimator` 'ppo'; "
+        r"valid advantage estimators: \['gae', 'gigpo', 'grpo'",
+    ):
         get_advantage_estimator("ppo")
     with pytest.raises(ValueError, match=r"unknown `algo.adv` 'x'"):
         get_advantage_estimator("x", arg="algo.adv")
@@ -231,12 +264,20 @@ def test_registry_lookup_and_unknown_name():
         (dict(scale="std"), r"`scale` must be one of \['group', 'batch', 'none'\], got 'std'"),
         (dict(eps=-1.0), r"`eps` must be a number >= 0, got -1.0"),
         (dict(num_groups=0), r"`num_groups` must be a positive integer, got 0"),
-        (dict(num_groups=1), r"`group_ids` must lie in \[0, num_groups=1\), got values in \[0, 1\]"),
-        (dict(group_ids=torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0])), r"`group_ids` must be an integer tensor"),
+        (
+            dict(num_groups=1),
+            r"`group_ids` must lie in \[0, num_groups=1\), got values in \[0, 1\]",
+        ),
+        (
+            dict(group_ids=torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0])),
+            r"`group_ids` must be an integer tensor",
+        ),
         (dict(group_ids=torch.tensor([0, 1])), r"`group_ids` has shape \(2,\), expected \(5,\)"),
         (dict(rewards=torch.zeros(5, 2)), r"`rewards` must be 1-D \[S\]"),
-        (dict(group=Moments(torch.zeros(3), torch.zeros(3), torch.zeros(3))),
-         r"`group` moments have shape \(3,\), expected \(2,\)"),
+        (
+            dict(group=Moments(torch.zeros(3), torch.zeros(3), torch.zeros(3))),
+            r"`group` moments have shape \(3,\), expected \(2,\)",
+        ),
     ],
 )
 def test_grpo_bad_inputs(kwargs, match):
@@ -251,13 +292,17 @@ def test_token_estimators_bad_inputs():
         reinforce_pp_advantages(r, m, gamma=1.5)
     with pytest.raises(ValueError, match=r"`lam` must be a number in \[0, 1\], got -0.1"):
         gae_advantages(r, r, m, lam=-0.1)
-    with pytest.raises(ValueError, match=r"`values` has shape \(2, 4\), expected \(2, 3\) like `token_rewards`"):
+    with pytest.raises(
+        ValueError, match=r"`values` has shape \(2, 4\), expected \(2, 3\) like `token_rewards`"
+    ):
         gae_advantages(r, torch.zeros(2, 4), m)
     with pytest.raises(ValueError, match=r"`token_rewards` must be 2-D \[B, T\], got shape \(3,\)"):
         reinforce_pp_advantages(torch.zeros(3), torch.ones(3))
     with pytest.raises(ValueError, match=r"`eps` must be a positive number, got 0"):
         reinforce_pp_advantages(r, m, eps=0)
-    with pytest.raises(ValueError, match=r"`rewards` has shape \(3,\), expected \(2,\): one per row of `mask`"):
+    with pytest.raises(
+        ValueError, match=r"`rewards` has shape \(3,\), expected \(2,\): one per row of `mask`"
+    ):
         outcome_to_token_rewards(torch.zeros(3), m)
     with pytest.raises(ValueError, match=r"`batch` moments have shape \(2,\), expected \(\)"):
         reinforce_pp_advantages(r, m, batch=Moments(torch.zeros(2), torch.zeros(2), torch.zeros(2)))

@@ -24,7 +24,9 @@ def test_kl_estimators_by_hand():
     ref = torch.tensor([[math.log(0.25), math.log(0.4), 5.0]])
     mask = torch.tensor([[1, 1, 0]])
     # d = ref - lp = [ln 0.5, ln 2]
-    torch.testing.assert_close(kl_divergence(lp, ref, mask, "k1"), torch.tensor([[math.log(2), -math.log(2), 0.0]]))
+    torch.testing.assert_close(
+        kl_divergence(lp, ref, mask, "k1"), torch.tensor([[math.log(2), -math.log(2), 0.0]])
+    )
     l2 = math.log(2) ** 2 / 2
     torch.testing.assert_close(kl_divergence(lp, ref, mask, "k2"), torch.tensor([[l2, l2, 0.0]]))
     # k3 = e^d - d - 1: d = ln 0.5 -> 0.5 + ln 2 - 1; d = ln 2 -> 2 - ln 2 - 1
@@ -105,27 +107,37 @@ def test_entropy_bonus_sign_and_aggregation():
     ent = torch.tensor([[1.0, 3.0], [2.0, 100.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
     assert entropy_bonus(ent, mask, coef=0.01).item() == pytest.approx(-0.01 * 2.0)
-    assert entropy_bonus(ent, mask, coef=0.01, mode="seq_mean_token_mean").item() == pytest.approx(-0.01 * 2.0)
+    assert entropy_bonus(ent, mask, coef=0.01, mode="seq_mean_token_mean").item() == pytest.approx(
+        -0.01 * 2.0
+    )
     assert entropy_bonus(ent, mask, coef=0.01, num_tokens=6).item() == pytest.approx(-0.01 * 1.0)
 
 
 def test_registry_and_errors():
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
-    with pytest.raises(ValueError,
-                       match=r"unknown `kl_estimator` 'low_var_kl'; valid KL estimators: \['k1', 'k2', 'k3'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown `kl_estimator` 'low_var_kl'; valid KL estimators: \['k1', 'k2', 'k3'\]",
+    ):
         get_kl_estimator("low_var_kl")
     z = torch.zeros(1, 3)
     with pytest.raises(ValueError, match=r"unknown `estimator` 'kl'"):
         kl_divergence(z, z, z, "kl")
     with pytest.raises(ValueError, match=r"`coef` must be a number >= 0, got -0.1"):
         kl_penalized_rewards(z, z, z, z, coef=-0.1)
-    with pytest.raises(ValueError, match=r"`ref_logprobs` has shape \(1, 2\), expected \(1, 3\) like `logprobs`"):
+    with pytest.raises(
+        ValueError, match=r"`ref_logprobs` has shape \(1, 2\), expected \(1, 3\) like `logprobs`"
+    ):
         kl_divergence(z, torch.zeros(1, 2), z)
     with pytest.raises(ValueError, match=r"`temperature` must be a positive number, got 0"):
-        logprobs_from_logits(torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), temperature=0)
+        logprobs_from_logits(
+            torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), temperature=0
+        )
     with pytest.raises(ValueError, match=r"`labels` has shape \(1, 3\), expected \(1, 2\)"):
         logprobs_from_logits(torch.zeros(1, 2, 4), torch.zeros(1, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"`input_ids` has shape \(1, 3\), expected \(1, 2\) to match `logits`"):
+    with pytest.raises(
+        ValueError, match=r"`input_ids` has shape \(1, 3\), expected \(1, 2\) to match `logits`"
+    ):
         shifted_logprobs(torch.zeros(1, 2, 4), torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"`logits` must be \[B, L, V\], got shape \(2, 4\)"):
         shifted_entropy(torch.zeros(2, 4))

@@ -8,11 +8,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from earl_lightning.algorithms import entropy, logprobs_from_logits, shifted_entropy, shifted_logprobs
-from earl_lightning.models import load_tokenizer, make_tiny_model
-from earl_lightning.modules import AgenticRLModule
+from earl_lightning.algorithms import (
+    entropy,
+    logprobs_from_logits,
+    shifted_entropy,
+    shifted_logprobs,
+)
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.forward import fill_logprobs, forward_micro_batch
+from earl_lightning.models import load_tokenizer, make_tiny_model
+from earl_lightning.modules import AgenticRLModule
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.rollout.backends.sampling import sample_tokens
 
@@ -32,7 +37,9 @@ def test_logprobs_and_entropy_are_over_the_allowed_tokens_by_hand():
     labels = torch.tensor([[7, 2, 9, 2, 7], [9, 9, 2, 7, 2]])
     t = 0.7
     sub = logits[..., [7, 2, 9]] / t
-    expected = torch.log_softmax(sub, -1).gather(-1, torch.tensor([[0, 1, 2, 1, 0], [2, 2, 1, 0, 1]])[..., None])
+    expected = torch.log_softmax(sub, -1).gather(
+        -1, torch.tensor([[0, 1, 2, 1, 0], [2, 2, 1, 0, 1]])[..., None]
+    )
     got = logprobs_from_logits(logits, labels, t, allowed)
     torch.testing.assert_close(got, expected.squeeze(-1))
     p = torch.softmax(sub, -1)
@@ -52,13 +59,21 @@ def test_shifted_helpers_with_allowed_tokens_are_finite_at_prompt_positions():
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
     assert lp[0, 0] == 0 and ent[0, 0] == 0
     for t, tok in ((2, 7), (4, 2)):
-        torch.testing.assert_close(lp[0, t], torch.log_softmax(logits[0, t - 1, [2, 7]], -1)[[2, 7].index(tok)])
+        torch.testing.assert_close(
+            lp[0, t], torch.log_softmax(logits[0, t - 1, [2, 7]], -1)[[2, 7].index(tok)]
+        )
     assert float(ent.max()) <= float(torch.log(torch.tensor(2.0))) + 1e-6
 
 
 def test_bad_allowed_ids_are_named():
-    with pytest.raises(ValueError, match=r"`allowed` token ids must lie in \[0, 11\).*got \[3, 11\]"):
-        logprobs_from_logits(torch.zeros(1, 2, 11), torch.zeros(1, 2, dtype=torch.long), allowed=torch.tensor([3, 11]))
+    with pytest.raises(
+        ValueError, match=r"`allowed` token ids must lie in \[0, 11\).*got \[3, 11\]"
+    ):
+        logprobs_from_logits(
+            torch.zeros(1, 2, 11),
+            torch.zeros(1, 2, dtype=torch.long),
+            allowed=torch.tensor([3, 11]),
+        )
     with pytest.raises(ValueError, match=r"`allowed` must be a non-empty 1-D tensor"):
         entropy(torch.zeros(2, 11), allowed=torch.tensor([], dtype=torch.long))
 
@@ -78,20 +93,37 @@ def test_sampler_draws_only_allowed_tokens_with_renormalized_logprobs():
     assert greedy.tolist() == [2, 2, 2]  # the argmax among the allowed, not token 5
 
 
-@pytest.mark.parametrize("ids, shown", [([], r"\[\]"), ([3, 3], r"\[3, 3\]"), ([-1], r"\[-1\]"), ("12", "'12'"),
-                                        ([1.0], r"\[1.0\]")])
+@pytest.mark.parametrize(
+    "ids, shown",
+    [([], r"\[\]"), ([3, 3], r"\[3, 3\]"), ([-1], r"\[-1\]"), ("12", "'12'"), ([1.0], r"\[1.0\]")],
+)
 def test_sampling_config_rejects_bad_allowed_token_ids(ids, shown):
-    with pytest.raises(ValueError, match=r"`sampling.allowed_token_ids` must be None or a non-empty list of "
-                                         r"distinct token ids \(integers >= 0\), got " + shown):
+    with pytest.raises(
+        ValueError,
+        match=r"`sampling.allowed_token_ids` must be None or a non-empty list of "
+        r"distinct token ids \(integers >= 0\), got " + shown,
+    ):
         SamplingConfig(allowed_token_ids=ids)
 
 
 def _episodes(lm, allowed_ids, *, temperature=0.9, seed=3):
     model, tok = lm
-    specs = [EpisodeSpec("connect_four", seed=200 + i, group_id=i, episode_id=i,
-                         env_kwargs={"opponent": "random", "seat": "alternate"}) for i in range(6)]
-    sampling = SamplingConfig(max_new_tokens=1, temperature=temperature, seed=seed, allowed_token_ids=allowed_ids)
-    return rollout(specs, HFBackend(model, tok), tok, sampling, max_turns=21, max_context_tokens=4096)
+    specs = [
+        EpisodeSpec(
+            "connect_four",
+            seed=200 + i,
+            group_id=i,
+            episode_id=i,
+            env_kwargs={"opponent": "random", "seat": "alternate"},
+        )
+        for i in range(6)
+    ]
+    sampling = SamplingConfig(
+        max_new_tokens=1, temperature=temperature, seed=seed, allowed_token_ids=allowed_ids
+    )
+    return rollout(
+        specs, HFBackend(model, tok), tok, sampling, max_turns=21, max_context_tokens=4096
+    )
 
 
 def test_rollout_samples_only_allowed_tokens_and_logprobs_equal_the_trainer_recompute(lm):
@@ -102,16 +134,26 @@ def test_rollout_samples_only_allowed_tokens_and_logprobs_equal_the_trainer_reco
     assert len(generated) > 20 and set(generated) <= set(allowed)
     assert not any(ep.error for ep in episodes)
     exp = episodes_to_experience(episodes)
-    exp = fill_logprobs(model, exp, name="old_logprobs", temperature=0.9, micro_batch_tokens=4096, allowed=allowed)
+    exp = fill_logprobs(
+        model, exp, name="old_logprobs", temperature=0.9, micro_batch_tokens=4096, allowed=allowed
+    )
     mask = exp.tokens["action_mask"].bool()
     worst = (exp.tokens["old_logprobs"] - exp.tokens["rollout_logprobs"])[mask].abs().max()
     assert float(worst) < 1e-4
     # Without the restriction the recompute would be the unrestricted policy: a different number.
     plain = fill_logprobs(model, exp, name="old_logprobs", temperature=0.9, micro_batch_tokens=4096)
-    assert float((plain.tokens["old_logprobs"] - exp.tokens["rollout_logprobs"])[mask].abs().max()) > 1e-2
+    assert (
+        float((plain.tokens["old_logprobs"] - exp.tokens["rollout_logprobs"])[mask].abs().max())
+        > 1e-2
+    )
     with torch.no_grad():
-        ent = forward_micro_batch(model, exp.select(list(range(exp.num_seqs))), temperature=0.9, with_entropy=True,
-                                  allowed=allowed)["entropy"]
+        ent = forward_micro_batch(
+            model,
+            exp.select(list(range(exp.num_seqs))),
+            temperature=0.9,
+            with_entropy=True,
+            allowed=allowed,
+        )["entropy"]
     assert float(ent[mask].max()) <= float(torch.log(torch.tensor(7.0))) + 1e-5
 
 
@@ -129,17 +171,35 @@ def test_module_resolves_allowed_tokens_and_rejects_bad_ones():
     assert AgenticRLModule().allowed_token_ids is None
 
 
-@pytest.mark.parametrize("value, match", [
-    (["1", "12"], r"`--model.rollout.sampling.allowed_tokens` entry '12' is 2 tokens \[\d+, \d+\] for this "
-                  r"tokenizer; each entry must be exactly one token"),
-    ([], r"`--model.rollout.sampling.allowed_tokens` must be a non-empty list of non-empty strings such as "
-         r"\['0', '1', '2'\], got \[\]"),
-    ("0123", r"`--model.rollout.sampling.allowed_tokens` must be a non-empty list of non-empty strings .*got '0123'"),
-    (["0", ""], r"`--model.rollout.sampling.allowed_tokens` must be a non-empty list of non-empty strings "
-                r".*got \['0', ''\]"),
-    (["3", "3"], r"`--model.rollout.sampling.allowed_tokens` entries \['3'\] map to the same token; list each "
-                 r"token once"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (
+            ["1", "12"],
+            r"`--model.rollout.sampling.allowed_tokens` entry '12' is 2 tokens \[\d+, \d+\] for this "
+            r"tokenizer; each entry must be exactly one token",
+        ),
+        (
+            [],
+            r"`--model.rollout.sampling.allowed_tokens` must be a non-empty list of non-empty strings such as "
+            r"\['0', '1', '2'\], got \[\]",
+        ),
+        (
+            "0123",
+            r"`--model.rollout.sampling.allowed_tokens` must be a non-empty list of non-empty strings .*got '0123'",
+        ),
+        (
+            ["0", ""],
+            r"`--model.rollout.sampling.allowed_tokens` must be a non-empty list of non-empty strings "
+            r".*got \['0', ''\]",
+        ),
+        (
+            ["3", "3"],
+            r"`--model.rollout.sampling.allowed_tokens` entries \['3'\] map to the same token; list each "
+            r"token once",
+        ),
+    ],
+)
 def test_bad_allowed_tokens_are_rejected_at_configuration(value, match):
     with pytest.raises(ValueError, match=match):
         AgenticRLModule(rollout={"sampling": {"allowed_tokens": value}})

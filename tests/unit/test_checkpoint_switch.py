@@ -43,10 +43,14 @@ def _loss_and_saved_bytes(model, ids):
 def test_switchable_wrapper_same_gradients_and_names_less_saved_memory():
     torch.manual_seed(0)
     plain = load_model(tiny_path())
-    wrapped = parallelize_model(copy.deepcopy(plain), mesh=None, layout=Layout(), checkpoint_switchable=True)
+    wrapped = parallelize_model(
+        copy.deepcopy(plain), mesh=None, layout=Layout(), checkpoint_switchable=True
+    )
     assert is_checkpoint_switchable(wrapped) and not is_checkpoint_switchable(plain)
     assert all(isinstance(layer, SwitchableCheckpointWrapper) for layer in wrapped.model.layers)
-    assert list(wrapped.state_dict()) == list(plain.state_dict())  # checkpoints stay interchangeable
+    assert list(wrapped.state_dict()) == list(
+        plain.state_dict()
+    )  # checkpoints stay interchangeable
     ids = torch.randint(3, plain.config.vocab_size, (2, 96))
     ref_loss, ref_saved = _loss_and_saved_bytes(plain, ids)
     ref_grads = [p.grad.clone() for p in plain.parameters()]
@@ -68,8 +72,11 @@ def test_set_checkpointing_on_an_unwrapped_model_is_an_error():
 
 
 def test_argument_error():
-    with pytest.raises(ValueError, match=r"`activation_checkpointing` must be a non-empty list of booleans such as "
-                                         r"\[False, True\], got 'yes'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`activation_checkpointing` must be a non-empty list of booleans such as "
+        r"\[False, True\], got 'yes'",
+    ):
         AdaptiveParallelism(activation_checkpointing="yes")
 
 
@@ -82,8 +89,11 @@ def test_selector_asking_for_checkpointing_the_model_cannot_switch_is_an_error(t
         def setup(self, trainer, pl_module, stage):
             trainer.strategy.register_selector(AlwaysCheckpoint())
 
-    with pytest.raises(ValueError, match=r"stage 'train' asks for activation_checkpointing=True, but `policy` was "
-                                         r"sharded with activation_checkpointing=False and cannot switch"):
+    with pytest.raises(
+        ValueError,
+        match=r"stage 'train' asks for activation_checkpointing=True, but `policy` was "
+        r"sharded with activation_checkpointing=False and cannot switch",
+    ):
         trainer(tmp_path, [Register()], steps=1).fit(module(), datamodule())
 
 
@@ -94,12 +104,18 @@ def _params(mod):
 def _plain_module():
     # Wrapped layers run the plain forward (data/scored.py declines them); the reference does too,
     # so the two runs differ by checkpointing alone and not by the products' float rounding.
-    return module(optim=dict(micro_batch_tokens=1024, on_policy_shortcut=False, scored_last_layer=False))
+    return module(
+        optim=dict(micro_batch_tokens=1024, on_policy_shortcut=False, scored_last_layer=False)
+    )
 
 
-def test_adaptive_switches_to_checkpointing_after_an_oom_with_the_same_parameters(tmp_path, monkeypatch):
+def test_adaptive_switches_to_checkpointing_after_an_oom_with_the_same_parameters(
+    tmp_path, monkeypatch
+):
     ref_mod = _plain_module()
-    trainer(tmp_path / "ref", [AdaptiveParallelism(micro_batch_tokens=[1024])], steps=2).fit(ref_mod, datamodule())
+    trainer(tmp_path / "ref", [AdaptiveParallelism(micro_batch_tokens=[1024])], steps=2).fit(
+        ref_mod, datamodule()
+    )
 
     real, seen = rl.ppo_update, []
 
@@ -119,7 +135,9 @@ def test_adaptive_switches_to_checkpointing_after_an_oom_with_the_same_parameter
     assert strategy.checkpoint_switchable
     assert seen == [False, True, True]  # one OOM, then the checkpointed layout, kept at step 2
     assert [(o["stage"], o["layout"]) for o in cb.oom_events] == [("train", "dp1xtp1-mbt1024")]
-    assert [h["layout"] for h in cb.history if h["stage"] == "train"][-2:] == ["dp1xtp1-mbt1024-ckpt"] * 2
+    assert [h["layout"] for h in cb.history if h["stage"] == "train"][-2:] == [
+        "dp1xtp1-mbt1024-ckpt"
+    ] * 2
     got, ref = _params(mod), _params(ref_mod)
     assert list(got) == list(ref)
     for k in ref:
@@ -131,8 +149,12 @@ def test_profiler_measures_checkpointing_for_the_train_stage_only():
     path = tiny_path()
     from earl_lightning.models import load_tokenizer
 
-    run = profile_stages(lambda: load_model(path), load_tokenizer(path),
-                         layouts=[Layout(), Layout(activation_checkpointing=True)], grid=grid)
+    run = profile_stages(
+        lambda: load_model(path),
+        load_tokenizer(path),
+        layouts=[Layout(), Layout(activation_checkpointing=True)],
+        grid=grid,
+    )
     assert run.measured == 4
     assert run.table.layouts("train") == ["dp1xtp1", "dp1xtp1-ckpt"]
     assert run.table.layouts("rollout") == run.table.layouts("experience") == ["dp1xtp1"]

@@ -35,8 +35,9 @@ def test_an_optimizer_state_by_name_is_keyed_by_index_again():
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
-    optimizer = torch.optim.AdamW([{"params": model[1].parameters(), "lr": 0.1},
-                                   {"params": model[0].parameters(), "lr": 0.2}])
+    optimizer = torch.optim.AdamW(
+        [{"params": model[1].parameters(), "lr": 0.1}, {"params": model[0].parameters(), "lr": 0.2}]
+    )
     model(torch.ones(5, 3)).sum().backward()
     optimizer.step()
     by_name = get_optimizer_state_dict(model, optimizer)

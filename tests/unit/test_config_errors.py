@@ -8,7 +8,9 @@ from earl_lightning.modules import AgenticRLModule
 
 
 def test_unknown_env_name_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown `--data.env` 'conect_four'.*valid environments:.*connect_four"):
+    with pytest.raises(
+        ValueError, match=r"unknown `--data.env` 'conect_four'.*valid environments:.*connect_four"
+    ):
         EpisodeDataModule(env="conect_four")
 
 
@@ -18,24 +20,35 @@ def test_unknown_game_name():
 
 
 def test_batch_size_not_multiple_of_group_size():
-    with pytest.raises(ValueError, match=r"`--data.batch_size` \(10\) must be a multiple of `--data.group_size` \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`--data.batch_size` \(10\) must be a multiple of `--data.group_size` \(4\)",
+    ):
         EpisodeDataModule(batch_size=10, group_size=4)
 
 
 def test_unknown_advantage_estimator():
-    with pytest.raises(ValueError, match=r"unknown `--model.algorithm.advantage.name` 'gpro'; valid advantage "
-                                         r"estimators: \[.*'gae', 'gigpo', 'grpo', 'reinforce_pp', 'rloo'.*\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown `--model.algorithm.advantage.name` 'gpro'; valid advantage "
+        r"estimators: \[.*'gae', 'gigpo', 'grpo', 'reinforce_pp', 'rloo'.*\]",
+    ):
         AgenticRLModule(algorithm={"advantage": {"name": "gpro"}})
 
 
 def test_unknown_policy_loss():
-    with pytest.raises(ValueError, match=r"unknown `--model.algorithm.loss.name` 'ppo'; valid policy losses: "
-                                         r"\[.*'gspo', 'ppo_clip'.*\], or an import path"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown `--model.algorithm.loss.name` 'ppo'; valid policy losses: "
+        r"\[.*'gspo', 'ppo_clip'.*\], or an import path",
+    ):
         AgenticRLModule(algorithm={"loss": {"name": "ppo"}})
 
 
 def test_unknown_loss_aggregation():
-    with pytest.raises(ValueError, match=r"--model.algorithm.loss.aggregation.*'token_avg'.*token_mean"):
+    with pytest.raises(
+        ValueError, match=r"--model.algorithm.loss.aggregation.*'token_avg'.*token_mean"
+    ):
         AgenticRLModule(algorithm={"loss": {"aggregation": "token_avg"}})
 
 
@@ -46,7 +59,9 @@ def test_unknown_kl_estimator():
 
 def test_model_path_that_does_not_exist(tmp_path):
     missing = str(tmp_path / "no_such_model")
-    with pytest.raises(FileNotFoundError, match=r"`--model.model`: model path '.*no_such_model' does not exist"):
+    with pytest.raises(
+        FileNotFoundError, match=r"`--model.model`: model path '.*no_such_model' does not exist"
+    ):
         AgenticRLModule(model=missing)
 
 
@@ -55,17 +70,32 @@ def test_max_context_tokens_smaller_than_first_observation():
 
     module = AgenticRLModule(rollout={"max_context_tokens": 20})
     dm = EpisodeDataModule()
-    with pytest.raises(ValueError, match=r"`--model.rollout.max_context_tokens` \(20\) is smaller than the first "
-                                         r"observation of env 'connect_four'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`--model.rollout.max_context_tokens` \(20\) is smaller than the first "
+        r"observation of env 'connect_four'",
+    ):
         check_first_observation(module.rollout_config, module.tokenizer, dm.first_spec())
 
 
 def test_cli_reports_config_errors_in_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["fit", "--config", "recipes/connect4_grpo.yaml", "--data.batch_size", "10", "--data.group_size", "4"])
+        main(
+            [
+                "fit",
+                "--config",
+                "recipes/connect4_grpo.yaml",
+                "--data.batch_size",
+                "10",
+                "--data.group_size",
+                "4",
+            ]
+        )
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "earl: error: `--data.batch_size` (10) must be a multiple of `--data.group_size` (4)" in err
+    assert (
+        "earl: error: `--data.batch_size` (10) must be a multiple of `--data.group_size` (4)" in err
+    )
     assert "Traceback" not in err
 
 
@@ -73,5 +103,7 @@ def test_vllm_backend_without_vllm_names_the_extra(monkeypatch):
     import earl_lightning.rollout.backends.vllm_support as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "vllm_available", lambda: False)
-    with pytest.raises(ImportError, match=r"`--model.rollout.backend vllm` needs vLLM.*earl_lightning\[vllm"):
+    with pytest.raises(
+        ImportError, match=r"`--model.rollout.backend vllm` needs vLLM.*earl_lightning\[vllm"
+    ):
         AgenticRLModule(rollout={"backend": "vllm"})

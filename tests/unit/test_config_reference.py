@@ -12,7 +12,8 @@ import config_reference  # noqa: E402
 
 def test_configuration_reference_is_in_sync_with_the_code():
     assert config_reference.DOC.read_text() == config_reference.render(), (
-        "docs/configuration.md is out of date: run python scripts/config_reference.py")
+        "docs/configuration.md is out of date: run python scripts/config_reference.py"
+    )
 
 
 def test_check_flag_fails_on_a_stale_file(tmp_path, monkeypatch, capsys):
@@ -32,7 +33,10 @@ def test_reference_lists_every_nested_setting_with_its_real_default():
 
     text = config_reference.render()
     assert f"| `--model.optim.micro_batch_tokens` | `{OptimConfig().micro_batch_tokens}` |" in text
-    assert f"| `--model.rollout.sampling.max_new_tokens` | `{RolloutConfig().sampling.max_new_tokens}` |" in text
+    assert (
+        f"| `--model.rollout.sampling.max_new_tokens` | `{RolloutConfig().sampling.max_new_tokens}` |"
+        in text
+    )
     assert "| `--data.dispatch.tp_mode` | `auto` |" in text
     assert "| `--model.algorithm.kl.in_reward` | `false` |" in text
 
@@ -49,7 +53,10 @@ def test_args_section_parser_joins_continuation_lines():
         Returns: nothing.
         """
 
-    assert config_reference.arg_docs(Example) == {"alpha": "first line continued here.", "beta": "a \\| pipe."}
+    assert config_reference.arg_docs(Example) == {
+        "alpha": "first line continued here.",
+        "beta": "a \\| pipe.",
+    }
 
 
 def test_a_setting_without_a_description_is_an_error():

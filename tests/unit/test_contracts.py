@@ -28,7 +28,9 @@ def test_both_backends_implement_the_whole_protocol():
         assert all(callable(getattr(cls, name, None)) for name in PROTOCOL), cls.__name__
     path = make_tiny_model("earl-tiny")
     model = AutoModelForCausalLM.from_pretrained(path)
-    backend = GENERATION_BACKENDS.get("hf", "backend")(model, load_tokenizer(str(path)), _spec(path))
+    backend = GENERATION_BACKENDS.get("hf", "backend")(
+        model, load_tokenizer(str(path)), _spec(path)
+    )
     assert isinstance(backend, GenerationBackend) and backend.metrics() == {}
     other = AutoModelForCausalLM.from_pretrained(path)
     backend._cache[1] = object()  # a cached episode, computed by `model`
@@ -50,7 +52,11 @@ def test_data_parallel_stages_stand_in_for_a_plain_strategy():
     stages = stages_of(object(), module, world_size=1)
     assert isinstance(stages, DataParallelStages)
     with stages.stage("rollout", {"num_seqs": 4}) as ctx:
-        assert ctx.name == "rollout" and ctx.layout == Layout(dp=1, tp=1) and ctx.model("policy") is module.policy
+        assert (
+            ctx.name == "rollout"
+            and ctx.layout == Layout(dp=1, tp=1)
+            and ctx.model("policy") is module.policy
+        )
         assert ctx.budget(8192) == 8192  # no layout budget: the module's own
         assert ctx.reduce.sum_floats([1.0, 2.0]) == [1.0, 2.0] and ctx.reduce.agree_count(3) == 3
     assert stages.pop_stage_metrics() == {}
@@ -63,7 +69,10 @@ def test_exchanger_gives_whole_groups_and_tp_peers_the_same_share():
     layout = Layout(dp=2, tp=2)
     shares = [Exchanger.rollout_share(specs, layout, rank) for rank in range(4)]
     assert shares[0] == shares[1] and shares[2] == shares[3]  # TP peers play the same episodes
-    assert {s.group_id for s in shares[0]} == {0, 2, 4} and {s.group_id for s in shares[2]} == {1, 3}
+    assert {s.group_id for s in shares[0]} == {0, 2, 4} and {s.group_id for s in shares[2]} == {
+        1,
+        3,
+    }
     ex = Exchanger(DispatchConfig(tp_mode="direct"))
     assert ex.config.tp_mode == "direct" and ex.pop_metrics() == {}
 

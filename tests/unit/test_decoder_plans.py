@@ -36,8 +36,12 @@ def test_blocks_from_no_split_modules(model_type):
 def test_no_plan_refuses_tp_in_one_line():
     model = tiny(NO_PLAN)
     assert tp_plan_error(model) == NO_PLAN_LINE
-    with pytest.raises(ValueError, match=r"^`layouts.rollout` has tp=2, but " + NO_PLAN_LINE.replace("(", r"\(")
-                       .replace(")", r"\)") + "$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^`layouts.rollout` has tp=2, but "
+        + NO_PLAN_LINE.replace("(", r"\(").replace(")", r"\)")
+        + "$",
+    ):
         reject_unplanned_tp(model, Layout(dp=1, tp=2), arg="layouts.rollout")
     reject_unplanned_tp(model, Layout(dp=2, tp=1))
     with pytest.raises(ValueError, match="has no tensor-parallel plan"):
@@ -46,11 +50,15 @@ def test_no_plan_refuses_tp_in_one_line():
 
 def test_unsupported_style_is_named():
     model = tiny("llama")
-    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "layers.*.mlp.experts": "local_colwise"}
+    model.config.base_model_tp_plan = {
+        **model.config.base_model_tp_plan,
+        "layers.*.mlp.experts": "local_colwise",
+    }
     assert tp_plan_error(model) == (
         "model type llama: tensor-parallel style 'local_colwise' (for 'layers.*.mlp.experts') is not supported by "
         "EarlStrategy (supported: colwise, rowwise, colwise_rep, rowwise_rep, colwise_gather_output, "
-        "rowwise_split_input, replicated_with_grad_allreduce); use tp=1 layouts")
+        "rowwise_split_input, replicated_with_grad_allreduce); use tp=1 layouts"
+    )
 
 
 def test_strategy_refuses_tp_and_auto_leaves_it_out(monkeypatch):
@@ -59,7 +67,9 @@ def test_strategy_refuses_tp_and_auto_leaves_it_out(monkeypatch):
     monkeypatch.setattr(EarlStrategy, "world_size", property(lambda self: 4))
     strategy = EarlStrategy(train_layout=Layout(dp=2, tp=2))
     strategy._resolve_layouts(4)
-    with pytest.raises(ValueError, match=r"^`train_layout` has tp=2, but model type gpt2 has no tensor-parallel"):
+    with pytest.raises(
+        ValueError, match=r"^`train_layout` has tp=2, but model type gpt2 has no tensor-parallel"
+    ):
         strategy._check_heads(tiny(NO_PLAN), "policy")
     for model_type, tps in ((NO_PLAN, {1}), ("llama", {1, 2})):
         strategy = EarlStrategy(layouts="auto")
@@ -74,4 +84,6 @@ def test_memory_model_reads_every_family():
     for model_type in (*FAMILIES, NO_PLAN):
         sizes = ModelSizes.from_config(tiny_config(model_type))
         assert (sizes.num_layers, sizes.hidden_size, sizes.num_heads) == (2, 64, 4), model_type
-    assert ModelSizes.from_config(tiny_config(NO_PLAN)).intermediate_size == 4 * 64  # GPT-2: n_inner=None
+    assert (
+        ModelSizes.from_config(tiny_config(NO_PLAN)).intermediate_size == 4 * 64
+    )  # GPT-2: n_inner=None

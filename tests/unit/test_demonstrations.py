@@ -12,7 +12,11 @@ from earl_lightning.envs.policies import ImperfectCalculator, RandomLegal, make_
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
-from earl_lightning.rollout.demonstrations import DemonstrationError, play_demonstrations, policy_seed
+from earl_lightning.rollout.demonstrations import (
+    DemonstrationError,
+    play_demonstrations,
+    policy_seed,
+)
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.types import EpisodeSpec
 
@@ -40,11 +44,29 @@ class Replay:
 
 CASES = {
     "connect_four, one digit, history 0": (
-        "connect_four", {"opponent": "random"}, dict(max_new_tokens=1), DIGITS, 0, None),
+        "connect_four",
+        {"opponent": "random"},
+        dict(max_new_tokens=1),
+        DIGITS,
+        0,
+        None,
+    ),
     "recall, free text with a stop string, whole chat": (
-        "recall", {"num_turns": 4}, dict(max_new_tokens=10, stop=["7"]), None, None, None),
+        "recall",
+        {"num_turns": 4},
+        dict(max_new_tokens=10, stop=["7"]),
+        None,
+        None,
+        None,
+    ),
     "recall, free text, system prompt, history 1": (
-        "recall", {"num_turns": 4}, dict(max_new_tokens=6), None, 1, "Be brief."),
+        "recall",
+        {"num_turns": 4},
+        dict(max_new_tokens=6),
+        None,
+        1,
+        "Be brief.",
+    ),
 }
 
 
@@ -54,20 +76,36 @@ def test_a_replayed_model_episode_is_reproduced_token_for_token(case, tiny, monk
     model, tok = tiny
     allowed_ids = [tok.encode(t, add_special_tokens=False)[0] for t in allowed] if allowed else None
     sampling = SamplingConfig(**sampling_kw, seed=3, allowed_token_ids=allowed_ids)
-    specs = [EpisodeSpec(env, seed=s, group_id=s, episode_id=s, env_kwargs=env_kwargs) for s in range(6)]
+    specs = [
+        EpisodeSpec(env, seed=s, group_id=s, episode_id=s, env_kwargs=env_kwargs) for s in range(6)
+    ]
     kw = dict(max_turns=4, max_context_tokens=2048, system_prompt=system, history_turns=history)
     with torch.no_grad():
         played = rollout(specs, HFBackend(model, tok), tok, sampling, **kw)
-    monkeypatch.setattr(Replay, "answers", {policy_seed(ep.spec.seed): [m["content"] for m in ep.messages if m["role"] == "assistant"]
-                                            for ep in played})
-    demos = play_demonstrations(specs, "tests.unit.test_demonstrations.Replay", None, tok, sampling, **kw)
+    monkeypatch.setattr(
+        Replay,
+        "answers",
+        {
+            policy_seed(ep.spec.seed): [
+                m["content"] for m in ep.messages if m["role"] == "assistant"
+            ]
+            for ep in played
+        },
+    )
+    demos = play_demonstrations(
+        specs, "tests.unit.test_demonstrations.Replay", None, tok, sampling, **kw
+    )
     assert sum(ep.num_turns for ep in played) > 2 * len(specs)  # several turns were really played
     for ep, demo in zip(played, demos):
         assert demo.token_ids == ep.token_ids
         assert demo.action_mask == ep.action_mask
         assert demo.messages == ep.messages
         assert demo.turn_prompts == ep.turn_prompts
-        assert (demo.reward, demo.invalid_action, demo.outcome) == (ep.reward, ep.invalid_action, ep.outcome)
+        assert (demo.reward, demo.invalid_action, demo.outcome) == (
+            ep.reward,
+            ep.invalid_action,
+            ep.outcome,
+        )
 
 
 def test_demonstration_tokens_decode_to_the_chat_template_of_its_transcript(tiny):
@@ -77,16 +115,28 @@ def test_demonstration_tokens_decode_to_the_chat_template_of_its_transcript(tiny
     from earl_lightning.tasks.tools import tool_of
 
     specs = [EpisodeSpec("calculator", seed=s, group_id=s, episode_id=s) for s in range(4)]
-    demos = play_demonstrations(specs, "imperfect_calculator", {"no_tool_share": 0.5}, tok,
-                                SamplingConfig(max_new_tokens=96), max_turns=4, max_context_tokens=2048,
-                                tools=ToolUse(hermes))
+    demos = play_demonstrations(
+        specs,
+        "imperfect_calculator",
+        {"no_tool_share": 0.5},
+        tok,
+        SamplingConfig(max_new_tokens=96),
+        max_turns=4,
+        max_context_tokens=2048,
+        tools=ToolUse(hermes),
+    )
     schema = tool_of(make_env("calculator").calculate, "calculate").schema
     assert sum(ep.tool_calls for ep in demos) > 0
     for ep in demos:
         assert tok.decode(ep.token_ids, skip_special_tokens=False) == tok.apply_chat_template(
-            ep.messages, tools=[schema], tokenize=False)
-        generated = tok.decode([t for t, m in zip(ep.token_ids, ep.action_mask) if m], skip_special_tokens=False)
-        assert generated == "".join(m["content"] + "<|im_end|>" for m in ep.messages if m["role"] == "assistant")
+            ep.messages, tools=[schema], tokenize=False
+        )
+        generated = tok.decode(
+            [t for t, m in zip(ep.token_ids, ep.action_mask) if m], skip_special_tokens=False
+        )
+        assert generated == "".join(
+            m["content"] + "<|im_end|>" for m in ep.messages if m["role"] == "assistant"
+        )
         assert all(lp == 0.0 for lp in ep.logprobs)
 
 
@@ -116,26 +166,47 @@ def test_imperfect_calculator_skips_the_tool_on_its_share_and_is_then_wrong():
         result = env.step(action)
         used.append(result.info["tool_calls"] > 0)
         correct.append(result.info["correct"])
-    assert all(c == u for c, u in zip(correct, used))  # with the tool always right, without it always wrong
+    assert all(
+        c == u for c, u in zip(correct, used)
+    )  # with the tool always right, without it always wrong
     assert 0.62 < sum(used) / len(used) < 0.78
 
 
 def test_policy_errors_name_the_policy_and_what_is_wrong(tiny):
     _, tok = tiny
     specs = [EpisodeSpec("connect_four", seed=0, group_id=0, episode_id=0)]
-    one_digit = SamplingConfig(max_new_tokens=1, allowed_token_ids=[tok.encode(d, add_special_tokens=False)[0]
-                                                                     for d in DIGITS])
+    one_digit = SamplingConfig(
+        max_new_tokens=1,
+        allowed_token_ids=[tok.encode(d, add_special_tokens=False)[0] for d in DIGITS],
+    )
     kw = dict(max_turns=3, max_context_tokens=1024)
-    with pytest.raises(DemonstrationError, match=r"'tests.unit.test_demonstrations.returns_int' returned 3 \(type int\)"):
-        play_demonstrations(specs, "tests.unit.test_demonstrations.returns_int", None, tok, one_digit, **kw)
-    with pytest.raises(DemonstrationError, match=r"answered '12', which is 2 tokens, more than `sampling.max_new_tokens` = 1"):
-        play_demonstrations(specs, "tests.unit.test_demonstrations.answers_twelve", None, tok, one_digit, **kw)
+    with pytest.raises(
+        DemonstrationError,
+        match=r"'tests.unit.test_demonstrations.returns_int' returned 3 \(type int\)",
+    ):
+        play_demonstrations(
+            specs, "tests.unit.test_demonstrations.returns_int", None, tok, one_digit, **kw
+        )
+    with pytest.raises(
+        DemonstrationError,
+        match=r"answered '12', which is 2 tokens, more than `sampling.max_new_tokens` = 1",
+    ):
+        play_demonstrations(
+            specs, "tests.unit.test_demonstrations.answers_twelve", None, tok, one_digit, **kw
+        )
     with pytest.raises(DemonstrationError, match=r"outside `sampling.allowed_tokens`: \['9'\]"):
-        play_demonstrations(specs, "tests.unit.test_demonstrations.answers_nine", None, tok, one_digit, **kw)
-    with pytest.raises(ValueError, match=r"unknown `--data.policy` 'random_legl'; valid demonstration policies: "
-                                         r"\['centre_first', 'imperfect_calculator', 'imperfect_inventory', 'random_legal'\]"):
+        play_demonstrations(
+            specs, "tests.unit.test_demonstrations.answers_nine", None, tok, one_digit, **kw
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"unknown `--data.policy` 'random_legl'; valid demonstration policies: "
+        r"\['centre_first', 'imperfect_calculator', 'imperfect_inventory', 'random_legal'\]",
+    ):
         make_policy("random_legl", None, 0)
-    with pytest.raises(ValueError, match=r"`--data.policy_kwargs` \{'no_tool_shar': 0.5\} do not fit"):
+    with pytest.raises(
+        ValueError, match=r"`--data.policy_kwargs` \{'no_tool_shar': 0.5\} do not fit"
+    ):
         make_policy("imperfect_calculator", {"no_tool_shar": 0.5}, 0)
     with pytest.raises(ValueError, match=r"`no_tool_share` must be a number in \[0, 1\], got 1.5"):
         make_policy("imperfect_calculator", {"no_tool_share": 1.5}, 0)
@@ -160,11 +231,22 @@ def test_the_demonstrator_does_not_copy_the_seeded_random_opponent(tiny):
     import re
 
     _, tok = tiny
-    specs = [EpisodeSpec("connect_four", seed=s, group_id=s, episode_id=s, env_kwargs={"opponent": "random"})
-             for s in range(150)]
+    specs = [
+        EpisodeSpec(
+            "connect_four", seed=s, group_id=s, episode_id=s, env_kwargs={"opponent": "random"}
+        )
+        for s in range(150)
+    ]
     digits = [tok.encode(d, add_special_tokens=False)[0] for d in DIGITS]
-    demos = play_demonstrations(specs, "random_legal", None, tok, SamplingConfig(max_new_tokens=1,
-                                allowed_token_ids=digits), max_turns=21, max_context_tokens=4096)
+    demos = play_demonstrations(
+        specs,
+        "random_legal",
+        None,
+        tok,
+        SamplingConfig(max_new_tokens=1, allowed_token_ids=digits),
+        max_turns=21,
+        max_context_tokens=4096,
+    )
     same = total = 0
     for ep in demos:
         for user, reply in zip(ep.messages[::2], ep.messages[1::2]):
@@ -194,9 +276,17 @@ def test_the_baselines_script_plays_as_the_direct_env_loop_does():
     baselines = load_repo_file("scripts/baselines.py", "baselines")
     kwargs = {"opponent": "random", "seat": "alternate"}
     via_rollout = baselines.play("connect_four", kwargs, "centre_first", {}, range(20))
-    direct = evaluate_policy(make_env("connect_four", **kwargs), make_policy("centre_first", None, 0), range(20))
-    assert {k: via_rollout[k] for k in ("win", "draw", "loss", "invalid")} == {k: direct[k] for k in
-                                                                             ("win", "draw", "loss", "invalid")}
-    calc = baselines.play("calculator", {"difficulty": "easy"}, "imperfect_calculator", {"no_tool_share": 0.0},
-                          range(10))
+    direct = evaluate_policy(
+        make_env("connect_four", **kwargs), make_policy("centre_first", None, 0), range(20)
+    )
+    assert {k: via_rollout[k] for k in ("win", "draw", "loss", "invalid")} == {
+        k: direct[k] for k in ("win", "draw", "loss", "invalid")
+    }
+    calc = baselines.play(
+        "calculator",
+        {"difficulty": "easy"},
+        "imperfect_calculator",
+        {"no_tool_share": 0.0},
+        range(10),
+    )
     assert calc["correct"] == calc["tool_used"] == 1.0

@@ -13,21 +13,40 @@ from tests.gpu.device_check import check, main, unmet
 def _dist(site, name: str, version: str, requires: list[str]) -> None:
     info = site / f"{name}-{version}.dist-info"
     info.mkdir(parents=True)
-    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+    lines = [
+        "Metadata-Version: 2.1",
+        f"Name: {name}",
+        f"Version: {version}",
+        *(f"Requires-Dist: {r}" for r in requires),
+    ]
     (info / "METADATA").write_text("\n".join(lines) + "\n")
 
 
 def test_unmet_names_missing_and_out_of_range_requirements_only():
     torch = metadata.version("torch")
-    got = unmet(["torch>=1.0", "torch<1.0", "surely-not-installed-pkg>=1", 'packaging; python_version < "3"',
-                 "vllm>=0.1"], set(), "demo 1.0")
-    assert got == [f"demo 1.0: torch<1.0 (found {torch})", "demo 1.0: surely-not-installed-pkg>=1 (not installed)"]
+    got = unmet(
+        [
+            "torch>=1.0",
+            "torch<1.0",
+            "surely-not-installed-pkg>=1",
+            'packaging; python_version < "3"',
+            "vllm>=0.1",
+        ],
+        set(),
+        "demo 1.0",
+    )
+    assert got == [
+        f"demo 1.0: torch<1.0 (found {torch})",
+        "demo 1.0: surely-not-installed-pkg>=1 (not installed)",
+    ]
 
 
 def test_extras_count_only_when_asked_for():
     reqs = ['surely-not-installed-pkg; extra == "fancy"']
     assert unmet(reqs, set(), "demo") == []
-    assert unmet(reqs, {"fancy"}, "demo") == ['demo: surely-not-installed-pkg; extra == "fancy" (not installed)']
+    assert unmet(reqs, {"fancy"}, "demo") == [
+        'demo: surely-not-installed-pkg; extra == "fancy" (not installed)'
+    ]
 
 
 def test_check_reads_the_site_folder_and_the_project(tmp_path):

@@ -50,18 +50,24 @@ def test_local_search_finishes_what_kk_and_lpt_leave():
 
 
 def meta(rng, ranks, n_max, len_max, groups):
-    lengths = [[rng.randint(1, len_max) for _ in range(rng.randint(0, n_max))] for _ in range(ranks)]
+    lengths = [
+        [rng.randint(1, len_max) for _ in range(rng.randint(0, n_max))] for _ in range(ranks)
+    ]
     gids = [[rng.randrange(groups) for _ in r] for r in lengths]
     return lengths, gids
 
 
 def replicate(lengths, gids, src):
     """Per-rank metadata where the members of each source TP group hold one batch."""
-    return ([lengths[src.coords(r)[0]] for r in range(src.world_size)],
-            [gids[src.coords(r)[0]] for r in range(src.world_size)])
+    return (
+        [lengths[src.coords(r)[0]] for r in range(src.world_size)],
+        [gids[src.coords(r)[0]] for r in range(src.world_size)],
+    )
 
 
-LAYOUT_PAIRS = [(s, d) for w in (2, 4, 6, 8) for s in Layout.factorizations(w) for d in Layout.factorizations(w)]
+LAYOUT_PAIRS = [
+    (s, d) for w in (2, 4, 6, 8) for s in Layout.factorizations(w) for d in Layout.factorizations(w)
+]
 
 
 @pytest.mark.parametrize("src,dst", LAYOUT_PAIRS, ids=lambda lay: lay.name)
@@ -79,9 +85,13 @@ def test_every_receiver_gets_its_groups_rows_once(src, dst, tp_mode):
         assert got == (plan.rows_of(g) if receives else [])
     for (s, d), rows in plan.sends.items():
         assert rows == sorted(rows)
-        assert all(s in src.tp_group_ranks(plan.src_dp[i]) for i in rows), "only a replica sends a row"
+        assert all(s in src.tp_group_ranks(plan.src_dp[i]) for i in rows), (
+            "only a replica sends a row"
+        )
         if s != d:
-            assert not any(d in src.tp_group_ranks(plan.src_dp[i]) for i in rows), "a holder copies locally"
+            assert not any(d in src.tp_group_ranks(plan.src_dp[i]) for i in rows), (
+                "a holder copies locally"
+            )
 
 
 @pytest.mark.parametrize("src,dst", LAYOUT_PAIRS, ids=lambda lay: lay.name)
@@ -90,8 +100,14 @@ def test_traffic_model_counts_every_byte_of_the_all_to_all(src, dst):
     lengths, gids = replicate(*meta(rng, src.dp, 10, 200, 4), src)
     plan = make_plan(lengths, gids, src=src, dst=dst, token_bytes=9, seq_bytes=16, tp_mode="direct")
     w = dst.world_size
-    sent = [sum(plan.nbytes[i] for d in range(w) if d != s for i in plan.rows_from(s, d)) for s in range(w)]
-    recv = [sum(plan.nbytes[i] for s in range(w) if s != d for i in plan.rows_from(s, d)) for d in range(w)]
+    sent = [
+        sum(plan.nbytes[i] for d in range(w) if d != s for i in plan.rows_from(s, d))
+        for s in range(w)
+    ]
+    recv = [
+        sum(plan.nbytes[i] for s in range(w) if s != d for i in plan.rows_from(s, d))
+        for d in range(w)
+    ]
     assert plan.sent == sent and plan.recv == recv
     assert plan.nbytes == [n * 9 + 16 for n in plan.lengths]
 
@@ -103,15 +119,30 @@ def test_replicas_share_the_sending_load():
     # Every rank already holds every row: nothing crosses the network.
     assert plan.sent == [0, 0, 0, 0] and plan.recv == [0, 0, 0, 0]
     src, dst = Layout(dp=2, tp=2), Layout(dp=1, tp=4)
-    plan = make_plan([[50] * 8, [50] * 8, [70] * 8, [70] * 8], [[0] * 8] * 4, src=src, dst=dst,
-                     token_bytes=1, seq_bytes=0, tp_mode="direct")
+    plan = make_plan(
+        [[50] * 8, [50] * 8, [70] * 8, [70] * 8],
+        [[0] * 8] * 4,
+        src=src,
+        dst=dst,
+        token_bytes=1,
+        seq_bytes=0,
+        tp_mode="direct",
+    )
     assert plan.sent == [400, 400, 560, 560], "each replica sends half of its group's rows"
 
 
 def test_keep_groups_delivers_whole_groups():
     rng = random.Random(3)
     lengths, gids = meta(rng, 4, 30, 500, 12)
-    plan = make_plan(lengths, gids, src=Layout(4, 1), dst=Layout(2, 2), token_bytes=1, seq_bytes=0, keep_groups=True)
+    plan = make_plan(
+        lengths,
+        gids,
+        src=Layout(4, 1),
+        dst=Layout(2, 2),
+        token_bytes=1,
+        seq_bytes=0,
+        keep_groups=True,
+    )
     where = {}
     for gid, dest in zip(plan.group_ids, plan.dest_dp):
         where.setdefault(gid, set()).add(dest)
@@ -131,29 +162,55 @@ def test_auto_broadcasts_when_one_sender_dominates():
 
 def test_auto_stays_direct_when_balanced():
     lengths = [[100] * 10] * 4
-    plan = make_plan(lengths, [[0] * 10] * 4, src=Layout(4, 1), dst=Layout(2, 2), token_bytes=1, seq_bytes=0)
+    plan = make_plan(
+        lengths, [[0] * 10] * 4, src=Layout(4, 1), dst=Layout(2, 2), token_bytes=1, seq_bytes=0
+    )
     assert plan.tp_mode == ["direct", "direct"]
 
 
 def test_imbalance_of_an_empty_batch_is_one():
-    plan = make_plan([[], []], [[], []], src=Layout(2, 1), dst=Layout(2, 1), token_bytes=1, seq_bytes=0)
+    plan = make_plan(
+        [[], []], [[], []], src=Layout(2, 1), dst=Layout(2, 1), token_bytes=1, seq_bytes=0
+    )
     assert plan.num_seqs == 0 and plan.imbalance == 1.0 and plan.busiest_rank_bytes == 0
 
 
 def test_bad_tp_mode_is_named():
-    with pytest.raises(ValueError, match=r"`tp_mode` must be one of \['auto', 'direct', 'broadcast'\], got 'ring'"):
-        make_plan([[1]], [[0]], src=Layout(1, 1), dst=Layout(1, 1), token_bytes=1, seq_bytes=0, tp_mode="ring")
+    with pytest.raises(
+        ValueError, match=r"`tp_mode` must be one of \['auto', 'direct', 'broadcast'\], got 'ring'"
+    ):
+        make_plan(
+            [[1]],
+            [[0]],
+            src=Layout(1, 1),
+            dst=Layout(1, 1),
+            token_bytes=1,
+            seq_bytes=0,
+            tp_mode="ring",
+        )
 
 
 def test_src_and_to_of_different_sizes_are_named():
     with pytest.raises(ValueError, match=r"`src` dp2xtp1 has 2 ranks but `to` dp4xtp1 has 4"):
-        make_plan([[1]] * 2, [[0]] * 2, src=Layout(2, 1), dst=Layout(4, 1), token_bytes=1, seq_bytes=0)
+        make_plan(
+            [[1]] * 2, [[0]] * 2, src=Layout(2, 1), dst=Layout(4, 1), token_bytes=1, seq_bytes=0
+        )
 
 
 def test_replicas_that_disagree_are_reported():
-    with pytest.raises(ValueError, match=r"`src` dp1xtp2 says ranks \[0, 1\] are tensor-parallel replicas.*rank 0 "
-                                         r"holds 2 sequences \(30 tokens\) and rank 1 holds 1 \(10 tokens\)"):
-        make_plan([[10, 20], [10]], [[0, 0], [0]], src=Layout(1, 2), dst=Layout(2, 1), token_bytes=1, seq_bytes=0)
+    with pytest.raises(
+        ValueError,
+        match=r"`src` dp1xtp2 says ranks \[0, 1\] are tensor-parallel replicas.*rank 0 "
+        r"holds 2 sequences \(30 tokens\) and rank 1 holds 1 \(10 tokens\)",
+    ):
+        make_plan(
+            [[10, 20], [10]],
+            [[0, 0], [0]],
+            src=Layout(1, 2),
+            dst=Layout(2, 1),
+            token_bytes=1,
+            seq_bytes=0,
+        )
 
 
 def test_locality_keeps_a_balanced_batch_where_it_is():
@@ -172,8 +229,10 @@ def test_locality_keeps_a_balanced_batch_where_it_is():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.lists(st.integers(1, 4000), min_size=0, max_size=40), min_size=4, max_size=4),
-       st.sampled_from([Layout(4, 1), Layout(2, 2)]))
+@given(
+    st.lists(st.lists(st.integers(1, 4000), min_size=0, max_size=40), min_size=4, max_size=4),
+    st.sampled_from([Layout(4, 1), Layout(2, 2)]),
+)
 def test_locality_costs_at_most_one_percent_balance_and_never_moves_more(lengths, dst):
     gids = [[0] * len(x) for x in lengths]
     kw = dict(src=Layout(4, 1), dst=dst, token_bytes=4, seq_bytes=8, tp_mode="direct")

@@ -57,12 +57,17 @@ def threads(monkeypatch):
 
 
 def _specs(env: str, n: int = 6, **kwargs) -> list[EpisodeSpec]:
-    return [EpisodeSpec(env, seed=s, group_id=s, episode_id=s, env_kwargs={**RECALL, **kwargs}) for s in range(n)]
+    return [
+        EpisodeSpec(env, seed=s, group_id=s, episode_id=s, env_kwargs={**RECALL, **kwargs})
+        for s in range(n)
+    ]
 
 
 def _run(lm, specs, **kw):
     model, tok = lm
-    return rollout(specs, HFBackend(model, tok), tok, SAMPLING, max_turns=4, max_context_tokens=2048, **kw)
+    return rollout(
+        specs, HFBackend(model, tok), tok, SAMPLING, max_turns=4, max_context_tokens=2048, **kw
+    )
 
 
 def _fault_records(caplog) -> list[logging.LogRecord]:
@@ -73,10 +78,18 @@ def _fault_records(caplog) -> list[logging.LogRecord]:
 FAULTS = {
     "RaisesInStep": (r"step\(\) raised RuntimeError\('step broke'\)", 1),
     "RaisesInReset": (r"reset\(\) raised OSError\('reset broke'\)", None),
-    "GymTupleStep": (re.escape(f"step() returned a tuple; {STEP_CONTRACT} (a gym-style (observation, reward, "
-                               f"terminated, truncated, info) tuple is not one)"), 1),
-    "GymnasiumReset": (r"reset\(\) returned tuple \('.{1,60}; an Env's reset\(seed\) must return the first "
-                       r"observation as a str \(gymnasium's reset returns \(observation, info\)\)", None),
+    "GymTupleStep": (
+        re.escape(
+            f"step() returned a tuple; {STEP_CONTRACT} (a gym-style (observation, reward, "
+            f"terminated, truncated, info) tuple is not one)"
+        ),
+        1,
+    ),
+    "GymnasiumReset": (
+        r"reset\(\) returned tuple \('.{1,60}; an Env's reset\(seed\) must return the first "
+        r"observation as a str \(gymnasium's reset returns \(observation, info\)\)",
+        None,
+    ),
     "BadStepResult": (r"step\(\) returned a StepResult whose reward nan is not a finite number", 1),
 }
 
@@ -92,14 +105,18 @@ def test_a_fault_fails_its_episode_and_the_healthy_ones_play_on(lm, caplog, name
             assert ep.error is None and ep.token_ids == ref.token_ids and ep.reward == ref.reward
             assert ep.done and ep.num_turns == 3
             continue
-        assert re.fullmatch(rf"env '{P}{name}' \(seed {ep.spec.seed}\): {pattern}", ep.error), ep.error
+        assert re.fullmatch(rf"env '{P}{name}' \(seed {ep.spec.seed}\): {pattern}", ep.error), (
+            ep.error
+        )
         assert ep.done and ep.reward == 0.0 and ep.turn_rewards == [0.0] * ep.num_turns
         if turn is None:
             assert ep.token_ids == [] and ep.num_turns == 0
         else:  # the transcript up to the faulty step is kept
-            assert ep.num_turns == turn + 1 and ep.token_ids == ref.token_ids[:len(ep.token_ids)]
+            assert ep.num_turns == turn + 1 and ep.token_ids == ref.token_ids[: len(ep.token_ids)]
     (record,) = _fault_records(caplog)  # three faults of one kind: logged once
-    assert record.levelno == logging.WARNING and record.getMessage().startswith(episodes[0].error + "\n")
+    assert record.levelno == logging.WARNING and record.getMessage().startswith(
+        episodes[0].error + "\n"
+    )
     assert "end their episode and count in env/errors" in record.getMessage()
     assert (record.exc_info is not None) == ("raised" in pattern)
     caplog.clear()
@@ -108,41 +125,63 @@ def test_a_fault_fails_its_episode_and_the_healthy_ones_play_on(lm, caplog, name
     assert _fault_records(caplog) == []  # not again in this process
 
 
-@pytest.mark.parametrize("what, problem", [
-    ("reward", r"reward nan is not a finite number"),
-    ("done", r"done array\(\[ True, False\]\) is not a bool"),
-    ("info", r"info is list \['invalid_action'\], not a dict"),
-    ("observation", r"observation is NoneType None, not a str \(the episode is not done\)"),
-])
+@pytest.mark.parametrize(
+    "what, problem",
+    [
+        ("reward", r"reward nan is not a finite number"),
+        ("done", r"done array\(\[ True, False\]\) is not a bool"),
+        ("info", r"info is list \['invalid_action'\], not a dict"),
+        ("observation", r"observation is NoneType None, not a str \(the episode is not done\)"),
+    ],
+)
 def test_each_bad_field_of_a_step_result_is_named(lm, what, problem):
     (ep,) = _run(lm, _specs(P + "BadStepResult", n=1, what=what))
-    assert re.fullmatch(rf"env '{P}BadStepResult' \(seed 0\): step\(\) returned a StepResult whose {problem}",
-                        ep.error), ep.error
+    assert re.fullmatch(
+        rf"env '{P}BadStepResult' \(seed 0\): step\(\) returned a StepResult whose {problem}",
+        ep.error,
+    ), ep.error
 
 
 def test_the_traceback_is_logged_once_per_kind(lm, caplog):
     specs = _specs(P + "RaisesInStep", n=2) + [
         EpisodeSpec(P + "RaisesInReset", seed=7, group_id=9, episode_id=9, env_kwargs=RECALL),
-        EpisodeSpec(P + "RaisesInReset", seed=8, group_id=9, episode_id=10, env_kwargs=RECALL)]
+        EpisodeSpec(P + "RaisesInReset", seed=8, group_id=9, episode_id=10, env_kwargs=RECALL),
+    ]
     with caplog.at_level(logging.WARNING, logger="earl_lightning.rollout"):
         episodes = _run(lm, specs)
     assert all(ep.error for ep in episodes)
-    reset, step = _fault_records(caplog)  # reset faults come first: every env is reset before turn 1
-    assert reset.getMessage().startswith(f"env '{P}RaisesInReset' (seed 7): reset() raised OSError('reset broke')")
-    assert step.getMessage().startswith(f"env '{P}RaisesInStep' (seed 0): step() raised RuntimeError('step broke')")
+    reset, step = _fault_records(
+        caplog
+    )  # reset faults come first: every env is reset before turn 1
+    assert reset.getMessage().startswith(
+        f"env '{P}RaisesInReset' (seed 7): reset() raised OSError('reset broke')"
+    )
+    assert step.getMessage().startswith(
+        f"env '{P}RaisesInStep' (seed 0): step() raised RuntimeError('step broke')"
+    )
     assert "builtins.RuntimeError" in step.getMessage()
-    assert 'raise RuntimeError("step broke")' in caplog.text and 'raise OSError("reset broke")' in caplog.text
+    assert (
+        'raise RuntimeError("step broke")' in caplog.text
+        and 'raise OSError("reset broke")' in caplog.text
+    )
 
 
 def test_the_first_fault_reaches_stderr_without_logging_set_up():
-    code = ("from earl_lightning.rollout.env_calls import EnvCalls\n"
-            "from earl_lightning.rollout.types import EpisodeSpec\n"
-            f"spec = EpisodeSpec('{P}RaisesInStep', seed=4, group_id=0, episode_id=0)\n"
-            "calls = EnvCalls()\nenv, _ = calls.start(spec)\n"
-            "for _ in range(2):\n"
-            "    try:\n        calls.step(spec, env, '1')\n    except Exception as e:\n        print(e)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True,
-                          text=True, timeout=120)
+    code = (
+        "from earl_lightning.rollout.env_calls import EnvCalls\n"
+        "from earl_lightning.rollout.types import EpisodeSpec\n"
+        f"spec = EpisodeSpec('{P}RaisesInStep', seed=4, group_id=0, episode_id=0)\n"
+        "calls = EnvCalls()\nenv, _ = calls.start(spec)\n"
+        "for _ in range(2):\n"
+        "    try:\n        calls.step(spec, env, '1')\n    except Exception as e:\n        print(e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     error = f"env '{P}RaisesInStep' (seed 4): step() raised RuntimeError('step broke')"
     assert proc.stdout.splitlines() == [error, error]
@@ -161,7 +200,9 @@ def test_a_hung_call_is_abandoned_after_the_time_limit(lm, caplog, threads):
     try:
         t0 = time.perf_counter()
         with caplog.at_level(logging.WARNING, logger="earl_lightning.rollout"):
-            episodes = _run(lm, _specs(P + "HangsInStep", every=3, turn=1, sleep_s=60.0), env_timeout_s=limit)
+            episodes = _run(
+                lm, _specs(P + "HangsInStep", every=3, turn=1, sleep_s=60.0), env_timeout_s=limit
+            )
         elapsed = time.perf_counter() - t0
         stuck = [t for t in threads if t.is_alive()]
         assert len(stuck) >= 2  # the two hung calls still run ...
@@ -173,52 +214,91 @@ def test_a_hung_call_is_abandoned_after_the_time_limit(lm, caplog, threads):
         if ep.spec.seed % 3:
             assert ep.error is None and ep.token_ids == ref.token_ids and ep.reward == ref.reward
         else:
-            assert ep.error == (f"env '{P}HangsInStep' (seed {ep.spec.seed}): step() did not return within "
-                                f"env_timeout_s=0.5s; the env is abandoned (the call keeps running in a daemon "
-                                f"thread)")
+            assert ep.error == (
+                f"env '{P}HangsInStep' (seed {ep.spec.seed}): step() did not return within "
+                f"env_timeout_s=0.5s; the env is abandoned (the call keeps running in a daemon "
+                f"thread)"
+            )
             assert ep.num_turns == 2 and ep.reward == 0.0
     (record,) = _fault_records(caplog)
-    assert "where the call is stuck:" in record.getMessage() and "RELEASE.wait(" in record.getMessage()
+    assert (
+        "where the call is stuck:" in record.getMessage() and "RELEASE.wait(" in record.getMessage()
+    )
     assert all(t.daemon and t.name == "earl-env-call" for t in threads)
-    for t in threads:  # an abandoned worker exits once its call returns (the others when the rollout closes)
+    for t in (
+        threads
+    ):  # an abandoned worker exits once its call returns (the others when the rollout closes)
         t.join(timeout=10)
         assert not t.is_alive()
 
 
 def test_results_do_not_depend_on_threads(lm, threads):
-    specs = [EpisodeSpec(P + name if name else "recall", seed=s, group_id=s, episode_id=s,
-                         env_kwargs={**RECALL, **({"turn": s % 2} if name else {})})
-             for s, name in enumerate(["", *FAULTS, "", "BadStepResult"])]
+    specs = [
+        EpisodeSpec(
+            P + name if name else "recall",
+            seed=s,
+            group_id=s,
+            episode_id=s,
+            env_kwargs={**RECALL, **({"turn": s % 2} if name else {})},
+        )
+        for s, name in enumerate(["", *FAULTS, "", "BadStepResult"])
+    ]
     direct = _run(lm, specs, call_workers=1)
     assert len(threads) == 1  # one worker: the calls one at a time, in order
     threaded = _run(lm, specs, env_timeout_s=30.0)
     assert len(threads) > 2
-    assert [ep.error is None for ep in direct] == [True, False, False, False, False, False, True, False]
+    assert [ep.error is None for ep in direct] == [
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+    ]
     for a, b in zip(direct, threaded):
-        assert (a.error, a.token_ids, a.reward, a.turn_rewards, a.messages) == \
-               (b.error, b.token_ids, b.reward, b.turn_rewards, b.messages)
+        assert (a.error, a.token_ids, a.reward, a.turn_rewards, a.messages) == (
+            b.error,
+            b.token_ids,
+            b.reward,
+            b.turn_rewards,
+            b.messages,
+        )
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), True, "5"])
 def test_env_timeout_must_be_positive(lm, value):
-    with pytest.raises(ValueError, match=re.escape(f"`env_timeout_s` must be a number > 0 or None, got {value!r}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"`env_timeout_s` must be a number > 0 or None, got {value!r}")
+    ):
         _run(lm, _specs("recall", n=1), env_timeout_s=value)
 
 
 def test_an_unknown_env_still_raises(lm):
-    with pytest.raises(ValueError, match=r"`env` 'tests.plugins.faulty_envs.Nope': module 'tests.plugins.faulty_envs' has "
-                                         r"no attribute 'Nope'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`env` 'tests.plugins.faulty_envs.Nope': module 'tests.plugins.faulty_envs' has "
+        r"no attribute 'Nope'",
+    ):
         _run(lm, _specs(P + "Nope", n=1))
 
 
 # ---- the failed share stops the run (one process; two: tests/distributed/test_env_faults.py) -----
 def test_a_step_whose_episodes_all_failed_stops_the_run(lm):
     episodes = _run(lm, _specs(P + "RaisesInReset", n=4))
-    with pytest.raises(EnvironmentFailure, match=re.escape(
+    with pytest.raises(
+        EnvironmentFailure,
+        match=re.escape(
             "4 of 4 episodes of RL step 7 failed inside the environment (`--model.rollout.max_failed_share` 1); "
-            "the first here: ") + r".*" + re.escape(
+            "the first here: "
+        )
+        + r".*"
+        + re.escape(
             f"env '{P}RaisesInReset' (seed 0): reset() raised OSError('reset broke'). Fix the environment, or raise "
-            "max_failed_share to train through failures")):
+            "max_failed_share to train through failures"
+        ),
+    ):
         check_env_failures(episodes, Reducer(), 1.0, step=7)
 
 
@@ -227,7 +307,9 @@ def test_a_share_below_the_limit_trains_on(lm):
     assert sum(ep.error is not None for ep in episodes) == 2
     check_env_failures(episodes, Reducer(), 0.5, step=0)
     check_env_failures(episodes, Reducer(), 1.0, step=0)
-    with pytest.raises(EnvironmentFailure, match=r"^2 of 8 episodes of RL step 0 failed .*max_failed_share` 0.25\)"):
+    with pytest.raises(
+        EnvironmentFailure, match=r"^2 of 8 episodes of RL step 0 failed .*max_failed_share` 0.25\)"
+    ):
         check_env_failures(episodes, Reducer(), 0.25, step=0)
 
 
@@ -237,9 +319,17 @@ def test_a_gymnasium_reset_fails_at_setup_with_a_clear_error():
     from earl_lightning.modules.rollout_setup import check_first_observation
 
     module = AgenticRLModule()
-    dm = EpisodeDataModule(env="tests.plugins.faulty_envs.GymnasiumReset", env_kwargs={"every": 1},
-                           batch_size=4, group_size=2, eval_episodes=0)
-    with pytest.raises(ValueError, match=r"`--data.env` 'tests.plugins.faulty_envs.GymnasiumReset': env .* reset\(\) "
-                                         r"returned tuple .*; an Env's reset\(seed\) must return the first "
-                                         r"observation as a str \(gymnasium's reset returns"):
+    dm = EpisodeDataModule(
+        env="tests.plugins.faulty_envs.GymnasiumReset",
+        env_kwargs={"every": 1},
+        batch_size=4,
+        group_size=2,
+        eval_episodes=0,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"`--data.env` 'tests.plugins.faulty_envs.GymnasiumReset': env .* reset\(\) "
+        r"returned tuple .*; an Env's reset\(seed\) must return the first "
+        r"observation as a str \(gymnasium's reset returns",
+    ):
         check_first_observation(module.rollout_config, module.tokenizer, dm.first_spec())

@@ -33,7 +33,9 @@ def test_question_is_deterministic_and_answer_is_its_value():
     assert len({question_of(TextCalc().reset(s)) for s in range(20)}) > 15
 
 
-@pytest.mark.parametrize("difficulty, count, largest", [("easy", 2, 20), ("medium", 3, 99), ("hard", 4, 999)])
+@pytest.mark.parametrize(
+    "difficulty, count, largest", [("easy", 2, 20), ("medium", 3, 99), ("hard", 4, 999)]
+)
 def test_difficulty_sets_the_size_of_the_question(difficulty, count, largest):
     for seed in range(10):
         expr, answer = make_question(seed, difficulty)
@@ -46,7 +48,9 @@ def test_correct_answer_after_tool_calls():
     env = TextCalc(difficulty="hard")
     expr = question_of(env.reset(3))
     res = env.step(f"Let me compute. calc({expr})")
-    assert res == type(res)(f"calc: {env.answer}", 0.0, False, {"invalid_action": False, "tool_calls": 1})
+    assert res == type(res)(
+        f"calc: {env.answer}", 0.0, False, {"invalid_action": False, "tool_calls": 1}
+    )
     res = env.step("calc(1/4)")
     assert res.observation == "calc: 0.25" and res.info["tool_calls"] == 2 and not res.done
     res = env.step(f"The result is answer({env.answer})")
@@ -73,7 +77,12 @@ def test_tool_cap_ends_with_wrong_reward():
         assert not res.done and res.info["tool_calls"] == i
     res = env.step("calc(2+2)")
     assert res.done and res.reward == 0.0
-    assert res.info == {"invalid_action": False, "tool_calls": 3, "truncated_tools": True, "correct": False}
+    assert res.info == {
+        "invalid_action": False,
+        "tool_calls": 3,
+        "truncated_tools": True,
+        "correct": False,
+    }
 
 
 def test_calc_error_costs_a_call_but_is_not_invalid():
@@ -85,7 +94,9 @@ def test_calc_error_costs_a_call_but_is_not_invalid():
     assert env.step("calc(1+1)").info["truncated_tools"]
 
 
-@pytest.mark.parametrize("text", ["the answer is 42", "", "answer(forty)", "answer(4.5)", "calculate 3+4"])
+@pytest.mark.parametrize(
+    "text", ["the answer is 42", "", "answer(forty)", "answer(4.5)", "calculate 3+4"]
+)
 def test_text_without_a_call_or_integer_answer_is_invalid(text):
     env = TextCalc()
     env.reset(0)
@@ -101,33 +112,47 @@ def test_first_call_in_the_text_wins_and_nested_parentheses_are_kept():
     assert res.observation == "calc: 15" and not res.done
 
 
-@pytest.mark.parametrize("expr, value", [
-    ("37*12+5", 449), ("2**10", 1024), ("-(3-10)", 7), ("17//5", 3), ("17%5", 2),
-    ("7/2", Fraction(7, 2)), ("2**-2", Fraction(1, 4)), (" ( 1 + 2 ) * 3 ", 9),
-])
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("37*12+5", 449),
+        ("2**10", 1024),
+        ("-(3-10)", 7),
+        ("17//5", 3),
+        ("17%5", 2),
+        ("7/2", Fraction(7, 2)),
+        ("2**-2", Fraction(1, 4)),
+        (" ( 1 + 2 ) * 3 ", 9),
+    ],
+)
 def test_safe_eval_arithmetic(expr, value):
     got = safe_eval(expr)
-    assert got == value and isinstance(got, Fraction)  # floor division too (int // on Fractions is an int)
+    assert got == value and isinstance(
+        got, Fraction
+    )  # floor division too (int // on Fractions is an int)
 
 
-@pytest.mark.parametrize("expr, match", [
-    ("__import__('os')", r"unsupported syntax Call"),
-    ("__import__('os').system('true')", r"unsupported syntax Call"),
-    ("x+1", r"unsupported syntax Name"),
-    ("(1).__class__", r"unsupported syntax Attribute"),
-    ("'a'*3", r"only integers are allowed, got 'a'"),
-    ("1.5+1", r"only integers are allowed, got 1.5"),
-    ("True+1", r"only integers are allowed, got True"),
-    ("2**100000000", r"exponent must be an integer of size at most 16, got 100000000"),
-    ("9**9**9", r"exponent must be an integer of size at most 16, got 387420489"),
-    ("2**(1/2)", r"exponent must be an integer"),
-    ("(10**16)**16*(10**16)**16", r"number too large"),
-    ("10**9*10**9*10", r"number too large"),
-    ("1 < 2", r"unsupported syntax Compare"),
-    ("1 +", r"not an arithmetic expression"),
-    ("1" * 201, r"longer than 200 characters"),
-    ("0**-1", r"division by zero"),
-])
+@pytest.mark.parametrize(
+    "expr, match",
+    [
+        ("__import__('os')", r"unsupported syntax Call"),
+        ("__import__('os').system('true')", r"unsupported syntax Call"),
+        ("x+1", r"unsupported syntax Name"),
+        ("(1).__class__", r"unsupported syntax Attribute"),
+        ("'a'*3", r"only integers are allowed, got 'a'"),
+        ("1.5+1", r"only integers are allowed, got 1.5"),
+        ("True+1", r"only integers are allowed, got True"),
+        ("2**100000000", r"exponent must be an integer of size at most 16, got 100000000"),
+        ("9**9**9", r"exponent must be an integer of size at most 16, got 387420489"),
+        ("2**(1/2)", r"exponent must be an integer"),
+        ("(10**16)**16*(10**16)**16", r"number too large"),
+        ("10**9*10**9*10", r"number too large"),
+        ("1 < 2", r"unsupported syntax Compare"),
+        ("1 +", r"not an arithmetic expression"),
+        ("1" * 201, r"longer than 200 characters"),
+        ("0**-1", r"division by zero"),
+    ],
+)
 def test_safe_eval_rejects(expr, match):
     start = time.perf_counter()
     with pytest.raises(CalcError, match=match):
@@ -155,23 +180,35 @@ def test_step_after_done_raises():
         env.step("answer(1)")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"difficulty": "insane"}, r"`difficulty` must be one of \['easy', 'medium', 'hard'\], got 'insane'"),
-    ({"max_tool_calls": -1}, r"`max_tool_calls` must be a non-negative int, got -1"),
-    ({"correct_reward": "1"}, r"`correct_reward` must be a finite number, got '1'"),
-    ({"wrong_reward": float("inf")}, r"`wrong_reward` must be a finite number, got inf"),
-    ({"invalid_reward": None}, r"`invalid_reward` must be a finite number, got None"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"difficulty": "insane"},
+            r"`difficulty` must be one of \['easy', 'medium', 'hard'\], got 'insane'",
+        ),
+        ({"max_tool_calls": -1}, r"`max_tool_calls` must be a non-negative int, got -1"),
+        ({"correct_reward": "1"}, r"`correct_reward` must be a finite number, got '1'"),
+        ({"wrong_reward": float("inf")}, r"`wrong_reward` must be a finite number, got inf"),
+        ({"invalid_reward": None}, r"`invalid_reward` must be a finite number, got None"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CalculatorEnv(**kwargs)
 
 
 def test_registry_and_bad_names():
-    assert make_env("calculator", difficulty="hard").reset(5) == CalculatorEnv(difficulty="hard").reset(5)
-    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['max_calls'\] for env 'calculator'"):
+    assert make_env("calculator", difficulty="hard").reset(5) == CalculatorEnv(
+        difficulty="hard"
+    ).reset(5)
+    with pytest.raises(
+        ValueError, match=r"unknown argument\(s\) \['max_calls'\] for env 'calculator'"
+    ):
         make_env("calculator", max_calls=2)
-    with pytest.raises(ValueError, match=r"unknown `env` 'calculater'; valid environments: .*'calculator'"):
+    with pytest.raises(
+        ValueError, match=r"unknown `env` 'calculater'; valid environments: .*'calculator'"
+    ):
         make_env("calculater")
     with pytest.raises(ValueError, match=r"`seed` must be a non-negative int, got '3'"):
         TextCalc().reset("3")
@@ -186,7 +223,9 @@ _leaf = st.integers(min_value=0, max_value=10**6).map(str)
 _expr = st.recursive(
     _leaf,
     lambda sub: st.one_of(
-        st.tuples(sub, st.sampled_from(["+", "-", "*", "//", "%"]), sub).map(lambda t: f"({t[0]}{t[1]}{t[2]})"),
+        st.tuples(sub, st.sampled_from(["+", "-", "*", "//", "%"]), sub).map(
+            lambda t: f"({t[0]}{t[1]}{t[2]})"
+        ),
         st.tuples(sub, st.integers(min_value=0, max_value=4)).map(lambda t: f"({t[0]})**{t[1]}"),
         sub.map(lambda s: f"-{s}"),
     ),
@@ -239,10 +278,17 @@ def test_the_calculator_is_a_tool_and_the_answer_a_message():
     assert obs == f"What is {env.question}? Answer with the number."
     (tool,) = env.tools()
     assert tool == env.calculate and env.calculate(env.question) == str(env.answer)
-    assert env.calculate("2**100") == "Error: exponent must be an integer of size at most 16, got 100"
+    assert (
+        env.calculate("2**100") == "Error: exponent must be an integer of size at most 16, got 100"
+    )
     assert env.calculate("1+1") == "Error: no calculator calls left (at most 2)"
     result = env.step(str(env.answer))
-    assert result.done and result.reward == 1.0 and result.info["correct"] and result.info["tool_calls"] == 3
+    assert (
+        result.done
+        and result.reward == 1.0
+        and result.info["correct"]
+        and result.info["tool_calls"] == 3
+    )
     assert result.info["truncated_tools"]
     env.reset(4)
     wrong = env.step(str(env.answer + 1))

@@ -47,20 +47,28 @@ def test_only_the_asked_tool_answers_and_the_answer_is_graded():
 def test_the_imperfect_user_is_right_exactly_when_it_picks_the_right_tool():
     env, right_tool, correct = make_env("inventory"), [], []
     for seed in range(300):
-        policy, obs = make_policy("imperfect_inventory", {"wrong_tool_share": 0.4}, seed), env.reset(seed)
+        policy, obs = (
+            make_policy("imperfect_inventory", {"wrong_tool_share": 0.4}, seed),
+            env.reset(seed),
+        )
         (call,) = hermes(policy(obs)).calls
         result = env.step(policy(getattr(env, call.name)(**call.arguments)))
         right_tool.append(result.info["right_tool"])
         correct.append(result.info["correct"])
-    assert all(c for c, r in zip(correct, right_tool) if r)  # the right tool always gives the answer
+    assert all(
+        c for c, r in zip(correct, right_tool) if r
+    )  # the right tool always gives the answer
     assert 0.5 < sum(right_tool) / 300 < 0.7
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_items": 0}, r"`num_items` must be in \[1, 16\], got 0"),
-    ({"num_items": 17}, r"`num_items` must be in \[1, 16\], got 17"),
-    ({"size": 3}, r"unknown argument\(s\) \['size'\] for env 'inventory'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_items": 0}, r"`num_items` must be in \[1, 16\], got 0"),
+        ({"num_items": 17}, r"`num_items` must be in \[1, 16\], got 17"),
+        ({"size": 3}, r"unknown argument\(s\) \['size'\] for env 'inventory'"),
+    ],
+)
 def test_bad_settings_are_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_env("inventory", **kwargs)

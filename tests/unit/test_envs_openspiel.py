@@ -9,8 +9,14 @@ import re
 import pyspiel
 import pytest
 
-from earl_lightning.envs import (OpenSpielEnv, check_env_name, evaluate_policy, make_env,
-                                 preference_policy, uniform_policy)
+from earl_lightning.envs import (
+    OpenSpielEnv,
+    check_env_name,
+    evaluate_policy,
+    make_env,
+    preference_policy,
+    uniform_policy,
+)
 from earl_lightning.envs.openspiel_env import _win_or_random, legal_from_observation
 
 EMPTY_C4 = "\n".join(["......."] * 6)
@@ -32,7 +38,7 @@ def replay(game: str, observations: list[str], actions: list[int]) -> pyspiel.St
     for i, obs in enumerate(observations):
         head = obs.splitlines()[0]
         match = re.search(r"Opponent played ([\d ]+)\.", head)
-        for move in (match.group(1).split() if match else []):
+        for move in match.group(1).split() if match else []:
             state.apply_action(int(move))
         if i < len(actions) and not state.is_terminal():
             state.apply_action(actions[i])
@@ -78,8 +84,12 @@ def test_seat_alternates_with_seed_parity_and_can_be_fixed():
 
 def test_vertical_win():
     env = OpenSpielEnv()
-    seed, obs, res = first_seed(env, range(0, 40, 2), lambda: scripted([0, 0, 0, 0]),
-                                lambda o, r: len(r) == 4 and r[-1].info.get("outcome") == "win")
+    seed, obs, res = first_seed(
+        env,
+        range(0, 40, 2),
+        lambda: scripted([0, 0, 0, 0]),
+        lambda o, r: len(r) == 4 and r[-1].info.get("outcome") == "win",
+    )
     assert [r.reward for r in res] == [0.0, 0.0, 0.0, 1.0]
     assert [r.done for r in res] == [False, False, False, True]
     assert res[-1].info == {"invalid_action": False, "outcome": "win"}
@@ -91,8 +101,12 @@ def test_vertical_win():
 
 def test_horizontal_win():
     env = OpenSpielEnv()
-    _, obs, res = first_seed(env, range(0, 60, 2), lambda: scripted([0, 1, 2, 3]),
-                             lambda o, r: len(r) == 4 and r[-1].info.get("outcome") == "win")
+    _, obs, res = first_seed(
+        env,
+        range(0, 60, 2),
+        lambda: scripted([0, 1, 2, 3]),
+        lambda o, r: len(r) == 4 and r[-1].info.get("outcome") == "win",
+    )
     assert res[-1].reward == 1.0
     assert obs[-1].splitlines()[6].startswith("xxxx")
     assert replay("connect_four", obs, [0, 1, 2, 3]).returns() == [1.0, -1.0]
@@ -100,7 +114,10 @@ def test_horizontal_win():
 
 def test_loss_against_mcts_matches_openspiel_returns():
     env = OpenSpielEnv(opponent="mcts", mcts_simulations=20)
-    first_legal = lambda o: str(legal_from_observation(o)[0])
+
+    def first_legal(o):
+        return str(legal_from_observation(o)[0])
+
     obs, res = play(env, 1, first_legal)  # odd seed: the agent is player 1 ("o")
     assert res[-1].info == {"invalid_action": False, "outcome": "loss"}
     assert res[-1].reward == -1.0 and all(r.reward == 0.0 for r in res[:-1])
@@ -112,8 +129,9 @@ def test_loss_against_mcts_matches_openspiel_returns():
 
 def test_draw_on_tic_tac_toe():
     env = OpenSpielEnv(game="tic_tac_toe")
-    _, obs, res = first_seed(env, range(40), lambda: uniform_policy(0),
-                             lambda o, r: r[-1].info.get("outcome") == "draw")
+    _, obs, res = first_seed(
+        env, range(40), lambda: uniform_policy(0), lambda o, r: r[-1].info.get("outcome") == "draw"
+    )
     assert res[-1].reward == 0.0 and res[-1].done
     board = obs[-1].splitlines()[1:4]
     assert "." not in "".join(board) and obs[-1].endswith("Result: draw.")
@@ -158,7 +176,10 @@ def test_first_integer_in_text_is_the_action():
 
 def test_episode_is_deterministic_given_seed_and_actions():
     for opponent in ("random", "win_or_random", "mcts"):
-        make = lambda: OpenSpielEnv(opponent=opponent, mcts_simulations=10)
+
+        def make(opponent=opponent):
+            return OpenSpielEnv(opponent=opponent, mcts_simulations=10)
+
         for seed in (4, 5):
             a, b = play(make(), seed, preference_policy()), play(make(), seed, preference_policy())
             assert a[0] == b[0] and [r.reward for r in a[1]] == [r.reward for r in b[1]]
@@ -183,11 +204,17 @@ def test_win_or_random_takes_every_immediate_win_and_otherwise_plays_the_random_
         state = game.new_initial_state()
         while not state.is_terminal():
             player, legal = state.current_player(), state.legal_actions()
-            winners = [a for a in legal if state.child(a).is_terminal() and state.child(a).returns()[player] > 0]
+            winners = [
+                a
+                for a in legal
+                if state.child(a).is_terminal() and state.child(a).returns()[player] > 0
+            ]
             mine, plain = random.Random(episode), random.Random(episode)
             random_move = plain.choice(legal)
             assert _win_or_random(mine, state) == (min(winners) if winners else random_move)
-            assert mine.random() == plain.random()  # one draw either way: the stream stays the random opponent's
+            assert (
+                mine.random() == plain.random()
+            )  # one draw either way: the stream stays the random opponent's
             wins_taken += bool(winners)
             state.apply_action(walk.choice(legal))
     assert wins_taken >= 20
@@ -220,19 +247,34 @@ def test_registry_builds_connect_four_and_openspiel():
     assert ttt.reset(0) == "You are x.\n...\n...\n...\nLegal: 0 1 2 3 4 5 6 7 8"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"game": "conect_four"}, r"unknown `game` 'conect_four'; suitable OpenSpiel games: .*'connect_four'"),
-    ({"game": "kuhn_poker"}, r"`game` 'kuhn_poker' is not a 2-player, sequential, deterministic.*'tic_tac_toe'"),
-    ({"game": "connect_four(rowz=3)"}, r"`game` 'connect_four\(rowz=3\)' could not be loaded"),
-    ({"opponent": "alphazero"}, r"`opponent` must be one of \['random', 'win_or_random', 'mcts'\], got 'alphazero'"),
-    ({"seat": 2}, r"`seat` must be 'alternate', 0 or 1, got 2"),
-    ({"mcts_simulations": 0}, r"`mcts_simulations` must be a positive int, got 0"),
-    ({"mcts_rollouts": 1.5}, r"`mcts_rollouts` must be a positive int, got 1.5"),
-    ({"invalid_reward": float("nan")}, r"`invalid_reward` must be a finite number, got nan"),
-    ({"legal_format": "aligned"}, r"`legal_format` must be one of \['slots', 'list'\], got 'aligned'"),
-    ({"random_opening": -1}, r"`random_opening` must be a non-negative int, got -1"),
-    ({"random_opening": 2.5}, r"`random_opening` must be a non-negative int, got 2.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"game": "conect_four"},
+            r"unknown `game` 'conect_four'; suitable OpenSpiel games: .*'connect_four'",
+        ),
+        (
+            {"game": "kuhn_poker"},
+            r"`game` 'kuhn_poker' is not a 2-player, sequential, deterministic.*'tic_tac_toe'",
+        ),
+        ({"game": "connect_four(rowz=3)"}, r"`game` 'connect_four\(rowz=3\)' could not be loaded"),
+        (
+            {"opponent": "alphazero"},
+            r"`opponent` must be one of \['random', 'win_or_random', 'mcts'\], got 'alphazero'",
+        ),
+        ({"seat": 2}, r"`seat` must be 'alternate', 0 or 1, got 2"),
+        ({"mcts_simulations": 0}, r"`mcts_simulations` must be a positive int, got 0"),
+        ({"mcts_rollouts": 1.5}, r"`mcts_rollouts` must be a positive int, got 1.5"),
+        ({"invalid_reward": float("nan")}, r"`invalid_reward` must be a finite number, got nan"),
+        (
+            {"legal_format": "aligned"},
+            r"`legal_format` must be one of \['slots', 'list'\], got 'aligned'",
+        ),
+        ({"random_opening": -1}, r"`random_opening` must be a non-negative int, got -1"),
+        ({"random_opening": 2.5}, r"`random_opening` must be a non-negative int, got 2.5"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OpenSpielEnv(**kwargs)
@@ -241,15 +283,23 @@ def test_bad_arguments_raise(kwargs, match):
 def test_bad_seed_and_env_name_raise():
     with pytest.raises(ValueError, match=r"`seed` must be a non-negative int, got -1"):
         OpenSpielEnv().reset(-1)
-    with pytest.raises(ValueError, match=r"unknown `env` 'connect4'; valid environments: .*'connect_four'"):
+    with pytest.raises(
+        ValueError, match=r"unknown `env` 'connect4'; valid environments: .*'connect_four'"
+    ):
         make_env("connect4")
     with pytest.raises(ValueError, match=r"unknown `data.env` 'chess'"):
         check_env_name("chess", arg="data.env")
-    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['game'\] for env 'connect_four'; valid: "
-                                         r"\['invalid_reward', 'legal_format', 'legal_move_reward', 'mcts_rollouts'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown argument\(s\) \['game'\] for env 'connect_four'; valid: "
+        r"\['invalid_reward', 'legal_format', 'legal_move_reward', 'mcts_rollouts'",
+    ):
         make_env("connect_four", game="chess")
-    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['opponnet'\] for env 'openspiel'; valid: "
-                                         r"\['game', 'invalid_reward'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown argument\(s\) \['opponnet'\] for env 'openspiel'; valid: "
+        r"\['game', 'invalid_reward'",
+    ):
         make_env("openspiel", opponnet="mcts")
 
 
@@ -282,13 +332,15 @@ def test_legal_move_reward_shapes_every_legal_move_only():
 
 def test_full_column_keeps_its_slot_in_the_legal_line():
     from earl_lightning.envs import make_env
-    from earl_lightning.envs.openspiel_env import _win_or_random, legal_from_observation
+    from earl_lightning.envs.openspiel_env import legal_from_observation
 
     env = make_env("connect_four", seat=0)
     env.reset(0)
     for _ in range(3):
         assert env.step("3").observation.splitlines()[-1] == "Legal: 0 1 2 3 4 5 6"
-    obs = env.step("3").observation  # with seed 0 the random opponent also stacked column 3: it is full
+    obs = env.step(
+        "3"
+    ).observation  # with seed 0 the random opponent also stacked column 3: it is full
     assert obs.splitlines()[1][3] != "."
     assert obs.splitlines()[-1] == "Legal: 0 1 2 # 4 5 6"
     assert legal_from_observation(obs) == [0, 1, 2, 4, 5, 6]
@@ -310,11 +362,15 @@ def test_random_opening_starts_mid_game_deterministically_and_never_ended():
     env = OpenSpielEnv(random_opening=10)
     starts = [env.reset(seed) for seed in range(60)]
     assert starts == [OpenSpielEnv(random_opening=10).reset(seed) for seed in range(60)]
-    pieces = [sum(row.count("x") + row.count("o") for row in obs.splitlines()[1:7]) for obs in starts]
+    pieces = [
+        sum(row.count("x") + row.count("o") for row in obs.splitlines()[1:7]) for obs in starts
+    ]
     assert max(pieces) >= 9 and min(pieces) <= 1  # 0..10 random plies (+ the opponent's reply)
     for seed, obs in enumerate(starts):
         # the agent is still the seat the seed gives and it is its turn in an unfinished game
-        assert obs.startswith(f"You are {'xo'[seed % 2]}.") and obs.splitlines()[-1].startswith("Legal:")
+        assert obs.startswith(f"You are {'xo'[seed % 2]}.") and obs.splitlines()[-1].startswith(
+            "Legal:"
+        )
         assert env.reset(seed) == obs
         assert not env._state.is_terminal() and env._state.current_player() == seed % 2
     assert OpenSpielEnv(random_opening=0).reset(4) == OpenSpielEnv().reset(4)

@@ -72,19 +72,37 @@ def test_check_env_name_accepts_names_and_import_paths():
     check_env_name("tests.plugins.envs.small_guess_game", "--data.env")
 
 
-@pytest.mark.parametrize("name, match", [
-    ("guess_game", r"unknown `--data.env` 'guess_game'; valid environments: \[.*'calculator', 'connect_four', "
-                   r".*'recall', 'textarena'.*\], or an import path"),
-    ("no_such_pkg.envs.Game", r"`--data.env` 'no_such_pkg.envs.Game': cannot import module 'no_such_pkg.envs': "
-                              r"ModuleNotFoundError: No module named 'no_such_pkg'"),
-    ("tests.plugins.envs.GuesGame", r"`--data.env` 'tests.plugins.envs.GuesGame': module 'tests.plugins.envs' "
-                                    r"has no attribute 'GuesGame'"),
-    ("tests.plugins.envs.NOT_CALLABLE", r"`--data.env` 'tests.plugins.envs.NOT_CALLABLE' is 42 \(type int\), "
-                                        r"which is not callable; an environment import path must name an Env "
-                                        r"class or a function that returns an Env"),
-    ("tests.plugins.broken_envs.Game", r"`--data.env` 'tests.plugins.broken_envs.Game': cannot import module "
-                                       r"'tests.plugins.broken_envs': RuntimeError: plugin is broken on purpose"),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        (
+            "guess_game",
+            r"unknown `--data.env` 'guess_game'; valid environments: \[.*'calculator', 'connect_four', "
+            r".*'recall', 'textarena'.*\], or an import path",
+        ),
+        (
+            "no_such_pkg.envs.Game",
+            r"`--data.env` 'no_such_pkg.envs.Game': cannot import module 'no_such_pkg.envs': "
+            r"ModuleNotFoundError: No module named 'no_such_pkg'",
+        ),
+        (
+            "tests.plugins.envs.GuesGame",
+            r"`--data.env` 'tests.plugins.envs.GuesGame': module 'tests.plugins.envs' "
+            r"has no attribute 'GuesGame'",
+        ),
+        (
+            "tests.plugins.envs.NOT_CALLABLE",
+            r"`--data.env` 'tests.plugins.envs.NOT_CALLABLE' is 42 \(type int\), "
+            r"which is not callable; an environment import path must name an Env "
+            r"class or a function that returns an Env",
+        ),
+        (
+            "tests.plugins.broken_envs.Game",
+            r"`--data.env` 'tests.plugins.broken_envs.Game': cannot import module "
+            r"'tests.plugins.broken_envs': RuntimeError: plugin is broken on purpose",
+        ),
+    ],
+)
 def test_bad_names_and_paths_fail_at_config_time(name, match):
     with pytest.raises(ValueError, match=match):
         check_env_name(name, "--data.env")
@@ -93,10 +111,15 @@ def test_bad_names_and_paths_fail_at_config_time(name, match):
 
 
 def test_object_that_is_not_an_env():
-    check_env_name("tests.plugins.envs.NotAnEnv", "--data.env")  # callable: only building it can tell
-    with pytest.raises(ValueError, match=r"`--data.env` 'tests.plugins.envs.NotAnEnv' built a NotAnEnv, which does "
-                                         r"not implement the Env protocol \(reset\(seed\) -> str, step\(action\) "
-                                         r"-> StepResult\)"):
+    check_env_name(
+        "tests.plugins.envs.NotAnEnv", "--data.env"
+    )  # callable: only building it can tell
+    with pytest.raises(
+        ValueError,
+        match=r"`--data.env` 'tests.plugins.envs.NotAnEnv' built a NotAnEnv, which does "
+        r"not implement the Env protocol \(reset\(seed\) -> str, step\(action\) "
+        r"-> StepResult\)",
+    ):
         make_env("tests.plugins.envs.NotAnEnv", "--data.env")
 
 

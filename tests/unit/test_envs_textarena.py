@@ -45,7 +45,9 @@ def test_first_observation_agent_first_and_opponent_first():
     env = TextArenaEnv()
     first = env.reset(0)
     assert first.startswith("You are Player 0 in Tic Tac Toe.")
-    assert first.endswith("Available Moves: '[0]', '[1]', '[2]', '[3]', '[4]', '[5]', '[6]', '[7]', '[8]'")
+    assert first.endswith(
+        "Available Moves: '[0]', '[1]', '[2]', '[3]', '[4]', '[5]', '[6]', '[7]', '[8]'"
+    )
     second = env.reset(1)
     assert second.startswith("You are Player 1 in Tic Tac Toe.")
     assert "[Player 0] [" in second and second.count("Current Board:") == 1  # only the latest board
@@ -55,8 +57,12 @@ def test_first_observation_agent_first_and_opponent_first():
 def test_agent_win_on_the_top_row():
     env = TextArenaEnv()
     moves = ["[0]", "[1]", "[2]"]
-    _, obs, res = first_seed(env, range(0, 40, 2), lambda: scripted(moves),
-                             lambda r: len(r) == 3 and r[-1].info.get("outcome") == "win")
+    _, obs, res = first_seed(
+        env,
+        range(0, 40, 2),
+        lambda: scripted(moves),
+        lambda r: len(r) == 3 and r[-1].info.get("outcome") == "win",
+    )
     assert [r.reward for r in res] == [0.0, 0.0, 1.0]
     assert res[-1].info == {"invalid_action": False, "outcome": "win"}
     assert obs[-1].endswith("Player 0 has won!")
@@ -64,11 +70,19 @@ def test_agent_win_on_the_top_row():
 
 def test_loss_and_draw_map_to_rewards():
     env = TextArenaEnv()
-    _, _, lost = first_seed(env, range(40), lambda: random_agent("TicTacToe-v0"),
-                            lambda r: r[-1].info.get("outcome") == "loss" and not r[-1].info["invalid_action"])
+    _, _, lost = first_seed(
+        env,
+        range(40),
+        lambda: random_agent("TicTacToe-v0"),
+        lambda r: r[-1].info.get("outcome") == "loss" and not r[-1].info["invalid_action"],
+    )
     assert lost[-1].reward == -1.0 and lost[-1].done
-    _, obs, drawn = first_seed(env, range(60), lambda: random_agent("TicTacToe-v0"),
-                               lambda r: r[-1].info.get("outcome") == "draw")
+    _, obs, drawn = first_seed(
+        env,
+        range(60),
+        lambda: random_agent("TicTacToe-v0"),
+        lambda r: r[-1].info.get("outcome") == "draw",
+    )
     assert drawn[-1].reward == 0.0 and "draw" in obs[-1]
 
 
@@ -126,7 +140,9 @@ def test_callable_opponent_sees_its_observation():
     obs = env.step("[4]").observation
     assert "[Player 1] [4]" in seen[1] and "[Player 0] [1]" in obs
     res = env.step("[8]")  # the opponent completes the top row 0-1-2
-    assert "[Player 0] [2]" in res.observation and res.info["outcome"] == "loss" and res.reward == -1.0
+    assert (
+        "[Player 0] [2]" in res.observation and res.info["outcome"] == "loss" and res.reward == -1.0
+    )
 
 
 def test_max_turns_truncates():
@@ -134,7 +150,9 @@ def test_max_turns_truncates():
     env.reset(0)
     assert not env.step("[0 1]").done
     res = env.step("[1 1]")
-    assert res.done and res.reward == 0.0 and res.info == {"invalid_action": False, "truncated": True}
+    assert (
+        res.done and res.reward == 0.0 and res.info == {"invalid_action": False, "truncated": True}
+    )
 
 
 def test_step_after_done_raises():
@@ -145,24 +163,39 @@ def test_step_after_done_raises():
         env.step("[1]")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"game": "TicTacToe-v9"}, r"unknown `game` 'TicTacToe-v9'; TextArena games with a random opponent: "
-                               r"\['ConnectFour-v0'.*'TicTacToe-v0'\]"),
-    ({"game": "Othello-v0"}, r"`opponent` 'random' is not available for `game` 'Othello-v0'"),
-    ({"game": "TowerOfHanoi-v0", "opponent": print}, r"`game` 'TowerOfHanoi-v0' cannot be played as a two-player"),
-    ({"opponent": "mcts"}, r"`opponent` must be 'random' or a callable, got 'mcts'"),
-    ({"max_turns": 0}, r"`max_turns` must be a positive int, got 0"),
-    ({"seat": "first"}, r"`seat` must be 'alternate', 0 or 1, got 'first'"),
-    ({"invalid_reward": "-1"}, r"`invalid_reward` must be a finite number, got '-1'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"game": "TicTacToe-v9"},
+            r"unknown `game` 'TicTacToe-v9'; TextArena games with a random opponent: "
+            r"\['ConnectFour-v0'.*'TicTacToe-v0'\]",
+        ),
+        ({"game": "Othello-v0"}, r"`opponent` 'random' is not available for `game` 'Othello-v0'"),
+        (
+            {"game": "TowerOfHanoi-v0", "opponent": print},
+            r"`game` 'TowerOfHanoi-v0' cannot be played as a two-player",
+        ),
+        ({"opponent": "mcts"}, r"`opponent` must be 'random' or a callable, got 'mcts'"),
+        ({"max_turns": 0}, r"`max_turns` must be a positive int, got 0"),
+        ({"seat": "first"}, r"`seat` must be 'alternate', 0 or 1, got 'first'"),
+        ({"invalid_reward": "-1"}, r"`invalid_reward` must be a finite number, got '-1'"),
+    ],
+)
 def test_bad_arguments_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TextArenaEnv(**kwargs)
 
 
 def test_registry():
-    assert make_env("textarena", game="ConnectFour-v0").reset(2).startswith("You are Player 0 in Connect Four.")
-    with pytest.raises(ValueError, match=r"unknown argument\(s\) \['opponent_policy'\] for env 'textarena'"):
+    assert (
+        make_env("textarena", game="ConnectFour-v0")
+        .reset(2)
+        .startswith("You are Player 0 in Connect Four.")
+    )
+    with pytest.raises(
+        ValueError, match=r"unknown argument\(s\) \['opponent_policy'\] for env 'textarena'"
+    ):
         make_env("textarena", opponent_policy="random")
 
 
@@ -173,8 +206,10 @@ def test_missing_textarena_gives_install_hint(monkeypatch):
 
 
 def test_package_imports_without_textarena():
-    code = ("import sys; sys.modules['textarena'] = None; import earl_lightning.envs as e; "
-            "print(' '.join(e.env_names())); print(e.make_env('connect_four').reset(0)[:10])")
+    code = (
+        "import sys; sys.modules['textarena'] = None; import earl_lightning.envs as e; "
+        "print(' '.join(e.env_names())); print(e.make_env('connect_four').reset(0)[:10])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     names, first = out.stdout.splitlines()
     assert {"calculator", "connect_four", "openspiel", "textarena"} <= set(names.split())

@@ -14,7 +14,10 @@ from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.envs.openspiel_env import legal_from_observation
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.rollout.backends.base import SamplingConfig
-from earl_lightning.rollout.demonstrations import DemonstrationError, play_demonstrations_with_targets
+from earl_lightning.rollout.demonstrations import (
+    DemonstrationError,
+    play_demonstrations_with_targets,
+)
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.sft.data import SoftTargetCollator, training_rows
 
@@ -32,10 +35,22 @@ def _digits(tok):
 
 
 def _connect_four(tok, history, n=6, policy="random_legal"):
-    specs = [EpisodeSpec("connect_four", seed=s, group_id=s, episode_id=s, env_kwargs={"opponent": "random"})
-             for s in range(n)]
-    return play_demonstrations_with_targets(specs, policy, None, tok, SamplingConfig(
-        max_new_tokens=1, allowed_token_ids=_digits(tok)), max_turns=21, max_context_tokens=4096, history_turns=history)
+    specs = [
+        EpisodeSpec(
+            "connect_four", seed=s, group_id=s, episode_id=s, env_kwargs={"opponent": "random"}
+        )
+        for s in range(n)
+    ]
+    return play_demonstrations_with_targets(
+        specs,
+        policy,
+        None,
+        tok,
+        SamplingConfig(max_new_tokens=1, allowed_token_ids=_digits(tok)),
+        max_turns=21,
+        max_context_tokens=4096,
+        history_turns=history,
+    )
 
 
 def test_without_soft_targets_the_loss_is_the_hf_labels_loss(tiny):
@@ -45,7 +60,11 @@ def test_without_soft_targets_the_loss_is_the_hf_labels_loss(tiny):
     labels[:, :5] = -100
     labels[1, 9:] = -100
     logits = model(input_ids=ids).logits
-    assert torch.allclose(soft_token_cross_entropy(logits, labels), model(input_ids=ids, labels=labels).loss, atol=1e-6)
+    assert torch.allclose(
+        soft_token_cross_entropy(logits, labels),
+        model(input_ids=ids, labels=labels).loss,
+        atol=1e-6,
+    )
 
 
 def test_a_soft_target_replaces_that_positions_loss_only(tiny):
@@ -54,13 +73,21 @@ def test_a_soft_target_replaces_that_positions_loss_only(tiny):
     labels = ids.clone()
     labels[:, :4] = -100
     q = {7: 0.5, 11: 0.3, 13: 0.2}
-    soft = dict(soft_rows=torch.tensor([1]), soft_pos=torch.tensor([6]), soft_owner=torch.tensor([0, 0, 0]),
-                soft_tokens=torch.tensor(list(q)), soft_probs=torch.tensor(list(q.values())))
+    soft = dict(
+        soft_rows=torch.tensor([1]),
+        soft_pos=torch.tensor([6]),
+        soft_owner=torch.tensor([0, 0, 0]),
+        soft_tokens=torch.tensor(list(q)),
+        soft_probs=torch.tensor(list(q.values())),
+    )
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     logp = logits[1, 5].log_softmax(-1)  # position 5 predicts token 6
     n = float((labels[:, 1:] != -100).sum())
-    expected = soft_token_cross_entropy(logits, labels) + (logp[labels[1, 6]] - sum(p * logp[t] for t, p in q.items())) / n
+    expected = (
+        soft_token_cross_entropy(logits, labels)
+        + (logp[labels[1, 6]] - sum(p * logp[t] for t, p in q.items())) / n
+    )
     assert torch.allclose(soft_token_cross_entropy(logits, labels, **soft), expected, atol=1e-6)
 
 
@@ -72,8 +99,13 @@ def test_one_token_turn_rows_make_the_soft_loss_the_exact_mixture(tiny):
     labels = torch.full_like(ids, -100)
     labels[:, -1] = ids[:, -1]
     q = {7: 0.25, 11: 0.75}
-    soft = dict(soft_rows=torch.tensor([0]), soft_pos=torch.tensor([8]), soft_owner=torch.tensor([0, 0]),
-                soft_tokens=torch.tensor(list(q)), soft_probs=torch.tensor(list(q.values())))
+    soft = dict(
+        soft_rows=torch.tensor([0]),
+        soft_pos=torch.tensor([8]),
+        soft_owner=torch.tensor([0, 0]),
+        soft_tokens=torch.tensor(list(q)),
+        soft_probs=torch.tensor(list(q.values())),
+    )
     model.zero_grad()
     soft_loss = soft_token_cross_entropy(model(input_ids=ids).logits, labels, **soft)
     soft_loss.backward()
@@ -97,12 +129,21 @@ def test_a_soft_target_on_an_unlabelled_position_is_refused(tiny):
     labels = torch.full_like(ids, -100)
     labels[0, 5] = ids[0, 5]
     with pytest.raises(ValueError, match="not labelled"):
-        soft_token_cross_entropy(model(input_ids=ids).logits, labels, torch.tensor([0]), torch.tensor([3]),
-                                 torch.tensor([0]), torch.tensor([5]), torch.tensor([1.0]))
+        soft_token_cross_entropy(
+            model(input_ids=ids).logits,
+            labels,
+            torch.tensor([0]),
+            torch.tensor([3]),
+            torch.tensor([0]),
+            torch.tensor([5]),
+            torch.tensor([1.0]),
+        )
 
 
 @pytest.mark.parametrize("history", [0, None])
-def test_random_legal_targets_are_uniform_over_the_legal_columns_on_the_labelled_token(tiny, history):
+def test_random_legal_targets_are_uniform_over_the_legal_columns_on_the_labelled_token(
+    tiny, history
+):
     _, tok = tiny
     episodes, targets = _connect_four(tok, history)
     digit = dict(zip(_digits(tok), range(7)))
@@ -148,16 +189,30 @@ class StatesBadDistribution:
         return {"sum": {"3": 0.5, "4": 0.2}, "zero": {"4": 1.0}, "type": [("3", 1.0)]}[self.kind]
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("sum", r"distribution for the observation .* sums to 0.7; its probabilities must sum to 1"),
-    ("zero", r"gives the action it played, '3', probability 0"),
-    ("type", r"must be a non-empty mapping of action strings to probabilities >= 0"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        (
+            "sum",
+            r"distribution for the observation .* sums to 0.7; its probabilities must sum to 1",
+        ),
+        ("zero", r"gives the action it played, '3', probability 0"),
+        ("type", r"must be a non-empty mapping of action strings to probabilities >= 0"),
+    ],
+)
 def test_a_bad_distribution_is_refused_with_the_policy_named(tiny, kind, message):
     _, tok = tiny
     specs = [EpisodeSpec("connect_four", seed=0, group_id=0, episode_id=0)]
-    with pytest.raises(DemonstrationError, match=r"policy 'tests.unit.test_expected_targets.StatesBadDistribution'.*"
-                       + message):
-        play_demonstrations_with_targets(specs, "tests.unit.test_expected_targets.StatesBadDistribution", {"kind": kind},
-                                         tok, SamplingConfig(max_new_tokens=1, allowed_token_ids=_digits(tok)),
-                                         max_turns=2, max_context_tokens=1024)
+    with pytest.raises(
+        DemonstrationError,
+        match=r"policy 'tests.unit.test_expected_targets.StatesBadDistribution'.*" + message,
+    ):
+        play_demonstrations_with_targets(
+            specs,
+            "tests.unit.test_expected_targets.StatesBadDistribution",
+            {"kind": kind},
+            tok,
+            SamplingConfig(max_new_tokens=1, allowed_token_ids=_digits(tok)),
+            max_turns=2,
+            max_context_tokens=1024,
+        )

@@ -33,7 +33,9 @@ def test_a_failed_write_leaves_the_previous_directory_and_no_temporary(tmp_path)
     write_dir_atomically(out, lambda tmp: (tmp / "weights").write_text("v1"))
     with pytest.raises(OSError, match="disk went away"):
         write_dir_atomically(out, partial)
-    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (out / "weights").read_text() == "v1"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (
+        out / "weights"
+    ).read_text() == "v1"
     assert [p.name for p in out.iterdir()] == ["weights"]
 
 
@@ -58,7 +60,9 @@ def test_a_process_killed_while_exporting_leaves_a_whole_directory(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "hf_model"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WHILE_EXPORTING, str(out)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WHILE_EXPORTING, str(out)], stdout=subprocess.PIPE, text=True
+    )
     for _ in range(3):
         proc.stdout.readline()
     proc.kill()
@@ -73,20 +77,30 @@ def test_gathered_state_dict_of_a_plain_model():
     model = load_model("earl-tiny")
     state = gather_state_dict(model, keep=True)
     assert list(state) == list(model.state_dict())
-    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]  # tied: one tensor, saved once
+    assert (
+        state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    )  # tied: one tensor, saved once
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert gather_state_dict(model, keep=False) is None
 
 
 def test_export_directory_and_switch(tmp_path):
     checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "run" / "checkpoints"))
-    trainer = SimpleNamespace(checkpoint_callback=checkpoints, log_dir=str(tmp_path / "logs"),
-                              default_root_dir=str(tmp_path))
+    trainer = SimpleNamespace(
+        checkpoint_callback=checkpoints,
+        log_dir=str(tmp_path / "logs"),
+        default_root_dir=str(tmp_path),
+    )
     assert ExportModel().resolve_dirpath(trainer) == Path(checkpoints.dirpath).parent / "hf_model"
     assert ExportModel(dirpath="elsewhere").resolve_dirpath(trainer) == Path("elsewhere")
     trainer.checkpoint_callback = None
     assert ExportModel().resolve_dirpath(trainer) == tmp_path / "logs" / "hf_model"
-    ExportModel(enabled=False).on_fit_end(trainer, object())  # writes nothing, asks nothing of the module
+    ExportModel(enabled=False).on_fit_end(
+        trainer, object()
+    )  # writes nothing, asks nothing of the module
     assert not (tmp_path / "logs").exists()
-    with pytest.raises(TypeError, match=r"ExportModel needs a module with `policy` and `tokenizer` .*; object has not"):
+    with pytest.raises(
+        TypeError,
+        match=r"ExportModel needs a module with `policy` and `tokenizer` .*; object has not",
+    ):
         ExportModel().on_fit_end(trainer, object())

@@ -9,7 +9,9 @@ from earl_lightning.envs.base import make_env
 
 
 def _batches(group_seeds: str, steps: int = 3, batch: int = 16, group: int = 8, seed: int = 1):
-    stream = EpisodeStream("connect_four", {"opponent": "random"}, batch, group, seed, 0, group_seeds)
+    stream = EpisodeStream(
+        "connect_four", {"opponent": "random"}, batch, group, seed, 0, group_seeds
+    )
     return [stream.batch(step) for step in range(steps)]
 
 
@@ -24,7 +26,9 @@ def test_distinct_seeds_are_unique_keep_parity_and_avoid_eval_seeds():
     seeds = [s.seed for specs in distinct for s in specs]
     assert len(seeds) == len(set(seeds)) == 50 * 16
     assert min(seeds) > 1_000_000  # eval plays seeds 0..eval_episodes-1
-    for a, b in zip((s for specs in shared for s in specs), (s for specs in distinct for s in specs)):
+    for a, b in zip(
+        (s for specs in shared for s in specs), (s for specs in distinct for s in specs)
+    ):
         assert (a.group_id, a.episode_id) == (b.group_id, b.episode_id)
         assert a.seed % 2 == b.seed % 2  # the seat of `seat: alternate` is the group's
 
@@ -60,5 +64,8 @@ def test_same_stream_from_a_resumed_step():
 
 
 def test_unknown_group_seeds_names_the_argument():
-    with pytest.raises(ValueError, match=r"`--data.group_seeds` must be one of 'shared', 'distinct', got 'per_member'"):
+    with pytest.raises(
+        ValueError,
+        match=r"`--data.group_seeds` must be one of 'shared', 'distinct', got 'per_member'",
+    ):
         EpisodeDataModule(group_seeds="per_member")

@@ -44,8 +44,14 @@ print(json.dumps(out))
 def test_released_every_block_faults_in_again_and_retained_it_is_reused():
     # In a fresh process: a heap that earlier work (another test's training) left with free holes of
     # a block's size would serve the block from a hole, released or not.
-    proc = subprocess.run([sys.executable, "-c", _MEASURE.format(block=BLOCK)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE.format(block=BLOCK)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     assert m["released_set"] and m["retain_set"] and m["glibc_changes_nothing"]
@@ -69,5 +75,7 @@ def test_a_bad_value_is_refused_when_the_module_is_built(build, monkeypatch):
         from earl_lightning.modules import AgenticRLModule as cls
     else:
         from earl_lightning.sft import WarmStartModule as cls
-    with pytest.raises(ValueError, match=r"`EARL_HOST_MEMORY` must be one of retain, glibc, got 'keep'"):
+    with pytest.raises(
+        ValueError, match=r"`EARL_HOST_MEMORY` must be one of retain, glibc, got 'keep'"
+    ):
         cls()

@@ -10,11 +10,32 @@ from pathlib import Path
 PACKAGE = Path(__file__).parents[2] / "earl_lightning"
 # tier of each top-level unit of the package; a unit may import its own tier or lower ones
 TIERS = {
-    "registry": 0, "groups": 0, "warnings_filter": 0, "errors": 0, "host_memory": 0, "seeding": 0,
-    "algorithms": 1, "envs": 1, "tasks": 1, "models": 1, "checkpoints": 1,
-    "rollout": 2, "data": 2, "parallel": 2,
-    "strategies": 3, "callbacks": 3, "modules": 3, "sft": 3, "profiling": 3, "profile_command": 3, "export": 3, "cli": 3,
-    "checkpoints_io": 3, "cli_errors": 3, "cli_resume": 3, "__init__": 3,
+    "registry": 0,
+    "groups": 0,
+    "warnings_filter": 0,
+    "errors": 0,
+    "host_memory": 0,
+    "seeding": 0,
+    "algorithms": 1,
+    "envs": 1,
+    "tasks": 1,
+    "models": 1,
+    "checkpoints": 1,
+    "rollout": 2,
+    "data": 2,
+    "parallel": 2,
+    "strategies": 3,
+    "callbacks": 3,
+    "modules": 3,
+    "sft": 3,
+    "profiling": 3,
+    "profile_command": 3,
+    "export": 3,
+    "cli": 3,
+    "checkpoints_io": 3,
+    "cli_errors": 3,
+    "cli_resume": 3,
+    "__init__": 3,
 }
 
 
@@ -43,13 +64,19 @@ def imports() -> list[tuple[str, str, int]]:
 
 
 def test_every_unit_has_a_tier():
-    units = {unit_of(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)) for p in PACKAGE.rglob("*.py")}
+    units = {
+        unit_of(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts))
+        for p in PACKAGE.rglob("*.py")
+    }
     assert units <= set(TIERS), f"units without a tier: {sorted(units - set(TIERS))}"
 
 
 def test_nothing_imports_upward():
-    upward = [f"{src}:{line} imports {dst}" for src, dst, line in imports()
-              if TIERS[dst] > TIERS[src.split(" ")[0]]]
+    upward = [
+        f"{src}:{line} imports {dst}"
+        for src, dst, line in imports()
+        if TIERS[dst] > TIERS[src.split(" ")[0]]
+    ]
     assert not upward, "\n".join(upward)
 
 
@@ -61,7 +88,9 @@ def test_no_cycle_between_units():
             edges.setdefault(unit, set()).add(dst)
 
     def reaches(a: str, b: str, seen: set[str]) -> bool:
-        return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in edges.get(a, ()))
+        return any(
+            n == b or (n not in seen and reaches(n, b, seen | {n})) for n in edges.get(a, ())
+        )
 
     cycles = sorted({(a, b) for a, bs in edges.items() for b in bs if reaches(b, a, {b})})
     assert not cycles, f"units that import each other (directly or not): {cycles}"
@@ -69,8 +98,12 @@ def test_no_cycle_between_units():
 
 def test_modules_make_no_raw_distributed_call():
     pattern = re.compile(r"torch\.distributed|dist\.(all_|broadcast|barrier)")
-    hits = [f"{p.name}:{i}: {line.strip()}" for p in (PACKAGE / "modules").rglob("*.py")
-            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    hits = [
+        f"{p.name}:{i}: {line.strip()}"
+        for p in (PACKAGE / "modules").rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not hits, "\n".join(hits)
 
 

@@ -41,7 +41,9 @@ def _raises(rank, world_size):
     return rank
 
 
-@pytest.mark.parametrize("fn, how", [(_rank1_exits, r"exit code 3"), (_rank1_killed, r"killed by signal SIGKILL")])
+@pytest.mark.parametrize(
+    "fn, how", [(_rank1_exits, r"exit code 3"), (_rank1_killed, r"killed by signal SIGKILL")]
+)
 def test_a_rank_that_dies_without_reporting_fails_the_launch_quickly(fn, how):
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=rf"rank 1 died without reporting a result \({how}\)"):
@@ -77,6 +79,9 @@ def test_a_group_that_never_forms_is_launched_once_more(tmp_path, monkeypatch):
 def test_a_group_that_never_forms_twice_fails_naming_the_ranks(tmp_path, monkeypatch):
     # rank 1 waits in the rendezvous for rank 0: neither is in the group
     monkeypatch.setenv(STALL_ENV, f"{tmp_path / 'stalled'}:2")
-    with pytest.raises(RuntimeError, match=r"the gloo group did not form, twice \(rank\(s\) \[0, 1\] not in the process "
-                                           r"group after 6 s; then rank\(s\) \[0, 1\] not in the process group after 6 s\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"the gloo group did not form, twice \(rank\(s\) \[0, 1\] not in the process "
+        r"group after 6 s; then rank\(s\) \[0, 1\] not in the process group after 6 s\)",
+    ):
         run_distributed(_returns, 2, 5, join_timeout=6)

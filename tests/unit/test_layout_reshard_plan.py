@@ -43,7 +43,9 @@ def test_shard0_to_shard1_moves_the_off_diagonal_quarters():
     p = plan(src, dst)
     remote = [t for t in p.transfers if t.src != t.dst]
     assert sorted((t.src, t.dst, t.box) for t in remote) == [
-        (0, 1, ((0, 2), (4, 2))), (1, 0, ((4, 0), (4, 2)))]
+        (0, 1, ((0, 2), (4, 2))),
+        (1, 0, ((4, 0), (4, 2))),
+    ]
     assert p.bytes_received(0, [4]) == 4 * 2 * 4
 
 
@@ -74,16 +76,27 @@ def test_gaps_in_the_source_are_an_error():
 
 
 def test_buckets_split_on_size_and_dtype():
-    p = plan_reshard([[((0,), (8,))] * 4], [[((0,), (8,))] * 4], [4] * 4, [32] * 4, 64,
-                     ["float32", "float32", "float32", "bfloat16"])
+    p = plan_reshard(
+        [[((0,), (8,))] * 4],
+        [[((0,), (8,))] * 4],
+        [4] * 4,
+        [32] * 4,
+        64,
+        ["float32", "float32", "float32", "bfloat16"],
+    )
     assert p.buckets == [[0, 1], [2], [3]]
 
 
 def test_layout_coords_and_errors():
     layout = Layout(dp=2, tp=2)
     assert [layout.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    with pytest.raises(ValueError, match=r"`train_layout` dp2xtp2 has dp\*tp = 4, but the world size is 2"):
+    with pytest.raises(
+        ValueError, match=r"`train_layout` dp2xtp2 has dp\*tp = 4, but the world size is 2"
+    ):
         layout.check_world(2, arg="train_layout")
-    with pytest.raises(ValueError, match=r"`layout` tp=4 does not divide the model's attention heads \(4\) and KV heads \(2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`layout` tp=4 does not divide the model's attention heads \(4\) and KV heads \(2\)",
+    ):
         Layout(dp=1, tp=4).check_heads(4, 2)
     assert [lay.name for lay in Layout.factorizations(4, 4, 2)] == ["dp4xtp1", "dp2xtp2"]

@@ -11,9 +11,24 @@ from earl_lightning.envs.parsing import MAX_DIGITS, first_int, read_int
 HUGE = "7" * 5_000
 
 
-@pytest.mark.parametrize("text, value", [("42", 42), ("-42", -42), ("+7", 7), (" 0 ", 0), ("0" * 5_000 + "5", 5),
-                                         ("9" * MAX_DIGITS, int("9" * MAX_DIGITS)), ("9" * (MAX_DIGITS + 1), None),
-                                         (HUGE, None), ("--3", None), ("٣", 3), ("²", None), ("", None), ("-", None)])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("42", 42),
+        ("-42", -42),
+        ("+7", 7),
+        (" 0 ", 0),
+        ("0" * 5_000 + "5", 5),
+        ("9" * MAX_DIGITS, int("9" * MAX_DIGITS)),
+        ("9" * (MAX_DIGITS + 1), None),
+        (HUGE, None),
+        ("--3", None),
+        ("٣", 3),
+        ("²", None),
+        ("", None),
+        ("-", None),
+    ],
+)
 def test_read_int(text, value):
     assert read_int(text) == value
 
@@ -28,7 +43,11 @@ def test_calculator_answer_with_a_huge_number_is_invalid(protocol, action):
     env = CalculatorEnv(protocol=protocol)
     env.reset(0)
     result = env.step(action)
-    assert result.done and result.reward == env.invalid_reward and result.info["invalid_action"] is True
+    assert (
+        result.done
+        and result.reward == env.invalid_reward
+        and result.info["invalid_action"] is True
+    )
 
 
 def test_calculator_answer_with_leading_zeros_is_read():
@@ -48,4 +67,8 @@ def test_game_move_with_a_huge_number_is_invalid():
     env = OpenSpielEnv()
     env.reset(0)
     result = env.step(f"I play column {HUGE}")
-    assert result.done and result.reward == env.invalid_reward and result.info["invalid_action"] is True
+    assert (
+        result.done
+        and result.reward == env.invalid_reward
+        and result.info["invalid_action"] is True
+    )

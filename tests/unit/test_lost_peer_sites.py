@@ -17,8 +17,10 @@ from earl_lightning.modules.metrics import RunMetrics
 from tests.unit.test_adaptive import datamodule, module, trainer
 
 # as raised by torch 2.13's gloo when the peer of an all-reduce was SIGKILLed
-GLOO_PEER_DIED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:17644: "
-                  "Connection reset by peer. This is typically caused by a remote worker hanging")
+GLOO_PEER_DIED = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:17644: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging"
+)
 
 
 def peer_dies(*args, **kwargs):
@@ -30,19 +32,32 @@ def dies_at_save(self, name=None):
         peer_dies()
 
 
-@pytest.mark.parametrize("target, where", [
-    ("earl_lightning.modules.rl.check_env_failures", r"the env-failure check of RL step 0"),
-    ("earl_lightning.modules.rl.batch_stats", r"the batch statistics of RL step 0"),
-    ("earl_lightning.modules.rl.zero_spread_share", r"the step's metric reductions of RL step 0"),
-    ("first_eval", r"the evaluation's metric reductions of global step 0"),
-    ("eval", r"the evaluation's metric reductions of global step \d"),
-    ("save", r"the strategy's barrier 'Trainer.save_checkpoint' in on_train_batch_end of global step 1"),
-])
+@pytest.mark.parametrize(
+    "target, where",
+    [
+        ("earl_lightning.modules.rl.check_env_failures", r"the env-failure check of RL step 0"),
+        ("earl_lightning.modules.rl.batch_stats", r"the batch statistics of RL step 0"),
+        (
+            "earl_lightning.modules.rl.zero_spread_share",
+            r"the step's metric reductions of RL step 0",
+        ),
+        ("first_eval", r"the evaluation's metric reductions of global step 0"),
+        ("eval", r"the evaluation's metric reductions of global step \d"),
+        (
+            "save",
+            r"the strategy's barrier 'Trainer.save_checkpoint' in on_train_batch_end of global step 1",
+        ),
+    ],
+)
 def test_a_lost_peer_outside_the_stages_is_one_line(tmp_path, monkeypatch, target, where):
     callbacks, dm, rl = [], datamodule(eval_episodes=2 if "eval" in target else 0), module()
-    if target == "first_eval":  # the evaluation before the first update computes (syncs) its metrics
+    if (
+        target == "first_eval"
+    ):  # the evaluation before the first update computes (syncs) its metrics
         monkeypatch.setattr(RunMetrics, "compute_val", peer_dies)
-    elif target == "eval":  # a validation run after step 1: Lightning computes the logged metric objects
+    elif (
+        target == "eval"
+    ):  # a validation run after step 1: Lightning computes the logged metric objects
         monkeypatch.setattr(AgenticRLModule, "on_train_start", lambda self: None)
         monkeypatch.setattr(rl.run_metrics.val_episodes["env__errors"], "compute", peer_dies)
     elif target == "save":
@@ -55,5 +70,8 @@ def test_a_lost_peer_outside_the_stages_is_one_line(tmp_path, monkeypatch, targe
     with pytest.raises(RankFailure) as raised:
         t.fit(rl, dm)
     line = str(raised.value)
-    assert re.match(rf"rank 0 lost a peer during {where}: another process died \(RuntimeError: \[/pytorch/", line), line
+    assert re.match(
+        rf"rank 0 lost a peer during {where}: another process died \(RuntimeError: \[/pytorch/",
+        line,
+    ), line
     assert "\n" not in line and (tmp_path / "rank0_failure.log").is_file()

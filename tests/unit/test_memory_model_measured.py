@@ -26,32 +26,112 @@ import pytest
 TOLERANCE = 0.30
 TINY = "earl-tiny"
 M100 = "earl-tiny-100m"
-WIDE_VOCAB = dict(vocab=8192, overrides=dict(hidden_size=64, intermediate_size=128))  # logits dominate
+WIDE_VOCAB = dict(
+    vocab=8192, overrides=dict(hidden_size=64, intermediate_size=128)
+)  # logits dominate
 
 SPECS = {
     "tiny": [
         dict(name="tiny train 8x256", preset=TINY, stage="train", num_seqs=8, context=256),
-        dict(name="tiny train 8x256 ckpt", preset=TINY, stage="train", num_seqs=8, context=256, ckpt=True),
-        dict(name="tiny rollout 32x512+32", preset=TINY, stage="rollout", num_seqs=32, context=512, gen_len=32),
-        dict(name="tiny rollout 8x1024+16", preset=TINY, stage="rollout", num_seqs=8, context=1024, gen_len=16),
+        dict(
+            name="tiny train 8x256 ckpt",
+            preset=TINY,
+            stage="train",
+            num_seqs=8,
+            context=256,
+            ckpt=True,
+        ),
+        dict(
+            name="tiny rollout 32x512+32",
+            preset=TINY,
+            stage="rollout",
+            num_seqs=32,
+            context=512,
+            gen_len=32,
+        ),
+        dict(
+            name="tiny rollout 8x1024+16",
+            preset=TINY,
+            stage="rollout",
+            num_seqs=8,
+            context=1024,
+            gen_len=16,
+        ),
         # multi-turn: the KV cache kept between turns, each turn encoding its observation only
-        dict(name="tiny 10 turns 64x(80+8+56)", preset=TINY, stage="rollout", num_seqs=64, context=80, gen_len=8,
-             turns=10, obs=56),
-        dict(name="tiny 6 turns 16x(200+32+100)", preset=TINY, stage="rollout", num_seqs=16, context=200,
-             gen_len=32, turns=6, obs=100),
-        dict(name="wide-vocab train 4x256", preset=TINY, stage="train", num_seqs=4, context=256, **WIDE_VOCAB),
-        dict(name="wide-vocab experience 16x256", preset=TINY, stage="experience", num_seqs=16, context=256,
-             **WIDE_VOCAB),
+        dict(
+            name="tiny 10 turns 64x(80+8+56)",
+            preset=TINY,
+            stage="rollout",
+            num_seqs=64,
+            context=80,
+            gen_len=8,
+            turns=10,
+            obs=56,
+        ),
+        dict(
+            name="tiny 6 turns 16x(200+32+100)",
+            preset=TINY,
+            stage="rollout",
+            num_seqs=16,
+            context=200,
+            gen_len=32,
+            turns=6,
+            obs=100,
+        ),
+        dict(
+            name="wide-vocab train 4x256",
+            preset=TINY,
+            stage="train",
+            num_seqs=4,
+            context=256,
+            **WIDE_VOCAB,
+        ),
+        dict(
+            name="wide-vocab experience 16x256",
+            preset=TINY,
+            stage="experience",
+            num_seqs=16,
+            context=256,
+            **WIDE_VOCAB,
+        ),
         # the scored last layer (data/scored.py): one position in 8 scores an action, as in a multi-turn chat
-        dict(name="tiny train 8x256 scored 1/8", preset=TINY, stage="train", num_seqs=8, context=256, scored=8),
-        dict(name="wide-vocab train 8x512 scored 1/8", preset=TINY, stage="train", num_seqs=8, context=512,
-             scored=8, **WIDE_VOCAB),
-        dict(name="wide-vocab experience 32x512 scored", preset=TINY, stage="experience", num_seqs=32, context=512,
-             scored=8, **WIDE_VOCAB),
+        dict(
+            name="tiny train 8x256 scored 1/8",
+            preset=TINY,
+            stage="train",
+            num_seqs=8,
+            context=256,
+            scored=8,
+        ),
+        dict(
+            name="wide-vocab train 8x512 scored 1/8",
+            preset=TINY,
+            stage="train",
+            num_seqs=8,
+            context=512,
+            scored=8,
+            **WIDE_VOCAB,
+        ),
+        dict(
+            name="wide-vocab experience 32x512 scored",
+            preset=TINY,
+            stage="experience",
+            num_seqs=32,
+            context=512,
+            scored=8,
+            **WIDE_VOCAB,
+        ),
     ],
     "100m": [
         dict(name="100M train 2x128", preset=M100, stage="train", num_seqs=2, context=128),
-        dict(name="100M rollout 4x256+16", preset=M100, stage="rollout", num_seqs=4, context=256, gen_len=16),
+        dict(
+            name="100M rollout 4x256+16",
+            preset=M100,
+            stage="rollout",
+            num_seqs=4,
+            context=256,
+            gen_len=16,
+        ),
     ],
 }
 
@@ -71,7 +151,9 @@ def _model(spec: dict, device: str):
 
     from earl_lightning.models.tiny import PRESETS, tiny_config
 
-    cfg = tiny_config(spec.get("vocab", 104), **{**PRESETS[spec["preset"]], **spec.get("overrides", {})})
+    cfg = tiny_config(
+        spec.get("vocab", 104), **{**PRESETS[spec["preset"]], **spec.get("overrides", {})}
+    )
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).to(device)
 
 
@@ -82,11 +164,15 @@ def _batch(spec: dict, device: str):
 
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 100, (spec["context"],), generator=g) for _ in range(spec["num_seqs"])]
-    n, every = len(seqs), spec.get("scored", 1)  # every `every`-th token an action (all of them by default)
+    n, every = (
+        len(seqs),
+        spec.get("scored", 1),
+    )  # every `every`-th token an action (all of them by default)
     masks = [(torch.arange(len(s)) % every == every - 1).long() for s in seqs]
     return ExperienceBatch.from_sequences(
         {"input_ids": seqs, "action_mask": masks},
-        {"rewards": torch.zeros(n), "group_ids": torch.arange(n), "episode_ids": torch.arange(n)}).to(device)
+        {"rewards": torch.zeros(n), "group_ids": torch.arange(n), "episode_ids": torch.arange(n)},
+    ).to(device)
 
 
 def _run_train(spec: dict, device: str) -> None:
@@ -130,20 +216,32 @@ def play_turns(backend, spec: dict) -> dict[str, float]:
     from earl_lightning.rollout.backends import GenRequest, SamplingConfig
 
     g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(3, 100, (spec["context"],), generator=g).tolist() for _ in range(spec["num_seqs"])]
+    ids = [
+        torch.randint(3, 100, (spec["context"],), generator=g).tolist()
+        for _ in range(spec["num_seqs"])
+    ]
     masks = [[0] * len(c) for c in ids]
     for turn in range(spec.get("turns", 1)):
         if turn:  # the environment answers every episode
             obs = [torch.randint(3, 100, (spec["obs"],), generator=g).tolist() for _ in ids]
-            ids, masks = [c + o for c, o in zip(ids, obs)], [m + [0] * len(o) for m, o in zip(masks, obs)]
-        outs = backend.generate([GenRequest(k, c) for k, c in enumerate(ids)],
-                                SamplingConfig(max_new_tokens=spec["gen_len"], seed=turn))
+            ids, masks = (
+                [c + o for c, o in zip(ids, obs)],
+                [m + [0] * len(o) for m, o in zip(masks, obs)],
+            )
+        outs = backend.generate(
+            [GenRequest(k, c) for k, c in enumerate(ids)],
+            SamplingConfig(max_new_tokens=spec["gen_len"], seed=turn),
+        )
         ids = [c + o.token_ids for c, o in zip(ids, outs)]
         masks = [m + [1] * len(o.token_ids) for m, o in zip(masks, outs)]
     n = len(ids)
     exp = ExperienceBatch.from_sequences(
-        {"input_ids": [torch.tensor(c) for c in ids], "action_mask": [torch.tensor(m) for m in masks]},
-        {"rewards": torch.zeros(n), "group_ids": torch.arange(n), "episode_ids": torch.arange(n)})
+        {
+            "input_ids": [torch.tensor(c) for c in ids],
+            "action_mask": [torch.tensor(m) for m in masks],
+        },
+        {"rewards": torch.zeros(n), "group_ids": torch.arange(n), "episode_ids": torch.arange(n)},
+    )
     return exp.context_stats()
 
 
@@ -193,25 +291,48 @@ def _estimate(spec: dict) -> int:
     from earl_lightning.parallel.layout import Layout
     from earl_lightning.parallel.memory import MemoryModel
 
-    cfg = tiny_config(spec.get("vocab", 104), **{**PRESETS[spec["preset"]], **spec.get("overrides", {})})
+    cfg = tiny_config(
+        spec.get("vocab", 104), **{**PRESETS[spec["preset"]], **spec.get("overrides", {})}
+    )
     c = spec["context"]
-    stats = dict(num_seqs=spec["num_seqs"], context_mean=c, context_max=c, context_p95=c,
-                 gen_len=spec.get("gen_len", 0))
+    stats = dict(
+        num_seqs=spec["num_seqs"],
+        context_mean=c,
+        context_max=c,
+        context_p95=c,
+        gen_len=spec.get("gen_len", 0),
+    )
     if spec["stage"] == "rollout":  # sized as the selector sizes it: by the final sequences' stats
         stats.update(spec["stats"])
     if "scored" in spec:
         stats.update(scored_max=c // spec["scored"], scored_share_max=(c // spec["scored"]) / c)
     # one micro-batch holding the whole batch, as the worker runs it
     layout = Layout(micro_batch_tokens=1 << 20, activation_checkpointing=bool(spec.get("ckpt")))
-    return MemoryModel(cfg, scored_last_layer="scored" in spec).estimate(spec["stage"], layout, stats).total
+    return (
+        MemoryModel(cfg, scored_last_layer="scored" in spec)
+        .estimate(spec["stage"], layout, stats)
+        .total
+    )
 
 
 def _run_worker(specs: list[dict], device: str) -> list[dict]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, __file__, json.dumps({"specs": specs, "device": device})],
-                          capture_output=True, text=True, env=env, timeout=600)
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="131072",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, json.dumps({"specs": specs, "device": device})],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, (
+        f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
@@ -221,22 +342,33 @@ def _check(results: list[dict]) -> None:
     for r in results:
         est = _estimate(r)
         err = est / r["measured"] - 1
-        print(f"{r['name']:32s} {est / 2**20:12.1f} {r['measured'] / 2**20:12.1f} {err:+7.1%} {r['seconds']:5.1f}")
+        print(
+            f"{r['name']:32s} {est / 2**20:12.1f} {r['measured'] / 2**20:12.1f} {err:+7.1%} {r['seconds']:5.1f}"
+        )
         if abs(err) > TOLERANCE:
             bad.append((r["name"], est, r["measured"]))
-    print(f"minimal train step (1x8 tokens, tiny) after warm-up: {results[0]['minimal_train_step'] / 2**20:.1f} MiB")
+    print(
+        f"minimal train step (1x8 tokens, tiny) after warm-up: {results[0]['minimal_train_step'] / 2**20:.1f} MiB"
+    )
     assert not bad, f"estimates off by more than {TOLERANCE:.0%}: {bad}"
 
 
 def _device_params():
     import torch
 
-    return ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+    return [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+        ),
+    ]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS reset needs Linux /proc")
 @pytest.mark.parametrize("device", _device_params())
-@pytest.mark.parametrize("group", ["tiny", pytest.param("100m", marks=pytest.mark.slow)])  # 100m: ~25 s of CPU
+@pytest.mark.parametrize(
+    "group", ["tiny", pytest.param("100m", marks=pytest.mark.slow)]
+)  # 100m: ~25 s of CPU
 def test_estimates_within_30_percent_of_measured_peaks(group, device):
     _check(_run_worker(SPECS[group], device))
 

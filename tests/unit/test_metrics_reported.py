@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from earl_lightning.envs.policies import ImperfectCalculator, RandomLegal
-from earl_lightning.modules.metrics import RunMetrics, reported
-from earl_lightning.rollout.demonstrations import play_demonstrations
-from earl_lightning.rollout.backends.base import SamplingConfig
-from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.models import load_tokenizer
+from earl_lightning.modules.metrics import RunMetrics, reported
+from earl_lightning.rollout.backends.base import SamplingConfig
+from earl_lightning.rollout.demonstrations import play_demonstrations
 from earl_lightning.rollout.loop import ToolUse
+from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.tasks.tool_parsers import hermes
 
 
@@ -22,9 +22,16 @@ def tok():
 
 def _play(tok, env: str, policy: str, n: int, **policy_kwargs):
     specs = [EpisodeSpec(env, seed=s, group_id=s, episode_id=s) for s in range(n)]
-    return play_demonstrations(specs, policy, policy_kwargs, tok, SamplingConfig(max_new_tokens=96),
-                               max_turns=4 if env == "calculator" else 30, max_context_tokens=4096,
-                               tools=ToolUse(hermes))
+    return play_demonstrations(
+        specs,
+        policy,
+        policy_kwargs,
+        tok,
+        SamplingConfig(max_new_tokens=96),
+        max_turns=4 if env == "calculator" else 30,
+        max_context_tokens=4096,
+        tools=ToolUse(hermes),
+    )
 
 
 def test_calculator_episodes_report_accuracy_and_tool_use(tok):
@@ -35,8 +42,12 @@ def test_calculator_episodes_report_accuracy_and_tool_use(tok):
     values = run.compute_val(reported(episodes))
     used = sum(ep.info["tool_calls"] > 0 for ep in episodes) / 40
     right = sum(ep.info["correct"] for ep in episodes) / 40
-    assert values["val/tool_use_rate"] == pytest.approx(used) and values["val/accuracy"] == pytest.approx(right)
-    assert used == right and 0.6 < used < 0.9  # the imperfect user is right exactly when it used the tool
+    assert values["val/tool_use_rate"] == pytest.approx(used) and values[
+        "val/accuracy"
+    ] == pytest.approx(right)
+    assert (
+        used == right and 0.6 < used < 0.9
+    )  # the imperfect user is right exactly when it used the tool
     assert "val/win_rate" not in values
 
 
@@ -52,8 +63,13 @@ def test_game_episodes_report_outcomes_only(tok):
 
 def test_policies_are_independent_of_each_other():
     assert RandomLegal(3)("Legal: 0 1 2") == RandomLegal(3)("Legal: 0 1 2")
-    assert ImperfectCalculator(0, no_tool_share=0.0, protocol="text")("What is 2+3? Use calc(expr)") == "calc(2+3)"
+    assert (
+        ImperfectCalculator(0, no_tool_share=0.0, protocol="text")("What is 2+3? Use calc(expr)")
+        == "calc(2+3)"
+    )
     assert ImperfectCalculator(0, protocol="text")("calc: 5") == "answer(5)"
-    assert ImperfectCalculator(0, no_tool_share=0.0)("What is 2+3? Answer with the number.") == \
-        '<tool_call>\n{"name": "calculate", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    assert (
+        ImperfectCalculator(0, no_tool_share=0.0)("What is 2+3? Answer with the number.")
+        == '<tool_call>\n{"name": "calculate", "arguments": {"expression": "2+3"}}\n</tool_call>'
+    )
     assert ImperfectCalculator(0)("5") == "5"

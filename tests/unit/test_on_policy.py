@@ -13,7 +13,12 @@ import torch
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.models import load_tokenizer, make_tiny_model
-from earl_lightning.modules.config import AlgorithmConfig, OptimConfig, RolloutConfig, exactly_on_policy
+from earl_lightning.modules.config import (
+    AlgorithmConfig,
+    OptimConfig,
+    RolloutConfig,
+    exactly_on_policy,
+)
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
@@ -28,17 +33,31 @@ def test_taken_only_when_exactly_on_policy(monkeypatch):
     assert not exactly_on_policy(r, a, OptimConfig(ppo_epochs=2))
     assert not exactly_on_policy(r, a, OptimConfig(mini_batches=2))
     assert not exactly_on_policy(RolloutConfig(backend="vllm"), a, o)  # the engine's log-probs
-    assert not exactly_on_policy(r, AlgorithmConfig(advantage={"name": "gae"}), o)  # values come from that forward
+    assert not exactly_on_policy(
+        r, AlgorithmConfig(advantage={"name": "gae"}), o
+    )  # values come from that forward
     assert not exactly_on_policy(r, AlgorithmConfig(kl={"coef": 0.1, "in_reward": True}), o)
-    assert exactly_on_policy(r, AlgorithmConfig(kl={"coef": 0.1}), o)  # KL in the loss needs only the reference
+    assert exactly_on_policy(
+        r, AlgorithmConfig(kl={"coef": 0.1}), o
+    )  # KL in the loss needs only the reference
     assert not exactly_on_policy(r, a, OptimConfig(on_policy_shortcut=False))
 
 
 def _batch(model, tok):
-    specs = [EpisodeSpec("recall", seed=i // 2, group_id=i // 2, episode_id=i, env_kwargs={"num_turns": 2})
-             for i in range(6)]
-    eps = rollout(specs, HFBackend(model, tok), tok, SamplingConfig(max_new_tokens=3, seed=5), max_turns=2,
-                  max_context_tokens=512)
+    specs = [
+        EpisodeSpec(
+            "recall", seed=i // 2, group_id=i // 2, episode_id=i, env_kwargs={"num_turns": 2}
+        )
+        for i in range(6)
+    ]
+    eps = rollout(
+        specs,
+        HFBackend(model, tok),
+        tok,
+        SamplingConfig(max_new_tokens=3, seed=5),
+        max_turns=2,
+        max_context_tokens=512,
+    )
     exp = episodes_to_experience(eps)
     g = torch.Generator().manual_seed(0)
     adv = torch.randn(exp.num_tokens, generator=g) * exp.tokens["action_mask"]
@@ -53,8 +72,13 @@ def _update(model, batch, on_policy: bool, aggregation: str):
         optimizer, param_groups = opt, opt.param_groups
         step, zero_grad = opt.step, opt.zero_grad
 
-    cfg = UpdateConfig(micro_batch_tokens=64, loss_params={"clip_low": 0.2, "clip_high": 0.28}, max_grad_norm=0.0,
-                       on_policy=on_policy, aggregation=aggregation)
+    cfg = UpdateConfig(
+        micro_batch_tokens=64,
+        loss_params={"clip_low": 0.2, "clip_high": 0.28},
+        max_grad_norm=0.0,
+        on_policy=on_policy,
+        aggregation=aggregation,
+    )
     return ppo_update(Models(model), Opt, None, batch, cfg, Reducer(), lambda loss: loss.backward())
 
 
@@ -66,16 +90,33 @@ def test_shortcut_equals_the_full_path(aggregation):
     model, tok = AutoModelForCausalLM.from_pretrained(path), load_tokenizer(str(path))
     batch = _batch(model, tok)
     full_model, short_model = copy.deepcopy(model), copy.deepcopy(model)
-    full_batch = fill_logprobs(full_model, batch, name="old_logprobs", temperature=1.0, micro_batch_tokens=64)
+    full_batch = fill_logprobs(
+        full_model, batch, name="old_logprobs", temperature=1.0, micro_batch_tokens=64
+    )
     full = _update(full_model, full_batch, on_policy=False, aggregation=aggregation)
-    short = _update(short_model, batch, on_policy=True, aggregation=aggregation)  # no old_logprobs in the batch
-    for key in ("loss/policy", "policy/entropy", "policy/clip_frac", "policy/approx_kl", "policy/ratio_mean"):
+    short = _update(
+        short_model, batch, on_policy=True, aggregation=aggregation
+    )  # no old_logprobs in the batch
+    for key in (
+        "loss/policy",
+        "policy/entropy",
+        "policy/clip_frac",
+        "policy/approx_kl",
+        "policy/ratio_mean",
+    ):
         assert short[key] == pytest.approx(full[key], rel=1e-5, abs=1e-7), key
     assert short["policy/ratio_mean"] == pytest.approx(1.0) and short["policy/clip_frac"] == 0.0
     for (name, a), b in zip(full_model.named_parameters(), short_model.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)  # SGD: equal gradients
-    assert sum((a - b).abs().sum() for a, b in zip(model.parameters(), short_model.parameters())) > 0
+    assert (
+        sum((a - b).abs().sum() for a, b in zip(model.parameters(), short_model.parameters())) > 0
+    )
     # the free weight-sync check still runs: the rollout's log-probs against the training forward's
-    expected = ((full_batch.tokens["rollout_logprobs"] - full_batch.tokens["old_logprobs"]).abs()
-                * full_batch.tokens["action_mask"]).max()
-    assert short["logprob/mismatch"] == pytest.approx(float(expected), abs=1e-5) and short["logprob/mismatch"] < 1e-4
+    expected = (
+        (full_batch.tokens["rollout_logprobs"] - full_batch.tokens["old_logprobs"]).abs()
+        * full_batch.tokens["action_mask"]
+    ).max()
+    assert (
+        short["logprob/mismatch"] == pytest.approx(float(expected), abs=1e-5)
+        and short["logprob/mismatch"] < 1e-4
+    )

@@ -48,15 +48,27 @@ def test_without_seed_everything_the_seed_is_0():
 
 def test_the_cli_seed_drives_the_module_and_the_data():
     recipe = str(ROOT / "recipes" / "connect4_grpo.yaml")
-    cli = EarlCLI(AgenticRLModule, EpisodeDataModule, run=False, args=["--config", recipe, "--seed_everything", "5"])
+    cli = EarlCLI(
+        AgenticRLModule,
+        EpisodeDataModule,
+        run=False,
+        args=["--config", recipe, "--seed_everything", "5"],
+    )
     assert cli.model.hparams.seed == 5 and cli.datamodule.seed == cli.datamodule.hparams.seed == 5
-    cli = EarlCLI(AgenticRLModule, EpisodeDataModule, run=False,
-                  args=["--config", recipe, "--seed_everything", "5", "--data.seed", "2"])
+    cli = EarlCLI(
+        AgenticRLModule,
+        EpisodeDataModule,
+        run=False,
+        args=["--config", recipe, "--seed_everything", "5", "--data.seed", "2"],
+    )
     assert cli.model.hparams.seed == 5 and cli.datamodule.seed == 2
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
 def test_a_bad_seed_is_one_line(bad):
-    with pytest.raises(ValueError, match=r"`--data.seed` must be an integer >= 0, or null for the run's seed "
-                                         r"\(`--seed_everything`\), got "):
+    with pytest.raises(
+        ValueError,
+        match=r"`--data.seed` must be an integer >= 0, or null for the run's seed "
+        r"\(`--seed_everything`\), got ",
+    ):
         EpisodeDataModule(seed=bad)

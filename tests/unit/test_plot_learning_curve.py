@@ -19,8 +19,9 @@ def test_scalars_become_a_png_and_a_csv_with_the_runs_title(tmp_path, monkeypatc
         for step, (win, inv) in enumerate([(0.6, 0.3), (0.9, 0.01)]):
             w.add_scalar("val/win_rate", win, 20 * step)
             w.add_scalar("val/invalid_rate", inv, 20 * step)
-    (logdir / "hparams.yaml").write_text("algorithm:\n  advantage: {name: gae}\n  loss: {name: ppo_clip}\n"
-                                         "model: earl-tiny\n")
+    (logdir / "hparams.yaml").write_text(
+        "algorithm:\n  advantage: {name: gae}\n  loss: {name: ppo_clip}\nmodel: earl-tiny\n"
+    )
     plot = load_repo_file("scripts/plot_learning_curve.py", "plot_learning_curve")
     assert plot.default_title(logdir) == "earl_lightning: gae + ppo_clip (earl-tiny)"
     out = tmp_path / "curve.png"
@@ -29,7 +30,9 @@ def test_scalars_become_a_png_and_a_csv_with_the_runs_title(tmp_path, monkeypatc
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = list(csv.DictReader(open(out.with_suffix(".csv"))))
     got = {(r["tag"], int(r["step"])): float(r["value"]) for r in rows}
-    assert got[("val/win_rate", 20)] == pytest.approx(0.9) and got[("reward/mean", 4)] == pytest.approx(0.4)
+    assert got[("val/win_rate", 20)] == pytest.approx(0.9) and got[
+        ("reward/mean", 4)
+    ] == pytest.approx(0.4)
     assert "val/invalid_rate 0:0.300 20:0.010" in capsys.readouterr().out
 
 

@@ -115,24 +115,43 @@ def test_load_not_json(tmp_path):
         ProfileTable.load(path)
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda d: d.update(schema_version=7),
-     r"has schema_version 7; this version of earl_lightning reads schema_version 1"),
-    (lambda d: d.pop("schema_version"), r"has schema_version None"),
-    (lambda d: d.update(world_size=0), r"is corrupt: `world_size` must be a positive integer, got 0"),
-    (lambda d: d.update(model=""), r"is corrupt: `model` must be a non-empty string"),
-    (lambda d: d.update(entries={}), r"is corrupt: `entries` must be a list, got dict"),
-    (lambda d: d["entries"].append(3), r"is corrupt: entries\[10\] must be an object, got 3"),
-    (lambda d: d["entries"][2].update(tokens_per_s=-5),
-     r"is corrupt: entries\[2\]: `tokens_per_s` must be a positive finite number, got -5"),
-    (lambda d: d["entries"][0].update(stage="rolout"), r"is corrupt: entries\[0\]: unknown stage 'rolout'"),
-    (lambda d: d["entries"][0].update(context=12.5),
-     r"is corrupt: entries\[0\]: `context` must be a positive integer, got 12.5"),
-    (lambda d: d["entries"][0].update(layout="tp2"),
-     r"is corrupt: entries\[0\]: `layout` must be a Layout or a key like"),
-    (lambda d: d["entries"][0].update(layout="dp4xtp1"),
-     r"is corrupt: entries\[0\]: layout 'dp4xtp1' spans 4 ranks, but the table is for world_size=2"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (
+            lambda d: d.update(schema_version=7),
+            r"has schema_version 7; this version of earl_lightning reads schema_version 1",
+        ),
+        (lambda d: d.pop("schema_version"), r"has schema_version None"),
+        (
+            lambda d: d.update(world_size=0),
+            r"is corrupt: `world_size` must be a positive integer, got 0",
+        ),
+        (lambda d: d.update(model=""), r"is corrupt: `model` must be a non-empty string"),
+        (lambda d: d.update(entries={}), r"is corrupt: `entries` must be a list, got dict"),
+        (lambda d: d["entries"].append(3), r"is corrupt: entries\[10\] must be an object, got 3"),
+        (
+            lambda d: d["entries"][2].update(tokens_per_s=-5),
+            r"is corrupt: entries\[2\]: `tokens_per_s` must be a positive finite number, got -5",
+        ),
+        (
+            lambda d: d["entries"][0].update(stage="rolout"),
+            r"is corrupt: entries\[0\]: unknown stage 'rolout'",
+        ),
+        (
+            lambda d: d["entries"][0].update(context=12.5),
+            r"is corrupt: entries\[0\]: `context` must be a positive integer, got 12.5",
+        ),
+        (
+            lambda d: d["entries"][0].update(layout="tp2"),
+            r"is corrupt: entries\[0\]: `layout` must be a Layout or a key like",
+        ),
+        (
+            lambda d: d["entries"][0].update(layout="dp4xtp1"),
+            r"is corrupt: entries\[0\]: layout 'dp4xtp1' spans 4 ranks, but the table is for world_size=2",
+        ),
+    ],
+)
 def test_load_corrupt_content(tmp_path, mutate, match):
     data = table().to_dict()
     mutate(data)
@@ -149,10 +168,15 @@ def test_load_top_level_not_object(tmp_path):
 
 def test_load_mismatched_world_size_or_model(tmp_path):
     path = table().save(tmp_path / "p.json")
-    with pytest.raises(ProfileError, match=rf"profile file '{path}' was measured for world_size=2, but this run "
-                                           r"has world_size=4; profile again"):
+    with pytest.raises(
+        ProfileError,
+        match=rf"profile file '{path}' was measured for world_size=2, but this run "
+        r"has world_size=4; profile again",
+    ):
         ProfileTable.load(path, world_size=4)
-    with pytest.raises(ProfileError, match=r"was measured for model 'earl-tiny', but this run uses 'qwen'"):
+    with pytest.raises(
+        ProfileError, match=r"was measured for model 'earl-tiny', but this run uses 'qwen'"
+    ):
         ProfileTable.load(path, model="qwen", world_size=2)
 
 
@@ -160,22 +184,37 @@ def test_profile_error_is_value_error():
     assert issubclass(ProfileError, ValueError)
 
 
-@pytest.mark.parametrize("args, match", [
-    (("rollout", 0, 4, TP1, 1.0), r"ProfileTable.add: `context` must be a positive integer, got 0"),
-    (("rollout", 8, True, TP1, 1.0), r"`num_seqs` must be a positive integer, got True"),
-    (("rollout", 8, 4, TP1, float("inf")), r"`tokens_per_s` must be a positive finite number, got inf"),
-    (("roll", 8, 4, TP1, 1.0), r"unknown stage 'roll'; valid stages: \['rollout', 'experience', 'train'\]"),
-    (("rollout", 8, 4, Layout(dp=4), 1.0), r"layout 'dp4xtp1' spans 4 ranks"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (
+            ("rollout", 0, 4, TP1, 1.0),
+            r"ProfileTable.add: `context` must be a positive integer, got 0",
+        ),
+        (("rollout", 8, True, TP1, 1.0), r"`num_seqs` must be a positive integer, got True"),
+        (
+            ("rollout", 8, 4, TP1, float("inf")),
+            r"`tokens_per_s` must be a positive finite number, got inf",
+        ),
+        (
+            ("roll", 8, 4, TP1, 1.0),
+            r"unknown stage 'roll'; valid stages: \['rollout', 'experience', 'train'\]",
+        ),
+        (("rollout", 8, 4, Layout(dp=4), 1.0), r"layout 'dp4xtp1' spans 4 ranks"),
+    ],
+)
 def test_add_errors(args, match):
     with pytest.raises(ValueError, match=match):
         table().add(*args)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(model="", world_size=2), r"`model` must be a non-empty string, got ''"),
-    (dict(model="m", world_size=-1), r"`world_size` must be a positive integer, got -1"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(model="", world_size=2), r"`model` must be a non-empty string, got ''"),
+        (dict(model="m", world_size=-1), r"`world_size` must be a positive integer, got -1"),
+    ],
+)
 def test_constructor_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         ProfileTable(**kw)
@@ -198,6 +237,9 @@ def test_heatmaps_written(tmp_path):
 
 
 def test_heatmap_stage_without_data(tmp_path):
-    with pytest.raises(ValueError, match=r"`stage` 'experience' has no entries in this table; stages with data: "
-                                         r"\['rollout', 'train'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"`stage` 'experience' has no entries in this table; stages with data: "
+        r"\['rollout', 'train'\]",
+    ):
         table().heatmap("experience", tmp_path / "x.png")

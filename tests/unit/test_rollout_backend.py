@@ -34,7 +34,9 @@ def _play(backend: HFBackend, sampling: SamplingConfig, turns: int = 4, seed: in
         outs = backend.generate(reqs, sampling)
         log.append((reqs, outs))
         for r, o in zip(reqs, outs):
-            ctx[r.key] = r.prompt_ids + o.token_ids + torch.randint(3, 100, (7,), generator=g).tolist()
+            ctx[r.key] = (
+                r.prompt_ids + o.token_ids + torch.randint(3, 100, (7,), generator=g).tolist()
+            )
     return log
 
 
@@ -45,10 +47,14 @@ def _full_logprobs(model, prompt: list[int], gen: list[int], temperature: float)
     return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(gen)]
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingConfig(max_new_tokens=6, greedy=True),
-    SamplingConfig(max_new_tokens=6, seed=3, temperature=0.8, top_k=20, top_p=0.9),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(max_new_tokens=6, greedy=True),
+        SamplingConfig(max_new_tokens=6, seed=3, temperature=0.8, top_k=20, top_p=0.9),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_kv_reuse_equals_reprefill(lm, sampling):
     model, tok = lm
     kv_log = _play(HFBackend(model, tok, reuse_kv=True), sampling)
@@ -114,10 +120,17 @@ def test_logprobs_match_full_forward(lm):
 def test_greedy_matches_transformers_generate(lm):
     model, tok = lm
     prompt = _prompts([23])[0]
-    ours = HFBackend(model, tok).generate([GenRequest(0, prompt)], SamplingConfig(max_new_tokens=8, greedy=True))[0]
-    ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    assert ours.token_ids == ref[0, len(prompt):].tolist()
+    ours = HFBackend(model, tok).generate(
+        [GenRequest(0, prompt)], SamplingConfig(max_new_tokens=8, greedy=True)
+    )[0]
+    ref = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    assert ours.token_ids == ref[0, len(prompt) :].tolist()
     assert ours.logprobs == [0.0] * len(ours.token_ids)
 
 
@@ -135,17 +148,23 @@ def test_seeded_sampling_is_independent_of_batch_and_rank(lm):
     model, tok = lm
     sampling = SamplingConfig(max_new_tokens=8, seed=11)
     prompts = _prompts([10, 30, 18])
-    batched = HFBackend(model, tok).generate([GenRequest(k, p) for k, p in enumerate(prompts)], sampling)
+    batched = HFBackend(model, tok).generate(
+        [GenRequest(k, p) for k, p in enumerate(prompts)], sampling
+    )
     alone = HFBackend(model, tok).generate([GenRequest(1, prompts[1])], sampling)[0]
     assert alone.token_ids == batched[1].token_ids  # a second "rank" with the same seed
-    other = HFBackend(model, tok).generate([GenRequest(1, prompts[1])], SamplingConfig(max_new_tokens=8, seed=12))[0]
+    other = HFBackend(model, tok).generate(
+        [GenRequest(1, prompts[1])], SamplingConfig(max_new_tokens=8, seed=12)
+    )[0]
     assert other.token_ids != alone.token_ids
 
 
 def test_stop_strings_end_the_turn(lm):
     model, tok = lm
-    free = HFBackend(model, tok).generate([GenRequest(k, p) for k, p in enumerate(_prompts([8] * 6))],
-                                          SamplingConfig(max_new_tokens=12, seed=2))
+    free = HFBackend(model, tok).generate(
+        [GenRequest(k, p) for k, p in enumerate(_prompts([8] * 6))],
+        SamplingConfig(max_new_tokens=12, seed=2),
+    )
     # Stop on a character the unconstrained run produced mid-turn, so some rows must stop early.
     stop = tok.decode(free[0].token_ids[3:4])
     sampling = SamplingConfig(max_new_tokens=12, seed=2, stop=[stop])
@@ -166,7 +185,9 @@ def test_stop_strings_end_the_turn(lm):
 def test_eos_stops_and_is_kept(lm):
     model, tok = lm
     sampling = SamplingConfig(max_new_tokens=48, seed=0, temperature=1.5)
-    outs = HFBackend(model, tok).generate([GenRequest(k, p) for k, p in enumerate(_prompts([6] * 16))], sampling)
+    outs = HFBackend(model, tok).generate(
+        [GenRequest(k, p) for k, p in enumerate(_prompts([6] * 16))], sampling
+    )
     eos_ended = [o for o in outs if o.token_ids[-1] == tok.eos_token_id]
     assert eos_ended, "expected some turn to end with eos at temperature 1.5"
     for o in outs:
@@ -178,8 +199,10 @@ def test_eos_stops_and_is_kept(lm):
 def test_never_samples_undecodable_ids(lm):
     model, tok = lm
     assert model.config.vocab_size > len(tok)  # the tiny model pads its vocabulary
-    outs = HFBackend(model, tok).generate([GenRequest(k, p) for k, p in enumerate(_prompts([5] * 8))],
-                                         SamplingConfig(max_new_tokens=32, seed=4, temperature=3.0))
+    outs = HFBackend(model, tok).generate(
+        [GenRequest(k, p) for k, p in enumerate(_prompts([5] * 8))],
+        SamplingConfig(max_new_tokens=32, seed=4, temperature=3.0),
+    )
     assert max(t for o in outs for t in o.token_ids) < len(tok)
 
 
@@ -188,9 +211,14 @@ def test_model_mode_is_restored_and_cache_released(lm):
     backend = HFBackend(model, tok)
     model.train()
     try:
-        backend.generate([GenRequest(3, [5, 6, 7]), GenRequest(4, [8, 9])], SamplingConfig(max_new_tokens=2, seed=0))
+        backend.generate(
+            [GenRequest(3, [5, 6, 7]), GenRequest(4, [8, 9])],
+            SamplingConfig(max_new_tokens=2, seed=0),
+        )
         assert model.training
-        assert model.config._attn_implementation == "sdpa"  # the generation-only GQA attention is undone
+        assert (
+            model.config._attn_implementation == "sdpa"
+        )  # the generation-only GQA attention is undone
     finally:
         model.eval()
     assert backend.cached_keys() == [3, 4]
@@ -218,16 +246,19 @@ def test_sampling_distribution_and_filters():
     assert torch.isinf(limited[0, 4:]).all() and torch.isfinite(limited[0, :4]).all()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_new_tokens=0), r"`sampling.max_new_tokens` must be an integer >= 1, got 0"),
-    (dict(temperature=0.0), r"`sampling.temperature` must be > 0 .*got 0.0"),
-    (dict(top_p=0.0), r"`sampling.top_p` must be in \(0, 1\], got 0.0"),
-    (dict(top_p=1.5), r"`sampling.top_p` must be in \(0, 1\], got 1.5"),
-    (dict(top_k=-1), r"`sampling.top_k` must be an integer >= 0 .*got -1"),
-    (dict(stop="</s>"), r"`sampling.stop` must be a list of non-empty strings, got '</s>'"),
-    (dict(stop=[""]), r"`sampling.stop` must be a list of non-empty strings"),
-    (dict(seed=1.5), r"`sampling.seed` must be an integer or None, got 1.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=0), r"`sampling.max_new_tokens` must be an integer >= 1, got 0"),
+        (dict(temperature=0.0), r"`sampling.temperature` must be > 0 .*got 0.0"),
+        (dict(top_p=0.0), r"`sampling.top_p` must be in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), r"`sampling.top_p` must be in \(0, 1\], got 1.5"),
+        (dict(top_k=-1), r"`sampling.top_k` must be an integer >= 0 .*got -1"),
+        (dict(stop="</s>"), r"`sampling.stop` must be a list of non-empty strings, got '</s>'"),
+        (dict(stop=[""]), r"`sampling.stop` must be a list of non-empty strings"),
+        (dict(seed=1.5), r"`sampling.seed` must be an integer or None, got 1.5"),
+    ],
+)
 def test_sampling_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kwargs)
@@ -252,9 +283,13 @@ def test_backend_errors(lm):
 @pytest.fixture(scope="module")
 def local_lm():
     """A sliding-window model whose window (8) is far shorter than the test contexts."""
-    path = make_tiny_model("earl-tiny-local", hidden_size=64, intermediate_size=128, sliding_window=8)
+    path = make_tiny_model(
+        "earl-tiny-local", hidden_size=64, intermediate_size=128, sliding_window=8
+    )
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    assert model.config.layer_types == ["sliding_attention"] * 2 and model.config.sliding_window == 8
+    assert (
+        model.config.layer_types == ["sliding_attention"] * 2 and model.config.sliding_window == 8
+    )
     return model, load_tokenizer(str(path))
 
 
@@ -282,17 +317,26 @@ def test_sliding_window_changes_what_the_model_sees(local_lm):
     x = backend.generate([GenRequest(0, a + tail)], sampling)[0]
     y = backend.generate([GenRequest(0, b + tail)], sampling)[0]  # same key and length: same draw
     assert x.token_ids == y.token_ids and abs(x.logprobs[0] - y.logprobs[0]) < 1e-5
-    full = HFBackend(AutoModelForCausalLM.from_pretrained(make_tiny_model(
-        "earl-tiny", hidden_size=64, intermediate_size=128)).eval(), tok, reuse_kv=False)
+    full = HFBackend(
+        AutoModelForCausalLM.from_pretrained(
+            make_tiny_model("earl-tiny", hidden_size=64, intermediate_size=128)
+        ).eval(),
+        tok,
+        reuse_kv=False,
+    )
     u = full.generate([GenRequest(0, a + tail)], sampling)[0]
     v = full.generate([GenRequest(0, b + tail)], sampling)[0]
     assert abs(u.logprobs[0] - v.logprobs[0]) > 1e-4  # a full-attention model does see the prefix
 
 
-@pytest.mark.parametrize("sampling", [
-    SamplingConfig(max_new_tokens=6, greedy=True),
-    SamplingConfig(max_new_tokens=6, seed=3, temperature=0.8, top_k=20, top_p=0.9),
-], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(max_new_tokens=6, greedy=True),
+        SamplingConfig(max_new_tokens=6, seed=3, temperature=0.8, top_k=20, top_p=0.9),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_shared_prompts_encode_once_and_equal_separate_encoding(lm, sampling):
     """A GRPO-style call: two prompts, each asked 4 times, and one asked once. Each shared prompt
     is encoded once (its last token per request); the draws equal encoding every request alone,
@@ -302,23 +346,36 @@ def test_shared_prompts_encode_once_and_equal_separate_encoding(lm, sampling):
     prompts = [a[0]] * 4 + [a[1]] * 4 + [b]
     shared, alone = HFBackend(model, tok), HFBackend(model, tok, share_prompts=False)
     ref = HFBackend(model, tok, reuse_kv=False)
-    outs = [be.generate([GenRequest(k, p) for k, p in enumerate(prompts)], sampling) for be in (shared, alone, ref)]
+    outs = [
+        be.generate([GenRequest(k, p) for k, p in enumerate(prompts)], sampling)
+        for be in (shared, alone, ref)
+    ]
     assert shared.stats["shared_prompt_tokens"] == 3 * 11 + 3 * 19
-    assert shared.stats["prefill_tokens"] == 11 + 19 + len(prompts) + 9 - 1  # distinct prompts, then one token each
-    assert alone.stats["shared_prompt_tokens"] == 0 and alone.stats["prefill_tokens"] == sum(map(len, prompts))
+    assert (
+        shared.stats["prefill_tokens"] == 11 + 19 + len(prompts) + 9 - 1
+    )  # distinct prompts, then one token each
+    assert alone.stats["shared_prompt_tokens"] == 0 and alone.stats["prefill_tokens"] == sum(
+        map(len, prompts)
+    )
     for other in outs[1:]:
         for x, y in zip(outs[0], other):
             assert x.token_ids == y.token_ids
             assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0.0) < 1e-5
-    nxt = [GenRequest(k, p + o.token_ids + [5, 6]) for k, (p, o) in enumerate(zip(prompts, outs[0]))]
+    nxt = [
+        GenRequest(k, p + o.token_ids + [5, 6]) for k, (p, o) in enumerate(zip(prompts, outs[0]))
+    ]
     c, d = shared.generate(nxt, sampling), ref.generate(nxt, sampling)
-    assert shared.stats["shared_prompt_tokens"] == 3 * 11 + 3 * 19  # the contexts differ now: nothing more shared
+    assert (
+        shared.stats["shared_prompt_tokens"] == 3 * 11 + 3 * 19
+    )  # the contexts differ now: nothing more shared
     for x, y in zip(c, d):
         assert x.token_ids == y.token_ids
         assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0.0) < 1e-5
 
 
-def _continue(backend: HFBackend, ctx: dict[int, list[int]], keys: list[int], sampling: SamplingConfig, g):
+def _continue(
+    backend: HFBackend, ctx: dict[int, list[int]], keys: list[int], sampling: SamplingConfig, g
+):
     """One call for ``keys`` (in that order); each context then grows by the reply and 7 tokens."""
     outs = backend.generate([GenRequest(k, ctx[k]) for k in keys], sampling)
     for k, o in zip(keys, outs):
@@ -332,7 +389,13 @@ def test_previous_buffer_is_reused_whole_or_repacked_by_its_holes(lm):
     buffer mostly holes repacks them. Either way the draws equal re-encoding every context."""
     model, tok = lm
     sampling = SamplingConfig(max_new_tokens=6, seed=7, temperature=0.9)
-    calls = [[0, 1, 2, 3], [3, 1, 0, 2], [2, 0, 3], [0, 2, 3], [0]]  # key 1 ends; then only the shortest row
+    calls = [
+        [0, 1, 2, 3],
+        [3, 1, 0, 2],
+        [2, 0, 3],
+        [0, 2, 3],
+        [0],
+    ]  # key 1 ends; then only the shortest row
     logs, stats = [], []
     for reuse in (True, False):
         backend, g = HFBackend(model, tok, reuse_kv=reuse), torch.Generator().manual_seed(11)
@@ -361,12 +424,17 @@ def test_decode_attention_with_query_heads_as_rows_equals_grouped_sdpa():
 
     g = torch.Generator().manual_seed(0)
     b, heads, kv_heads, k, d = 5, 6, 2, 23, 8
-    key, value = torch.randn(b, kv_heads, k, d, generator=g), torch.randn(b, kv_heads, k, d, generator=g)
+    key, value = (
+        torch.randn(b, kv_heads, k, d, generator=g),
+        torch.randn(b, kv_heads, k, d, generator=g),
+    )
     valid = torch.rand(b, k, generator=g) > 0.3
     for q_len in (1, 4):
         query = torch.randn(b, heads, q_len, d, generator=g)
         mask = additive_mask(valid, torch.arange(k - q_len, k), torch.float32)
-        ref = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True
+        )
         out, _ = _sdpa_gqa_rows_attention(None, query, key, value, mask, scaling=0.3)
         assert out.shape == (b, q_len, heads, d)
         torch.testing.assert_close(out, ref.transpose(1, 2), rtol=0, atol=1e-6)

@@ -28,7 +28,9 @@ def test_recall_rewards_the_lagged_digit_and_lasts_num_turns():
     shown = [int(obs[0].split("Digit: ")[1][0])]
     total, results = 0.0, []
     for t in range(6):
-        answer = f"it was {shown[t - 2]}" if t >= 2 and t % 2 == 0 else ("no idea" if t == 3 else "7")
+        answer = (
+            f"it was {shown[t - 2]}" if t >= 2 and t % 2 == 0 else ("no idea" if t == 3 else "7")
+        )
         res = env.step(answer)
         results.append(res)
         total += res.reward
@@ -67,12 +69,18 @@ def test_recall_all_correct_wins():
         env.step("1")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_turns=0), r"`num_turns` of env 'recall' must be an integer >= 1, got 0"),
-    (dict(lag=-1), r"`lag` of env 'recall' must be an integer >= 0, got -1"),
-    (dict(num_turns=3, lag=3), r"`lag` of env 'recall' must be < num_turns=3, got 3"),
-    (dict(padding_chars=2.5), r"`padding_chars` of env 'recall' must be an integer >= 0, got 2.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_turns=0), r"`num_turns` of env 'recall' must be an integer >= 1, got 0"),
+        (dict(lag=-1), r"`lag` of env 'recall' must be an integer >= 0, got -1"),
+        (dict(num_turns=3, lag=3), r"`lag` of env 'recall' must be < num_turns=3, got 3"),
+        (
+            dict(padding_chars=2.5),
+            r"`padding_chars` of env 'recall' must be an integer >= 0, got 2.5",
+        ),
+    ],
+)
 def test_recall_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_env("recall", **kwargs)
@@ -81,10 +89,20 @@ def test_recall_errors(kwargs, match):
 # ---- rollouts over the other built-in environments ----------------------------------------
 def test_rollout_connect_four(lm):
     model, tok = lm
-    specs = [EpisodeSpec("connect_four", seed=s, group_id=0, episode_id=s, env_kwargs={"legal_move_reward": 0.02})
-             for s in range(8)]
-    episodes = rollout(specs, HFBackend(model, tok), tok, SamplingConfig(max_new_tokens=12, seed=0, temperature=1.5),
-                       max_turns=6, max_context_tokens=8192)
+    specs = [
+        EpisodeSpec(
+            "connect_four", seed=s, group_id=0, episode_id=s, env_kwargs={"legal_move_reward": 0.02}
+        )
+        for s in range(8)
+    ]
+    episodes = rollout(
+        specs,
+        HFBackend(model, tok),
+        tok,
+        SamplingConfig(max_new_tokens=12, seed=0, temperature=1.5),
+        max_turns=6,
+        max_context_tokens=8192,
+    )
     assert max(ep.num_turns for ep in episodes) > 1  # random text often holds a legal column
     for ep in episodes:
         assert ep.error is None and ep.done != ep.truncated
@@ -99,8 +117,15 @@ def test_rollout_connect_four(lm):
 def test_rollout_calculator(lm):
     model, tok = lm
     specs = [EpisodeSpec("calculator", seed=s, group_id=s, episode_id=s) for s in range(4)]
-    episodes = rollout(specs, HFBackend(model, tok), tok, SamplingConfig(max_new_tokens=8, seed=1),
-                       max_turns=3, max_context_tokens=2048, system_prompt="Use the calculator.")
+    episodes = rollout(
+        specs,
+        HFBackend(model, tok),
+        tok,
+        SamplingConfig(max_new_tokens=8, seed=1),
+        max_turns=3,
+        max_context_tokens=2048,
+        system_prompt="Use the calculator.",
+    )
     for ep in episodes:
         # A random-weight model writes neither calc(...) nor answer(N): one invalid turn.
         assert ep.done and ep.invalid_action and ep.num_turns == 1 and ep.reward == -1.0

@@ -42,7 +42,10 @@ class FlakyEnv(RecallEnv):
 
 def _specs(n: int, env: str = "recall", **env_kwargs) -> list[EpisodeSpec]:
     kw = dict(num_turns=4, padding_chars=12) | env_kwargs
-    return [EpisodeSpec(env, seed=100 + i, group_id=i // 2, episode_id=i, env_kwargs=kw) for i in range(n)]
+    return [
+        EpisodeSpec(env, seed=100 + i, group_id=i // 2, episode_id=i, env_kwargs=kw)
+        for i in range(n)
+    ]
 
 
 def _run(lm, specs, sampling, **kw):
@@ -70,7 +73,10 @@ def test_tokens_are_the_chat_template_of_the_transcript(lm):
         for start in ep.turn_starts:
             end = start + ep.action_mask[start:].index(0)
             reasons.add("eos" if ep.token_ids[end - 1] == tok.eos_token_id else "length")
-    assert reasons == {"eos", "length"}  # both closing paths (append "\n" vs "<|im_end|>\n") exercised
+    assert reasons == {
+        "eos",
+        "length",
+    }  # both closing paths (append "\n" vs "<|im_end|>\n") exercised
 
 
 def test_action_mask_covers_exactly_the_generated_tokens(lm):
@@ -97,7 +103,11 @@ def test_rollout_logprobs_equal_a_full_forward(lm):
     """The check the trainer relies on: sampled log-probs == a fresh forward of the final episode."""
     model, tok = lm
     temperature = 0.9
-    episodes = _run(lm, _specs(6, num_turns=5), SamplingConfig(max_new_tokens=10, seed=2, temperature=temperature))
+    episodes = _run(
+        lm,
+        _specs(6, num_turns=5),
+        SamplingConfig(max_new_tokens=10, seed=2, temperature=temperature),
+    )
     worst = 0.0
     for ep in episodes:
         ids = torch.tensor([ep.token_ids])
@@ -111,7 +121,9 @@ def test_rollout_logprobs_equal_a_full_forward(lm):
 
 
 def test_max_turns_truncates(lm):
-    episodes = _run(lm, _specs(3, num_turns=5), SamplingConfig(max_new_tokens=4, seed=0), max_turns=3)
+    episodes = _run(
+        lm, _specs(3, num_turns=5), SamplingConfig(max_new_tokens=4, seed=0), max_turns=3
+    )
     for ep in episodes:
         assert ep.truncated and not ep.done and ep.num_turns == 3 and ep.error is None
         assert ep.messages[-1]["role"] == "assistant"
@@ -133,8 +145,11 @@ def test_max_context_tokens_truncates_exactly(lm):
 
 
 def test_first_observation_too_long_raises(lm):
-    with pytest.raises(ValueError, match=r"`max_context_tokens`=40 is too small: .*episode 0 \(env 'recall'\) "
-                                         r"needs \d+ tokens \(\d+ prompt \+ 6 max_new_tokens\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`max_context_tokens`=40 is too small: .*episode 0 \(env 'recall'\) "
+        r"needs \d+ tokens \(\d+ prompt \+ 6 max_new_tokens\)",
+    ):
         _run(lm, _specs(2), SamplingConfig(max_new_tokens=6), max_context_tokens=40)
 
 
@@ -155,26 +170,42 @@ def test_env_exception_fails_only_that_episode(lm):
 def test_reset_exception_fails_only_that_episode(lm):
     specs = _specs(3, env="_test_flaky", fail_seed=101, fail_reset=True)
     episodes = _run(lm, specs, SamplingConfig(max_new_tokens=4, seed=0))
-    assert episodes[1].error == "env '_test_flaky' (seed 101): reset() raised OSError('reset broke')"
+    assert (
+        episodes[1].error == "env '_test_flaky' (seed 101): reset() raised OSError('reset broke')"
+    )
     assert episodes[1].done
     assert episodes[1].token_ids == [] and episodes[1].num_turns == 0
     assert all(ep.error is None and ep.num_turns == 4 for ep in (episodes[0], episodes[2]))
 
 
 def test_rewards_sum_step_rewards(lm):
-    episodes = _run(lm, _specs(8, num_turns=4, lag=0), SamplingConfig(max_new_tokens=3, seed=7, temperature=2.0))
+    episodes = _run(
+        lm, _specs(8, num_turns=4, lag=0), SamplingConfig(max_new_tokens=3, seed=7, temperature=2.0)
+    )
     for ep in episodes:
-        shown = [int(m["content"].split("Digit: ")[1][0]) for m in ep.messages if m["role"] == "user"]
+        shown = [
+            int(m["content"].split("Digit: ")[1][0]) for m in ep.messages if m["role"] == "user"
+        ]
         answers = [m["content"] for m in ep.messages if m["role"] == "assistant"]
-        correct = sum(1 for d, a in zip(shown, answers) if any(c.isdigit() for c in a)
-                      and [c for c in a if c.isdigit()][0] == str(d))
+        correct = sum(
+            1
+            for d, a in zip(shown, answers)
+            if any(c.isdigit() for c in a) and [c for c in a if c.isdigit()][0] == str(d)
+        )
         assert ep.reward == pytest.approx(correct / 4)
 
 
 def test_backend_cache_is_released(lm):
     model, tok = lm
     backend = HFBackend(model, tok)
-    rollout(_specs(3), backend, tok, SamplingConfig(max_new_tokens=4, seed=0), max_turns=2, max_context_tokens=2048)
+    rollout(
+        _specs(3),
+        backend,
+        tok,
+        SamplingConfig(max_new_tokens=4, seed=0),
+        max_turns=2,
+        max_context_tokens=2048,
+    )
     assert backend.cached_keys() == []
 
 
@@ -183,16 +214,26 @@ def test_kv_and_reprefill_rollouts_are_identical(lm):
     sampling = SamplingConfig(max_new_tokens=8, seed=9)
     specs = _specs(5, num_turns=5)
     a = rollout(specs, HFBackend(model, tok), tok, sampling, max_turns=5, max_context_tokens=4096)
-    b = rollout(specs, HFBackend(model, tok, reuse_kv=False), tok, sampling, max_turns=5, max_context_tokens=4096)
+    b = rollout(
+        specs,
+        HFBackend(model, tok, reuse_kv=False),
+        tok,
+        sampling,
+        max_turns=5,
+        max_context_tokens=4096,
+    )
     for x, y in zip(a, b):
         assert x.token_ids == y.token_ids and x.action_mask == y.action_mask
         assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_turns=0), r"`max_turns` must be an integer >= 1, got 0"),
-    (dict(max_context_tokens=0), r"`max_context_tokens` must be an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_turns=0), r"`max_turns` must be an integer >= 1, got 0"),
+        (dict(max_context_tokens=0), r"`max_context_tokens` must be an integer >= 1, got 0"),
+    ],
+)
 def test_argument_errors(lm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         _run(lm, _specs(1), SamplingConfig(), **kwargs)
@@ -201,7 +242,9 @@ def test_argument_errors(lm, kwargs, match):
 def test_duplicate_episode_ids_and_unknown_env(lm):
     specs = _specs(2)
     specs[1].episode_id = 0
-    with pytest.raises(ValueError, match=r"`specs` must have unique `episode_id`s .*duplicated: \[0\]"):
+    with pytest.raises(
+        ValueError, match=r"`specs` must have unique `episode_id`s .*duplicated: \[0\]"
+    ):
         _run(lm, specs, SamplingConfig())
     with pytest.raises(ValueError, match=r"unknown `env` 'nope'; valid environments: \[.*'recall'"):
         _run(lm, [EpisodeSpec("nope", 0, 0, 0)], SamplingConfig())
@@ -211,19 +254,23 @@ def test_turn_rewards_are_each_steps_reward_and_sit_on_each_turns_last_generated
     from earl_lightning.data.episodes import episodes_to_experience
 
     _, tok = lm
-    digits = [tok.convert_tokens_to_ids(str(d)) for d in range(10)]  # so that some answers are right
+    digits = [
+        tok.convert_tokens_to_ids(str(d)) for d in range(10)
+    ]  # so that some answers are right
     sampling = SamplingConfig(max_new_tokens=1, seed=7, temperature=2.0, allowed_token_ids=digits)
     episodes = _run(lm, _specs(8, num_turns=4, lag=0), sampling)
     exp = episodes_to_experience(episodes)
     for i, ep in enumerate(episodes):
         assert len(ep.turn_rewards) == ep.num_turns == 4
         assert sum(ep.turn_rewards) == pytest.approx(ep.reward)
-        shown = [int(m["content"].split("Digit: ")[1][0]) for m in ep.messages if m["role"] == "user"]
+        shown = [
+            int(m["content"].split("Digit: ")[1][0]) for m in ep.messages if m["role"] == "user"
+        ]
         answers = [m["content"] for m in ep.messages if m["role"] == "assistant"]
         for r, d, a in zip(ep.turn_rewards, shown, answers):
             digits = [c for c in a if c.isdigit()]
             assert r == (0.25 if digits and digits[0] == str(d) else 0.0)
-        row = exp.tokens["token_rewards"][exp.cu_seqlens[i]: exp.cu_seqlens[i + 1]].tolist()
+        row = exp.tokens["token_rewards"][exp.cu_seqlens[i] : exp.cu_seqlens[i + 1]].tolist()
         ends = [*ep.turn_starts[1:], len(ep.token_ids)]
         expected = [0.0] * len(ep.token_ids)
         for start, end, r in zip(ep.turn_starts, ends, ep.turn_rewards):

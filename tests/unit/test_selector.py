@@ -12,8 +12,15 @@ from earl_lightning.parallel.memory import MemoryModel, ModelSizes
 from earl_lightning.parallel.profile import ProfileError, ProfileTable
 from earl_lightning.parallel.selector import Bucket, NoFeasibleLayoutError, Selector, bucket_of
 
-SIZES = ModelSizes(num_layers=24, hidden_size=1024, intermediate_size=2816, num_heads=16, num_kv_heads=4,
-                   head_dim=64, vocab_size=32000)
+SIZES = ModelSizes(
+    num_layers=24,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    vocab_size=32000,
+)
 MM = MemoryModel(SIZES, "bfloat16", rollout_backend="vllm")
 TP1, TP2, TP4 = Layout(dp=4, tp=1), Layout(dp=2, tp=2), Layout(dp=1, tp=4)
 CANDS = [TP1, TP2, TP4]
@@ -21,15 +28,25 @@ GIB = 2**30
 
 
 def stats(ctx: float, num_seqs: int = 64, gen_len: int = 128) -> dict:
-    return dict(num_seqs=num_seqs, context_mean=ctx, context_max=ctx * 1.25, context_p95=ctx * 1.2, gen_len=gen_len)
+    return dict(
+        num_seqs=num_seqs,
+        context_mean=ctx,
+        context_max=ctx * 1.25,
+        context_p95=ctx * 1.2,
+        gen_len=gen_len,
+    )
 
 
 def table() -> ProfileTable:
     """Rollout: TP1 best at short contexts, TP4 at long ones (the EARL paper's Fig. 3 shape);
     train: TP1 always best."""
     t = ProfileTable("synthetic", 4)
-    for ctx, a, b, c in ((256, 4000, 3000, 2000), (1024, 2000, 1900, 1500), (4096, 600, 900, 1000),
-                         (16384, 150, 300, 400)):
+    for ctx, a, b, c in (
+        (256, 4000, 3000, 2000),
+        (1024, 2000, 1900, 1500),
+        (4096, 600, 900, 1000),
+        (16384, 150, 300, 400),
+    ):
         for lay, v in ((TP1, a), (TP2, b), (TP4, c)):
             t.add("rollout", ctx, 64, lay, float(v))
     for lay, v in ((TP1, 9000.0), (TP2, 7000.0), (TP4, 5000.0)):
@@ -88,10 +105,12 @@ def test_no_layout_fits_reports_smallest_estimate():
     smallest = min(CANDS, key=lambda c: MM.estimate("rollout", c, st).total)
     est = MM.estimate("rollout", smallest, st).total
     s = selector(budget_bytes=est)  # fits the raw budget, not the margin
-    with pytest.raises(NoFeasibleLayoutError,
-                       match=rf"no candidate layout fits `budget_bytes`={est} .* for stage 'rollout' with "
-                             rf"num_seqs=256, context_max=10240.0: the smallest estimate is {smallest.name} at "
-                             rf"{est / GIB:.2f} GiB \[rollout/{smallest.name}: total"):
+    with pytest.raises(
+        NoFeasibleLayoutError,
+        match=rf"no candidate layout fits `budget_bytes`={est} .* for stage 'rollout' with "
+        rf"num_seqs=256, context_max=10240.0: the smallest estimate is {smallest.name} at "
+        rf"{est / GIB:.2f} GiB \[rollout/{smallest.name}: total",
+    ):
         s.select("rollout", st)
     assert issubclass(NoFeasibleLayoutError, ValueError)
 
@@ -113,8 +132,10 @@ def test_hysteresis_keeps_a_layout_that_is_only_slightly_slower():
 
 def test_no_flapping_around_a_bucket_edge():
     s = selector(hysteresis=0.1)
-    picks = [s.select("rollout", stats(ctx), current=s.choices.get("rollout"))
-             for ctx in (1500, 1700, 1500, 1700, 1600, 1500, 1700)]
+    picks = [
+        s.select("rollout", stats(ctx), current=s.choices.get("rollout"))
+        for ctx in (1500, 1700, 1500, 1700, 1600, 1500, 1700)
+    ]
     assert len(set(picks)) == 1
     flappy = selector(hysteresis=0.0)
     flips = [flappy.select("rollout", stats(ctx)) for ctx in (1100, 3800, 1100, 3800)]
@@ -128,8 +149,12 @@ def test_switch_cost_is_weighed_against_stage_time():
     d = costly.decide("rollout", st, current=TP1)
     assert d.layout == TP1 and d.switch_cost_s == 0.0
     # amortized over 5 steps the same 10 s switch pays off
-    assert selector(hysteresis=0, switch_cost_s={"rollout": 10.0}, amortize_steps=5).select(
-        "rollout", st, current=TP1) == TP4
+    assert (
+        selector(hysteresis=0, switch_cost_s={"rollout": 10.0}, amortize_steps=5).select(
+            "rollout", st, current=TP1
+        )
+        == TP4
+    )
 
 
 def test_switch_cost_callable_and_observed():
@@ -161,15 +186,21 @@ def test_mark_infeasible_skips_at_this_and_larger_buckets():
     assert not s.is_infeasible("train", bucket_of(st), TP4)  # other stages unaffected
     s.mark_infeasible("rollout", bucket_of(st), TP2)
     s.mark_infeasible("rollout", Bucket(1, 1), TP1)  # every size
-    with pytest.raises(NoFeasibleLayoutError, match=r"marked infeasible after an out-of-memory error: "
-                                                    r"\['dp4xtp1', 'dp2xtp2', 'dp1xtp4'\]"):
+    with pytest.raises(
+        NoFeasibleLayoutError,
+        match=r"marked infeasible after an out-of-memory error: "
+        r"\['dp4xtp1', 'dp2xtp2', 'dp1xtp4'\]",
+    ):
         s.select("rollout", st)
 
 
 def test_bucket_is_power_of_two_of_longest_context_and_seqs():
-    assert bucket_of(dict(num_seqs=33, context_mean=700, context_max=1025, context_p95=900, gen_len=8)) == \
-        Bucket(2048, 64)
-    assert bucket_of(dict(num_seqs=1, context_mean=1, context_max=1, context_p95=1, gen_len=0)) == Bucket(1, 1)
+    assert bucket_of(
+        dict(num_seqs=33, context_mean=700, context_max=1025, context_p95=900, gen_len=8)
+    ) == Bucket(2048, 64)
+    assert bucket_of(
+        dict(num_seqs=1, context_mean=1, context_max=1, context_p95=1, gen_len=0)
+    ) == Bucket(1, 1)
 
 
 def test_state_dict_round_trip_decides_the_same():
@@ -194,13 +225,20 @@ def test_load_state_dict_errors():
     with pytest.raises(ValueError, match=r"selector state must be a dict with version 1, got 3"):
         s.load_state_dict({"version": 3})
     state = s.state_dict()
-    state["choices"] = {"train": {"dp": 2, "tp": 2, "micro_batch_tokens": 999, "activation_checkpointing": False}}
-    with pytest.raises(ValueError, match=r"selector state chose dp2xtp2-mbt999 for stage 'train', which is not "
-                                         r"among the candidates \['dp4xtp1', 'dp2xtp2', 'dp1xtp4'\]"):
+    state["choices"] = {
+        "train": {"dp": 2, "tp": 2, "micro_batch_tokens": 999, "activation_checkpointing": False}
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"selector state chose dp2xtp2-mbt999 for stage 'train', which is not "
+        r"among the candidates \['dp4xtp1', 'dp2xtp2', 'dp1xtp4'\]",
+    ):
         s.load_state_dict(state)
     state = s.state_dict()
     state["table"]["entries"][0]["tokens_per_s"] = "fast"
-    with pytest.raises(ProfileError, match=r"the selector state's profile table is corrupt: entries\[0\]"):
+    with pytest.raises(
+        ProfileError, match=r"the selector state's profile table is corrupt: entries\[0\]"
+    ):
         s.load_state_dict(state)
 
 
@@ -208,8 +246,13 @@ def test_without_a_profile_keeps_what_fits():
     s = selector(table=None)
     d = s.decide("train", stats(1024))
     assert d.layout == TP1 and d.predicted_tokens_per_s is None
-    assert "no profile data for stage 'train'; least tensor parallelism and recomputation that fits" in d.reason
-    assert s.decide("train", stats(1024), current=TP2).reason.startswith("keep dp4xtp1: no profile data")
+    assert (
+        "no profile data for stage 'train'; least tensor parallelism and recomputation that fits"
+        in d.reason
+    )
+    assert s.decide("train", stats(1024), current=TP2).reason.startswith(
+        "keep dp4xtp1: no profile data"
+    )
     # an unprofiled stage behaves the same with a table
     assert selector().decide("experience", stats(512), current=TP2).layout == TP2
 
@@ -231,8 +274,11 @@ def test_resident_train_state_counts_in_rollout():
 
 # ---- errors ------------------------------------------------------------------------------
 def test_unknown_stage():
-    with pytest.raises(ValueError, match=r"unknown `stage` 'generate'; valid stages: \['rollout', 'experience', "
-                                         r"'train'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown `stage` 'generate'; valid stages: \['rollout', 'experience', "
+        r"'train'\]",
+    ):
         selector().select("generate", stats(256))
     with pytest.raises(ValueError, match=r"unknown `stage` 'gen'"):
         selector().mark_infeasible("gen", stats(256), TP1)
@@ -240,34 +286,67 @@ def test_unknown_stage():
 
 def test_bad_stats_and_current():
     with pytest.raises(ValueError, match=r"`stats` lacks \['gen_len'\]"):
-        selector().select("rollout", {"num_seqs": 1, "context_mean": 1, "context_max": 1, "context_p95": 1})
+        selector().select(
+            "rollout", {"num_seqs": 1, "context_mean": 1, "context_max": 1, "context_p95": 1}
+        )
     with pytest.raises(ValueError, match=r"`current` must be a Layout or None, got 'dp4xtp1'"):
         selector().select("rollout", stats(256), current="dp4xtp1")
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(candidates=[]), r"`candidates` must be a non-empty list of Layout, got \[\]"),
-    (dict(candidates=[TP1, "dp2xtp2"]), r"`candidates\[1\]` must be a Layout, got 'dp2xtp2'"),
-    (dict(candidates=[TP1, Layout(dp=2, tp=1)]), r"`candidates\[1\]` dp2xtp1 has dp\*tp = 2, but the world size is 4"),
-    (dict(candidates=[TP1, Layout(dp=4, tp=1)]), r"`candidates` has duplicate layouts: \['dp4xtp1'\]"),
-    (dict(candidates={"rollout": [TP1], "train": [TP1]}), r"`candidates` dict must have exactly the stages "
-                                                          r"\['rollout', 'experience', 'train'\]; unknown: \[\], "
-                                                          r"missing: \['experience'\]"),
-    (dict(candidates=[Layout(dp=1, tp=4), Layout(dp=4, tp=1)],
-          memory_model=MemoryModel(ModelSizes(2, 64, 128, 6, 6, 8, 100))),
-     r"`candidates\[0\]` tp=4 does not divide the model's attention heads \(6\)"),
-    (dict(memory_model="mm"), r"`memory_model` must be a MemoryModel, got str"),
-    (dict(budget_bytes=0), r"`budget_bytes` must be a positive number of bytes per device, got 0"),
-    (dict(safety_margin=1.0), r"`safety_margin` must be in \[0, 1\), got 1.0"),
-    (dict(hysteresis=-0.1), r"`hysteresis` must be >= 0, got -0.1"),
-    (dict(amortize_steps=0), r"`amortize_steps` must be a positive integer, got 0"),
-    (dict(switch_cost_s={"reshard": 1.0}), r"`switch_cost_s` has unknown stage 'reshard'; valid stages"),
-    (dict(switch_cost_s={"train": -1}), r"`switch_cost_s\['train'\]` must be a number of seconds >= 0, got -1"),
-    (dict(switch_cost_s=3.0), r"`switch_cost_s` must be a dict stage -> seconds or a callable, got 3.0"),
-    (dict(table="profile.json"), r"`table` must be a ProfileTable or None, got str"),
-    (dict(table=ProfileTable("m", 8)), r"the profile table was measured for world_size=8, but this run has "
-                                       r"world_size=4"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(candidates=[]), r"`candidates` must be a non-empty list of Layout, got \[\]"),
+        (dict(candidates=[TP1, "dp2xtp2"]), r"`candidates\[1\]` must be a Layout, got 'dp2xtp2'"),
+        (
+            dict(candidates=[TP1, Layout(dp=2, tp=1)]),
+            r"`candidates\[1\]` dp2xtp1 has dp\*tp = 2, but the world size is 4",
+        ),
+        (
+            dict(candidates=[TP1, Layout(dp=4, tp=1)]),
+            r"`candidates` has duplicate layouts: \['dp4xtp1'\]",
+        ),
+        (
+            dict(candidates={"rollout": [TP1], "train": [TP1]}),
+            r"`candidates` dict must have exactly the stages "
+            r"\['rollout', 'experience', 'train'\]; unknown: \[\], "
+            r"missing: \['experience'\]",
+        ),
+        (
+            dict(
+                candidates=[Layout(dp=1, tp=4), Layout(dp=4, tp=1)],
+                memory_model=MemoryModel(ModelSizes(2, 64, 128, 6, 6, 8, 100)),
+            ),
+            r"`candidates\[0\]` tp=4 does not divide the model's attention heads \(6\)",
+        ),
+        (dict(memory_model="mm"), r"`memory_model` must be a MemoryModel, got str"),
+        (
+            dict(budget_bytes=0),
+            r"`budget_bytes` must be a positive number of bytes per device, got 0",
+        ),
+        (dict(safety_margin=1.0), r"`safety_margin` must be in \[0, 1\), got 1.0"),
+        (dict(hysteresis=-0.1), r"`hysteresis` must be >= 0, got -0.1"),
+        (dict(amortize_steps=0), r"`amortize_steps` must be a positive integer, got 0"),
+        (
+            dict(switch_cost_s={"reshard": 1.0}),
+            r"`switch_cost_s` has unknown stage 'reshard'; valid stages",
+        ),
+        (
+            dict(switch_cost_s={"train": -1}),
+            r"`switch_cost_s\['train'\]` must be a number of seconds >= 0, got -1",
+        ),
+        (
+            dict(switch_cost_s=3.0),
+            r"`switch_cost_s` must be a dict stage -> seconds or a callable, got 3.0",
+        ),
+        (dict(table="profile.json"), r"`table` must be a ProfileTable or None, got str"),
+        (
+            dict(table=ProfileTable("m", 8)),
+            r"the profile table was measured for world_size=8, but this run has "
+            r"world_size=4",
+        ),
+    ],
+)
 def test_constructor_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         selector(**kw)

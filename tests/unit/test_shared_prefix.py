@@ -20,7 +20,10 @@ from earl_lightning.data.prefix import can_share_prefix, plan_shared_prefix, pre
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.collectives import Reducer
-from earl_lightning.parallel.parallelize import apply_activation_checkpointing, set_activation_checkpointing
+from earl_lightning.parallel.parallelize import (
+    apply_activation_checkpointing,
+    set_activation_checkpointing,
+)
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 
 
@@ -30,8 +33,15 @@ def _qwen():
 
 def _llama():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -50,26 +60,39 @@ def _batch(groups=((12, 4), (20, 3), (12, 2)), vocab=100, seed=0) -> ExperienceB
             tail = torch.randint(3, vocab, (extra,), generator=g)  # e.g. an observation
             more = torch.randint(3, vocab, (extra,), generator=g)  # and a second reply
             ids.append(torch.cat([prompt, reply, tail, more]))
-            mask.append(torch.cat([torch.zeros(p), torch.ones(n), torch.zeros(len(tail)), torch.ones(len(more))]))
+            mask.append(
+                torch.cat(
+                    [torch.zeros(p), torch.ones(n), torch.zeros(len(tail)), torch.ones(len(more))]
+                )
+            )
             gid.append(k)
     s = len(ids)
     adv = [torch.randn(len(m), generator=g) * m for m in mask]
-    return ExperienceBatch.from_sequences({"input_ids": ids, "action_mask": mask, "advantages": adv},
-                                          {"rewards": torch.zeros(s), "group_ids": torch.tensor(gid),
-                                           "episode_ids": torch.arange(s)})
+    return ExperienceBatch.from_sequences(
+        {"input_ids": ids, "action_mask": mask, "advantages": adv},
+        {"rewards": torch.zeros(s), "group_ids": torch.tensor(gid), "episode_ids": torch.arange(s)},
+    )
 
 
 def _run(model, mb, share, value_head=None, **kw):
     model.zero_grad(set_to_none=True)
     if value_head is not None:
         value_head.zero_grad(set_to_none=True)
-    res = forward_micro_batch(model, mb, with_entropy=True, value_head=value_head, plan=prefix_plan(model, mb, share),
-                              **kw)
+    res = forward_micro_batch(
+        model,
+        mb,
+        with_entropy=True,
+        value_head=value_head,
+        plan=prefix_plan(model, mb, share),
+        **kw,
+    )
     m = mb.tokens["action_mask"]
     w = torch.linspace(0.5, 1.5, mb.num_tokens)  # every token position weighs differently
     loss = sum((v * w * m).sum() for v in res.values())
     loss.backward()
-    params = list(model.parameters()) + (list(value_head.parameters()) if value_head is not None else [])
+    params = list(model.parameters()) + (
+        list(value_head.parameters()) if value_head is not None else []
+    )
     return {k: v.detach() for k, v in res.items()}, [p.grad.clone() for p in params]
 
 
@@ -96,9 +119,15 @@ def test_plan_declines_when_sharing_does_not_pay():
     assert plan_shared_prefix(_batch(groups=((5, 1), (6, 1), (7, 1)))) is None  # no prompt shared
     prompt, reply = torch.tensor([7, 8]), torch.arange(10, 20)
     rows = ExperienceBatch.from_sequences(
-        {"input_ids": [torch.cat([prompt, reply])] * 2, "action_mask": [torch.cat([torch.zeros(2), torch.ones(10)])] * 2},
-        {"rewards": torch.zeros(2), "group_ids": torch.zeros(2), "episode_ids": torch.arange(2)})
-    assert plan_shared_prefix(rows) is None  # 2 + 2 x 10 token-passes vs 2 x 12: saves 8%, under 25%
+        {
+            "input_ids": [torch.cat([prompt, reply])] * 2,
+            "action_mask": [torch.cat([torch.zeros(2), torch.ones(10)])] * 2,
+        },
+        {"rewards": torch.zeros(2), "group_ids": torch.zeros(2), "episode_ids": torch.arange(2)},
+    )
+    assert (
+        plan_shared_prefix(rows) is None
+    )  # 2 + 2 x 10 token-passes vs 2 x 12: saves 8%, under 25%
     assert plan_shared_prefix(_batch().select([0])) is None
 
 
@@ -106,11 +135,15 @@ def test_plan_declines_when_sharing_does_not_pay():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_equals_plain_forward(make, temperature):
     model = make()
-    torch.manual_seed(0)  # the value head's weights, the same whichever tests ran before in this process
+    torch.manual_seed(
+        0
+    )  # the value head's weights, the same whichever tests ran before in this process
     vh = torch.nn.Linear(model.config.hidden_size, 1)
     mb = _batch()
-    _assert_same(_run(model, mb, False, vh, temperature=temperature),
-                 _run(model, mb, True, vh, temperature=temperature))
+    _assert_same(
+        _run(model, mb, False, vh, temperature=temperature),
+        _run(model, mb, True, vh, temperature=temperature),
+    )
 
 
 def test_equals_plain_forward_over_allowed_tokens():
@@ -123,16 +156,28 @@ def test_equals_plain_forward_over_allowed_tokens():
 def test_equals_plain_forward_on_a_multi_turn_rollout():
     path = make_tiny_model("earl-tiny")
     model, tok = AutoModelForCausalLM.from_pretrained(path), load_tokenizer(str(path))
-    specs = [EpisodeSpec("recall", seed=i // 8, group_id=i // 8, episode_id=i, env_kwargs={"num_turns": 3})
-             for i in range(16)]
-    eps = rollout(specs, HFBackend(model, tok), tok, SamplingConfig(max_new_tokens=3, seed=5), max_turns=3,
-                  max_context_tokens=512)
+    specs = [
+        EpisodeSpec(
+            "recall", seed=i // 8, group_id=i // 8, episode_id=i, env_kwargs={"num_turns": 3}
+        )
+        for i in range(16)
+    ]
+    eps = rollout(
+        specs,
+        HFBackend(model, tok),
+        tok,
+        SamplingConfig(max_new_tokens=3, seed=5),
+        max_turns=3,
+        max_context_tokens=512,
+    )
     exp = episodes_to_experience(eps)
     assert plan_shared_prefix(exp) is not None and plan_shared_prefix(exp).num_prefixes == 2
     _assert_same(_run(model, exp, False, temperature=1.0), _run(model, exp, True, temperature=1.0))
     with torch.no_grad():
         a = fill_logprobs(model, exp, name="old", temperature=1.0, micro_batch_tokens=4096)
-        b = fill_logprobs(model, exp, name="old", temperature=1.0, micro_batch_tokens=4096, share_prefix=True)
+        b = fill_logprobs(
+            model, exp, name="old", temperature=1.0, micro_batch_tokens=4096, share_prefix=True
+        )
     torch.testing.assert_close(a.tokens["old"], b.tokens["old"], atol=1e-5, rtol=1e-5)
 
 
@@ -143,7 +188,9 @@ def _update(model, batch, share):
         optimizer, param_groups = opt, opt.param_groups
         step, zero_grad = opt.step, opt.zero_grad
 
-    cfg = UpdateConfig(micro_batch_tokens=4096, max_grad_norm=0.0, on_policy=True, share_prefix=share)
+    cfg = UpdateConfig(
+        micro_batch_tokens=4096, max_grad_norm=0.0, on_policy=True, share_prefix=share
+    )
     return ppo_update(Models(model), Opt, None, batch, cfg, Reducer(), lambda loss: loss.backward())
 
 
@@ -153,7 +200,10 @@ def test_ppo_update_ends_at_the_same_parameters():
     mb = _batch()
     sa, sb = _update(a, mb, False), _update(b, mb, True)
     # logged: the prompt token passes saved (4 x 12 + 3 x 20 + 2 x 12 prompt tokens, each prompt once)
-    assert (sa.pop("train/shared_prefix_tokens"), sb.pop("train/shared_prefix_tokens")) == (0.0, 132 - 44)
+    assert (sa.pop("train/shared_prefix_tokens"), sb.pop("train/shared_prefix_tokens")) == (
+        0.0,
+        132 - 44,
+    )
     assert sa.keys() == sb.keys()
     for k in sa:
         assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), k
@@ -183,8 +233,17 @@ def test_a_config_without_layer_types_that_names_a_window_is_windowed():
 
     from earl_lightning.rollout.backends.kv import attention_windows
 
-    cfg = MistralConfig(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    cfg = MistralConfig(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+    )
     assert attention_windows(cfg) == {"sliding_attention": 16}
     assert not can_share_prefix(MistralForCausalLM(cfg))
-    assert can_share_prefix(MistralForCausalLM(MistralConfig(**{**cfg.to_dict(), "sliding_window": None})))
+    assert can_share_prefix(
+        MistralForCausalLM(MistralConfig(**{**cfg.to_dict(), "sliding_window": None}))
+    )

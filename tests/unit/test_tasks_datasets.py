@@ -39,14 +39,18 @@ def test_every_local_form_opens_with_its_columns(tmp_path, form):
         ds.to_csv(str(tmp_path / "d.csv"))
         config = DatasetConfig(path=str(tmp_path / "d.csv"))
     elif form == "saved":
-        datasets.DatasetDict({"train": ds, "test": datasets.Dataset.from_list(_rows(3, 100))}).save_to_disk(
-            str(tmp_path / "saved"))
+        datasets.DatasetDict(
+            {"train": ds, "test": datasets.Dataset.from_list(_rows(3, 100))}
+        ).save_to_disk(str(tmp_path / "saved"))
         config = DatasetConfig(path=str(tmp_path / "saved"), eval_split="test")
     else:
         _write_jsonl(tmp_path / "a.jsonl", rows)
         _write_jsonl(tmp_path / "b.jsonl", _rows(3, 100))
-        config = DatasetConfig(path="json", data_files={"train": str(tmp_path / "a.jsonl"),
-                                                         "test": str(tmp_path / "b.jsonl")}, eval_split="test")
+        config = DatasetConfig(
+            path="json",
+            data_files={"train": str(tmp_path / "a.jsonl"), "test": str(tmp_path / "b.jsonl")},
+            eval_split="test",
+        )
     splits = open_splits(config)
     assert len(splits.train) == 10 and set(splits.columns()) == {"prompt", "answer", "level"}
     assert splits.train[3]["prompt"] == "3+1=" and str(splits.train[3]["answer"]) == "4"
@@ -70,7 +74,9 @@ def test_held_out_rows_are_disjoint_and_the_same_whatever_the_seed(tmp_path):
     assert len(a.train) == 80 and len(a.eval) == 20
     assert list(a.eval["prompt"]) == list(b.eval["prompt"])
     assert not set(a.train["prompt"]) & set(a.eval["prompt"])
-    assert sorted(list(a.train["prompt"]) + list(a.eval["prompt"])) == sorted(r["prompt"] for r in _rows(100))
+    assert sorted(list(a.train["prompt"]) + list(a.eval["prompt"])) == sorted(
+        r["prompt"] for r in _rows(100)
+    )
 
 
 def test_training_rows_that_are_also_evaluation_rows_are_dropped(caplog):
@@ -80,55 +86,88 @@ def test_training_rows_that_are_also_evaluation_rows_are_dropped(caplog):
         splits = open_splits(train, held)
     assert len(splits.train) == 8 and "8+1=" not in splits.train["prompt"]
     assert "2 training rows" in caplog.text
-    assert prompt_key([{"role": "user", "content": "a"}]) == prompt_key([{"content": "a", "role": "user"}])
+    assert prompt_key([{"role": "user", "content": "a"}]) == prompt_key(
+        [{"content": "a", "role": "user"}]
+    )
 
 
 def test_row_order_is_a_pure_function_of_seed_and_position():
     order = RowOrder(7, seed=3)
     stream = [order[k] for k in range(21)]
     for epoch in range(3):
-        assert sorted(stream[7 * epoch:7 * epoch + 7]) == list(range(7)), "each epoch visits every row once"
+        assert sorted(stream[7 * epoch : 7 * epoch + 7]) == list(range(7)), (
+            "each epoch visits every row once"
+        )
     assert stream[:7] != stream[7:14], "each epoch has its own order"
     again = RowOrder(7, seed=3)
-    assert [again[k] for k in (20, 0, 13)] == [stream[20], stream[0], stream[13]], "random access = the stream"
+    assert [again[k] for k in (20, 0, 13)] == [stream[20], stream[0], stream[13]], (
+        "random access = the stream"
+    )
     assert [RowOrder(7, seed=4)[k] for k in range(7)] != stream[:7]
     assert np.isclose(order.epoch_of(14), 2.0)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(path=""), r"`--data.dataset.path` must be a hub id"),
-    (dict(path="x", eval_size=1.5), r"`--data.dataset.eval_size` must be a count >= 0 or a share in \(0, 1\), got 1.5"),
-    (dict(path="x", eval_size=-1), r"`--data.dataset.eval_size` must be a count"),
-    (dict(path="x", eval_split="test", eval_size=10), r"`--data.dataset.eval_split` \('test'\) and "
-                                                       r"`--data.dataset.eval_size` \(10\) both give"),
-    (dict(path="x", eval_split="train"), r"`--data.dataset.eval_split` is the training split 'train'"),
-    (dict(path="x", train_split=""), r"`--data.dataset.train_split` must be a split name"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(path=""), r"`--data.dataset.path` must be a hub id"),
+        (
+            dict(path="x", eval_size=1.5),
+            r"`--data.dataset.eval_size` must be a count >= 0 or a share in \(0, 1\), got 1.5",
+        ),
+        (dict(path="x", eval_size=-1), r"`--data.dataset.eval_size` must be a count"),
+        (
+            dict(path="x", eval_split="test", eval_size=10),
+            r"`--data.dataset.eval_split` \('test'\) and "
+            r"`--data.dataset.eval_size` \(10\) both give",
+        ),
+        (
+            dict(path="x", eval_split="train"),
+            r"`--data.dataset.eval_split` is the training split 'train'",
+        ),
+        (dict(path="x", train_split=""), r"`--data.dataset.train_split` must be a split name"),
+    ],
+)
 def test_bad_settings_are_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DatasetConfig(**kwargs)
 
 
 def test_bad_data_is_one_line(tmp_path):
-    with pytest.raises(ValueError, match=r"^`--data.dataset.path` '.*nope.jsonl': cannot load the dataset \(no such "
-                                         r"local file or directory; and not a hub id reachable from here\): "):
+    with pytest.raises(
+        ValueError,
+        match=r"^`--data.dataset.path` '.*nope.jsonl': cannot load the dataset \(no such "
+        r"local file or directory; and not a hub id reachable from here\): ",
+    ):
         open_splits(str(tmp_path / "nope.jsonl"))
     path = _write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1=", "answer": "2"}])
-    with pytest.raises(ValueError, match=r"has no `prompt` column; its columns: \['answer', 'question'\]"):
+    with pytest.raises(
+        ValueError, match=r"has no `prompt` column; its columns: \['answer', 'question'\]"
+    ):
         open_splits(str(path))
-    with pytest.raises(ValueError, match=r"`--data.dataset.eval_split` 'test' is not a split of .*; its splits: "
-                                         r"\['train'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"`--data.dataset.eval_split` 'test' is not a split of .*; its splits: "
+        r"\['train'\]",
+    ):
         open_splits({"path": str(path), "eval_split": "test"})
     empty = datasets.Dataset.from_dict({"prompt": []})
     with pytest.raises(ValueError, match=r"training split` is empty: it has no rows"):
         open_splits(empty)
     bad = datasets.Dataset.from_list([{"prompt": 7}])
-    with pytest.raises(ValueError, match=r"row 0: `prompt` must be a string \(standard form\) or a list of messages"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 0: `prompt` must be a string \(standard form\) or a list of messages",
+    ):
         open_splits(bad)
     odd = datasets.Dataset.from_list([{"prompt": [{"role": "robot", "content": "hi"}]}])
     with pytest.raises(ValueError, match=r"message 0: role 'robot' is not one of"):
         open_splits(odd)
-    with pytest.raises(ValueError, match=r"`--data.dataset.eval_size` 10 holds out 10 of the 10 training rows"):
+    with pytest.raises(
+        ValueError, match=r"`--data.dataset.eval_size` 10 holds out 10 of the 10 training rows"
+    ):
         open_splits({"path": str(_write_jsonl(tmp_path / "e.jsonl", _rows(10))), "eval_size": 10})
-    with pytest.raises(ValueError, match=r"`--data.dataset` must be a path or hub id, its settings"):
+    with pytest.raises(
+        ValueError, match=r"`--data.dataset` must be a path or hub id, its settings"
+    ):
         open_splits(3.5)

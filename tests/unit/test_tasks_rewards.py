@@ -18,7 +18,9 @@ COLUMNS = {"answer": ["2", "4", "6"], "level": [0, 1, 2]}
 
 
 def _call(funcs, weights=None, **extras):
-    return call_reward_funcs(resolve_reward_funcs(funcs, weights), PROMPTS, COMPLETIONS, IDS, COLUMNS, extras)
+    return call_reward_funcs(
+        resolve_reward_funcs(funcs, weights), PROMPTS, COMPLETIONS, IDS, COLUMNS, extras
+    )
 
 
 def test_trl_signature_gets_columns_by_keyword_and_none_means_not_applicable():
@@ -35,12 +37,20 @@ def test_trl_signature_gets_columns_by_keyword_and_none_means_not_applicable():
     assert a.values == [1.0, 0.0, 1.0] and a.errors == [None] * 3
     assert b.values == [None, 0.5, None]
     assert seen["level"] == [0, 1, 2] and seen["prompts"] == PROMPTS and seen["ids"] == IDS
-    assert seen["trainer_state"] == "state" and callable(seen["log_metric"]) and callable(seen["log_extra"])
+    assert (
+        seen["trainer_state"] == "state"
+        and callable(seen["log_metric"])
+        and callable(seen["log_extra"])
+    )
 
 
 def test_names_weights_and_import_paths():
-    funcs = resolve_reward_funcs(["tests.plugins.rewards.exact_sum", "tests.plugins.rewards.exact_sum"], [1.0, 0.5])
-    assert [f.name for f in funcs] == ["exact_sum", "exact_sum_2"] and [f.weight for f in funcs] == [1.0, 0.5]
+    funcs = resolve_reward_funcs(
+        ["tests.plugins.rewards.exact_sum", "tests.plugins.rewards.exact_sum"], [1.0, 0.5]
+    )
+    assert [f.name for f in funcs] == ["exact_sum", "exact_sum_2"] and [
+        f.weight for f in funcs
+    ] == [1.0, 0.5]
     assert resolve_reward_funcs([lambda completions, **kw: []], None)[0].weight == 1.0
 
 
@@ -80,12 +90,18 @@ def test_a_function_that_raises_loses_only_the_rows_it_cannot_score():
         assert out.errors[1] == f"reward function {fn.__name__!r} raised KeyError: 'five'"
 
 
-@pytest.mark.parametrize("returned, message", [
-    ([1.0], "returned 1 values for 3 completions; it must return one per completion"),
-    ("abc", "returned str 'abc'; it must return a list of 3 floats or None"),
-    ([1.0, "x", 2.0], "returned 'x' (str) among its values; each must be a finite number, or None"),
-    ([1.0, math.inf, 2.0], "returned inf (float) among its values"),
-])
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        ([1.0], "returned 1 values for 3 completions; it must return one per completion"),
+        ("abc", "returned str 'abc'; it must return a list of 3 floats or None"),
+        (
+            [1.0, "x", 2.0],
+            "returned 'x' (str) among its values; each must be a finite number, or None",
+        ),
+        ([1.0, math.inf, 2.0], "returned inf (float) among its values"),
+    ],
+)
 def test_a_wrong_return_loses_the_whole_batch_with_the_function_named(returned, message):
     def bad(completions, **kw):
         return returned
@@ -120,23 +136,58 @@ def test_trls_own_accuracy_reward_runs_unchanged():
     from trl.rewards import accuracy_reward
 
     funcs = resolve_reward_funcs(["trl.rewards.accuracy_reward"], None)
-    completions = [[{"role": "assistant", "content": r"\boxed{2}"}], [{"role": "assistant", "content": "4"}]]
-    (out,) = call_reward_funcs(funcs, [[{"role": "user", "content": "1+1"}]] * 2, completions, [[1], [2]],
-                               {"solution": ["2", "4"]})
+    completions = [
+        [{"role": "assistant", "content": r"\boxed{2}"}],
+        [{"role": "assistant", "content": "4"}],
+    ]
+    (out,) = call_reward_funcs(
+        funcs,
+        [[{"role": "user", "content": "1+1"}]] * 2,
+        completions,
+        [[1], [2]],
+        {"solution": ["2", "4"]},
+    )
     assert funcs[0].fn is accuracy_reward and out.values == [1.0, 0.0]
 
 
-@pytest.mark.parametrize("funcs, weights, message", [
-    (["tests.plugins.rewards.NOT_CALLABLE"], None, r"`--data.reward_funcs\[0\]` 'tests.plugins.rewards.NOT_CALLABLE' "
-                                                   r"is int 3, not callable"),
-    (["tests.plugins.rewards.nope"], None, r"`--data.reward_funcs\[0\]` 'tests.plugins.rewards.nope': module "
-                                           r"'tests.plugins.rewards' has no attribute 'nope'"),
-    (["no_such_package.f"], None, r"`--data.reward_funcs\[0\]` 'no_such_package.f': cannot import module"),
-    (["tests.plugins.rewards.no_completions"], None, r"takes no `completions`; a reward function is fn\(prompts, "
-                                                     r"completions, completion_ids, \*\*columns\)"),
-    (["tests.plugins.rewards.exact_sum"], [1.0, 2.0], r"`--data.reward_weights` has 2 weights for 1 reward functions"),
-    (["tests.plugins.rewards.exact_sum"], ["x"], r"`--data.reward_weights` must be a list of finite numbers"),
-])
+@pytest.mark.parametrize(
+    "funcs, weights, message",
+    [
+        (
+            ["tests.plugins.rewards.NOT_CALLABLE"],
+            None,
+            r"`--data.reward_funcs\[0\]` 'tests.plugins.rewards.NOT_CALLABLE' "
+            r"is int 3, not callable",
+        ),
+        (
+            ["tests.plugins.rewards.nope"],
+            None,
+            r"`--data.reward_funcs\[0\]` 'tests.plugins.rewards.nope': module "
+            r"'tests.plugins.rewards' has no attribute 'nope'",
+        ),
+        (
+            ["no_such_package.f"],
+            None,
+            r"`--data.reward_funcs\[0\]` 'no_such_package.f': cannot import module",
+        ),
+        (
+            ["tests.plugins.rewards.no_completions"],
+            None,
+            r"takes no `completions`; a reward function is fn\(prompts, "
+            r"completions, completion_ids, \*\*columns\)",
+        ),
+        (
+            ["tests.plugins.rewards.exact_sum"],
+            [1.0, 2.0],
+            r"`--data.reward_weights` has 2 weights for 1 reward functions",
+        ),
+        (
+            ["tests.plugins.rewards.exact_sum"],
+            ["x"],
+            r"`--data.reward_weights` must be a list of finite numbers",
+        ),
+    ],
+)
 def test_bad_reward_functions_are_one_line(funcs, weights, message):
     with pytest.raises(ValueError, match=message):
         resolve_reward_funcs(funcs, weights)
@@ -153,6 +204,9 @@ def test_a_positional_only_function_is_refused():
 def test_a_required_column_the_rows_lack_is_named():
     funcs = resolve_reward_funcs(["tests.plugins.rewards.exact_sum"], None)
     check_columns(funcs, ["answer"])
-    with pytest.raises(ValueError, match=r"`--data.reward_funcs\[0\]` 'exact_sum' needs \['answer'\], which the rows "
-                                         r"do not have; their columns: \['solution'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"`--data.reward_funcs\[0\]` 'exact_sum' needs \['answer'\], which the rows "
+        r"do not have; their columns: \['solution'\]",
+    ):
         check_columns(funcs, ["solution"])

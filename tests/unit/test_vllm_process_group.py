@@ -19,9 +19,14 @@ print(sorted(v for v in ("MASTER_ADDR", "MASTER_PORT") if v in os.environ),
 
 
 def test_single_process_group_sets_ranks_but_no_master_address():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    out = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]", "0", "0", "1"]
 
@@ -29,10 +34,24 @@ def test_single_process_group_sets_ranks_but_no_master_address():
 def test_standalone_env_drops_every_launcher_variable():
     from earl_lightning.parallel.launch_env import LAUNCHER_VARS, standalone_env
 
-    caller = {**{v: "1" for v in LAUNCHER_VARS}, "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin", "RANKING": "kept"}
-    assert standalone_env(caller, OMP_NUM_THREADS="2") == {"PATH": "/bin", "RANKING": "kept", "OMP_NUM_THREADS": "2"}
-    listed = subprocess.run([sys.executable, "-m", "earl_lightning.parallel.launch_env"], capture_output=True,
-                            text=True, env={**caller, "PATH": os.environ["PATH"]}, timeout=60)
+    caller = {
+        **{v: "1" for v in LAUNCHER_VARS},
+        "TORCHELASTIC_RUN_ID": "x",
+        "PATH": "/bin",
+        "RANKING": "kept",
+    }
+    assert standalone_env(caller, OMP_NUM_THREADS="2") == {
+        "PATH": "/bin",
+        "RANKING": "kept",
+        "OMP_NUM_THREADS": "2",
+    }
+    listed = subprocess.run(
+        [sys.executable, "-m", "earl_lightning.parallel.launch_env"],
+        capture_output=True,
+        text=True,
+        env={**caller, "PATH": os.environ["PATH"]},
+        timeout=60,
+    )
     assert listed.stdout.split() == sorted([*LAUNCHER_VARS, "TORCHELASTIC_RUN_ID"])
 
 
@@ -45,6 +64,8 @@ def test_free_port_is_bindable_and_a_store_listens_on_it():
 
     port = free_port()
     assert 1024 <= port <= 65535
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(
+        "127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30)
+    )
     store.set("k", "v")
     assert store.get("k") == b"v"

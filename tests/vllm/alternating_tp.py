@@ -4,7 +4,8 @@ production). Loaded by LightningCLI from ``--trainer.callbacks+=tests.vllm.alter
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
@@ -17,7 +18,7 @@ class _Alternate:
     def __init__(self, train: Layout):
         self.train, self.rollouts = train, 0
 
-    def select(self, stage: str, stats: Optional[Mapping[str, Any]], current: Layout) -> Layout:
+    def select(self, stage: str, stats: Mapping[str, Any] | None, current: Layout) -> Layout:
         if stage != "rollout":
             return self.train
         tp = 2 if self.rollouts % 2 else 1

@@ -27,22 +27,25 @@ import torch
 import torch.distributed as dist
 
 
-def hf_logprobs(model, prompt: list[int], gen: list[int], temperature: float,
-                allowed: list[int] | None = None) -> torch.Tensor:
+def hf_logprobs(
+    model, prompt: list[int], gen: list[int], temperature: float, allowed: list[int] | None = None
+) -> torch.Tensor:
     """[len(gen)] log-probs of ``gen`` after ``prompt`` under softmax(logits / temperature), over
     the ``allowed`` tokens only when given (the trainer's helper, the function under test's peer)."""
     from earl_lightning.algorithms import logprobs_from_logits
 
     ids = torch.tensor([prompt + gen])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float()  # [G, V]
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [G, V]
     if allowed is not None:
         return logprobs_from_logits(logits, torch.tensor(gen), temperature, torch.tensor(allowed))
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return logp.gather(-1, torch.tensor(gen).unsqueeze(-1)).squeeze(-1)
 
 
-def mismatch(model, requests, outputs, temperature: float, allowed: list[int] | None = None) -> float:
+def mismatch(
+    model, requests, outputs, temperature: float, allowed: list[int] | None = None
+) -> float:
     from earl_lightning.rollout.weight_sync import logprob_mismatch
 
     worst = 0.0
@@ -91,15 +94,18 @@ class Run:
         fully_shard(self.train)  # FSDP2: every parameter is a DTensor Shard(0) over the world
         self.ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.res: dict = {"rank": rank, "world": world}
-        self.backend = VLLMBackend(path, self.tok, tp=1, seed=0, kv_cache_gib=0.0625, max_model_len=1024)
+        self.backend = VLLMBackend(
+            path, self.tok, tp=1, seed=0, kv_cache_gib=0.0625, max_model_len=1024
+        )
         self.sampling = SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123)
         self.chat = self.encode_chat(f"hello from rank {rank}")
         self.reqs: list = []
         self.first: list = []
 
     def encode_chat(self, content: str) -> list[int]:
-        text = self.tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                            tokenize=False)
+        text = self.tok.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
         return self.tok.encode(text, add_special_tokens=False)
 
     def mismatch(self, requests, outputs, allowed: list[int] | None = None) -> float:
@@ -112,7 +118,9 @@ def tp1_generation(run: Run) -> None:
 
     backend, res, tok, sampling = run.backend, run.res, run.tok, run.sampling
     res["sleep_enabled"] = backend.enable_sleep
-    run.reqs = reqs = [GenRequest(key=10 * run.rank + i, prompt_ids=run.chat + [5 + i]) for i in range(3)]
+    run.reqs = reqs = [
+        GenRequest(key=10 * run.rank + i, prompt_ids=run.chat + [5 + i]) for i in range(3)
+    ]
     t0 = time.perf_counter()
     run.first = first = backend.generate(reqs, sampling)
     res["tp1_first_generate_s"] = time.perf_counter() - t0
@@ -124,24 +132,37 @@ def tp1_generation(run: Run) -> None:
     res["tp1_mismatch_turn2"] = run.mismatch(reqs2, second)
     res["tp1_lengths"] = [len(o.token_ids) for o in first + second]
     res["tp1_finish"] = [o.finish_reason for o in first + second]
-    res["tp1_repeat_same"] = [o.token_ids for o in backend.generate(reqs, sampling)] == [o.token_ids for o in first]
+    res["tp1_repeat_same"] = [o.token_ids for o in backend.generate(reqs, sampling)] == [
+        o.token_ids for o in first
+    ]
     greedy = backend.generate(reqs[:1], SamplingConfig(max_new_tokens=6, greedy=True))[0]
     with torch.no_grad():
-        g_ref = run.ref.generate(torch.tensor([reqs[0].prompt_ids]), max_new_tokens=6,
-                                 do_sample=False)[0, len(reqs[0].prompt_ids):]
+        g_ref = run.ref.generate(
+            torch.tensor([reqs[0].prompt_ids]), max_new_tokens=6, do_sample=False
+        )[0, len(reqs[0].prompt_ids) :]
     res["greedy_equal_hf"] = greedy.token_ids == g_ref.tolist()[: len(greedy.token_ids)]
     res["greedy_logprobs"] = greedy.logprobs
     digits = [tok.convert_tokens_to_ids(str(d)) for d in range(7)]
-    restricted = backend.generate(reqs, SamplingConfig(max_new_tokens=6, temperature=0.8, seed=5,
-                                                       allowed_token_ids=digits))
-    res["allowed"] = {"tokens": [t for o in restricted for t in o.token_ids], "ids": digits,
-                      "mismatch": run.mismatch(reqs, restricted, digits),
-                      "unrestricted_mismatch": run.mismatch(reqs, restricted)}
+    restricted = backend.generate(
+        reqs, SamplingConfig(max_new_tokens=6, temperature=0.8, seed=5, allowed_token_ids=digits)
+    )
+    res["allowed"] = {
+        "tokens": [t for o in restricted for t in o.token_ids],
+        "ids": digits,
+        "mismatch": run.mismatch(reqs, restricted, digits),
+        "unrestricted_mismatch": run.mismatch(reqs, restricted),
+    }
     stop_text = tok.decode([first[0].token_ids[3]])
-    stopped = backend.generate(reqs[:1], SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123,
-                                                        stop=[stop_text]))[0]
-    res["stop"] = {"text": stop_text, "finish": stopped.finish_reason, "ids": stopped.token_ids,
-                   "decoded": tok.decode(stopped.token_ids), "unstopped": first[0].token_ids}
+    stopped = backend.generate(
+        reqs[:1], SamplingConfig(max_new_tokens=12, temperature=0.8, seed=123, stop=[stop_text])
+    )[0]
+    res["stop"] = {
+        "text": stop_text,
+        "finish": stopped.finish_reason,
+        "ids": stopped.token_ids,
+        "decoded": tok.decode(stopped.token_ids),
+        "unstopped": first[0].token_ids,
+    }
 
 
 def tool_rollout(run: Run) -> None:
@@ -152,15 +173,20 @@ def tool_rollout(run: Run) -> None:
     from earl_lightning.rollout.loop import ToolUse
     from earl_lightning.tasks.tool_parsers import hermes
 
-    specs = [EpisodeSpec("tests.plugins.tools.Sleepy", seed=s, group_id=s, episode_id=100 + s) for s in range(4)]
+    specs = [
+        EpisodeSpec("tests.plugins.tools.Sleepy", seed=s, group_id=s, episode_id=100 + s)
+        for s in range(4)
+    ]
     kw = dict(max_turns=3, max_context_tokens=1024, tools=ToolUse(hermes))
     lock = rollout(specs, run.backend, run.tok, run.sampling, continuous=False, **kw)
     cont = rollout(specs, run.backend, run.tok, run.sampling, continuous=True, **kw)
-    run.res["tools_continuous_equal"] = [(a.token_ids, a.messages) for a in lock] == [(b.token_ids, b.messages)
-                                                                                     for b in cont]
+    run.res["tools_continuous_equal"] = [(a.token_ids, a.messages) for a in lock] == [
+        (b.token_ids, b.messages) for b in cont
+    ]
     run.res["tools_turns"] = [ep.num_turns for ep in cont]
-    run.res["tools_in_prompt"] = all('"name": "nap"' in run.tok.decode(ep.token_ids[:ep.prompt_tokens])
-                                     for ep in cont)
+    run.res["tools_in_prompt"] = all(
+        '"name": "nap"' in run.tok.decode(ep.token_ids[: ep.prompt_tokens]) for ep in cont
+    )
 
 
 def sync_then_stale(run: Run) -> None:
@@ -171,7 +197,11 @@ def sync_then_stale(run: Run) -> None:
     backend.sleep()
     train_step(run.train, reqs[0].prompt_ids + first[0].token_ids, lr=2.0)
     report = sync_weights(run.train, backend, bucket_bytes=1 << 16)
-    res["sync"] = {"tensors": report.num_tensors, "bytes": report.num_bytes, "seconds": report.seconds}
+    res["sync"] = {
+        "tensors": report.num_tensors,
+        "bytes": report.num_bytes,
+        "seconds": report.seconds,
+    }
     full_copy(run.train, run.ref)
     after = backend.generate(reqs, run.sampling)
     res["tp1_mismatch_after_sync"] = run.mismatch(reqs, after)

@@ -32,13 +32,27 @@ def test_vllm_greedy_play_on_an_exported_model_equals_transformers(tmp_path):
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     out = write_pretrained(policy, load_tokenizer("earl-tiny"), tmp_path / "hf_model")
-    env = subprocess_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1",
-                         TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                         VLLM_LOGGING_LEVEL="WARNING")
-    proc = subprocess.run([sys.executable, str(SCENARIO), str(out), str(tmp_path / "result.json")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = subprocess_env(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(SCENARIO), str(out), str(tmp_path / "result.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     r = json.loads((tmp_path / "result.json").read_text())
-    assert len(r["hf_tokens"]) >= 4 and len(set(r["hf_tokens"])) > 1, r  # a real sequence, not one token repeated
+    assert len(r["hf_tokens"]) >= 4 and len(set(r["hf_tokens"])) > 1, (
+        r
+    )  # a real sequence, not one token repeated
     assert r["vllm_tokens"] == r["hf_tokens"]
-    torch.testing.assert_close(torch.tensor(r["vllm_logprobs"]), torch.tensor(r["hf_logprobs"]), rtol=0, atol=1e-3)
+    torch.testing.assert_close(
+        torch.tensor(r["vllm_logprobs"]), torch.tensor(r["hf_logprobs"]), rtol=0, atol=1e-3
+    )

@@ -13,14 +13,28 @@ from earl_lightning.models import load_model
 from earl_lightning.rollout.backends.vllm_support import vllm_available
 from tests.vllm.test_vllm_recipe import TOL, run_recipe, values
 
-pytestmark = [pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed in this interpreter"),
-              pytest.mark.distributed]
+pytestmark = [
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed in this interpreter"),
+    pytest.mark.distributed,
+]
 
 
 def test_vllm_engine_gets_the_merged_lora_weights(tmp_path):
-    s = run_recipe(tmp_path, "--trainer.devices", "1", "--model.peft.r", "4", "--model.peft.alpha", "16",
-                   "--model.algorithm.kl.coef", "0.05", "--model.rollout.sampling.allowed_tokens",
-                   '["0", "1", "2", "3", "4", "5", "6"]', "--data.eval_episodes", "0")
+    s = run_recipe(
+        tmp_path,
+        "--trainer.devices",
+        "1",
+        "--model.peft.r",
+        "4",
+        "--model.peft.alpha",
+        "16",
+        "--model.algorithm.kl.coef",
+        "0.05",
+        "--model.rollout.sampling.allowed_tokens",
+        '["0", "1", "2", "3", "4", "5", "6"]',
+        "--data.eval_episodes",
+        "0",
+    )
     mismatch = values(s, "logprob/mismatch")
     assert len(mismatch) == 2 and max(mismatch) < TOL, mismatch
     assert values(s, "grad_norm")[0] > 0
@@ -30,5 +44,12 @@ def test_vllm_engine_gets_the_merged_lora_weights(tmp_path):
     trained.load_state_dict(merged, strict=False)
     ids = torch.tensor([[1, 5, 9, 14, 3, 22, 7, 11, 30, 2, 17, 19, 23, 29]])
     with torch.no_grad():
-        moved = (base(ids).logits.log_softmax(-1) - trained(ids).logits.log_softmax(-1)).abs().max().item()
-    assert moved > 10 * TOL, f"the adapters moved the log-probs by {moved} only: the check would mean nothing"
+        moved = (
+            (base(ids).logits.log_softmax(-1) - trained(ids).logits.log_softmax(-1))
+            .abs()
+            .max()
+            .item()
+        )
+    assert moved > 10 * TOL, (
+        f"the adapters moved the log-probs by {moved} only: the check would mean nothing"
+    )

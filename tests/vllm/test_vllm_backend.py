@@ -95,7 +95,9 @@ def test_tp_switch_mid_run_keeps_generating_correctly(ranks):
         assert r["tp2_switch_s"] > 0 and r["tp1_back_switch_s"] > 0
         assert "must pass identical requests" in r["tp2_disagree_error"]
         assert r["engines_built"] == 3
-    assert r0["tp2_tokens"] == r1["tp2_tokens"], "both ranks of one TP engine must see the same tokens"
+    assert r0["tp2_tokens"] == r1["tp2_tokens"], (
+        "both ranks of one TP engine must see the same tokens"
+    )
 
 
 @needs_vllm
@@ -104,7 +106,9 @@ def test_failed_engine_build_leaves_nothing_behind_and_the_retry_syncs(ranks):
     for r in ranks:
         assert "KV cache is needed" in r["oom_build_error"] and r["oom_is_oom"]
         assert r["retry_tp"] == 1 and r["retry_switch_s"] > 0
-        assert r["retry_mismatch"] < TOL  # the rebuilt engine got the trained weights, not the checkpoint's
+        assert (
+            r["retry_mismatch"] < TOL
+        )  # the rebuilt engine got the trained weights, not the checkpoint's
 
 
 # ---- errors (run with or without vLLM) ------------------------------------------------------
@@ -125,16 +129,22 @@ def test_missing_vllm_names_the_extra(tiny, monkeypatch):
 def test_tp_not_dividing_heads_is_rejected(tiny):
     from earl_lightning.rollout.backends.vllm import VLLMBackend
 
-    with pytest.raises(ValueError, match=r"`tp`=3 does not divide the model's attention heads \(4, 2 KV heads\); valid tp: \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"`tp`=3 does not divide the model's attention heads \(4, 2 KV heads\); valid tp: \[1, 2, 4\]",
+    ):
         VLLMBackend(tiny[0], tiny[1], tp=3)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(tp=0), r"`tp` must be a positive integer, got 0"),
-    (dict(dtype="fp8"), r"`dtype` must be one of .*got 'fp8'"),
-    (dict(kv_cache_gib=-1), r"`kv_cache_gib` must be a positive number"),
-    (dict(gpu_memory_utilization=0), r"`gpu_memory_utilization` must be in \(0, 1\], got 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tp=0), r"`tp` must be a positive integer, got 0"),
+        (dict(dtype="fp8"), r"`dtype` must be one of .*got 'fp8'"),
+        (dict(kv_cache_gib=-1), r"`kv_cache_gib` must be a positive number"),
+        (dict(gpu_memory_utilization=0), r"`gpu_memory_utilization` must be in \(0, 1\], got 0"),
+    ],
+)
 def test_bad_arguments_are_rejected(tiny, kwargs, match):
     from earl_lightning.rollout.backends.vllm import VLLMBackend
 
@@ -149,7 +159,10 @@ def test_unsupported_architecture_is_rejected(tiny, tmp_path):
     cfg = json.loads((make_tiny_model("earl-tiny") / "config.json").read_text())
     cfg["architectures"] = ["NotARealModelForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"`model`: vLLM .* does not support the architecture \['NotARealModelForCausalLM'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"`model`: vLLM .* does not support the architecture \['NotARealModelForCausalLM'\]",
+    ):
         VLLMBackend(str(tmp_path), tiny[1], tp=1)
 
 
@@ -159,7 +172,9 @@ def test_generate_rejects_prompt_longer_than_max_model_len(tiny):
     from earl_lightning.rollout.backends.vllm import VLLMBackend
 
     backend = VLLMBackend(tiny[0], tiny[1], tp=1, max_model_len=16)
-    with pytest.raises(ValueError, match=r"`requests` key 7: prompt of 16 tokens .* `max_model_len`=16"):
+    with pytest.raises(
+        ValueError, match=r"`requests` key 7: prompt of 16 tokens .* `max_model_len`=16"
+    ):
         backend.generate([GenRequest(7, [5] * 16)], SamplingConfig())
     assert backend.stats["engines_built"] == 0  # validated before any engine exists
 
@@ -184,16 +199,24 @@ def test_from_spec_builds_the_trainers_backend_without_an_engine(tiny):
     from earl_lightning.rollout.backends.vllm import VLLMBackend
     from earl_lightning.rollout.backends.vllm_support import kv_cache_gib_for
 
-    module = AgenticRLModule(model="earl-tiny", rollout={"backend": "vllm", "max_context_tokens": 512}, seed=7,
-                             dtype="bfloat16")
+    module = AgenticRLModule(
+        model="earl-tiny",
+        rollout={"backend": "vllm", "max_context_tokens": 512},
+        seed=7,
+        dtype="bfloat16",
+    )
     source = torch.nn.Linear(1, 1)
-    spec = BackendSpec(model_path=resolve_model_path("earl-tiny"), dtype="bfloat16", seed=7, max_context_tokens=512)
+    spec = BackendSpec(
+        model_path=resolve_model_path("earl-tiny"), dtype="bfloat16", seed=7, max_context_tokens=512
+    )
     backend = VLLMBackend.from_spec(source, module.tokenizer, spec, enforce_eager=False)
     assert backend.model == tiny[0] and backend.tokenizer is module.tokenizer
     assert (backend.max_model_len, backend.seed, backend.dtype) == (512 + 16, 7, "bfloat16")
     assert backend.kv_cache_gib == pytest.approx(kv_cache_gib_for(backend.config, 528, "bfloat16"))
     assert backend.enforce_eager is False and backend.weights_source is source
     newer = torch.nn.Linear(1, 1)
-    backend.after_update(newer)  # no engine yet: nothing to push, but a later build syncs from `newer`
+    backend.after_update(
+        newer
+    )  # no engine yet: nothing to push, but a later build syncs from `newer`
     assert backend.weights_source is newer
     assert backend.stats == {"engines_built": 0, "generated_tokens": 0, "weight_updates": 0}

@@ -24,25 +24,55 @@ pytestmark = [
     pytest.mark.skipif(
         not vllm_available(),
         reason="vLLM is not installed in this interpreter (CPU: bash scripts/install_vllm_cpu.sh; "
-               "GPU: pip install 'earl_lightning[vllm]')",
+        "GPU: pip install 'earl_lightning[vllm]')",
     ),
     pytest.mark.distributed,
 ]
 
 
-def run_recipe(root: Path, *extra: str, timeout: float = 420.0) -> dict[str, list[tuple[int, float]]]:
+def run_recipe(
+    root: Path, *extra: str, timeout: float = 420.0
+) -> dict[str, list[tuple[int, float]]]:
     """`earl fit` for 2 steps on 2 processes; returns the scalars rank 0 logged, by tag."""
-    cmd = [sys.executable, "-m", "earl_lightning.cli", "fit", "--config", str(RECIPE),
-           "--trainer.devices", "2", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
-           "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
-           "--data.batch_size", "8", "--data.group_size", "4", "--data.eval_episodes", "4", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "earl_lightning.cli",
+        "fit",
+        "--config",
+        str(RECIPE),
+        "--trainer.devices",
+        "2",
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.batch_size",
+        "8",
+        "--data.group_size",
+        "4",
+        "--data.eval_episodes",
+        "4",
+        *extra,
+    ]
     from tests.vllm.conftest import subprocess_env
 
-    env = subprocess_env(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                         VLLM_LOGGING_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+    env = subprocess_env(
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_LOGGING_LEVEL="WARNING",
+        PYTHONPATH=str(ROOT),
+    )
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"earl fit failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise RuntimeError(
+            f"earl fit failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = sorted(root.rglob("events.out.tfevents.*"))
@@ -67,7 +97,9 @@ def test_vllm_recipe_runs_two_steps_with_matching_logprobs(tmp_path):
     # change): agreement to float noise means the sync reached the engine.
     assert len(mismatch) == 2 and max(mismatch) < TOL, mismatch
     assert values(s, "layout/rollout/tp") == [1.0, 1.0]
-    assert values(s, "grad_norm")[0] > 0, "the first update must change the weights for the check to mean anything"
+    assert values(s, "grad_norm")[0] > 0, (
+        "the first update must change the weights for the check to mean anything"
+    )
     assert "rollout/switch_seconds" in s and "val/win_rate" in s
     assert "log-probs of the generation engine differ" not in s["_stderr"]
     assert list(tmp_path.rglob("last.ckpt"))

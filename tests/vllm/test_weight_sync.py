@@ -22,8 +22,9 @@ def _tiny_hf():
 
     from earl_lightning.models import make_tiny_model
 
-    return AutoModelForCausalLM.from_pretrained(make_tiny_model("earl-tiny", hidden_size=64, intermediate_size=128),
-                                                dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(
+        make_tiny_model("earl-tiny", hidden_size=64, intermediate_size=128), dtype=torch.float32
+    )
 
 
 def test_logprob_mismatch_is_max_abs_over_generated_tokens():
@@ -36,7 +37,10 @@ def test_logprob_mismatch_is_max_abs_over_generated_tokens():
 
 
 def test_logprob_mismatch_shape_error():
-    with pytest.raises(ValueError, match=r"`rollout_logprobs` \(2,\), `recomputed_logprobs` \(3,\) and `mask` \(2,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`rollout_logprobs` \(2,\), `recomputed_logprobs` \(3,\) and `mask` \(2,\)",
+    ):
         logprob_mismatch(torch.zeros(2), torch.zeros(3), torch.ones(2))
 
 
@@ -49,8 +53,10 @@ def test_check_warns_loudly_only_over_threshold():
 
 
 def test_hf_names_strip_wrappers():
-    assert hf_parameter_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == \
-        "model.layers.0.mlp.up_proj.weight"
+    assert (
+        hf_parameter_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight")
+        == "model.layers.0.mlp.up_proj.weight"
+    )
     assert hf_parameter_name("module.lm_head.weight") == "lm_head.weight"
 
 

@@ -1,6 +1,11 @@
 """Generation backends: the protocol (:mod:`.base`) and the transformers backend (:mod:`.hf`)."""
 
-from earl_lightning.rollout.backends.base import GenerationBackend, GenOutput, GenRequest, SamplingConfig
+from earl_lightning.rollout.backends.base import (
+    GenerationBackend,
+    GenOutput,
+    GenRequest,
+    SamplingConfig,
+)
 
 __all__ = ["GenerationBackend", "GenOutput", "GenRequest", "SamplingConfig", "HFBackend"]
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from earl_lightning.registry import Registry
 
@@ -31,30 +32,59 @@ class SamplingConfig:
     allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        temperature = 1.0 if self.greedy else self.temperature  # greedy decoding ignores the temperature
+        temperature = (
+            1.0 if self.greedy else self.temperature
+        )  # greedy decoding ignores the temperature
         check_sampling(self.max_new_tokens, temperature, self.top_p, self.top_k, self.stop)
         ids = self.allowed_token_ids
-        if ids is not None and (isinstance(ids, (str, bytes)) or not ids or len(set(ids)) != len(ids) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
-            raise ValueError(f"`sampling.allowed_token_ids` must be None or a non-empty list of distinct token ids "
-                             f"(integers >= 0), got {ids!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if ids is not None and (
+            isinstance(ids, (str, bytes))
+            or not ids
+            or len(set(ids)) != len(ids)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+        ):
+            raise ValueError(
+                f"`sampling.allowed_token_ids` must be None or a non-empty list of distinct token ids "
+                f"(integers >= 0), got {ids!r}"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise ValueError(f"`sampling.seed` must be an integer or None, got {self.seed!r}")
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, stop: list[str], *,
-                   arg: str = "sampling") -> None:
+def check_sampling(
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    stop: list[str],
+    *,
+    arg: str = "sampling",
+) -> None:
     """The sampling settings a user writes; errors name them as ``{arg}.<setting>``."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
         raise ValueError(f"`{arg}.max_new_tokens` must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"`{arg}.temperature` must be > 0 (or set `sampling.greedy` for argmax decoding), "
-                         f"got {temperature!r}")
+    if isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and temperature > 0
+    ):
+        raise ValueError(
+            f"`{arg}.temperature` must be > 0 (or set `sampling.greedy` for argmax decoding), "
+            f"got {temperature!r}"
+        )
     if isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"`{arg}.top_p` must be in (0, 1], got {top_p!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"`{arg}.top_k` must be an integer >= 0 (0 = no top-k), got {top_k!r}")
-    if isinstance(stop, str) or not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+    if (
+        isinstance(stop, str)
+        or not isinstance(stop, (list, tuple))
+        or not all(isinstance(s, str) and s for s in stop)
+    ):
         raise ValueError(f"`{arg}.stop` must be a list of non-empty strings, got {stop!r}")
 
 
@@ -149,7 +179,11 @@ def check_requests(requests: list[GenRequest]) -> None:
     keys = [r.key for r in requests]
     if len(set(keys)) != len(keys):
         dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise ValueError(f"`requests` keys must be unique within one generate call; duplicated: {dup[:8]}")
+        raise ValueError(
+            f"`requests` keys must be unique within one generate call; duplicated: {dup[:8]}"
+        )
     for r in requests:
         if not r.prompt_ids:
-            raise ValueError(f"`requests` key {r.key}: `prompt_ids` is empty; it must hold at least one token")
+            raise ValueError(
+                f"`requests` key {r.key}: `prompt_ids` is empty; it must hold at least one token"
+            )

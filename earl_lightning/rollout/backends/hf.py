@@ -21,9 +21,21 @@ from typing import Any
 import torch
 
 from earl_lightning.models import eval_mode
-from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig, check_requests
-from earl_lightning.rollout.backends.kv import (EpisodeKV, ResidentKV, attention_masks, attention_windows, build_cache,
-                                                common_resident, gqa_attention)
+from earl_lightning.rollout.backends.base import (
+    GenOutput,
+    GenRequest,
+    SamplingConfig,
+    check_requests,
+)
+from earl_lightning.rollout.backends.kv import (
+    EpisodeKV,
+    ResidentKV,
+    attention_masks,
+    attention_windows,
+    build_cache,
+    common_resident,
+    gqa_attention,
+)
 from earl_lightning.rollout.backends.sampling import draw_uniforms, row_seed, sample_tokens
 
 
@@ -60,25 +72,47 @@ class HFBackend:
             query rows of it, so each cached KV head is read once (``False``: SDPA's ``enable_gqa``).
     """
 
-    def __init__(self, model: Any, tokenizer: Any, reuse_kv: bool = True, prefill_chunk_elems: int = 1 << 24,
-                 share_prompts: bool = True, reuse_buffer: bool = True, gqa_decode_rows: bool = True):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        reuse_kv: bool = True,
+        prefill_chunk_elems: int = 1 << 24,
+        share_prompts: bool = True,
+        reuse_buffer: bool = True,
+        gqa_decode_rows: bool = True,
+    ):
         if prefill_chunk_elems < 1:
             raise ValueError(f"`prefill_chunk_elems` must be >= 1, got {prefill_chunk_elems!r}")
         self.model, self.tokenizer = model, tokenizer
         self._tensor_parallel = _has_dtensor(model)
-        self.reuse_kv, self.prefill_chunk_elems, self.share_prompts = reuse_kv, prefill_chunk_elems, share_prompts
+        self.reuse_kv, self.prefill_chunk_elems, self.share_prompts = (
+            reuse_kv,
+            prefill_chunk_elems,
+            share_prompts,
+        )
         self.reuse_buffer, self.gqa_decode_rows = reuse_buffer, gqa_decode_rows
         self.eos_ids = _eos_ids(model, tokenizer)
         if not self.eos_ids:
-            raise ValueError("the tokenizer has no `eos_token_id`; generation needs one to end a turn")
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+            raise ValueError(
+                "the tokenizer has no `eos_token_id`; generation needs one to end a turn"
+            )
+        self.pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        )
         self.vocab_limit = len(tokenizer)
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.windows = attention_windows(model.config)
         self._cache: dict[int, EpisodeKV] = {}
         # Cumulative counters; tests use them to check that turn t re-encodes nothing old.
-        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0, "forwards": 0,
-                      "shared_prompt_tokens": 0, "whole_buffer_calls": 0}
+        self.stats = {
+            "prefill_tokens": 0,
+            "reused_tokens": 0,
+            "generated_tokens": 0,
+            "forwards": 0,
+            "shared_prompt_tokens": 0,
+            "whole_buffer_calls": 0,
+        }
 
     @property
     def device(self) -> torch.device:
@@ -116,7 +150,11 @@ class HFBackend:
         if not requests:
             return []
         try:
-            with eval_mode(self.model), gqa_attention(self.model, self.gqa_decode_rows), torch.inference_mode():
+            with (
+                eval_mode(self.model),
+                gqa_attention(self.model, self.gqa_decode_rows),
+                torch.inference_mode(),
+            ):
                 return self._generate(requests, sampling)
         finally:
             if self._tensor_parallel:
@@ -130,7 +168,9 @@ class HFBackend:
     # ---- one call ------------------------------------------------------------------------
     def _generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
         entries = [self._reusable(r) for r in requests]
-        whole = common_resident(entries) if self.reuse_buffer else None  # all continue rows of one buffer
+        whole = (
+            common_resident(entries) if self.reuse_buffer else None
+        )  # all continue rows of one buffer
         if whole is None and self.share_prompts:
             entries = self._shared_prompts(requests, entries)
         prefix_valid = None if whole is None else whole[2]
@@ -141,15 +181,22 @@ class HFBackend:
         # The prefixes are in the new buffer now: let the previous one go unless an episode absent
         # from this call still points at it.
         entries = whole = prefix_valid = None
-        seeds = None if sampling.seed is None else [row_seed(sampling.seed, r.key, len(r.prompt_ids)) for r in requests]
+        seeds = (
+            None
+            if sampling.seed is None
+            else [row_seed(sampling.seed, r.key, len(r.prompt_ids)) for r in requests]
+        )
         uniforms = draw_uniforms(seeds, len(requests), sampling.max_new_tokens, self.device)
         tokens, logps, lengths, stopped = self._decode(batch, cache, logits, sampling, uniforms)
         if self.reuse_kv:
             self._store(requests, tokens, lengths, batch, cache)
         self.stats["generated_tokens"] += sum(lengths)
         return [
-            GenOutput(tokens[i][: lengths[i]], [0.0] * lengths[i] if sampling.greedy else logps[i][: lengths[i]],
-                      "stop" if stopped[i] else "length")
+            GenOutput(
+                tokens[i][: lengths[i]],
+                [0.0] * lengths[i] if sampling.greedy else logps[i][: lengths[i]],
+                "stop" if stopped[i] else "length",
+            )
             for i in range(len(requests))
         ]
 
@@ -162,7 +209,9 @@ class HFBackend:
             return None  # the context was rewritten: recompute from scratch
         return entry
 
-    def _shared_prompts(self, requests: list[GenRequest], entries: list[EpisodeKV | None]) -> list[EpisodeKV | None]:
+    def _shared_prompts(
+        self, requests: list[GenRequest], entries: list[EpisodeKV | None]
+    ) -> list[EpisodeKV | None]:
         """Entries for uncached requests whose prompt another uncached request of the call shares:
         the prompt but its last token, encoded once per distinct prompt. The layers' tensors are
         shared read-only; the packed buffer copies them in."""
@@ -180,14 +229,21 @@ class HFBackend:
         out = list(entries)
         for j, ids in enumerate(shared):
             cols = batch.valid[j].nonzero().flatten()
-            entry = EpisodeKV(list(ids[:-1]), layers=[layer.extract(j, cols) for layer in cache.layers])
+            entry = EpisodeKV(
+                list(ids[:-1]), layers=[layer.extract(j, cols) for layer in cache.layers]
+            )
             for i in groups[ids]:
                 out[i] = entry
             self.stats["shared_prompt_tokens"] += (len(groups[ids]) - 1) * len(heads[j].prompt_ids)
         return out
 
-    def _layout(self, requests: list[GenRequest], entries: list[EpisodeKV | None], max_new: int,
-                prefix_valid: torch.Tensor | None = None) -> _Batch:
+    def _layout(
+        self,
+        requests: list[GenRequest],
+        entries: list[EpisodeKV | None],
+        max_new: int,
+        prefix_valid: torch.Tensor | None = None,
+    ) -> _Batch:
         """The call's columns; ``prefix_valid`` [B, P]: the prefix is a resident buffer's first P
         columns as they are (holes included), else each row's cache left-padded to the longest."""
         cached = [len(e.ids) if e is not None else 0 for e in entries]
@@ -202,10 +258,10 @@ class HFBackend:
         pos = torch.zeros(b, width, dtype=torch.long)
         for i, (c, s) in enumerate(zip(cached, suffixes)):
             if prefix_valid is None:
-                valid[i, prefix_cols - c:prefix_cols] = True
-            valid[i, decode_start - len(s):decode_start] = True
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            pos[i, width - len(s):] = torch.arange(c, c + len(s))
+                valid[i, prefix_cols - c : prefix_cols] = True
+            valid[i, decode_start - len(s) : decode_start] = True
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            pos[i, width - len(s) :] = torch.arange(c, c + len(s))
         self.stats["prefill_tokens"] += sum(len(s) for s in suffixes)
         self.stats["reused_tokens"] += sum(cached)
         dev = self.device
@@ -213,12 +269,22 @@ class HFBackend:
         valid = valid.to(dev)
         if prefix_valid is not None:
             valid[:, :prefix_cols] = prefix_valid
-        return _Batch(prefix_cols, decode_start, capacity, valid, ids.to(dev), pos.to(dev), next_pos.to(dev))
+        return _Batch(
+            prefix_cols, decode_start, capacity, valid, ids.to(dev), pos.to(dev), next_pos.to(dev)
+        )
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
         self.stats["forwards"] += 1
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :]
 
     def _prefill(self, batch: _Batch, cache: Any) -> torch.Tensor:
@@ -229,13 +295,25 @@ class HFBackend:
         logits = None
         for q0 in range(0, width, chunk):
             q1 = min(width, q0 + chunk)
-            cols = torch.arange(batch.prefix_cols + q0, batch.prefix_cols + q1, device=batch.valid.device)
-            mask = attention_masks(batch.valid[:, : batch.prefix_cols + q1], cols, dtype, self.windows)
-            logits = self._forward(batch.suffix_ids[:, q0:q1], batch.suffix_pos[:, q0:q1], mask, cache)
+            cols = torch.arange(
+                batch.prefix_cols + q0, batch.prefix_cols + q1, device=batch.valid.device
+            )
+            mask = attention_masks(
+                batch.valid[:, : batch.prefix_cols + q1], cols, dtype, self.windows
+            )
+            logits = self._forward(
+                batch.suffix_ids[:, q0:q1], batch.suffix_pos[:, q0:q1], mask, cache
+            )
         return logits
 
-    def _decode(self, batch: _Batch, cache: Any, logits: torch.Tensor, sampling: SamplingConfig,
-                uniforms: torch.Tensor) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]]:
+    def _decode(
+        self,
+        batch: _Batch,
+        cache: Any,
+        logits: torch.Tensor,
+        sampling: SamplingConfig,
+        uniforms: torch.Tensor,
+    ) -> tuple[list[list[int]], list[list[float]], list[int], list[bool]]:
         """Sample up to ``max_new_tokens`` per row, feeding each sampled token back batched."""
         b, steps, dev = logits.shape[0], sampling.max_new_tokens, logits.device
         tokens = torch.full((b, steps), self.pad_id, dtype=torch.long, device=dev)
@@ -246,9 +324,16 @@ class HFBackend:
         eos = torch.tensor(sorted(self.eos_ids), device=dev)
         dtype = _float_dtype(self.model)
         for j in range(steps):
-            tok, lp = sample_tokens(logits, uniforms[:, j], temperature=sampling.temperature, top_k=sampling.top_k,
-                                    top_p=sampling.top_p, greedy=sampling.greedy, vocab_limit=self.vocab_limit,
-                                    allowed=sampling.allowed_token_ids)
+            tok, lp = sample_tokens(
+                logits,
+                uniforms[:, j],
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                greedy=sampling.greedy,
+                vocab_limit=self.vocab_limit,
+                allowed=sampling.allowed_token_ids,
+            )
             tokens[:, j] = torch.where(active, tok, self.pad_id)
             logps[:, j] = torch.where(active, lp, 0.0)
             lengths += active.long()
@@ -261,8 +346,12 @@ class HFBackend:
                 break
             col = batch.decode_start + j
             batch.valid[:, col] = active  # a finished row's last token is never attended to
-            mask = attention_masks(batch.valid[:, : col + 1], torch.tensor([col], device=dev), dtype, self.windows)
-            logits = self._forward(tokens[:, j: j + 1], (batch.next_pos + j).unsqueeze(1), mask, cache)
+            mask = attention_masks(
+                batch.valid[:, : col + 1], torch.tensor([col], device=dev), dtype, self.windows
+            )
+            logits = self._forward(
+                tokens[:, j : j + 1], (batch.next_pos + j).unsqueeze(1), mask, cache
+            )
         return tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
 
     def _stop_hits(self, tokens: torch.Tensor, rows: torch.Tensor, stop: list[str]) -> torch.Tensor:
@@ -283,8 +372,14 @@ class HFBackend:
             hits[i] = any(s in text for s in stop)
         return hits
 
-    def _store(self, requests: list[GenRequest], tokens: list[list[int]], lengths: list[int], batch: _Batch,
-               cache: Any) -> None:
+    def _store(
+        self,
+        requests: list[GenRequest],
+        tokens: list[list[int]],
+        lengths: list[int],
+        batch: _Batch,
+        cache: Any,
+    ) -> None:
         """Keep the call's buffer, each request's episode pointing at its row: the fed columns are
         the prompt plus all generated tokens but the last (the last one was sampled, never fed;
         the next turn's prefill starts with it)."""
@@ -293,7 +388,9 @@ class HFBackend:
         for i, req in enumerate(requests):
             ids = req.prompt_ids + tokens[i][: lengths[i] - 1]
             if counts[i] != len(ids):  # cannot happen unless the layout logic is broken
-                raise RuntimeError(f"KV cache of key {req.key}: {counts[i]} columns for {len(ids)} ids")
+                raise RuntimeError(
+                    f"KV cache of key {req.key}: {counts[i]} columns for {len(ids)} ids"
+                )
             self._cache[req.key] = EpisodeKV(ids, resident=resident, row=i)
 
 
@@ -305,7 +402,10 @@ def _has_dtensor(model: Any) -> bool:
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     ids = set()
-    for src in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    for src in (
+        tokenizer.eos_token_id,
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
         if isinstance(src, int):
             ids.add(src)
         elif src is not None:

@@ -18,8 +18,9 @@ the next call's prefix as a whole, rows selected in one copy per layer, holes an
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +69,9 @@ class EpisodeKV:
         return row_columns(*self.resident.layers[i], self.row, cols)
 
 
-def row_columns(keys: torch.Tensor, values: torch.Tensor, row: int,
-                cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_columns(
+    keys: torch.Tensor, values: torch.Tensor, row: int, cols: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A contiguous ``[kv_heads, len(cols), head_dim]`` copy of one row's chosen columns of a
     ``[B, kv_heads, capacity, head_dim]`` buffer's keys and values."""
     return keys[row].index_select(1, cols), values[row].index_select(1, cols)
@@ -81,8 +83,13 @@ class PaddedKVLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, capacity: int, prefix_cols: int, prefixes: list[tuple[torch.Tensor, torch.Tensor] | None],
-                 whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        prefix_cols: int,
+        prefixes: list[tuple[torch.Tensor, torch.Tensor] | None],
+        whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ):
         super().__init__()
         self.capacity, self.prefix_cols, self.prefixes = capacity, prefix_cols, prefixes
         self.whole = whole  # (keys, values, rows) of a resident buffer whose first prefix_cols columns are the prefix
@@ -103,8 +110,8 @@ class PaddedKVLayer(CacheLayerMixin):
         for row, kv in enumerate(self.prefixes):
             if kv is not None:
                 n = kv[0].shape[1]
-                self.keys[row, :, self.prefix_cols - n:self.prefix_cols] = kv[0]
-                self.values[row, :, self.prefix_cols - n:self.prefix_cols] = kv[1]
+                self.keys[row, :, self.prefix_cols - n : self.prefix_cols] = kv[0]
+                self.values[row, :, self.prefix_cols - n : self.prefix_cols] = kv[1]
         self.prefixes = []  # the per-episode copies are no longer needed by this layer
         self.length = self.prefix_cols
         self.is_initialized = True
@@ -115,8 +122,8 @@ class PaddedKVLayer(CacheLayerMixin):
         end = self.length + key_states.shape[2]
         if end > self.capacity:
             raise RuntimeError(f"KV buffer overflow: {end} columns > capacity {self.capacity}")
-        self.keys[:, :, self.length:end] = key_states
-        self.values[:, :, self.length:end] = value_states
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
@@ -134,21 +141,35 @@ class PaddedKVLayer(CacheLayerMixin):
         return row_columns(self.keys, self.values, row, cols)
 
 
-def build_cache(num_layers: int, capacity: int, prefix_cols: int, entries: list[EpisodeKV | None],
-                whole: tuple[ResidentKV, torch.Tensor, torch.Tensor] | None = None) -> Cache:
+def build_cache(
+    num_layers: int,
+    capacity: int,
+    prefix_cols: int,
+    entries: list[EpisodeKV | None],
+    whole: tuple[ResidentKV, torch.Tensor, torch.Tensor] | None = None,
+) -> Cache:
     """A transformers ``Cache`` whose layers are :class:`PaddedKVLayer` with the rows' prefixes:
     ``whole`` = (a resident buffer, the rows to take from it, in order, and their ``valid``) as
     :func:`common_resident` gives it, else each entry's own."""
     if whole is not None:
         res, rows, _ = whole
-        layers = [PaddedKVLayer(capacity, prefix_cols, [], (*res.layers[i], rows)) for i in range(num_layers)]
+        layers = [
+            PaddedKVLayer(capacity, prefix_cols, [], (*res.layers[i], rows))
+            for i in range(num_layers)
+        ]
     else:
-        layers = [PaddedKVLayer(capacity, prefix_cols, [e.layer(i) if e is not None else None for e in entries])
-                  for i in range(num_layers)]
+        layers = [
+            PaddedKVLayer(
+                capacity, prefix_cols, [e.layer(i) if e is not None else None for e in entries]
+            )
+            for i in range(num_layers)
+        ]
     return Cache(layers=layers)
 
 
-def common_resident(entries: list[EpisodeKV | None]) -> tuple[ResidentKV, torch.Tensor, torch.Tensor] | None:
+def common_resident(
+    entries: list[EpisodeKV | None],
+) -> tuple[ResidentKV, torch.Tensor, torch.Tensor] | None:
     """(buffer, rows, the rows' ``valid`` [b, cols]) when every entry is a row of one resident
     buffer worth reusing whole."""
     first = entries[0] if entries else None
@@ -160,8 +181,9 @@ def common_resident(entries: list[EpisodeKV | None]) -> tuple[ResidentKV, torch.
     return (res, rows, rows_valid) if res.fits(rows_valid) else None
 
 
-def additive_mask(valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.dtype,
-                  window: int | None = None) -> torch.Tensor:
+def additive_mask(
+    valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.dtype, window: int | None = None
+) -> torch.Tensor:
     """[B, 1, Q, K] additive attention mask from ``valid`` [B, K] and the query columns [Q].
 
     Query ``q`` may attend column ``k`` iff ``k`` holds a real token and ``k <= query_cols[q]``;
@@ -191,9 +213,15 @@ def attention_windows(config: Any) -> dict[str, int | None]:
     full causal attention): ``{"full_attention": None}`` for an ordinary model,
     ``{"sliding_attention": 128}`` when every layer attends to the last 128 tokens only."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    window = (
+        getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True)
+        else None
+    )
     # A config without per-layer types (Mistral) windows every layer when it names a window.
-    kinds = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"]
+    kinds = getattr(config, "layer_types", None) or [
+        "sliding_attention" if window else "full_attention"
+    ]
     out: dict[str, int | None] = {}
     for kind in kinds:
         if kind == "full_attention":
@@ -201,13 +229,19 @@ def attention_windows(config: Any) -> dict[str, int | None]:
         elif kind == "sliding_attention" and window:
             out[kind] = int(window)
         else:
-            raise ValueError(f"layer type {kind!r} (sliding_window={window!r}) is not supported by the "
-                             f"KV-reusing HF backend; supported: full_attention, sliding_attention")
+            raise ValueError(
+                f"layer type {kind!r} (sliding_window={window!r}) is not supported by the "
+                f"KV-reusing HF backend; supported: full_attention, sliding_attention"
+            )
     return out
 
 
-def attention_masks(valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.dtype,
-                    windows: dict[str, int | None]) -> torch.Tensor | dict[str, torch.Tensor]:
+def attention_masks(
+    valid: torch.Tensor,
+    query_cols: torch.Tensor,
+    dtype: torch.dtype,
+    windows: dict[str, int | None],
+) -> torch.Tensor | dict[str, torch.Tensor]:
     """:func:`additive_mask` per attention kind: one tensor for an all-full-attention model, else
     the ``{layer_type: mask}`` mapping transformers' decoder models accept as ``attention_mask``."""
     if set(windows) == {"full_attention"}:
@@ -215,23 +249,43 @@ def attention_masks(valid: torch.Tensor, query_cols: torch.Tensor, dtype: torch.
     return {kind: additive_mask(valid, query_cols, dtype, w) for kind, w in windows.items()}
 
 
-def _sdpa_gqa_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                        **kwargs: Any) -> tuple[torch.Tensor, None]:
+def _sdpa_gqa_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """SDPA that broadcasts grouped KV heads instead of copying them.
 
     transformers' own SDPA path repeats the KV heads whenever a mask is given on CPU, i.e. it
     copies the whole cache on every decode step, which made that copy the largest cost of a
     multi-turn decode. ``enable_gqa`` gives the same numbers without the copy.
     """
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                         enable_gqa=query.shape[1] != key.shape[1])
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sdpa_gqa_rows_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+def _sdpa_gqa_rows_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """:func:`_sdpa_gqa_attention`, and in a decode step (one query per row) the query heads that
     share a KV head become query rows of that head, so the kernel reads each cached KV head once
     instead of once per query head (CPU's flash kernel does the latter under ``enable_gqa``). The
@@ -239,8 +293,14 @@ def _sdpa_gqa_rows_attention(module: Any, query: torch.Tensor, key: torch.Tensor
     broadcasts over the rows."""
     b, heads, q_len, d = query.shape
     kv_heads = key.shape[1]
-    if q_len != 1 or heads == kv_heads or (attention_mask is not None and attention_mask.shape[1] != 1):
-        return _sdpa_gqa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if (
+        q_len != 1
+        or heads == kv_heads
+        or (attention_mask is not None and attention_mask.shape[1] != 1)
+    ):
+        return _sdpa_gqa_attention(
+            module, query, key, value, attention_mask, dropout, scaling, **kwargs
+        )
     rows = query.reshape(b, kv_heads, heads // kv_heads, d)  # query head i -> KV head i // group
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(b, 1, heads, d), None

