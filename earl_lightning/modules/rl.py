@@ -44,7 +44,8 @@ from earl_lightning.modules.rollout_setup import check_first_observation, loop_k
 from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory
 from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
-from earl_lightning.rollout.backends.base import GENERATION_BACKENDS, BackendSpec, SamplingConfig
+from earl_lightning.rollout.backends.base import BackendSpec, SamplingConfig
+from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch

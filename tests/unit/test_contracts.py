@@ -10,7 +10,8 @@ from earl_lightning.callbacks import AdaptiveParallelism, StageOOMHandler, Workl
 from earl_lightning.data.exchange import DispatchConfig, Exchanger
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.parallel.layout import Layout
-from earl_lightning.rollout.backends.base import GENERATION_BACKENDS, GenerationBackend
+from earl_lightning.rollout.backends.base import GenerationBackend
+from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.strategies import EarlStrategy
 from earl_lightning.strategies.stage import DataParallelStages, StageStrategy, stages_of

@@ -110,3 +110,45 @@ def test_modules_make_no_raw_distributed_call():
 def test_the_graph_is_really_read():
     found = {(src.split(" ")[0], dst) for src, dst, _ in imports()}
     assert ("modules", "algorithms") in found and ("parallel", "algorithms") in found
+
+
+def _module_of(name: str) -> str | None:
+    """The project module ``name`` is (a package is its ``__init__``), or None."""
+    path = PACKAGE.parent / name.replace(".", "/")
+    if path.with_suffix(".py").is_file():
+        return name
+    return name if (path / "__init__.py").is_file() else None
+
+
+def test_no_cycle_between_modules():
+    """Within a package too: no module imports one that imports it back (directly or not; lazy
+    imports included), e.g. the backends' protocol and its concrete backends."""
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(
+            ".__init__"
+        )
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [_module_of(f"{node.module}.{a.name}") or node.module for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = _module_of(name) if name.startswith("earl_lightning") else None
+                if target is not None and target != rel:
+                    edges.setdefault(rel, set()).add(target)
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return any(
+            n == b or (n not in seen and reaches(n, b, seen | {n})) for n in edges.get(a, ())
+        )
+
+    cycles = sorted(
+        (a, b)
+        for a, bs in edges.items()
+        for b in bs
+        if not a.startswith(b + ".") and not b.startswith(a + ".") and reaches(b, a, {b})
+    )
+    assert not cycles, f"modules that import each other: {cycles}"

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
-
-from earl_lightning.registry import Registry
 
 
 @dataclass
@@ -153,24 +150,6 @@ class BackendSpec:
     reuse_kv: bool = True
     share_prompts: bool = True
     local_rank: int = 0
-
-
-BackendFactory = Callable[[Any, Any, BackendSpec], GenerationBackend]
-GENERATION_BACKENDS: Registry[BackendFactory] = Registry("generation backends")
-
-
-@GENERATION_BACKENDS.register("hf")
-def _hf_backend(model: Any, tokenizer: Any, spec: BackendSpec) -> GenerationBackend:
-    from earl_lightning.rollout.backends.hf import HFBackend  # transformers, on first use
-
-    return HFBackend(model, tokenizer, reuse_kv=spec.reuse_kv, share_prompts=spec.share_prompts)
-
-
-@GENERATION_BACKENDS.register("vllm")
-def _vllm_backend(model: Any, tokenizer: Any, spec: BackendSpec) -> GenerationBackend:
-    from earl_lightning.rollout.backends.vllm import VLLMBackend  # vLLM, on first use
-
-    return VLLMBackend.from_spec(model, tokenizer, spec)
 
 
 def check_requests(requests: list[GenRequest]) -> None:
