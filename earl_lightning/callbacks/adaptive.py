@@ -422,7 +422,7 @@ class AdaptiveParallelism(StageOOMHandler):
         z, world = memory.sizes, strategy.world_size
         if self.candidates == "auto":
             places = Layout.factorizations(world, z.num_heads, z.num_kv_heads)
-            allowed = strategy._candidates  # an explicit strategy list narrows "auto"
+            allowed = strategy.listed_layouts  # an explicit strategy list narrows "auto"
             if allowed:
                 places = [p for p in places if any((a.dp, a.tp) == (p.dp, p.tp) for a in allowed)]
         else:

@@ -195,6 +195,11 @@ class EarlStrategy(OneLineCollectives, ModelParallelStrategy, StageStrategy):
         return self._current or self.train_layout
 
     @property
+    def listed_layouts(self) -> list[Layout] | None:
+        """The candidate layouts the recipe listed (``layouts: [...]``), None when it listed none."""
+        return None if self._candidates is None else list(self._candidates)
+
+    @property
     def candidate_layouts(self) -> list[Layout]:
         """Layouts a selector may choose from (fixed ones and the train layout when none were listed)."""
         if self._candidates is not None:

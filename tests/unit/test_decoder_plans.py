@@ -75,7 +75,7 @@ def test_strategy_refuses_tp_and_auto_leaves_it_out(monkeypatch):
         strategy = EarlStrategy(layouts="auto")
         strategy._resolve_layouts(4)
         strategy._check_heads(tiny(model_type), "policy")
-        assert {c.tp for c in strategy._candidates} == tps, model_type
+        assert {c.tp for c in strategy.listed_layouts} == tps, model_type
 
 
 def test_memory_model_reads_every_family():
