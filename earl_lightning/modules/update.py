@@ -45,13 +45,12 @@ class UpdateConfig:
     value_clip: float | None = 0.2
     max_grad_norm: float = 1.0
     allowed_token_ids: list[int] | None = None
-    on_policy: bool = (
-        False  # old log-probs = this forward's, detached (modules.config.exactly_on_policy)
-    )
-    share_prefix: bool = False  # a prompt shared by several sequences runs once (data.prefix)
-    scored_last_layer: bool = (
-        False  # the last layer only where an action token is scored (data.scored)
-    )
+    # old log-probs = this forward's, detached (modules.config.exactly_on_policy)
+    on_policy: bool = False
+    # a prompt shared by several sequences runs once (data.prefix)
+    share_prefix: bool = False
+    # the last layer only where an action token is scored (data.scored)
+    scored_last_layer: bool = False
 
 
 @dataclass

@@ -234,9 +234,8 @@ class Workload:
     micro_batch_tokens: int = 16384
     reference_model: bool = False
     reuse_kv: bool = True
-    scored_last_layer: bool = (
-        False  # the policy forwards run the last layer at scored positions only
-    )
+    # the policy forwards run the last layer at scored positions only
+    scored_last_layer: bool = False
 
 
 class MemoryModel:
