@@ -46,6 +46,7 @@ from earl_lightning.cli_resume import (
 from earl_lightning.data.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
 from earl_lightning.modules.rl import AgenticRLModule
+from earl_lightning.parallel.faults import lost_peer_line
 from earl_lightning.strategies.earl import EarlStrategy  # noqa: E402
 from earl_lightning.strategies.faults import one_line_strategy  # noqa: E402
 from earl_lightning.warnings_filter import install_warning_filters
@@ -382,6 +383,14 @@ def main(args: list[str] | None = None) -> None:
         )
     except EarlError as err:  # the user's to fix (an environment, a file): one line, no traceback
         say(f"earl: error: {err}")
+        raise SystemExit(1) from None
+    except Exception as err:
+        # A peer lost in a collective no wrapper sees (Lightning's SIGTERM handler broadcasts when
+        # torchrun stops the other ranks of a failed round): still one line.
+        line = lost_peer_line(err)
+        if line is None:
+            raise
+        say(f"earl: error: {line}")
         raise SystemExit(1) from None
 
 

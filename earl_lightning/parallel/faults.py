@@ -81,6 +81,19 @@ class RunFacts:
     log_dir: str
 
 
+def lost_peer_line(err: BaseException) -> str | None:
+    """The one line for a lost peer that no :class:`LostPeer` saw (None: ``err`` is no lost peer)."""
+    kind = peer_failure(err)
+    if kind is None:
+        return None
+    cause = "another process stopped answering" if kind == "silent" else "another process died"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"this process lost a peer: {cause} ({type(err).__name__}: {first[:160]}); "
+        "resume from the last checkpoint (`--ckpt_path last`)"
+    )
+
+
 class LostPeer:
     """Turns a lost peer into the run's one-line :class:`RankFailure`; ``facts()`` is read only
     when one happens (the step and the last checkpoint are those of that moment)."""

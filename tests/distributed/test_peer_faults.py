@@ -148,3 +148,30 @@ def test_errors_that_only_look_alike_are_not_a_lost_peer(err):
 )
 def test_nccl_and_store_errors_by_type_and_text(err, kind):
     assert peer_failure(err) == kind
+
+
+def test_a_lost_peer_no_wrapper_saw_is_one_line_at_the_command(monkeypatch, capsys):
+    """A lost peer raised where no LostPeer wraps the collective (Lightning's SIGTERM handler
+    broadcasts while torchrun stops a failed round) still ends ``earl`` in one line, exit 1; any
+    other error keeps its traceback."""
+    from earl_lightning import cli
+
+    err, _ = gloo_error("kill", timeout_s=2.0)
+
+    def raises(*args, **kwargs):
+        raise err
+
+    monkeypatch.setattr(cli, "EarlCLI", raises)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit"])
+    assert exit_info.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "earl: error: this process lost a peer: another process died (RuntimeError: ["
+    )
+    assert lines[0].endswith("resume from the last checkpoint (`--ckpt_path last`)")
+    monkeypatch.setattr(
+        cli, "EarlCLI", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("timed out"))
+    )
+    with pytest.raises(RuntimeError, match="timed out"):
+        cli.main(["fit"])
