@@ -81,15 +81,23 @@ class RunFacts:
     log_dir: str
 
 
+def _what_happened(err: BaseException) -> str:
+    """The lost peer ``err`` reports, as the one lines say it: the cause and the error's first line."""
+    cause = (
+        "another process stopped answering (no reply within the collective timeout)"
+        if peer_failure(err) == "silent"
+        else "another process died"
+    )
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"{cause} ({type(err).__name__}: {first[:160]})"
+
+
 def lost_peer_line(err: BaseException) -> str | None:
     """The one line for a lost peer that no :class:`LostPeer` saw (None: ``err`` is no lost peer)."""
-    kind = peer_failure(err)
-    if kind is None:
+    if not is_peer_failure(err):
         return None
-    cause = "another process stopped answering" if kind == "silent" else "another process died"
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (
-        f"this process lost a peer: {cause} ({type(err).__name__}: {first[:160]}); "
+        f"this process lost a peer: {_what_happened(err)}; "
         "resume from the last checkpoint (`--ckpt_path last`)"
     )
 
@@ -124,16 +132,10 @@ class LostPeer:
             saved = f"traceback in {path}"
         except OSError:
             saved = "traceback not saved"
-        cause = (
-            "another process stopped answering (no reply within the collective timeout)"
-            if peer_failure(err) == "silent"
-            else "another process died"
-        )
         resume = (
             f"resume from {f.last_checkpoint}" if f.last_checkpoint else "no checkpoint saved yet"
         )
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return RankFailure(
-            f"rank {f.rank} lost a peer during {where} of {f.step}: {cause} "
-            f"({type(err).__name__}: {first[:160]}); {resume} (`--ckpt_path last`); {saved}"
+            f"rank {f.rank} lost a peer during {where} of {f.step}: {_what_happened(err)}; "
+            f"{resume} (`--ckpt_path last`); {saved}"
         )

@@ -44,9 +44,8 @@ class DcpCheckpoints:
 
         path = Path(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
-        if "://" not in str(
-            checkpoint_path
-        ):  # a local file or directory (fsspec URLs go to Lightning as they are)
+        # a local file or directory (fsspec URLs go to Lightning as they are)
+        if "://" not in str(checkpoint_path):
             state = module.state_dict() if self._plain else get_model_state_dict(module)
             check_before_load(
                 path,
@@ -107,9 +106,7 @@ class DcpCheckpoints:
             and storage_options is None
             and "://" not in str(path)
         )
-        partial = path.with_name(
-            f".{path.name}.partial"
-        )  # not *.ckpt: `ckpt_path="last"` never picks it
+        partial = path.with_name(f".{path.name}.partial")  # not *.ckpt: "last" never picks it
         failure = None
         try:
             if self._plain and local:
@@ -120,10 +117,8 @@ class DcpCheckpoints:
                 remove_path(partial)  # what an earlier, interrupted save left
             self.barrier()
             super().save_checkpoint(checkpoint, partial, storage_options)
-        except (
-            Exception,
-            CheckpointException,
-        ) as err:  # DCP's CheckpointException is a BaseException
+        # DCP's CheckpointException is a BaseException
+        except (Exception, CheckpointException) as err:
             full = disk_full_error(err, f"checkpoint {str(path)!r}") if self._plain else None
             if self._plain and full is None:
                 raise

@@ -25,6 +25,7 @@ import yaml
 
 from earl_lightning.parallel.launch_env import free_port
 from tests.distributed.launch import subprocess_env
+from tests.load import load_repo_file
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "connect4_grpo_layouts.yaml"
@@ -107,21 +108,8 @@ def finish(*procs: subprocess.Popen, timeout: float = 300) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def final_state(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[int, float]]]:
-    """Parameters of the last DCP checkpoint and every per-step scalar (a restarted run's later
-    logger version overrides the steps it repeated)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(run / "checkpoints" / "last.ckpt", run / "last.pt")
-    params = torch.load(run / "last.pt", weights_only=False)["state_dict"]
-    scalars: dict[str, dict[int, float]] = {}
-    for version in sorted((run / "lightning_logs").glob("version_*")):
-        acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return params, scalars
+# the last DCP checkpoint's parameters and every per-step scalar, read as the chaos run reads them
+final_state = load_repo_file("scripts/chaos.py", "chaos").final_state
 
 
 def assert_same_run(a: Path, b: Path, steps: int = STEPS) -> None:
