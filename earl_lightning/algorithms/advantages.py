@@ -17,14 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from earl_lightning.algorithms._checks import (
-    check_2d,
-    check_choice,
-    check_non_negative,
-    check_positive,
-    check_same_shape,
-    check_unit_interval,
-)
+from earl_lightning.algorithms._checks import check_2d, check_same_shape
 from earl_lightning.algorithms.moments import (
     STAT_DTYPE,
     Moments,
@@ -32,6 +25,7 @@ from earl_lightning.algorithms.moments import (
     grouped_moments,
     moments,
 )
+from earl_lightning.checks import check_choice, check_number
 
 GRPO_SCALES = ("group", "batch", "none")
 GrpoScale = Literal["group", "batch", "none"]
@@ -57,7 +51,7 @@ def grpo_advantages(
     one has std 0, so its only member gets advantage 0.
     """
     check_choice("scale", scale, GRPO_SCALES)
-    check_non_negative("eps", eps)
+    check_number("eps", eps, low=0)
     check_group_ids(group_ids, num_groups, like=rewards, like_name="rewards")
     group = grouped_moments(rewards, group_ids, num_groups) if group is None else group
     _check_moments_shape("group", group, (num_groups,))
@@ -96,7 +90,7 @@ def anchor_state_advantages(
     row, gets 0. Rows are local: the caller keeps each group's rows together.
     """
     check_choice("scale", scale, GRPO_SCALES)
-    check_non_negative("eps", eps)
+    check_number("eps", eps, low=0)
     check_same_shape("returns", returns, state_keys=state_keys, valid=valid)
     if returns.dim() != 1:
         raise ValueError(
@@ -170,7 +164,7 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.
     """
     check_2d("token_rewards", token_rewards)
     check_same_shape("token_rewards", token_rewards, mask=mask)
-    check_unit_interval("gamma", gamma)
+    check_number("gamma", gamma, low=0, high=1)
     keep = mask.bool()
     r = torch.where(keep, token_rewards.detach(), torch.zeros_like(token_rewards))
     if gamma == 1.0:
@@ -190,7 +184,7 @@ def whiten(x: Tensor, mask: Tensor, stats: Moments | None = None, *, eps: float 
     ``x``, ``mask`` of one shape; ``stats`` (scalar fields) replaces the local moments when given.
     """
     check_same_shape("x", x, mask=mask)
-    check_positive("eps", eps)
+    check_number("eps", eps, low=0, strict=True)
     if stats is None:
         stats = moments(x, mask)
     _check_moments_shape("batch", stats, ())
@@ -228,8 +222,8 @@ def gae_advantages(
     """
     check_2d("token_rewards", token_rewards)
     check_same_shape("token_rewards", token_rewards, values=values, mask=mask)
-    check_unit_interval("gamma", gamma)
-    check_unit_interval("lam", lam)
+    check_number("gamma", gamma, low=0, high=1)
+    check_number("lam", lam, low=0, high=1)
     keep = mask.bool()
     r, v = token_rewards.detach(), values.detach().to(token_rewards.dtype)
     adv = torch.zeros_like(r)

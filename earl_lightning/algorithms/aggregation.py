@@ -16,8 +16,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from earl_lightning.algorithms._checks import check_2d, check_positive, check_same_shape
+from earl_lightning.algorithms._checks import check_2d, check_same_shape
 from earl_lightning.algorithms.registry import Registry
+from earl_lightning.checks import check_number
 
 Number = int | float | Tensor
 AggregationFn = Callable[
@@ -55,16 +56,10 @@ def aggregate(
     check_2d("token_values", token_values)
     check_same_shape("token_values", token_values, mask=mask)
     for name, value in (("num_tokens", num_tokens), ("num_seqs", num_seqs)):
-        if (
-            value is not None
-            and not isinstance(value, Tensor)
-            and (isinstance(value, bool) or value < 0)
-        ):
-            raise ValueError(
-                f"`{name}` must be a count >= 0 (the global denominator), got {value!r}"
-            )
+        if not isinstance(value, Tensor):
+            check_number(name, value, low=0, optional=True, unit=" (the global denominator)")
     if norm_constant is not None and not isinstance(norm_constant, Tensor):
-        check_positive("norm_constant", norm_constant)
+        check_number("norm_constant", norm_constant, low=0, strict=True)
     keep = mask.bool()
     masked = torch.where(keep, token_values, torch.zeros_like(token_values))
     return fn(masked, keep, num_tokens, num_seqs, norm_constant)

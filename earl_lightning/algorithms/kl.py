@@ -14,8 +14,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from earl_lightning.algorithms._checks import check_2d, check_non_negative, check_same_shape
+from earl_lightning.algorithms._checks import check_2d, check_same_shape
 from earl_lightning.algorithms.registry import Registry
+from earl_lightning.checks import check_number
 
 KlFn = Callable[[Tensor, Tensor], Tensor]
 KlEstimatorName = Literal["k1", "k2", "k3"]
@@ -74,7 +75,7 @@ def kl_penalized_rewards(
 
     The KL is detached: as a reward it shapes the return, it is not a gradient path.
     """
-    check_non_negative("coef", coef)
+    check_number("coef", coef, low=0)
     check_same_shape("token_rewards", token_rewards, logprobs=logprobs)
     kl = kl_divergence(logprobs.detach(), ref_logprobs, mask, estimator)
     return token_rewards - coef * kl.to(token_rewards.dtype)

@@ -19,8 +19,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from earl_lightning.algorithms._checks import check_positive
 from earl_lightning.algorithms.aggregation import AggregationMode, Number, aggregate
+from earl_lightning.checks import check_number
 
 
 @lru_cache(maxsize=1)
@@ -61,7 +61,7 @@ def logprobs_from_logits(
     """``log softmax(logits / temperature)[labels]``: logits [B, T, V], labels [B, T] -> [B, T].
 
     With ``allowed``, the softmax runs over the allowed tokens only (module docstring)."""
-    check_positive("temperature", temperature)
+    check_number("temperature", temperature, low=0, strict=True)
     if logits.dim() < 2 or labels.shape != logits.shape[:-1]:
         raise ValueError(
             f"`labels` has shape {tuple(labels.shape)}, expected {tuple(logits.shape[:-1])} "
@@ -90,7 +90,7 @@ def shifted_logprobs(
 
 def entropy(logits: Tensor, temperature: float = 1.0, allowed: Tensor | None = None) -> Tensor:
     """Entropy (nats) of ``softmax(logits / temperature)`` (over ``allowed`` only when given): [..., V] -> [...]."""
-    check_positive("temperature", temperature)
+    check_number("temperature", temperature, low=0, strict=True)
     if allowed is not None:
         logits, _ = restrict_to_allowed(logits, None, allowed)
     scaled = logits if temperature == 1.0 else logits / temperature

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from earl_lightning.algorithms._checks import check_2d, check_non_negative, check_same_shape
+from earl_lightning.algorithms._checks import check_2d, check_same_shape
 from earl_lightning.algorithms.registry import Registry
+from earl_lightning.checks import check_number
 
 # exp() of a log-ratio beyond this overflows float32 into inf, and -inf * 0 advantages gives nan.
 MAX_LOG_RATIO = 20.0
@@ -81,21 +82,10 @@ def get_policy_loss(name: str, arg: str = "policy_loss") -> PolicyLossFn:
 
 def check_clip_args(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
     """Config-time check of the PPO clip bounds; the ratio is clipped to [1-clip_low, 1+clip_high]."""
-    check_non_negative("clip_high", clip_high)
-    if (
-        isinstance(clip_low, bool)
-        or not isinstance(clip_low, (int, float))
-        or not 0.0 <= clip_low < 1.0
-    ):
-        raise ValueError(
-            f"`clip_low` must be a number in [0, 1) (the ratio's lower bound is 1 - clip_low), got {clip_low!r}"
-        )
-    if dual_clip is not None and (
-        isinstance(dual_clip, bool)
-        or not isinstance(dual_clip, (int, float))
-        or not dual_clip > 1.0
-    ):
-        raise ValueError(f"`dual_clip` must be None or a number > 1, got {dual_clip!r}")
+    check_number("clip_high", clip_high, low=0)
+    why = " (the ratio's lower bound is 1 - clip_low)"
+    check_number("clip_low", clip_low, low=0, high=1, strict_high=True, unit=why)
+    check_number("dual_clip", dual_clip, low=1, strict=True, optional=True)
 
 
 @register_policy_loss("ppo_clip")
@@ -223,7 +213,7 @@ def value_loss(
     check_2d("values", values)
     check_same_shape("values", values, old_values=old_values, returns=returns, mask=mask)
     if value_clip is not None:
-        check_non_negative("value_clip", value_clip)
+        check_number("value_clip", value_clip, low=0)
     target, old = returns.detach(), old_values.detach()
     unclipped = (values - target) ** 2
     if value_clip is None:

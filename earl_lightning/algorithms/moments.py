@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from earl_lightning.checks import check_count
+
 STAT_DTYPE = torch.float64
 
 
@@ -92,8 +94,7 @@ def grouped_moments(x: Tensor, group_ids: Tensor, num_groups: int) -> Moments:
 def check_group_ids(group_ids: Tensor, num_groups: int, like: Tensor, like_name: str) -> None:
     """Raise a ValueError unless ``like`` (the argument ``like_name``) is [S] and ``group_ids`` is a
     [S] integer tensor with values in ``[0, num_groups)``."""
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
-        raise ValueError(f"`num_groups` must be a positive integer, got {num_groups!r}")
+    check_count("num_groups", num_groups)
     if like.dim() != 1:
         raise ValueError(
             f"`{like_name}` must be 1-D [S] (one per sequence), got shape {tuple(like.shape)}"

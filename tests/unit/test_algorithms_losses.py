@@ -323,7 +323,7 @@ def test_registries():
     [
         (dict(clip_low=1.0), r"`clip_low` must be a number in \[0, 1\) .*got 1.0"),
         (dict(clip_high=-0.1), r"`clip_high` must be a number >= 0, got -0.1"),
-        (dict(dual_clip=1.0), r"`dual_clip` must be None or a number > 1, got 1.0"),
+        (dict(dual_clip=1.0), r"`dual_clip` must be a number > 1 or None, got 1.0"),
     ],
 )
 def test_clip_args_rejected(kwargs, match):
@@ -355,7 +355,8 @@ def test_bad_shapes_rejected():
     with pytest.raises(ValueError, match=r"`value_clip` must be a number >= 0, got -1"):
         value_loss(z, z, z, z, value_clip=-1)
     with pytest.raises(
-        ValueError, match=r"`num_tokens` must be a count >= 0 \(the global denominator\), got -3"
+        ValueError,
+        match=r"`num_tokens` must be a number >= 0 \(the global denominator\) or None, got -3",
     ):
         aggregate(z, z, "token_mean", num_tokens=-3)
     with pytest.raises(ValueError, match=r"`norm_constant` must be a positive number, got 0"):
