@@ -7,7 +7,7 @@ layout to a token-balanced dp-only layout as a full reshuffle (``locality=False`
 wherever balance puts it, so (N-1)/N of every worker's bytes move, like the paper's all-to-all of
 reference log-probs; ``--locality`` lets balanced data stay put instead), by:
 
-- ``decentralized``: :class:`earl_lightning.data.dispatcher.Dispatcher` (one all_to_all per dtype);
+- ``decentralized``: :class:`earl_lightning.dispatch.dispatcher.Dispatcher` (one all_to_all per dtype);
 - ``centralized-tensor``: gather of padded buffers on rank 0, then scatter;
 - ``centralized-object``: ``gather_object`` / ``scatter_object_list`` of pickled batches.
 
@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from earl_lightning.data.centralized import CentralizedDispatcher
-from earl_lightning.data.dispatcher import Dispatcher
 from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.dispatch.centralized import CentralizedDispatcher
+from earl_lightning.dispatch.dispatcher import Dispatcher
 from earl_lightning.parallel.launch_env import free_port
 from earl_lightning.parallel.layout import Layout
 

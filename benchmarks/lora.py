@@ -140,7 +140,7 @@ def trial(
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from earl_lightning.data.datamodule import EpisodeDataModule
+    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
 
     torch.set_num_threads(threads)

@@ -126,7 +126,7 @@ def _earl_clock():
 def run_earl(spec: RunSpec) -> dict:
     import lightning as L
 
-    from earl_lightning.data.datamodule import EpisodeDataModule
+    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
 
     module = AgenticRLModule(

@@ -43,7 +43,7 @@ from earl_lightning.cli_resume import (
     saved_hparams,
     with_run_seed,
 )
-from earl_lightning.data.datamodule import EpisodeDataModule
+from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.parallel.faults import lost_peer_line

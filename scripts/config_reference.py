@@ -27,7 +27,7 @@ nested flag (`--model.algorithm.loss.clip_high 0.28`, `--model.optim.lr 5e-4`,
 `--data.dispatch.tp_mode direct`) or a key of the recipe's YAML, and `--print_config` prints a
 recipe's whole resolved tree. In Python each group is a frozen dataclass (`RolloutConfig`,
 `AlgorithmConfig`, `OptimConfig` in `earl_lightning.modules`; `DispatchConfig` in
-`earl_lightning.data.exchange`) for which a dict may stand. Every value is checked when the run is
+`earl_lightning.dispatch.exchange`) for which a dict may stand. Every value is checked when the run is
 built, before any work: a bad one fails in one line that names the setting as written here. A
 parameter left `null` means the chosen function's own default (PPO's clip bounds are 0.2, GSPO's
 ~1e-4); one the chosen function does not take fails at start-up.
@@ -154,7 +154,7 @@ def signature_groups(cls) -> dict[str, type]:
 
 
 def render() -> str:
-    from earl_lightning.data.datamodule import EpisodeDataModule
+    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
 
     parts = [HEADER]

@@ -480,7 +480,7 @@ class _StageSelector:
 
 def _batch_size(trainer: L.Trainer) -> int:
     """Episodes per RL step of the trainer's EpisodeDataModule (8 without one)."""
-    from earl_lightning.data.datamodule import EpisodeDataModule
+    from earl_lightning.datamodule import EpisodeDataModule
 
     dm = trainer.datamodule
     return int(dm.batch_size) if isinstance(dm, EpisodeDataModule) else 8

@@ -18,12 +18,12 @@ import torch
 from earl_lightning.algorithms import get_kl_estimator
 from earl_lightning.callbacks.base import StageOOMHandler
 from earl_lightning.data.advantages import check_whole_groups, estimate_advantages
-from earl_lightning.data.datamodule import EpisodeDataModule
 from earl_lightning.data.episodes import episodes_to_experience
-from earl_lightning.data.exchange import Exchanger
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.data.scored import can_score_last_layer
+from earl_lightning.datamodule import EpisodeDataModule
+from earl_lightning.dispatch.exchange import Exchanger
 from earl_lightning.groups import to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path

@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from earl_lightning.data.datamodule import EvalEpisodes
 from earl_lightning.data.episodes import supervised_rows
+from earl_lightning.datamodule import EvalEpisodes
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
 from earl_lightning.modules.metrics import episode_counts

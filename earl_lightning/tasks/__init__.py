@@ -3,7 +3,7 @@
 
 Beside ``envs/`` (tier 1): pure Python over ``datasets``, no torch and no trainer. The rollout
 plays the rows (``rollout/loop.py``) and scores them (``rollout/scoring.py``); the DataModule
-visits them in epochs (``data/datamodule.py``).
+visits them in epochs (``datamodule.py``).
 """
 
 from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, open_splits

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from earl_lightning.data.centralized import CentralizedDispatcher
-from earl_lightning.data.dispatcher import Dispatcher
 from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.dispatch.centralized import CentralizedDispatcher
+from earl_lightning.dispatch.dispatcher import Dispatcher
 from earl_lightning.parallel.layout import Layout
 from tests.distributed.launch import run_distributed
 

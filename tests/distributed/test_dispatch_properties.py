@@ -24,10 +24,10 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from earl_lightning.data.centralized import CentralizedDispatcher
-from earl_lightning.data.dispatcher import Dispatcher
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.data.planner import TP_MODES
+from earl_lightning.dispatch.centralized import CentralizedDispatcher
+from earl_lightning.dispatch.dispatcher import Dispatcher
+from earl_lightning.dispatch.planner import TP_MODES
 from earl_lightning.parallel.layout import Layout
 from tests.distributed.launch import run_distributed
 

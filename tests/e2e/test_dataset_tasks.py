@@ -268,7 +268,7 @@ def test_bad_input_is_one_line(args, message, warm_start, data, tmp_path, capsys
 
 
 def test_python_api_with_a_dataset_and_callables(tmp_path):
-    from earl_lightning.data.datamodule import EpisodeDataModule
+    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
 
     def rows(lo, hi):

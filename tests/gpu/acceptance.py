@@ -28,7 +28,7 @@ import lightning as L
 import torch
 
 from earl_lightning.callbacks import AdaptiveParallelism
-from earl_lightning.data.datamodule import EpisodeDataModule
+from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.models import make_tiny_model, resolve_model_path
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.parallel.layout import Layout

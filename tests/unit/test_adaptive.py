@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from earl_lightning.callbacks import AdaptiveParallelism
-from earl_lightning.data.datamodule import EpisodeDataModule
+from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.models import make_tiny_model
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.parallel.layout import Layout

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.trainer.connectors.data_connector import _DataHookSelector
 
-from earl_lightning.data.datamodule import EpisodeDataModule
+from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.modules import AgenticRLModule
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from earl_lightning.cli import main
-from earl_lightning.data.datamodule import EpisodeDataModule
+from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.modules import AgenticRLModule
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from earl_lightning.callbacks import AdaptiveParallelism, StageOOMHandler, WorkloadSource
-from earl_lightning.data.exchange import DispatchConfig, Exchanger
+from earl_lightning.dispatch.exchange import DispatchConfig, Exchanger
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.rollout.backends.base import GenerationBackend

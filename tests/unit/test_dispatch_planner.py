@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from earl_lightning.data.planner import balanced_partition, make_plan
+from earl_lightning.dispatch.planner import balanced_partition, make_plan
 from earl_lightning.parallel.layout import Layout
 
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from earl_lightning.data.dispatcher import LENGTHS, pack_chunks, unpack_chunks, wire_bytes_per_row
 from earl_lightning.data.experience import (
     ExperienceBatch,
     FieldSpec,
     describe_schema,
     group_by_wire_dtype,
     schema_fingerprint,
+)
+from earl_lightning.dispatch.dispatcher import (
+    LENGTHS,
+    pack_chunks,
+    unpack_chunks,
+    wire_bytes_per_row,
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from earl_lightning.data.datamodule import EpisodeDataModule, EpisodeStream
+from earl_lightning.datamodule import EpisodeDataModule, EpisodeStream
 from earl_lightning.envs.base import make_env
 
 

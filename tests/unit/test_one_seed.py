@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 
 from earl_lightning.cli import EarlCLI
-from earl_lightning.data.datamodule import EpisodeDataModule
+from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.seeding import run_seed
 from earl_lightning.sft.data import DemonstrationDataModule

@@ -101,15 +101,18 @@ class DispatchPlan:
 
 
 # ---- canonical sequences ------------------------------------------------------------------------
-def canonical_sequences(lengths: list[list[int]], group_ids: list[list[int]], src: Layout,
-                        ) -> tuple[list[int], list[int], list[int], list[int]]:
+def canonical_sequences(
+    lengths: list[list[int]], group_ids: list[list[int]], src: Layout
+) -> tuple[list[int], list[int], list[int], list[int]]:
     """(src_dp, src_index, lengths, group_ids) per canonical sequence, from per-rank metadata.
 
     The replicas of a source TP group must report the same batch; a mismatch means ``src`` does
     not describe how the batch is laid out, and is reported rather than silently deduplicated.
     """
     if len(lengths) != src.world_size:
-        raise ValueError(f"`src` {src.name} covers {src.world_size} ranks, but metadata came from {len(lengths)}")
+        raise ValueError(
+            f"`src` {src.name} covers {src.world_size} ranks, but metadata came from {len(lengths)}"
+        )
     out: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
     for d in range(src.dp):
         ranks = src.tp_group_ranks(d)
@@ -243,8 +246,17 @@ def _leaves(tree) -> list[int]:
     return out
 
 
-def assign_destinations(lengths: list[int], group_ids: list[int], nbytes: list[int], src_dp: list[int],
-                        *, src: Layout, dst: Layout, keep_groups: bool, locality: bool = True) -> list[int]:
+def assign_destinations(
+    lengths: list[int],
+    group_ids: list[int],
+    nbytes: list[int],
+    src_dp: list[int],
+    *,
+    src: Layout,
+    dst: Layout,
+    keep_groups: bool,
+    locality: bool = True,
+) -> list[int]:
     """Destination dp group per sequence, balancing tokens; whole GRPO groups when ``keep_groups``.
 
     The balanced partition's parts are matched to destination dp groups so that as many bytes as
@@ -274,9 +286,16 @@ def assign_destinations(lengths: list[int], group_ids: list[int], nbytes: list[i
     return kept if stays[0] >= stays[1] else balanced
 
 
-def _local_bytes(dest: list[int], nbytes: list[int], src_dp: list[int], *, src: Layout, dst: Layout) -> int:
+def _local_bytes(
+    dest: list[int], nbytes: list[int], src_dp: list[int], *, src: Layout, dst: Layout
+) -> int:
     """Bytes that destination ranks already hold (they need not travel) under ``dest``."""
-    return sum(b for g, b, d in zip(dest, nbytes, src_dp) for r in src.tp_group_ranks(d) if dst.coords(r)[0] == g)
+    return sum(
+        b
+        for g, b, d in zip(dest, nbytes, src_dp)
+        for r in src.tp_group_ranks(d)
+        if dst.coords(r)[0] == g
+    )
 
 
 def _items(group_ids: list[int], keep_groups: bool) -> list[int]:
@@ -287,8 +306,15 @@ def _items(group_ids: list[int], keep_groups: bool) -> list[int]:
     return [index[g] for g in group_ids]
 
 
-def _homes(item_of: list[int], nbytes: list[int], src_dp: list[int], num_items: int,
-           *, src: Layout, dst: Layout) -> list[int]:
+def _homes(
+    item_of: list[int],
+    nbytes: list[int],
+    src_dp: list[int],
+    num_items: int,
+    *,
+    src: Layout,
+    dst: Layout,
+) -> list[int]:
     """Per item, the destination dp group whose ranks already hold most of its bytes."""
     local: list[dict[int, int]] = [{} for _ in range(num_items)]
     for j, b, d in zip(item_of, nbytes, src_dp):
@@ -317,8 +343,9 @@ def _home_first(weights: list[int], homes: list[int], k: int, capacity: int) -> 
     return parts
 
 
-def _match_parts_to_groups(part_of_seq: list[int], nbytes: list[int], src_dp: list[int],
-                           *, src: Layout, dst: Layout) -> list[int]:
+def _match_parts_to_groups(
+    part_of_seq: list[int], nbytes: list[int], src_dp: list[int], *, src: Layout, dst: Layout
+) -> list[int]:
     """Greedy max-overlap matching of partition parts to destination dp groups."""
     overlap: dict[tuple[int, int], int] = {}
     for p, b, d in zip(part_of_seq, nbytes, src_dp):
@@ -395,9 +422,18 @@ def _add_broadcast_traffic(plan: DispatchPlan, sent: list[int], recv: list[int])
             recv[b] += group_bytes[g]
 
 
-def make_plan(lengths: list[list[int]], group_ids: list[list[int]], *, src: Layout, dst: Layout,
-              token_bytes: int, seq_bytes: int, keep_groups: bool = False, tp_mode: TpMode = "auto",
-              locality: bool = True) -> DispatchPlan:
+def make_plan(
+    lengths: list[list[int]],
+    group_ids: list[list[int]],
+    *,
+    src: Layout,
+    dst: Layout,
+    token_bytes: int,
+    seq_bytes: int,
+    keep_groups: bool = False,
+    tp_mode: TpMode = "auto",
+    locality: bool = True,
+) -> DispatchPlan:
     """The dispatch plan from every rank's metadata (``lengths[r]``, ``group_ids[r]``: rank ``r``'s
     per-sequence token counts and group ids). ``token_bytes`` / ``seq_bytes``: wire bytes per
     token and per sequence. ``tp_mode="auto"`` starts from direct delivery and switches a
@@ -407,15 +443,27 @@ def make_plan(lengths: list[list[int]], group_ids: list[list[int]], *, src: Layo
     if tp_mode not in TP_MODES:
         raise ValueError(f"`tp_mode` must be one of {list(TP_MODES)}, got {tp_mode!r}")
     if src.world_size != dst.world_size:
-        raise ValueError(f"`src` {src.name} has {src.world_size} ranks but `to` {dst.name} has {dst.world_size}")
+        raise ValueError(
+            f"`src` {src.name} has {src.world_size} ranks but `to` {dst.name} has {dst.world_size}"
+        )
     src_dp, src_index, lens, gids = canonical_sequences(lengths, group_ids, src)
     nbytes = [n * token_bytes + seq_bytes for n in lens]
-    dest = assign_destinations(lens, gids, nbytes, src_dp, src=src, dst=dst, keep_groups=keep_groups,
-                               locality=locality)
+    dest = assign_destinations(
+        lens, gids, nbytes, src_dp, src=src, dst=dst, keep_groups=keep_groups, locality=locality
+    )
     single = dst.tp == 1
-    plan = DispatchPlan(src, dst, src_dp, src_index, lens, gids, nbytes, dest,
-                        tp_mode=["direct" if tp_mode == "auto" or single else tp_mode] * dst.dp,
-                        root=[0] * dst.dp)
+    plan = DispatchPlan(
+        src,
+        dst,
+        src_dp,
+        src_index,
+        lens,
+        gids,
+        nbytes,
+        dest,
+        tp_mode=["direct" if tp_mode == "auto" or single else tp_mode] * dst.dp,
+        root=[0] * dst.dp,
+    )
     plan.root = _choose_roots(plan)
     _route(plan)
     if tp_mode == "auto" and not single:

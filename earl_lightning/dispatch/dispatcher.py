@@ -5,7 +5,7 @@
 
 1. all-gather metadata only: per rank a small int64 header (sequence count, field checksum), then
    per sequence its token count and group id;
-2. every rank computes the same :class:`~earl_lightning.data.planner.DispatchPlan`;
+2. every rank computes the same :class:`~earl_lightning.dispatch.planner.DispatchPlan`;
 3. one ``all_to_all_single`` per wire dtype: every field of one dtype, for every destination, packed
    into one flat buffer with split sizes taken from the plan; the sequence lengths travel too;
 4. in destination TP groups the plan serves by broadcast, the root broadcasts what it received;
@@ -28,7 +28,13 @@ from earl_lightning.data.experience import (
     group_by_wire_dtype,
     schema_fingerprint,
 )
-from earl_lightning.data.planner import TP_MODES, DispatchPlan, TpMode, broadcast_chain, make_plan
+from earl_lightning.dispatch.planner import (
+    TP_MODES,
+    DispatchPlan,
+    TpMode,
+    broadcast_chain,
+    make_plan,
+)
 from earl_lightning.parallel.collectives import collective_timeout, comm_device
 from earl_lightning.parallel.layout import Layout
 
@@ -50,8 +56,10 @@ def chunk_elements(fields: list[FieldSpec], num_rows: int, num_tokens: int) -> i
 def wire_bytes_per_row(batch_schema: tuple[FieldSpec, ...]) -> tuple[int, int]:
     """(bytes per token, bytes per sequence) on the wire, lengths included."""
     size = {f: torch.empty(0, dtype=f.dtype).element_size() for f in (*batch_schema, LENGTHS)}
-    return (sum(s for f, s in size.items() if f.kind == "token"),
-            sum(s for f, s in size.items() if f.kind == "seq"))
+    return (
+        sum(s for f, s in size.items() if f.kind == "token"),
+        sum(s for f, s in size.items() if f.kind == "seq"),
+    )
 
 
 def _field_values(batch: ExperienceBatch, f: FieldSpec) -> torch.Tensor:
@@ -60,7 +68,9 @@ def _field_values(batch: ExperienceBatch, f: FieldSpec) -> torch.Tensor:
     return (batch.tokens if f.kind == "token" else batch.seqs)[f.name]
 
 
-def pack_chunks(batch: ExperienceBatch, chunks: list[list[int]]) -> dict[torch.dtype, tuple[torch.Tensor, list[int]]]:
+def pack_chunks(
+    batch: ExperienceBatch, chunks: list[list[int]]
+) -> dict[torch.dtype, tuple[torch.Tensor, list[int]]]:
     """One flat buffer per wire dtype holding, chunk after chunk, the chosen rows of every field.
 
     ``chunks[c]`` lists local row indices (a row may appear in several chunks). Returns
@@ -73,7 +83,10 @@ def pack_chunks(batch: ExperienceBatch, chunks: list[list[int]]) -> dict[torch.d
     index = [torch.as_tensor(c, dtype=torch.long) for c in chunks]
     rows_per = [len(c) for c in chunks]
     toks_per = [int(lens[i].sum()) for i in index]
-    sizes = {dt: [chunk_elements(fs, r, t) for r, t in zip(rows_per, toks_per)] for dt, fs in groups.items()}
+    sizes = {
+        dt: [chunk_elements(fs, r, t) for r, t in zip(rows_per, toks_per)]
+        for dt, fs in groups.items()
+    }
     fields = [*batch.tokens.values(), *batch.seqs.values()]
     device = fields[0].device if fields else torch.device("cpu")
     buffers = {dt: torch.empty(sum(sz), dtype=dt, device=device) for dt, sz in sizes.items()}
@@ -86,7 +99,7 @@ def pack_chunks(batch: ExperienceBatch, chunks: list[list[int]]) -> dict[torch.d
                 src = f.to_wire(_field_values(batch, f).to(device)).view(-1, f.width)
                 picks = pos if f.kind == "token" else rows
                 n = picks.numel() * f.width
-                dst = buffers[dt][offset[dt]:offset[dt] + n].view(-1, f.width)
+                dst = buffers[dt][offset[dt] : offset[dt] + n].view(-1, f.width)
                 torch.index_select(src, 0, picks, out=dst)
                 offset[dt] += n
     return {dt: (buffers[dt], sizes[dt]) for dt in groups}
@@ -96,29 +109,48 @@ def token_positions(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """Positions of the tokens of rows starting at ``starts`` with ``lens`` tokens, row after row."""
     total = int(lens.sum())
     row_start_in_out = torch.cumsum(lens, 0) - lens
-    return torch.arange(total) + torch.repeat_interleave(starts - row_start_in_out, lens, output_size=total)
+    return torch.arange(total) + torch.repeat_interleave(
+        starts - row_start_in_out, lens, output_size=total
+    )
 
 
-def unpack_chunks(buffers: dict[torch.dtype, torch.Tensor], batch_schema: tuple[FieldSpec, ...],
-                  rows_per: list[int], toks_per: list[int]) -> ExperienceBatch:
+def unpack_chunks(
+    buffers: dict[torch.dtype, torch.Tensor],
+    batch_schema: tuple[FieldSpec, ...],
+    rows_per: list[int],
+    toks_per: list[int],
+) -> ExperienceBatch:
     """Inverse of :func:`pack_chunks`: the chunks' rows laid end to end, in chunk order."""
     parts: dict[FieldSpec, list[torch.Tensor]] = {}
     for dtype, fields in wire_schema(batch_schema).items():
-        sizes = [f.width * (t if f.kind == "token" else r) for r, t in zip(rows_per, toks_per) for f in fields]
+        sizes = [
+            f.width * (t if f.kind == "token" else r)
+            for r, t in zip(rows_per, toks_per)
+            for f in fields
+        ]
         views = torch.split(buffers[dtype], sizes)
         for j, view in enumerate(views):
             parts.setdefault(fields[j % len(fields)], []).append(view)
-    values = {f: f.from_wire(torch.cat(v)) if v else torch.zeros(0, dtype=f.dtype) for f, v in parts.items()}
+    values = {
+        f: f.from_wire(torch.cat(v)) if v else torch.zeros(0, dtype=f.dtype)
+        for f, v in parts.items()
+    }
     lens = values.pop(LENGTHS).cpu() if LENGTHS in values else torch.zeros(0, dtype=torch.long)
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.long)  # offsets stay on the host, like the container's
+    cu = torch.zeros(
+        lens.numel() + 1, dtype=torch.long
+    )  # offsets stay on the host, like the container's
     cu[1:] = torch.cumsum(lens, 0)
-    return ExperienceBatch(cu, {f.name: v for f, v in values.items() if f.kind == "token"},
-                           {f.name: v for f, v in values.items() if f.kind == "seq"})
+    return ExperienceBatch(
+        cu,
+        {f.name: v for f, v in values.items() if f.kind == "token"},
+        {f.name: v for f, v in values.items() if f.kind == "seq"},
+    )
 
 
 # ---- metadata (shared with the centralized baseline) --------------------------------------------
-def gather_metadata(batch: ExperienceBatch, group: dist.ProcessGroup | None, keep_groups: bool,
-                    ) -> tuple[ExperienceBatch, list[list[int]], list[list[int]]]:
+def gather_metadata(
+    batch: ExperienceBatch, group: dist.ProcessGroup | None, keep_groups: bool
+) -> tuple[ExperienceBatch, list[list[int]], list[list[int]]]:
     """All-gather every rank's per-sequence token counts and group ids (small int64 tensors only).
 
     Returns the batch (replaced by an empty batch with the common fields on a rank that holds no
@@ -129,15 +161,20 @@ def gather_metadata(batch: ExperienceBatch, group: dist.ProcessGroup | None, kee
     error = _local_error(batch, keep_groups)
     world = dist.get_world_size(group)
     device = comm_device(group)
-    header = torch.tensor([batch.num_seqs, schema_fingerprint(batch.schema()), error is not None],
-                          dtype=torch.long, device=device)
+    header = torch.tensor(
+        [batch.num_seqs, schema_fingerprint(batch.schema()), error is not None],
+        dtype=torch.long,
+        device=device,
+    )
     headers = [torch.empty_like(header) for _ in range(world)]
     dist.all_gather(headers, header, group=group)
     bad = [r for r, h in enumerate(headers) if int(h[2])]
     if error is not None:
         raise error
     if bad:
-        raise ValueError(f"the batch of rank(s) {bad} is invalid (see the error raised there); nothing was exchanged")
+        raise ValueError(
+            f"the batch of rank(s) {bad} is invalid (see the error raised there); nothing was exchanged"
+        )
     counts = [int(h[0]) for h in headers]
     batch = _agree_on_schema(batch, [int(h[1]) for h in headers], counts, group)
     gids = batch.seqs.get("group_ids", torch.full((batch.num_seqs,), -1, dtype=torch.long))
@@ -146,8 +183,11 @@ def gather_metadata(batch: ExperienceBatch, group: dist.ProcessGroup | None, kee
     table[: batch.num_seqs, 1] = gids.long()
     tables = [torch.empty_like(table) for _ in range(world)]
     dist.all_gather(tables, table, group=group)
-    return (batch, [t[:c, 0].tolist() for t, c in zip(tables, counts)],
-            [t[:c, 1].tolist() for t, c in zip(tables, counts)])
+    return (
+        batch,
+        [t[:c, 0].tolist() for t, c in zip(tables, counts)],
+        [t[:c, 1].tolist() for t, c in zip(tables, counts)],
+    )
 
 
 def _local_error(batch: ExperienceBatch, keep_groups: bool) -> ValueError | None:
@@ -156,13 +196,16 @@ def _local_error(batch: ExperienceBatch, keep_groups: bool) -> ValueError | None
     except ValueError as e:
         return e
     if keep_groups and "group_ids" not in batch.seqs:
-        return ValueError("`keep_groups=True` needs a `group_ids` sequence field in the batch; it has: "
-                          f"{describe_schema(batch.schema())}")
+        return ValueError(
+            "`keep_groups=True` needs a `group_ids` sequence field in the batch; it has: "
+            f"{describe_schema(batch.schema())}"
+        )
     return None
 
 
-def _agree_on_schema(batch: ExperienceBatch, prints: list[int], counts: list[int],
-                     group: dist.ProcessGroup | None) -> ExperienceBatch:
+def _agree_on_schema(
+    batch: ExperienceBatch, prints: list[int], counts: list[int], group: dist.ProcessGroup | None
+) -> ExperienceBatch:
     """Ranks holding sequences must agree on the fields; a rank holding none adopts theirs."""
     filled = sorted({p for p, c in zip(prints, counts) if c})
     if len(filled) > 1:
@@ -202,8 +245,13 @@ class Dispatcher:
     (max over mean tokens per destination dp rank), ``num_seqs`` and ``num_tokens`` received.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, tp_mode: TpMode = "auto",
-                 locality: bool = True) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        tp_mode: TpMode = "auto",
+        locality: bool = True,
+    ) -> None:
         if tp_mode not in TP_MODES:
             raise ValueError(f"`tp_mode` must be one of {list(TP_MODES)}, got {tp_mode!r}")
         self.group = group
@@ -213,8 +261,14 @@ class Dispatcher:
         self.last_plan: DispatchPlan | None = None
         self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
-    def exchange(self, batch: ExperienceBatch, to: Layout, *, src: Layout | None = None,
-                 keep_groups: bool = False) -> ExperienceBatch:
+    def exchange(
+        self,
+        batch: ExperienceBatch,
+        to: Layout,
+        *,
+        src: Layout | None = None,
+        keep_groups: bool = False,
+    ) -> ExperienceBatch:
         """This rank's share of the batch under layout ``to``.
 
         ``src`` is the layout that produced ``batch`` (members of one of its TP groups hold
@@ -227,10 +281,19 @@ class Dispatcher:
         src = check_layout(Layout(dp=world, tp=1) if src is None else src, "src", world)
         batch, lengths, group_ids = gather_metadata(batch, self.group, keep_groups)
         token_bytes, seq_bytes = wire_bytes_per_row(batch.schema())
-        plan = make_plan(lengths, group_ids, src=src, dst=to, token_bytes=token_bytes,
-                         seq_bytes=seq_bytes, keep_groups=keep_groups, tp_mode=self.tp_mode,
-                         locality=self.locality)
-        self._create_subgroups(plan)  # collective; refuses a group it cannot serve before data moves
+        plan = make_plan(
+            lengths,
+            group_ids,
+            src=src,
+            dst=to,
+            token_bytes=token_bytes,
+            seq_bytes=seq_bytes,
+            keep_groups=keep_groups,
+            tp_mode=self.tp_mode,
+            locality=self.locality,
+        )
+        # collective; refuses a group it cannot serve before data moves
+        self._create_subgroups(plan)
         received = self._all_to_all(batch, plan, rank)
         received, as_rank = self._tp_broadcast(plan, received, rank, batch.schema())
         out = unpack_received(plan, as_rank, received, batch.schema())
@@ -239,7 +302,9 @@ class Dispatcher:
         return out
 
     # -- step 3: the all-to-all ----------------------------------------------------------------
-    def _all_to_all(self, batch: ExperienceBatch, plan: DispatchPlan, rank: int) -> dict[torch.dtype, torch.Tensor]:
+    def _all_to_all(
+        self, batch: ExperienceBatch, plan: DispatchPlan, rank: int
+    ) -> dict[torch.dtype, torch.Tensor]:
         world = plan.world_size
         chunks = [[plan.src_index[i] for i in plan.rows_from(rank, d)] for d in range(world)]
         packed = pack_chunks(batch, chunks)
@@ -255,8 +320,13 @@ class Dispatcher:
         return received
 
     # -- step 4: broadcast inside destination TP groups ------------------------------------------
-    def _tp_broadcast(self, plan: DispatchPlan, received: dict[torch.dtype, torch.Tensor], rank: int,
-                      schema: tuple[FieldSpec, ...]) -> tuple[dict[torch.dtype, torch.Tensor], int]:
+    def _tp_broadcast(
+        self,
+        plan: DispatchPlan,
+        received: dict[torch.dtype, torch.Tensor],
+        rank: int,
+        schema: tuple[FieldSpec, ...],
+    ) -> tuple[dict[torch.dtype, torch.Tensor], int]:
         """Members of a broadcast-mode TP group take the root's received buffers (and unpack them
         as the root does, so the group ends with identical batches)."""
         g = plan.dst.coords(rank)[0]
@@ -269,7 +339,9 @@ class Dispatcher:
         for dtype, fields in wire_schema(schema).items():
             buffer = received[dtype]
             if rank != root:
-                size = sum(_elements(plan, fields, plan.rows_from(s, root)) for s in range(plan.world_size))
+                size = sum(
+                    _elements(plan, fields, plan.rows_from(s, root)) for s in range(plan.world_size)
+                )
                 buffer = torch.empty(size, dtype=dtype, device=comm_device(self.group))
             dist.broadcast(buffer, group=pg, group_src=members.index(root))
             out[dtype] = buffer
@@ -290,10 +362,14 @@ class Dispatcher:
             if mode != "broadcast" or key in self._subgroups:
                 continue
             if self.group is not None and dist.get_world_size(self.group) != dist.get_world_size():
-                raise ValueError(f"Dispatcher(group=...): a TP broadcast needs the group to span every process "
-                                 f"(got {dist.get_world_size(self.group)} of {dist.get_world_size()}); "
-                                 f"use tp_mode='direct' or the default group")
-            global_ranks = [dist.get_global_rank(self.group, r) if self.group is not None else r for r in key]
+                raise ValueError(
+                    f"Dispatcher(group=...): a TP broadcast needs the group to span every process "
+                    f"(got {dist.get_world_size(self.group)} of {dist.get_world_size()}); "
+                    f"use tp_mode='direct' or the default group"
+                )
+            global_ranks = [
+                dist.get_global_rank(self.group, r) if self.group is not None else r for r in key
+            ]
             # the run's collective timeout, not torch's 30 minutes: a silent peer here ends the run in time
             self._subgroups[key] = dist.new_group(global_ranks, timeout=collective_timeout())
 
@@ -302,8 +378,12 @@ def _elements(plan: DispatchPlan, fields: list[FieldSpec], rows: list[int]) -> i
     return chunk_elements(fields, len(rows), sum(plan.lengths[i] for i in rows))
 
 
-def unpack_received(plan: DispatchPlan, receiver: int, buffers: dict[torch.dtype, torch.Tensor],
-                    schema: tuple[FieldSpec, ...]) -> ExperienceBatch:
+def unpack_received(
+    plan: DispatchPlan,
+    receiver: int,
+    buffers: dict[torch.dtype, torch.Tensor],
+    schema: tuple[FieldSpec, ...],
+) -> ExperienceBatch:
     """Unpack what ``receiver`` got in the all-to-all into ascending canonical order."""
     world = plan.world_size
     ids = [i for s in range(world) for i in plan.rows_from(s, receiver)]
@@ -311,13 +391,17 @@ def unpack_received(plan: DispatchPlan, receiver: int, buffers: dict[torch.dtype
     toks_per = [sum(plan.lengths[i] for i in plan.rows_from(s, receiver)) for s in range(world)]
     out = unpack_chunks(buffers, schema, rows_per, toks_per)
     if out.seq_lens.tolist() != [plan.lengths[i] for i in ids]:
-        raise RuntimeError("dispatcher: received sequence lengths differ from the plan (ranks disagree on it)")
+        raise RuntimeError(
+            "dispatcher: received sequence lengths differ from the plan (ranks disagree on it)"
+        )
     order = sorted(range(len(ids)), key=ids.__getitem__)
     # Rows from one sender arrive sorted; several senders (or replicas) interleave canonical ids.
     return out if order == list(range(len(ids))) else out.select(order)
 
 
-def dispatch_stats(plan: DispatchPlan, rank: int, seconds: float, out: ExperienceBatch) -> dict[str, float]:
+def dispatch_stats(
+    plan: DispatchPlan, rank: int, seconds: float, out: ExperienceBatch
+) -> dict[str, float]:
     """The figures the training step logs (``dispatch/bytes`` ...), for this rank."""
     return {
         "bytes": float(plan.sent[rank] + plan.recv[rank]),

@@ -4,7 +4,7 @@ exchanger that decides where episodes and experience rows live.
 A task is rows: the seeds of a built-in environment's episodes, or the rows of a prompt dataset
 (TRL's standard or conversational ``prompt`` plus any columns), each played single-turn or, with an
 environment, as a multi-turn episode whose ``reset`` gets the row's columns; reward functions with
-TRL's signature score them. Every rank sees the same global batch; the DataModule's :class:`~earl_lightning.data.exchange.Exchanger`
+TRL's signature score them. Every rank sees the same global batch; the DataModule's :class:`~earl_lightning.dispatch.exchange.Exchanger`
 gives each rank its share under the rollout layout of the moment (which can change between steps)
 and moves experience between stage layouts. Batch ``k`` is a pure function of ``(seed, k)``: a
 resumed run picks up at the trainer's restored step and sees exactly the batches an uninterrupted
@@ -13,17 +13,18 @@ run would have seen.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import datasets
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from earl_lightning.seeding import run_seed
-from earl_lightning.data.exchange import DispatchConfig, Exchanger
+from earl_lightning.dispatch.exchange import DispatchConfig, Exchanger
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.rollout.types import EpisodeSpec
+from earl_lightning.seeding import run_seed
 from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
 from earl_lightning.tasks.tools import Tool, resolve_tools
@@ -53,8 +54,17 @@ class EpisodeStream(IterableDataset):
     group seed's parity (:func:`member_seed`), so only what the parity fixes is shared.
     """
 
-    def __init__(self, env: str | None, env_kwargs: dict, batch_size: int, group_size: int, seed: int,
-                 start_step: int = 0, group_seeds: str = "shared", rows: Any = None):
+    def __init__(
+        self,
+        env: str | None,
+        env_kwargs: dict,
+        batch_size: int,
+        group_size: int,
+        seed: int,
+        start_step: int = 0,
+        group_seeds: str = "shared",
+        rows: Any = None,
+    ):
         self.env, self.env_kwargs = env, dict(env_kwargs)
         self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
         self.start_step, self.group_seeds = start_step, group_seeds
@@ -70,11 +80,22 @@ class EpisodeStream(IterableDataset):
             row_index = self.order[index] if self.order is not None else -1
             row = self.rows[row_index] if self.rows is not None else None
             for m in range(self.group_size):
-                env_seed = (member_seed(base, index, m, self.group_size) if self.group_seeds == "distinct"
-                            else base + index)
-                specs.append(EpisodeSpec(env=self.env, seed=env_seed, group_id=g,
-                                         episode_id=g * self.group_size + m, env_kwargs=self.env_kwargs,
-                                         row=row, row_index=row_index))
+                env_seed = (
+                    member_seed(base, index, m, self.group_size)
+                    if self.group_seeds == "distinct"
+                    else base + index
+                )
+                specs.append(
+                    EpisodeSpec(
+                        env=self.env,
+                        seed=env_seed,
+                        group_id=g,
+                        episode_id=g * self.group_size + m,
+                        env_kwargs=self.env_kwargs,
+                        row=row,
+                        row_index=row_index,
+                    )
+                )
         return specs
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -93,11 +114,21 @@ class EvalEpisodes(IterableDataset):
         self.num_episodes = num_episodes if rows is None else min(num_episodes, len(rows))
 
     def __iter__(self):
-        yield {"step": -1, "specs": [EpisodeSpec(env=self.env, seed=i, group_id=i, episode_id=i,
-                                                 env_kwargs=self.env_kwargs,
-                                                 row=self.rows[i] if self.rows is not None else None,
-                                                 row_index=i if self.rows is not None else -1)
-                                     for i in range(self.num_episodes)]}
+        yield {
+            "step": -1,
+            "specs": [
+                EpisodeSpec(
+                    env=self.env,
+                    seed=i,
+                    group_id=i,
+                    episode_id=i,
+                    env_kwargs=self.env_kwargs,
+                    row=self.rows[i] if self.rows is not None else None,
+                    row_index=i if self.rows is not None else -1,
+                )
+                for i in range(self.num_episodes)
+            ],
+        }
 
 
 def _identity(batch):
@@ -144,15 +175,23 @@ class EpisodeDataModule(L.LightningDataModule):
             environment may offer its own (``ToolEnv.tools()``).
     """
 
-    def __init__(self, env: Optional[str] = None, env_kwargs: dict[str, Any] | None = None, batch_size: int = 64,
-                 group_size: int = 8, seed: Optional[int] = None, eval_episodes: int = 128,
-                 eval_env_kwargs: dict[str, Any] | None = None, dispatch: DispatchConfig = DispatchConfig(),
-                 group_seeds: str = "shared",
-                 dataset: Optional[Union[DatasetConfig, str, datasets.Dataset, datasets.DatasetDict]] = None,
-                 eval_dataset: Optional[datasets.Dataset] = None,
-                 reward_funcs: Optional[list[Union[str, Callable[..., Any]]]] = None,
-                 reward_weights: Optional[list[float]] = None,
-                 tools: Optional[list[Union[str, Callable[..., Any], dict[str, Any]]]] = None):
+    def __init__(
+        self,
+        env: str | None = None,
+        env_kwargs: dict[str, Any] | None = None,
+        batch_size: int = 64,
+        group_size: int = 8,
+        seed: int | None = None,
+        eval_episodes: int = 128,
+        eval_env_kwargs: dict[str, Any] | None = None,
+        dispatch: DispatchConfig = DispatchConfig(),
+        group_seeds: str = "shared",
+        dataset: DatasetConfig | str | datasets.Dataset | datasets.DatasetDict | None = None,
+        eval_dataset: datasets.Dataset | None = None,
+        reward_funcs: list[str | Callable[..., Any]] | None = None,
+        reward_weights: list[float] | None = None,
+        tools: list[str | Callable[..., Any] | dict[str, Any]] | None = None,
+    ):
         super().__init__()
         if env is None and dataset is None:
             env = "connect_four"
@@ -169,8 +208,10 @@ class EpisodeDataModule(L.LightningDataModule):
                 f"{max(group_size, batch_size // group_size * group_size)}"
             )
         if group_seeds not in GROUP_SEEDS:
-            raise ValueError(f"`--data.group_seeds` must be one of {', '.join(map(repr, GROUP_SEEDS))}, "
-                             f"got {group_seeds!r}")
+            raise ValueError(
+                f"`--data.group_seeds` must be one of {', '.join(map(repr, GROUP_SEEDS))}, "
+                f"got {group_seeds!r}"
+            )
         if eval_episodes < 0:
             raise ValueError(f"`--data.eval_episodes` must be >= 0, got {eval_episodes}")
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
@@ -179,7 +220,9 @@ class EpisodeDataModule(L.LightningDataModule):
             make_env(env, "--data.env", **self.env_kwargs)  # bad env kwargs fail now, not at step 1
         self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
         self.eval_episodes, self.group_seeds = eval_episodes, group_seeds
-        self.splits: Splits | None = open_splits(dataset, eval_dataset) if dataset is not None else None
+        self.splits: Splits | None = (
+            open_splits(dataset, eval_dataset) if dataset is not None else None
+        )
         if self.splits is not None and self.splits.eval is None:
             self.eval_episodes = 0  # no evaluation rows: nothing to evaluate on
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
@@ -187,16 +230,31 @@ class EpisodeDataModule(L.LightningDataModule):
         _check_task(self.splits, env, self.reward_funcs)
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
-        self.save_hyperparameters(ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs", "tools"])
-        self.hparams.update(dispatch=to_dict(dispatch), dataset=describe(dataset), eval_dataset=describe(eval_dataset),
-                            reward_funcs=[describe(f) for f in reward_funcs or []], tools=[t.name for t in self.tools])
+        self.save_hyperparameters(
+            ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs", "tools"]
+        )
+        self.hparams.update(
+            dispatch=to_dict(dispatch),
+            dataset=describe(dataset),
+            eval_dataset=describe(eval_dataset),
+            reward_funcs=[describe(f) for f in reward_funcs or []],
+            tools=[t.name for t in self.tools],
+        )
 
     def first_spec(self) -> EpisodeSpec:
         return self._stream(0).batch(0)[0]
 
     def _stream(self, start: int) -> EpisodeStream:
-        return EpisodeStream(self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, start,
-                             self.group_seeds, rows=self.splits.train if self.splits is not None else None)
+        return EpisodeStream(
+            self.env,
+            self.env_kwargs,
+            self.batch_size,
+            self.group_size,
+            self.seed,
+            start,
+            self.group_seeds,
+            rows=self.splits.train if self.splits is not None else None,
+        )
 
     def train_dataloader(self) -> DataLoader:
         # One RL iteration is one optimizer step of the trainer: a resumed run has its global step
@@ -224,6 +282,8 @@ def _check_task(splits: Splits | None, env: str | None, funcs: list[RewardFuncti
     if splits is not None:
         check_columns(funcs, splits.columns())
         if env is None and not funcs:
-            raise ValueError("`--data.reward_funcs` is empty, and `--data.env` is null: rows played without an "
-                             "environment get their rewards from reward functions only; name at least one "
-                             "(e.g. trl.rewards.accuracy_reward)")
+            raise ValueError(
+                "`--data.reward_funcs` is empty, and `--data.env` is null: rows played without an "
+                "environment get their rewards from reward functions only; name at least one "
+                "(e.g. trl.rewards.accuracy_reward)"
+            )

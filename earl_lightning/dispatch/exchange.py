@@ -3,7 +3,7 @@
 One object decides placement for the whole RL iteration: which episodes each rank plays in the
 rollout (whole GRPO groups per data-parallel rank; TP peers play the same ones), and how the
 experience moves between the layouts of consecutive stages (the decentralized dispatcher: one
-all-to-all per dtype, planned from metadata alone). :class:`~earl_lightning.data.datamodule.EpisodeDataModule`
+all-to-all per dtype, planned from metadata alone). :class:`~earl_lightning.datamodule.EpisodeDataModule`
 owns one, configured from YAML (``--data.dispatch.*``); the training step only asks it.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from earl_lightning.data.dispatcher import Dispatcher
 from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.dispatch.dispatcher import Dispatcher
 from earl_lightning.parallel.collectives import world_size
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.rollout.types import EpisodeSpec
@@ -40,11 +40,15 @@ class DispatchConfig:
 
     def __post_init__(self) -> None:
         if self.tp_mode not in ("auto", "direct", "broadcast"):
-            raise ValueError(f"`--data.dispatch.tp_mode` must be one of ['auto', 'direct', 'broadcast'], "
-                             f"got {self.tp_mode!r}")
+            raise ValueError(
+                f"`--data.dispatch.tp_mode` must be one of ['auto', 'direct', 'broadcast'], "
+                f"got {self.tp_mode!r}"
+            )
         for name in ("keep_groups", "locality"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`--data.dispatch.{name}` must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"`--data.dispatch.{name}` must be true or false, got {getattr(self, name)!r}"
+                )
 
 
 class Exchanger:
@@ -70,7 +74,9 @@ class Exchanger:
         if world_size() == 1:
             return batch
         if self._dispatcher is None:
-            self._dispatcher = Dispatcher(tp_mode=self.config.tp_mode, locality=self.config.locality)
+            self._dispatcher = Dispatcher(
+                tp_mode=self.config.tp_mode, locality=self.config.locality
+            )
         out = self._dispatcher.exchange(batch, to=to, src=src, keep_groups=self.config.keep_groups)
         st, m = self._dispatcher.last_stats, self._metrics
         m["dispatch/bytes"] = m.get("dispatch/bytes", 0.0) + st["total_bytes"]
