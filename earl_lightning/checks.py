@@ -55,7 +55,7 @@ def check_number(
     if ok and high is not None:
         ok = value < high if strict_high else value <= high
     if ok:
-        return value
+        return float(value)
     what = _range(low, high, strict, strict_high)
     raise ValueError(f"`{arg}` must be {what}{unit}{' or None' if optional else ''}, got {value!r}")
 

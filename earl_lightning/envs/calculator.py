@@ -20,16 +20,9 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Literal
 
+from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.envs.base import StepResult, register_env
-from earl_lightning.envs.parsing import (
-    build_env,
-    check_choice,
-    check_finite,
-    check_non_negative_int,
-    check_seed,
-    find_call,
-    read_int,
-)
+from earl_lightning.envs.parsing import build_env, find_call, read_int
 
 MAX_EXPR_CHARS = 200
 MAX_EXPONENT = 16
@@ -158,18 +151,18 @@ class CalculatorEnv:
         invalid_reward: float = -1.0,
         protocol: Literal["tools", "text"] = "tools",
     ) -> None:
-        self.max_tool_calls = check_non_negative_int(max_tool_calls, "max_tool_calls")
-        self.difficulty = check_choice(difficulty, "difficulty", tuple(_TEMPLATES))
-        self.correct_reward = check_finite(correct_reward, "correct_reward")
-        self.wrong_reward = check_finite(wrong_reward, "wrong_reward")
-        self.invalid_reward = check_finite(invalid_reward, "invalid_reward")
-        self.protocol = check_choice(protocol, "protocol", ("tools", "text"))
+        self.max_tool_calls = check_count("max_tool_calls", max_tool_calls, 0)
+        self.difficulty = check_choice("difficulty", difficulty, tuple(_TEMPLATES))
+        self.correct_reward = check_number("correct_reward", correct_reward)
+        self.wrong_reward = check_number("wrong_reward", wrong_reward)
+        self.invalid_reward = check_number("invalid_reward", invalid_reward)
+        self.protocol = check_choice("protocol", protocol, ("tools", "text"))
         self.question, self.answer = "", 0
         self._calls = 0
         self._done = True
 
     def reset(self, seed: int) -> str:
-        self.question, self.answer = make_question(check_seed(seed), self.difficulty)
+        self.question, self.answer = make_question(check_count("seed", seed, 0), self.difficulty)
         self._calls = 0
         self._done = False
         if self.protocol == "tools":

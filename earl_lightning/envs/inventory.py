@@ -11,14 +11,9 @@ from __future__ import annotations
 import random
 import re
 
+from earl_lightning.checks import check_count, check_number
 from earl_lightning.envs.base import StepResult, register_env
-from earl_lightning.envs.parsing import (
-    build_env,
-    check_finite,
-    check_non_negative_int,
-    check_seed,
-    read_int,
-)
+from earl_lightning.envs.parsing import build_env, read_int
 
 ITEMS = (
     "apples",
@@ -68,20 +63,20 @@ class InventoryEnv:
         wrong_reward: float = 0.0,
         invalid_reward: float = -1.0,
     ) -> None:
-        self.num_items = check_non_negative_int(num_items, "num_items")
+        self.num_items = check_count("num_items", num_items, 0)
         if not 1 <= self.num_items <= len(ITEMS):
             raise ValueError(f"`num_items` must be in [1, {len(ITEMS)}], got {num_items!r}")
-        self.max_tool_calls = check_non_negative_int(max_tool_calls, "max_tool_calls")
-        self.correct_reward = check_finite(correct_reward, "correct_reward")
-        self.wrong_reward = check_finite(wrong_reward, "wrong_reward")
-        self.invalid_reward = check_finite(invalid_reward, "invalid_reward")
+        self.max_tool_calls = check_count("max_tool_calls", max_tool_calls, 0)
+        self.correct_reward = check_number("correct_reward", correct_reward)
+        self.wrong_reward = check_number("wrong_reward", wrong_reward)
+        self.invalid_reward = check_number("invalid_reward", invalid_reward)
         self.table: dict[str, dict[str, int]] = {}
         self.asked, self.item = "price", ITEMS[0]
         self.first_tool: str | None = None
         self._calls = 0
 
     def reset(self, seed: int) -> str:
-        rng = random.Random(check_seed(seed))
+        rng = random.Random(check_count("seed", seed, 0))
         names = rng.sample(ITEMS, self.num_items)
         self.table = {n: {f: rng.randint(1, 99) for f in FIELDS} for n in names}
         self.item, self.asked = rng.choice(names), rng.choice(FIELDS)

@@ -24,19 +24,9 @@ import numpy as np
 import pyspiel
 from open_spiel.python.algorithms import mcts
 
+from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.envs.base import Env, StepResult, register_env
-from earl_lightning.envs.parsing import (
-    Seat,
-    agent_player,
-    build_env,
-    check_choice,
-    check_finite,
-    check_non_negative_int,
-    check_positive_int,
-    check_seat,
-    check_seed,
-    first_int,
-)
+from earl_lightning.envs.parsing import Seat, agent_player, build_env, check_seat, first_int
 
 # Marks as OpenSpiel prints them for player 0 / player 1; other games say "player 0".
 _MARKS = {"connect_four": ("x", "o"), "tic_tac_toe": ("x", "o")}
@@ -143,14 +133,14 @@ class OpenSpielEnv:
     ) -> None:
         self.game_name = game
         self.game = load_two_player_game(game)
-        self.opponent = check_choice(opponent, "opponent", OPPONENTS)
-        self.mcts_simulations = check_positive_int(mcts_simulations, "mcts_simulations")
-        self.mcts_rollouts = check_positive_int(mcts_rollouts, "mcts_rollouts")
+        self.opponent = check_choice("opponent", opponent, OPPONENTS)
+        self.mcts_simulations = check_count("mcts_simulations", mcts_simulations)
+        self.mcts_rollouts = check_count("mcts_rollouts", mcts_rollouts)
         self.seat = check_seat(seat)
-        self.invalid_reward = check_finite(invalid_reward, "invalid_reward")
-        self.legal_move_reward = check_finite(legal_move_reward, "legal_move_reward")
-        self.legal_format = check_choice(legal_format, "legal_format", ("slots", "list"))
-        self.random_opening = check_non_negative_int(random_opening, "random_opening")
+        self.invalid_reward = check_number("invalid_reward", invalid_reward)
+        self.legal_move_reward = check_number("legal_move_reward", legal_move_reward)
+        self.legal_format = check_choice("legal_format", legal_format, ("slots", "list"))
+        self.random_opening = check_count("random_opening", random_opening, 0)
         self._marks = _MARKS.get(self.game.get_type().short_name, ("player 0", "player 1"))
         # Placeholders until reset(); `_done` makes step() refuse to run before it.
         self._state = self.game.new_initial_state()
@@ -160,7 +150,7 @@ class OpenSpielEnv:
 
     # ---- Env protocol --------------------------------------------------------------------
     def reset(self, seed: int) -> str:
-        seed = check_seed(seed)
+        seed = check_count("seed", seed, 0)
         self._state = self.game.new_initial_state()
         self._agent = agent_player(self.seat, seed)
         self._opponent_move = self._make_opponent(seed)

@@ -1,5 +1,5 @@
-"""Helpers shared by the built-in environments: reading actions out of model text, and the
-argument checks (seat, seed, numbers) that every game env needs.
+"""Helpers shared by the built-in environments: reading actions out of model text, the seat
+setting, and building an env from YAML keywords (numbers and seeds: ``earl_lightning.checks``).
 
 Pure Python: no torch, no OpenSpiel, no TextArena, so every env module can import it cheaply.
 """
@@ -7,7 +7,6 @@ Pure Python: no torch, no OpenSpiel, no TextArena, so every env module can impor
 from __future__ import annotations
 
 import inspect
-import math
 import re
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, Union
@@ -84,35 +83,6 @@ def agent_player(seat: Seat, seed: int) -> int:
     if seat == "alternate":
         return seed % 2
     return int(seat)
-
-
-def check_seed(seed: object, arg: str = "seed") -> int:
-    """Episode seeds are non-negative ints (they seed NumPy and ``random`` generators)."""
-    return check_non_negative_int(seed, arg)
-
-
-def check_non_negative_int(value: object, arg: str) -> int:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"`{arg}` must be a non-negative int, got {value!r}")
-    return value
-
-
-def check_positive_int(value: object, arg: str) -> int:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
-    return value
-
-
-def check_finite(value: object, arg: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"`{arg}` must be a finite number, got {value!r}")
-    return float(value)
-
-
-def check_choice(value: object, arg: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"`{arg}` must be one of {list(allowed)}, got {value!r}")
-    return value  # type: ignore[return-value]
 
 
 def build_env(

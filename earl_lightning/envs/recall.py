@@ -14,15 +14,11 @@ import random
 import re
 import string
 
+from earl_lightning.checks import check_count
 from earl_lightning.envs.base import StepResult, register_env
 
 _FILLER_CHARS = string.ascii_lowercase + " "
 _DIGIT = re.compile(r"\d")
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` of env 'recall' must be an integer >= {low}, got {value!r}")
 
 
 @register_env("recall")
@@ -39,9 +35,9 @@ class RecallEnv:
     def __init__(
         self, num_turns: int = 10, lag: int = 1, padding_chars: int = 0, end_on_error: bool = False
     ):
-        _check_int("num_turns", num_turns, 1)
-        _check_int("lag", lag, 0)
-        _check_int("padding_chars", padding_chars, 0)
+        check_count("num_turns", num_turns)
+        check_count("lag", lag, 0)
+        check_count("padding_chars", padding_chars, 0)
         if lag >= num_turns:
             raise ValueError(f"`lag` of env 'recall' must be < num_turns={num_turns}, got {lag}")
         self.num_turns, self.lag, self.padding_chars = num_turns, lag, padding_chars

@@ -20,16 +20,9 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+from earl_lightning.checks import check_count, check_number
 from earl_lightning.envs.base import StepResult, register_env
-from earl_lightning.envs.parsing import (
-    Seat,
-    agent_player,
-    build_env,
-    check_finite,
-    check_positive_int,
-    check_seat,
-    check_seed,
-)
+from earl_lightning.envs.parsing import Seat, agent_player, build_env, check_seat
 
 Policy = Callable[[str], str]
 _INSTALL = "pip install 'earl_lightning[textarena]'"
@@ -143,8 +136,8 @@ class TextArenaEnv:
         if opponent != "random" and not callable(opponent):
             raise ValueError(f"`opponent` must be 'random' or a callable, got {opponent!r}")
         self.game, self.opponent = game, opponent
-        self.invalid_reward = check_finite(invalid_reward, "invalid_reward")
-        self.max_turns = check_positive_int(max_turns, "max_turns")
+        self.invalid_reward = check_number("invalid_reward", invalid_reward)
+        self.max_turns = check_count("max_turns", max_turns)
         self.seat = check_seat(seat)
         self._random_state = random.Random(0).getstate()
         self._env = self._make_two_player()
@@ -176,7 +169,7 @@ class TextArenaEnv:
 
     # ---- Env protocol --------------------------------------------------------------------
     def reset(self, seed: int) -> str:
-        seed = check_seed(seed)
+        seed = check_count("seed", seed, 0)
         self._agent = agent_player(self.seat, seed)
         self._policy = (
             random_opponent(self.game, seed) if self.opponent == "random" else self.opponent

@@ -187,7 +187,7 @@ def test_step_after_done_raises():
             {"difficulty": "insane"},
             r"`difficulty` must be one of \['easy', 'medium', 'hard'\], got 'insane'",
         ),
-        ({"max_tool_calls": -1}, r"`max_tool_calls` must be a non-negative int, got -1"),
+        ({"max_tool_calls": -1}, r"`max_tool_calls` must be an integer >= 0, got -1"),
         ({"correct_reward": "1"}, r"`correct_reward` must be a finite number, got '1'"),
         ({"wrong_reward": float("inf")}, r"`wrong_reward` must be a finite number, got inf"),
         ({"invalid_reward": None}, r"`invalid_reward` must be a finite number, got None"),
@@ -210,7 +210,7 @@ def test_registry_and_bad_names():
         ValueError, match=r"unknown `env` 'calculater'; valid environments: .*'calculator'"
     ):
         make_env("calculater")
-    with pytest.raises(ValueError, match=r"`seed` must be a non-negative int, got '3'"):
+    with pytest.raises(ValueError, match=r"`seed` must be an integer >= 0, got '3'"):
         TextCalc().reset("3")
 
 

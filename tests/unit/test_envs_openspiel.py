@@ -264,15 +264,15 @@ def test_registry_builds_connect_four_and_openspiel():
             r"`opponent` must be one of \['random', 'win_or_random', 'mcts'\], got 'alphazero'",
         ),
         ({"seat": 2}, r"`seat` must be 'alternate', 0 or 1, got 2"),
-        ({"mcts_simulations": 0}, r"`mcts_simulations` must be a positive int, got 0"),
-        ({"mcts_rollouts": 1.5}, r"`mcts_rollouts` must be a positive int, got 1.5"),
+        ({"mcts_simulations": 0}, r"`mcts_simulations` must be a positive integer, got 0"),
+        ({"mcts_rollouts": 1.5}, r"`mcts_rollouts` must be a positive integer, got 1.5"),
         ({"invalid_reward": float("nan")}, r"`invalid_reward` must be a finite number, got nan"),
         (
             {"legal_format": "aligned"},
             r"`legal_format` must be one of \['slots', 'list'\], got 'aligned'",
         ),
-        ({"random_opening": -1}, r"`random_opening` must be a non-negative int, got -1"),
-        ({"random_opening": 2.5}, r"`random_opening` must be a non-negative int, got 2.5"),
+        ({"random_opening": -1}, r"`random_opening` must be an integer >= 0, got -1"),
+        ({"random_opening": 2.5}, r"`random_opening` must be an integer >= 0, got 2.5"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):
@@ -281,7 +281,7 @@ def test_bad_arguments_raise(kwargs, match):
 
 
 def test_bad_seed_and_env_name_raise():
-    with pytest.raises(ValueError, match=r"`seed` must be a non-negative int, got -1"):
+    with pytest.raises(ValueError, match=r"`seed` must be an integer >= 0, got -1"):
         OpenSpielEnv().reset(-1)
     with pytest.raises(
         ValueError, match=r"unknown `env` 'connect4'; valid environments: .*'connect_four'"

@@ -177,7 +177,7 @@ def test_step_after_done_raises():
             r"`game` 'TowerOfHanoi-v0' cannot be played as a two-player",
         ),
         ({"opponent": "mcts"}, r"`opponent` must be 'random' or a callable, got 'mcts'"),
-        ({"max_turns": 0}, r"`max_turns` must be a positive int, got 0"),
+        ({"max_turns": 0}, r"`max_turns` must be a positive integer, got 0"),
         ({"seat": "first"}, r"`seat` must be 'alternate', 0 or 1, got 'first'"),
         ({"invalid_reward": "-1"}, r"`invalid_reward` must be a finite number, got '-1'"),
     ],

@@ -72,13 +72,10 @@ def test_recall_all_correct_wins():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_turns=0), r"`num_turns` of env 'recall' must be an integer >= 1, got 0"),
-        (dict(lag=-1), r"`lag` of env 'recall' must be an integer >= 0, got -1"),
+        (dict(num_turns=0), r"`num_turns` must be a positive integer, got 0"),
+        (dict(lag=-1), r"`lag` must be an integer >= 0, got -1"),
         (dict(num_turns=3, lag=3), r"`lag` of env 'recall' must be < num_turns=3, got 3"),
-        (
-            dict(padding_chars=2.5),
-            r"`padding_chars` of env 'recall' must be an integer >= 0, got 2.5",
-        ),
+        (dict(padding_chars=2.5), r"`padding_chars` must be an integer >= 0, got 2.5"),
     ],
 )
 def test_recall_errors(kwargs, match):
