@@ -1,5 +1,5 @@
 """The multi-turn train stage with and without the scored last layer (``optim.scored_last_layer``,
-``earl_lightning/data/scored.py``), side by side in one process.
+``earl_lightning/train/scored.py``), side by side in one process.
 
 It builds the multi-turn comparison's train batch (64 DigitTurns episodes of 10 turns of 8 tokens,
 the whole chat through earl-tiny's template, the replies marked as actions) and times the train
@@ -61,7 +61,7 @@ def episode_with_actions(tokenizer, turns: int, reply_len: int) -> tuple[list[in
 def train_pass(model, mb, scored: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The train stage's forward over ``mb``, a token-mean loss over its actions, the backward;
     returns the log-probs and the gradients."""
-    from earl_lightning.data.forward import forward_micro_batch
+    from earl_lightning.train.forward import forward_micro_batch
 
     res = forward_micro_batch(model, mb, temperature=1.0, with_entropy=True, scored=scored)
     mask = mb.tokens["action_mask"]
@@ -122,9 +122,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from earl_lightning.data.experience import ExperienceBatch
-    from earl_lightning.data.scored import scored_positions
     from earl_lightning.host_memory import apply_host_memory
     from earl_lightning.models.loading import resolve_model_path
+    from earl_lightning.train.scored import scored_positions
 
     apply_host_memory()  # as the RL module sets it up
     path = resolve_model_path("earl-tiny")

@@ -217,7 +217,7 @@ class ExperienceBatch:
 
     def scored_counts(self) -> torch.Tensor:
         """[S] the positions of each sequence whose logits score an action token: its action tokens
-        after the first position (data/scored.py)."""
+        after the first position (train/scored.py)."""
         mask = (self.tokens["action_mask"] > 0).long().cpu()
         counts = torch.zeros(self.num_seqs, dtype=torch.long).index_add_(0, self.token_seq_index().cpu(), mask)
         starts, nonempty = self.cu_seqlens[:-1], self.seq_lens > 0

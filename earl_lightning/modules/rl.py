@@ -17,11 +17,8 @@ import torch
 
 from earl_lightning.algorithms import get_kl_estimator
 from earl_lightning.callbacks.base import StageOOMHandler
-from earl_lightning.data.advantages import check_whole_groups, estimate_advantages
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.data.forward import fill_logprobs
-from earl_lightning.data.scored import can_score_last_layer
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.dispatch.exchange import Exchanger
 from earl_lightning.groups import to_dict
@@ -42,7 +39,6 @@ from earl_lightning.modules.metrics import (
 )
 from earl_lightning.modules.rollout_setup import check_first_observation, loop_kwargs
 from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory
-from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import BackendSpec, SamplingConfig
 from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
@@ -52,6 +48,10 @@ from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_m
 from earl_lightning.seeding import run_seed
 from earl_lightning.strategies.faults import trainer_lost_peer
 from earl_lightning.strategies.stage import StageContext, stages_of
+from earl_lightning.train.advantages import check_whole_groups, estimate_advantages
+from earl_lightning.train.forward import fill_logprobs
+from earl_lightning.train.scored import can_score_last_layer
+from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 
 
 class AgenticRLModule(L.LightningModule):

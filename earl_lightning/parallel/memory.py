@@ -9,7 +9,7 @@ encodes over the KV cache kept between turns (0: one call per sequence); without
 may encode its whole context over a previous call's buffer (the safe bound).
 
 The per-token coefficients below were measured on the project's own code paths (the padded
-micro-batch forward of ``data/forward.py`` and the HF generation backend) with
+micro-batch forward of ``train/forward.py`` and the HF generation backend) with
 ``torch.autograd.graph.saved_tensors_hooks`` and peak RSS; ``tests/unit/test_memory_model_measured.py``
 checks the resulting estimates against measured peaks. Pure arithmetic: no torch.distributed.
 """
@@ -27,7 +27,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # state tensors per parameter
 STATS_KEYS = ("num_seqs", "context_mean", "context_max", "context_p95", "gen_len")
 OPTIONAL_STATS_KEYS = ("prompt_max", "turn_prefill_max", "scored_max", "scored_share_max")
-# The share of a micro-batch's positions up to which data/scored.py runs its last layer at the
+# The share of a micro-batch's positions up to which train/scored.py runs its last layer at the
 # scored positions only (above it the plain forward is as cheap); defined here, read there.
 MAX_SCORED_SHARE = 0.5
 RolloutBackend = Literal["hf", "vllm"]
@@ -253,7 +253,7 @@ class MemoryModel:
             encodes its whole context into an empty buffer).
         reference_model: a frozen reference policy lives next to the policy in the experience stage.
         scored_last_layer: the train and experience forwards run the last decoder layer and the LM
-            head only at the positions that score an action token (``data/scored.py``), where the
+            head only at the positions that score an action token (``train/scored.py``), where the
             step's stats give ``scored_max`` and ``scored_share_max`` and the share allows it.
         resident_train_state: the sharded weights and optimizer state of the train layout stay on
             the device during rollout and experience (no offload).

@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.data.forward import fill_logprobs, forward_micro_batch, zero_loss
 from earl_lightning.parallel.collectives import Reducer, broadcast_object, global_rank, world_size
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 from earl_lightning.parallel.parallelize import (
@@ -45,6 +44,7 @@ from earl_lightning.parallel.parallelize import (
 from earl_lightning.parallel.profile import ProfileTable, layout_key
 from earl_lightning.rollout.backends.base import GenRequest, SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
+from earl_lightning.train.forward import fill_logprobs, forward_micro_batch, zero_loss
 
 _FIRST_TOKEN = (
     3  # ids below are the tiny tokenizer's pad / bos / eos: never part of a synthetic context
@@ -200,7 +200,7 @@ class StageProfiler:
         scored_last_layer: bool = True,
     ) -> None:
         self.device = torch.device(device)
-        self.scored = scored_last_layer  # the forwards as the trainer runs them (data/scored.py)
+        self.scored = scored_last_layer  # the forwards as the trainer runs them (train/scored.py)
         self.placements = _Placements(model_factory, self.device)
         self.tokenizer, self.seed = tokenizer, seed
 

@@ -1,4 +1,4 @@
-"""The scored last layer (``data/scored.py``) under the parallel layouts: FSDP2 over dp=2 (the
+"""The scored last layer (``train/scored.py``) under the parallel layouts: FSDP2 over dp=2 (the
 layer's all-gather and reshard hooks run around the replaced forward), TP=2 (each rank's heads),
 and dp=2 with PPO's value head. One PPO update over multi-turn rows with the path on, on 2
 processes, must end at the parameters of the single-process update with the plain forward."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from earl_lightning.data import forward as forward_mod
-from earl_lightning.modules.update import Models, UpdateConfig
 from earl_lightning.parallel.collectives import Reducer
+from earl_lightning.train import forward as forward_mod
+from earl_lightning.train.update import Models, UpdateConfig
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_shared_prefix_layouts import (
     _with_values,

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from earl_lightning.data.prefix import plan_shared_prefix
-from earl_lightning.modules.update import Models, UpdateConfig
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import parallelize_model
+from earl_lightning.train.prefix import plan_shared_prefix
+from earl_lightning.train.update import Models, UpdateConfig
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_update_uneven import _params, update, value_head
 from tests.unit.test_shared_prefix import _batch

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import parallelize_model
+from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 from tests.distributed.launch import run_distributed
 
 pytestmark = pytest.mark.distributed

@@ -15,11 +15,11 @@ from earl_lightning.algorithms import (
     shifted_logprobs,
 )
 from earl_lightning.data.episodes import episodes_to_experience
-from earl_lightning.data.forward import fill_logprobs, forward_micro_batch
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.rollout.backends.sampling import sample_tokens
+from earl_lightning.train.forward import fill_logprobs, forward_micro_batch
 
 DIGITS = [str(d) for d in range(7)]
 

@@ -102,7 +102,7 @@ def _params(mod):
 
 
 def _plain_module():
-    # Wrapped layers run the plain forward (data/scored.py declines them); the reference does too,
+    # Wrapped layers run the plain forward (train/scored.py declines them); the reference does too,
     # so the two runs differ by checkpointing alone and not by the products' float rounding.
     return module(
         optim=dict(micro_batch_tokens=1024, on_policy_shortcut=False, scored_last_layer=False)

@@ -225,8 +225,8 @@ def test_turn_token_rewards_by_hand():
 
 def test_gae_and_reinforce_pp_discount_per_turn_rewards_by_hand():
     from earl_lightning.algorithms.estimators import get_advantage_estimator
-    from earl_lightning.data.advantages import estimate_advantages
     from earl_lightning.data.episodes import episodes_to_experience
+    from earl_lightning.train.advantages import estimate_advantages
 
     mask = [0, 1, 0, 1, 0, 1]  # three one-token turns at 1, 3, 5
     ep = _episode([0, 1, 2, 3, 4, 5], mask, [1, 3, 5], [0.1, 0.1, 1.0], 1.2)

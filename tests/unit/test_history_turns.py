@@ -8,13 +8,13 @@ from transformers import AutoModelForCausalLM
 
 from earl_lightning.algorithms import discounted_returns
 from earl_lightning.algorithms.estimators import get_advantage_estimator
-from earl_lightning.data.advantages import estimate_advantages
 from earl_lightning.data.episodes import episodes_to_experience
-from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.rollout.types import Episode
+from earl_lightning.train.advantages import estimate_advantages
+from earl_lightning.train.forward import fill_logprobs
 from tests.unit.test_rollout_loop import _run, _specs
 
 

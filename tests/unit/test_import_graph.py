@@ -26,6 +26,7 @@ TIERS = {
     "data": 2,
     "parallel": 2,
     "dispatch": 3,
+    "train": 3,
     "strategies": 4,
     "callbacks": 4,
     "modules": 4,

@@ -257,8 +257,8 @@ def test_scored_last_layer_sizes_the_logits_and_the_last_layer_by_the_scored_pos
 
 
 def test_scored_share_agrees_with_the_forward():
-    from earl_lightning.data.scored import MAX_SCORED_SHARE as forward_share
     from earl_lightning.parallel.memory import MAX_SCORED_SHARE
+    from earl_lightning.train.scored import MAX_SCORED_SHARE as forward_share
 
     assert MAX_SCORED_SHARE == forward_share
 

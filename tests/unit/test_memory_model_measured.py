@@ -94,7 +94,7 @@ SPECS = {
             context=256,
             **WIDE_VOCAB,
         ),
-        # the scored last layer (data/scored.py): one position in 8 scores an action, as in a multi-turn chat
+        # the scored last layer (train/scored.py): one position in 8 scores an action, as in a multi-turn chat
         dict(
             name="tiny train 8x256 scored 1/8",
             preset=TINY,
@@ -178,7 +178,7 @@ def _batch(spec: dict, device: str):
 def _run_train(spec: dict, device: str) -> None:
     import torch
 
-    from earl_lightning.data.forward import forward_micro_batch
+    from earl_lightning.train.forward import forward_micro_batch
 
     model = _model(spec, device)
     if spec.get("ckpt"):
@@ -199,7 +199,7 @@ def _run_train(spec: dict, device: str) -> None:
 def _run_experience(spec: dict, device: str) -> None:
     import torch
 
-    from earl_lightning.data.forward import forward_micro_batch
+    from earl_lightning.train.forward import forward_micro_batch
 
     model = _model(spec, device).eval()
     with torch.no_grad():

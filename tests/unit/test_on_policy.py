@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from earl_lightning.data.episodes import episodes_to_experience
-from earl_lightning.data.forward import fill_logprobs
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules.config import (
     AlgorithmConfig,
@@ -19,9 +18,10 @@ from earl_lightning.modules.config import (
     RolloutConfig,
     exactly_on_policy,
 )
-from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
+from earl_lightning.train.forward import fill_logprobs
+from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 
 
 def test_taken_only_when_exactly_on_policy(monkeypatch):

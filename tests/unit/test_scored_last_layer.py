@@ -1,4 +1,4 @@
-"""The scored last layer (``optim.scored_last_layer``, earl_lightning/data/scored.py): the train
+"""The scored last layer (``optim.scored_last_layer``, earl_lightning/train/scored.py): the train
 forward runs its last decoder layer only at the positions whose logits score an action token.
 Log-probs and entropy there, and the gradients a loss over action tokens gives, must equal the
 plain forward's for Qwen2, Llama, Qwen3 and Mistral, on single- and multi-turn batches with ragged
@@ -24,22 +24,22 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from earl_lightning.data import forward as forward_mod
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.data.forward import forward_micro_batch
-from earl_lightning.data.scored import (
+from earl_lightning.models import load_tokenizer, make_tiny_model
+from earl_lightning.modules.config import OptimConfig
+from earl_lightning.parallel.collectives import Reducer
+from earl_lightning.parallel.parallelize import apply_activation_checkpointing
+from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
+from earl_lightning.train import forward as forward_mod
+from earl_lightning.train.forward import forward_micro_batch
+from earl_lightning.train.scored import (
     can_score_last_layer,
     last_layer,
     scored_last_layer,
     scored_positions,
 )
-from earl_lightning.models import load_tokenizer, make_tiny_model
-from earl_lightning.modules.config import OptimConfig
-from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
-from earl_lightning.parallel.collectives import Reducer
-from earl_lightning.parallel.parallelize import apply_activation_checkpointing
-from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
+from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 
 SMALL = dict(
     vocab_size=101,
@@ -191,7 +191,7 @@ def test_equals_plain_forward_on_a_multi_turn_rollout():
 
 
 def test_fill_logprobs_equals_plain_on_the_actions():
-    from earl_lightning.data.forward import fill_logprobs
+    from earl_lightning.train.forward import fill_logprobs
 
     model, mb = _qwen(), _batch()
     kw = dict(

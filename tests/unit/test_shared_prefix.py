@@ -1,4 +1,4 @@
-"""The shared-prefix forward (``optim.share_prefix``, earl_lightning/data/prefix.py): sequences that
+"""The shared-prefix forward (``optim.share_prefix``, earl_lightning/train/prefix.py): sequences that
 begin with the same prompt run it once and continue from its KV cache. Per-token log-probs, entropy,
 values and the gradients they give must equal the plain forward's over the whole sequences, for
 Qwen2 and Llama, single- and multi-turn batches, with groups of different prompt lengths, replies of
@@ -15,16 +15,16 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.data.forward import fill_logprobs, forward_micro_batch
-from earl_lightning.data.prefix import can_share_prefix, plan_shared_prefix, prefix_plan
 from earl_lightning.models import load_tokenizer, make_tiny_model
-from earl_lightning.modules.update import Models, UpdateConfig, ppo_update
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.parallelize import (
     apply_activation_checkpointing,
     set_activation_checkpointing,
 )
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
+from earl_lightning.train.forward import fill_logprobs, forward_micro_batch
+from earl_lightning.train.prefix import can_share_prefix, plan_shared_prefix, prefix_plan
+from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 
 
 def _qwen():

@@ -19,8 +19,8 @@ No Lightning here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -28,8 +28,10 @@ from torch import nn
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.parallel.parallelize import recomputes_activations
 
-PerPosition = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], dict[str, torch.Tensor]]
-MIN_SAVING = 0.25  # share only when the two passes cost at most 75% of the plain pass's padded tokens
+PerPosition = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], dict[str, torch.Tensor]]
+MIN_SAVING = (
+    0.25  # share only when the two passes cost at most 75% of the plain pass's padded tokens
+)
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,15 @@ def can_share_prefix(model: nn.Module) -> bool:
     """Whether the model's forward can continue from a cache with gradients (see the module doc)."""
     if recomputes_activations(model):
         return False  # a recomputed layer would append its keys to the cache a second time
-    from earl_lightning.rollout.backends.kv import attention_windows  # the rollout's reading of the config
+    # the rollout's reading of the config
+    from earl_lightning.rollout.backends.kv import attention_windows
 
     try:
         windows = attention_windows(model.config)
-    except (AttributeError, ValueError):  # no HF config, or a layer type the cache path does not know
+    except (
+        AttributeError,
+        ValueError,
+    ):  # no HF config, or a layer type the cache path does not know
         return False
     return all(w is None for w in windows.values())
 
@@ -89,7 +95,7 @@ def plan_shared_prefix(mb: ExperienceBatch) -> PrefixPlan | None:
     seen: dict[bytes, int] = {}
     row_prefix, prefix_rows = [], []
     for i, (st, p) in enumerate(zip(starts.tolist(), plen.tolist())):
-        key = ids[st:st + p].numpy().tobytes()
+        key = ids[st : st + p].numpy().tobytes()
         if key not in seen:
             seen[key] = len(prefix_rows)
             prefix_rows.append(i)
@@ -102,8 +108,14 @@ def plan_shared_prefix(mb: ExperienceBatch) -> PrefixPlan | None:
     return PrefixPlan(torch.tensor(row_prefix), torch.tensor(prefix_rows), plen)
 
 
-def shared_prefix_forward(model: nn.Module, mb: ExperienceBatch, plan: PrefixPlan, per_position: PerPosition,
-                          *, need_hidden: bool) -> dict[str, torch.Tensor]:
+def shared_prefix_forward(
+    model: nn.Module,
+    mb: ExperienceBatch,
+    plan: PrefixPlan,
+    per_position: PerPosition,
+    *,
+    need_hidden: bool,
+) -> dict[str, torch.Tensor]:
     """``per_position`` of ``mb``'s tokens, computed as one pass over the distinct prompts plus one
     over the continuations; returns packed ``[N]`` tensors like :meth:`ExperienceBatch.unpad` would.
 
@@ -112,21 +124,36 @@ def shared_prefix_forward(model: nn.Module, mb: ExperienceBatch, plan: PrefixPla
     ``c - 1`` (the experience convention); it is called once per pass."""
     dev = mb.tokens["input_ids"].device
     pre_ids, pre_mask = _prompts(mb, plan, dev)
-    pre = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=(pre_mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True, output_hidden_states=need_hidden)
+    pre = model(
+        input_ids=pre_ids,
+        attention_mask=pre_mask,
+        position_ids=(pre_mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+        output_hidden_states=need_hidden,
+    )
     cont_ids, cont_mask = _continuations(mb, plan, dev)
     rp = plan.row_prefix.to(dev)
     cache = pre.past_key_values
     cache.batch_select_indices(rp)  # every sequence's own view of its prompt's keys and values
     pos = plan.prefix_lens.to(dev)[:, None] + torch.arange(cont_ids.shape[1], device=dev)[None, :]
-    cont = model(input_ids=cont_ids, attention_mask=torch.cat([pre_mask[rp], cont_mask], 1), position_ids=pos,
-                 past_key_values=cache, use_cache=False, output_hidden_states=need_hidden)
+    cont = model(
+        input_ids=cont_ids,
+        attention_mask=torch.cat([pre_mask[rp], cont_mask], 1),
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=False,
+        output_hidden_states=need_hidden,
+    )
     # The continuation's view starts at the prompt's last position, whose logits predict the
     # first generated token; positions inside the prompt come from the prompt pass.
     pre_out = per_position(pre.logits, pre_ids, pre.hidden_states[-1] if need_hidden else None)
-    cont_out = per_position(torch.cat([pre.logits[rp, -1:], cont.logits], 1), torch.cat([pre_ids[rp, -1:], cont_ids], 1),
-                            torch.cat([pre.hidden_states[-1][rp, -1:], cont.hidden_states[-1]], 1)
-                            if need_hidden else None)
+    cont_out = per_position(
+        torch.cat([pre.logits[rp, -1:], cont.logits], 1),
+        torch.cat([pre_ids[rp, -1:], cont_ids], 1),
+        torch.cat([pre.hidden_states[-1][rp, -1:], cont.hidden_states[-1]], 1)
+        if need_hidden
+        else None,
+    )
     src = token_sources(mb, plan, pre_ids.shape[1], cont_ids.shape[1]).to(dev)
     out = {}
     for name, a in pre_out.items():
@@ -147,30 +174,40 @@ def token_sources(mb: ExperienceBatch, plan: PrefixPlan, p_max: int, width: int)
     in_prompt = u * p_max + (p_max - p + t)
     after = plan.num_prefixes * p_max + row * (width + 1) + (t - p + 1)
     src = torch.where(t < p, in_prompt, after)
-    return torch.where(t == 0, torch.full_like(src, plan.num_prefixes * p_max + lens.numel() * (width + 1)), src)
+    return torch.where(
+        t == 0, torch.full_like(src, plan.num_prefixes * p_max + lens.numel() * (width + 1)), src
+    )
 
 
 def _prompts(mb: ExperienceBatch, plan: PrefixPlan, dev) -> tuple[torch.Tensor, torch.Tensor]:
     """The distinct prompts, left-padded so that every one ends at the last column: ids, mask."""
-    ids, starts, plen = mb.tokens["input_ids"], mb.cu_seqlens[:-1].tolist(), plan.prefix_lens.tolist()
+    ids, starts, plen = (
+        mb.tokens["input_ids"],
+        mb.cu_seqlens[:-1].tolist(),
+        plan.prefix_lens.tolist(),
+    )
     rows = plan.prefix_rows.tolist()
     p_max = max(plen[r] for r in rows)
     out = torch.zeros(len(rows), p_max, dtype=ids.dtype, device=dev)
     mask = torch.zeros(len(rows), p_max, dtype=torch.long, device=dev)
     for j, r in enumerate(rows):
-        out[j, p_max - plen[r]:] = ids[starts[r]:starts[r] + plen[r]]
-        mask[j, p_max - plen[r]:] = 1
+        out[j, p_max - plen[r] :] = ids[starts[r] : starts[r] + plen[r]]
+        mask[j, p_max - plen[r] :] = 1
     return out, mask
 
 
 def _continuations(mb: ExperienceBatch, plan: PrefixPlan, dev) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence after its prompt, right-padded (at least one column): ids, mask."""
-    ids, starts, lens, plen = (mb.tokens["input_ids"], mb.cu_seqlens[:-1].tolist(), mb.seq_lens.tolist(),
-                               plan.prefix_lens.tolist())
+    ids, starts, lens, plen = (
+        mb.tokens["input_ids"],
+        mb.cu_seqlens[:-1].tolist(),
+        mb.seq_lens.tolist(),
+        plan.prefix_lens.tolist(),
+    )
     width = max(1, max(n - p for n, p in zip(lens, plen)))
     out = torch.zeros(len(lens), width, dtype=ids.dtype, device=dev)
     mask = torch.zeros(len(lens), width, dtype=torch.long, device=dev)
     for i, (st, n, p) in enumerate(zip(starts, lens, plen)):
-        out[i, :n - p] = ids[st + p:st + n]
-        mask[i, :n - p] = 1
+        out[i, : n - p] = ids[st + p : st + n]
+        mask[i, : n - p] = 1
     return out, mask

@@ -27,15 +27,16 @@ No Lightning here.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from earl_lightning.parallel.memory import MAX_SCORED_SHARE  # the memory model sizes by the same rule
+# the memory model sizes by the same rule; the forward reads it from here
+from earl_lightning.parallel.memory import MAX_SCORED_SHARE  # noqa: F401
 from earl_lightning.parallel.parallelize import recomputes_activations
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -92,7 +93,9 @@ def can_score_last_layer(model: nn.Module, *, now: bool = True) -> bool:
     # A layer that recomputes would rerun in backward after its forward is restored; a switchable
     # wrapper with recomputation off calls the layer as it is.
     config = _text_config(model)
-    if getattr(config, "model_type", None) not in SUPPORTED or recomputes_activations(model, now=now):
+    if getattr(config, "model_type", None) not in SUPPORTED or recomputes_activations(
+        model, now=now
+    ):
         return False
     try:
         if any(w is not None for w in attention_windows(config).values()):
@@ -103,7 +106,10 @@ def can_score_last_layer(model: nn.Module, *, now: bool = True) -> bool:
     if layer is None or not all(hasattr(layer, p) for p in _LAYER_PARTS):
         return False
     attn = layer.self_attn
-    return all(hasattr(attn, p) for p in (*_ATTN_PARTS, "head_dim", "scaling")) and _rotate_half(attn) is not None
+    return (
+        all(hasattr(attn, p) for p in (*_ATTN_PARTS, "head_dim", "scaling"))
+        and _rotate_half(attn) is not None
+    )
 
 
 def _rotate_half(attn: nn.Module):
@@ -130,22 +136,38 @@ def _attention_at(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, index: T
     v = attn.v_proj(h).view(b, length, -1, d).transpose(1, 2)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before the rotation
         q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = cos.expand(b, -1, -1), sin.expand(b, -1, -1)  # [1, L, D] where every row has the same positions
+    # [1, L, D] where every row has the same positions
+    cos, sin = cos.expand(b, -1, -1), sin.expand(b, -1, -1)
     q = _rope(q.transpose(1, 2), _gather(cos, index), _gather(sin, index), rotate_half)
     k = _rope(k.transpose(1, 2), cos, sin, rotate_half)
-    mask = (torch.arange(length, device=h.device) <= index[..., None])[:, None]  # [B, 1, K, L]: causal
+    mask = (torch.arange(length, device=h.device) <= index[..., None])[
+        :, None
+    ]  # [B, 1, K, L]: causal
     dropout = float(getattr(attn, "attention_dropout", 0.0)) if attn.training else 0.0
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=attn.scaling,
-                                         enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout,
+        scale=attn.scaling,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return attn.o_proj(out.transpose(1, 2).reshape(b, width, -1))
 
 
 def _layer_forward(layer: nn.Module, index: Tensor):
-    def forward(hidden_states: Tensor, *args, position_embeddings: tuple[Tensor, Tensor] | None = None,
-                **kwargs) -> Tensor:
+    def forward(
+        hidden_states: Tensor,
+        *args,
+        position_embeddings: tuple[Tensor, Tensor] | None = None,
+        **kwargs,
+    ) -> Tensor:
         if position_embeddings is None:
-            raise RuntimeError("the scored last layer needs the model to pass `position_embeddings` "
-                               "to its decoder layers (transformers >= 4.48)")
+            raise RuntimeError(
+                "the scored last layer needs the model to pass `position_embeddings` "
+                "to its decoder layers (transformers >= 4.48)"
+            )
         cos, sin = position_embeddings
         h = layer.input_layernorm(hidden_states)
         x = _gather(hidden_states, index) + _attention_at(layer.self_attn, h, cos, sin, index)

@@ -8,45 +8,78 @@ from __future__ import annotations
 
 import torch
 
-from earl_lightning.algorithms import entropy, logprobs_from_logits, shifted_entropy, shifted_logprobs
+from earl_lightning.algorithms import (
+    entropy,
+    logprobs_from_logits,
+    shifted_entropy,
+    shifted_logprobs,
+)
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.data.prefix import PrefixPlan, prefix_plan, shared_prefix_forward
-from earl_lightning.data.scored import (MAX_SCORED_SHARE, can_score_last_layer, scatter_scored, scored_last_layer,
-                                        scored_positions)
 from earl_lightning.models import eval_mode
+from earl_lightning.train.prefix import PrefixPlan, prefix_plan, shared_prefix_forward
+from earl_lightning.train.scored import (
+    MAX_SCORED_SHARE,
+    can_score_last_layer,
+    scatter_scored,
+    scored_last_layer,
+    scored_positions,
+)
 
 
-def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value_head=None,
-                        with_entropy: bool = False, allowed: list[int] | None = None,
-                        plan: PrefixPlan | None = None, scored: bool = False) -> dict[str, torch.Tensor]:
+def forward_micro_batch(
+    model,
+    mb: ExperienceBatch,
+    *,
+    temperature: float,
+    value_head=None,
+    with_entropy: bool = False,
+    allowed: list[int] | None = None,
+    plan: PrefixPlan | None = None,
+    scored: bool = False,
+) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N].
 
     ``allowed``: the token ids the policy may generate (``--model.rollout.sampling.allowed_tokens``); log-probs and
     entropy are then over that set, as the rollout sampled them. ``plan``: run the prompts that
-    several sequences share once, as planned by :func:`prefix_plan` (:mod:`earl_lightning.data.prefix`).
+    several sequences share once, as planned by :func:`prefix_plan` (:mod:`earl_lightning.train.prefix`).
     ``scored``: run the last decoder layer only where the logits score an action token
-    (:mod:`earl_lightning.data.scored`); log-probs and entropy elsewhere are then 0, for callers
+    (:mod:`earl_lightning.train.scored`); log-probs and entropy elsewhere are then 0, for callers
     that mask them with ``action_mask`` (values too: GAE reads them on actions only). Taken only
     where it applies (no plan, a model :func:`can_score_last_layer` accepts, actions at most half
     the positions)."""
     need_hidden = value_head is not None
-    allowed_t = None if allowed is None else torch.as_tensor(allowed, dtype=torch.long, device=mb.tokens["input_ids"].device)
+    allowed_t = (
+        None
+        if allowed is None
+        else torch.as_tensor(allowed, dtype=torch.long, device=mb.tokens["input_ids"].device)
+    )
 
     def per_position(logits, input_ids, hidden):
         logits = logits.float()  # [R, C, V]
-        res = {"logprobs": shifted_logprobs(logits, input_ids, temperature=temperature, allowed=allowed_t)}
+        res = {
+            "logprobs": shifted_logprobs(
+                logits, input_ids, temperature=temperature, allowed=allowed_t
+            )
+        }
         if with_entropy:
             res["entropy"] = shifted_entropy(logits, temperature=temperature, allowed=allowed_t)
         if need_hidden:
             v = value_head(hidden.float()).squeeze(-1)  # [R, C]: value of the state after token c
-            res["values"] = torch.nn.functional.pad(v[:, :-1], (1, 0))  # value before choosing token c
+            # value before choosing token c
+            res["values"] = torch.nn.functional.pad(v[:, :-1], (1, 0))
         return res
 
     if plan is not None:
         return shared_prefix_forward(model, mb, plan, per_position, need_hidden=need_hidden)
     if scored:
-        res = _scored_forward(model, mb, temperature=temperature, with_entropy=with_entropy, allowed=allowed_t,
-                              value_head=value_head)
+        res = _scored_forward(
+            model,
+            mb,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            allowed=allowed_t,
+            value_head=value_head,
+        )
         if res is not None:
             return res
     # Right padding needs no attention mask: under causal attention a real token never sees the
@@ -58,8 +91,15 @@ def forward_micro_batch(model, mb: ExperienceBatch, *, temperature: float, value
     return {k: mb.unpad(v) for k, v in res.items()}
 
 
-def _scored_forward(model, mb: ExperienceBatch, *, temperature: float, with_entropy: bool,
-                    allowed: torch.Tensor | None, value_head=None) -> dict[str, torch.Tensor] | None:
+def _scored_forward(
+    model,
+    mb: ExperienceBatch,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    allowed: torch.Tensor | None,
+    value_head=None,
+) -> dict[str, torch.Tensor] | None:
     """:func:`forward_micro_batch` through :func:`scored_last_layer`, or None where it does not pay or apply."""
     input_ids = mb.padded("input_ids", 0)  # [S, L]
     length = input_ids.shape[1]
@@ -70,22 +110,39 @@ def _scored_forward(model, mb: ExperienceBatch, *, temperature: float, with_entr
     if pos.width > MAX_SCORED_SHARE * length:
         return None
     with scored_last_layer(model, pos):
-        out = model(input_ids=input_ids, use_cache=False, output_hidden_states=value_head is not None)
+        out = model(
+            input_ids=input_ids, use_cache=False, output_hidden_states=value_head is not None
+        )
     logits = out.logits.float()  # [S, K, V]
     labels = input_ids.gather(1, pos.index + 1)
-    res = {"logprobs": scatter_scored(logprobs_from_logits(logits, labels, temperature, allowed), pos, length)}
+    res = {
+        "logprobs": scatter_scored(
+            logprobs_from_logits(logits, labels, temperature, allowed), pos, length
+        )
+    }
     if with_entropy:
         res["entropy"] = scatter_scored(entropy(logits, temperature, allowed), pos, length)
-    if value_head is not None:  # the value before choosing token t is read at t - 1: a scored position
+    if (
+        value_head is not None
+    ):  # the value before choosing token t is read at t - 1: a scored position
         hidden = out.hidden_states[-1]  # [S, K, H]
         res["values"] = scatter_scored(value_head(hidden.float()).squeeze(-1), pos, length)
     return {k: mb.unpad(v) for k, v in res.items()}
 
 
 @torch.no_grad()
-def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: float, micro_batch_tokens: int,
-                  value_head=None, allowed: list[int] | None = None, share_prefix: bool = False,
-                  scored: bool = False) -> ExperienceBatch:
+def fill_logprobs(
+    model,
+    batch: ExperienceBatch,
+    *,
+    name: str,
+    temperature: float,
+    micro_batch_tokens: int,
+    value_head=None,
+    allowed: list[int] | None = None,
+    share_prefix: bool = False,
+    scored: bool = False,
+) -> ExperienceBatch:
     """Add per-token ``name`` log-probs (and ``values`` when a value head is given) to the batch.
     ``scored``: as in :func:`forward_micro_batch` (the tokens that are not actions then get 0)."""
     out = {name: torch.zeros(batch.num_tokens)}
@@ -94,8 +151,15 @@ def fill_logprobs(model, batch: ExperienceBatch, *, name: str, temperature: floa
     for idx in batch.micro_batch_indices(micro_batch_tokens):
         mb = batch.select(idx)
         with eval_mode(model):  # the distribution the rollout sampled from (no dropout)
-            res = forward_micro_batch(model, mb, temperature=temperature, value_head=value_head, allowed=allowed,
-                                      plan=prefix_plan(model, mb, share_prefix), scored=scored)
+            res = forward_micro_batch(
+                model,
+                mb,
+                temperature=temperature,
+                value_head=value_head,
+                allowed=allowed,
+                plan=prefix_plan(model, mb, share_prefix),
+                scored=scored,
+            )
         pos = batch.token_positions(idx)
         out[name][pos] = res["logprobs"].cpu()
         if value_head is not None:

@@ -19,9 +19,9 @@ from torch import nn
 from earl_lightning.algorithms import aggregate, kl_divergence, ppo_clip_loss, value_loss
 from earl_lightning.algorithms.losses import PolicyLossFn, loss_stat_means
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.data.forward import forward_micro_batch, zero_loss
-from earl_lightning.data.prefix import PrefixPlan, prefix_plan
 from earl_lightning.parallel.collectives import Reducer, clip_gradients
+from earl_lightning.train.forward import forward_micro_batch, zero_loss
+from earl_lightning.train.prefix import PrefixPlan, prefix_plan
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def micro_batch_loss(
     plan: PrefixPlan | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch, scaled so that summing over micro-batches and ranks gives the
-    mini-batch loss (``plan``: its shared prompts, see :mod:`earl_lightning.data.prefix`).
+    mini-batch loss (``plan``: its shared prompts, see :mod:`earl_lightning.train.prefix`).
     Returns the loss and un-normalized stat sums."""
     res = forward_micro_batch(
         models.policy,
