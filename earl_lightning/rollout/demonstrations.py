@@ -16,11 +16,11 @@ sampled action (``--data.targets expected``).
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from earl_lightning.checks import is_real
 from earl_lightning.envs.policies import make_policy
 from earl_lightning.errors import DemonstrationError
 from earl_lightning.rollout.backends.base import (
@@ -90,14 +90,7 @@ class PolicyBackend:
         if (
             not isinstance(dist, Mapping)
             or not dist
-            or not all(
-                isinstance(a, str)
-                and isinstance(p, (int, float))
-                and not isinstance(p, bool)
-                and math.isfinite(p)
-                and p >= 0
-                for a, p in dist.items()
-            )
+            or not all(isinstance(a, str) and is_real(p) and p >= 0 for a, p in dist.items())
         ):
             raise DemonstrationError(
                 f"{where} is {dist!r:.80}; it must be a non-empty mapping of action strings to "

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.envs.base import Env, StepResult, check_env_name, make_env
 from earl_lightning.parallel.collectives import global_rank, is_distributed
 from earl_lightning.rollout.types import EpisodeSpec
@@ -124,17 +125,9 @@ class EnvCalls:
         task_tools: Sequence[Tool] = (),
         log_faults: bool = True,
     ) -> None:
-        if timeout_s is not None and (
-            isinstance(timeout_s, bool)
-            or not isinstance(timeout_s, (int, float))
-            or not math.isfinite(timeout_s)
-            or timeout_s <= 0
-        ):
-            raise ValueError(f"`env_timeout_s` must be a number > 0 or None, got {timeout_s!r}")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"`call_workers` must be an integer >= 1, got {workers!r}")
-        if isolation not in ("thread", "process"):
-            raise ValueError(f"`call_isolation` must be 'thread' or 'process', got {isolation!r}")
+        check_number("env_timeout_s", timeout_s, low=0, strict=True, optional=True)
+        check_count("call_workers", workers)
+        check_choice("call_isolation", isolation, ("thread", "process"))
         self.timeout_s, self.isolation, self.task_tools = timeout_s, isolation, tuple(task_tools)
         self.log_faults = log_faults
         if isolation == "process":

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from earl_lightning.checks import check_count, is_int
 from earl_lightning.envs.base import ToolEnv
 from earl_lightning.rollout.backends.base import GenerationBackend, GenRequest, SamplingConfig
 from earl_lightning.rollout.chat import ChatDeltas
@@ -195,16 +196,8 @@ def _apply(st: LiveEpisode, pending: Pending | None, action: Any, limits: TurnLi
 
 
 def _check_args(specs: list[EpisodeSpec], max_turns: int, max_context_tokens: int) -> None:
-    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-        raise ValueError(f"`max_turns` must be an integer >= 1, got {max_turns!r}")
-    if (
-        isinstance(max_context_tokens, bool)
-        or not isinstance(max_context_tokens, int)
-        or max_context_tokens < 1
-    ):
-        raise ValueError(
-            f"`max_context_tokens` must be an integer >= 1, got {max_context_tokens!r}"
-        )
+    check_count("max_turns", max_turns)
+    check_count("max_context_tokens", max_context_tokens)
     ids = [s.episode_id for s in specs]
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})
@@ -214,7 +207,7 @@ def _check_args(specs: list[EpisodeSpec], max_turns: int, max_context_tokens: in
 
 
 def check_history_turns(value: int | None, arg: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+    if value is not None and not (is_int(value) and value >= 0):
         raise ValueError(
             f"`{arg}` must be None (the whole chat) or an integer >= 0 (past exchanges kept in each "
             f"turn's prompt), got {value!r}"

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from earl_lightning.checks import check_count
 from earl_lightning.models.lora import merge_plan, merged_tensors
 
 # Wrappers that insert a path component without changing the HF layout.
@@ -60,8 +61,7 @@ def weight_buckets(
 ) -> list[list[tuple[str, torch.Tensor]]]:
     """Parameters in ``named_parameters`` order (tied weights once), grouped so that each bucket's
     full (unsharded) size is at most ``bucket_bytes`` unless one tensor alone is larger."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"`bucket_bytes` must be a positive integer, got {bucket_bytes!r}")
+    check_count("bucket_bytes", bucket_bytes)
     buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, p in model.named_parameters():

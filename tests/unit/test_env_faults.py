@@ -270,7 +270,8 @@ def test_results_do_not_depend_on_threads(lm, threads):
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), True, "5"])
 def test_env_timeout_must_be_positive(lm, value):
     with pytest.raises(
-        ValueError, match=re.escape(f"`env_timeout_s` must be a number > 0 or None, got {value!r}")
+        ValueError,
+        match=re.escape(f"`env_timeout_s` must be a positive number or None, got {value!r}"),
     ):
         _run(lm, _specs("recall", n=1), env_timeout_s=value)
 

@@ -230,8 +230,8 @@ def test_kv_and_reprefill_rollouts_are_identical(lm):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_turns=0), r"`max_turns` must be an integer >= 1, got 0"),
-        (dict(max_context_tokens=0), r"`max_context_tokens` must be an integer >= 1, got 0"),
+        (dict(max_turns=0), r"`max_turns` must be a positive integer, got 0"),
+        (dict(max_context_tokens=0), r"`max_context_tokens` must be a positive integer, got 0"),
     ],
 )
 def test_argument_errors(lm, kwargs, match):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from earl_lightning.checks import check_count
 from earl_lightning.rollout.backends.base import (
     GenOutput,
     GenRequest,
@@ -87,8 +88,8 @@ class VLLMBackend:
         enforce_eager: bool = True,
         engine_kwargs: dict[str, Any] | None = None,
     ):
-        _check_positive_int(tp, "tp")
-        _check_positive_int(max_model_len, "max_model_len")
+        check_count("tp", tp)
+        check_count("max_model_len", max_model_len)
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(
                 f"`dtype` must be one of ['bfloat16', 'float16', 'float32'], got {dtype!r}"
@@ -263,7 +264,7 @@ class VLLMBackend:
         Tears the current engine down and builds the new one now, so the cost shows up here
         (``rollout/switch_seconds``) and not in the next rollout. Every rank must call it.
         """
-        _check_positive_int(tp, "tp")
+        check_count("tp", tp)
         if tp == self._tp and self._llm is not None:
             return 0.0
         check_tp_heads(self.config, tp)
@@ -412,11 +413,6 @@ class _Counter:
         for item in self.items:
             self.count += 1
             yield item
-
-
-def _check_positive_int(value: Any, arg: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{arg}` must be a positive integer, got {value!r}")
 
 
 def _check_requests(requests: list[GenRequest], max_model_len: int) -> None:
