@@ -34,6 +34,7 @@ from earl_lightning import checkpoints
 from earl_lightning.callbacks import ExportModel, StepProgressBar
 from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
 from earl_lightning.checkpoints_io import AtomicCheckpointIO, with_atomic_checkpoint_io
+from earl_lightning.checks import is_int
 from earl_lightning.cli_errors import ShortErrorParser
 from earl_lightning.cli_resume import (
     dcp_problem,
@@ -100,7 +101,7 @@ class EarlCLI(LightningCLI):
         # saved config.yaml and the checkpoints' hyperparameters then record)
         config = self.config[self.subcommand] if self.subcommand else self.config
         seed = config.get("seed_everything")
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if not is_int(seed):
             return
         for group in ("model", "data"):
             part = config.get(group)

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import os
 
+from earl_lightning.checks import is_int
+
 
 def run_seed(seed: int | None, arg: str) -> int:
     """``seed`` when set (checked: an integer >= 0; ``arg`` names it in the error), else the run's
     seed (``PL_GLOBAL_SEED``), else 0."""
     if seed is None:
         return int(os.environ.get("PL_GLOBAL_SEED", "0"))
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if not (is_int(seed) and seed >= 0):
         raise ValueError(
             f"`{arg}` must be an integer >= 0, or null for the run's seed (`--seed_everything`), "
             f"got {seed!r}"

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from earl_lightning.checks import is_int
 from earl_lightning.tasks.rows import check_messages, check_prompt
 
 log = logging.getLogger("earl_lightning.tasks")
@@ -65,10 +66,7 @@ class DatasetConfig:
                     f"`{arg}.{name}` must be a split name such as 'train' or 'test', got {value!r}"
                 )
         s = self.eval_size
-        ok = (isinstance(s, int) and not isinstance(s, bool) and s >= 0) or (
-            isinstance(s, float) and 0 < s < 1
-        )
-        if not ok:
+        if not ((is_int(s) and s >= 0) or (isinstance(s, float) and 0 < s < 1)):
             raise ValueError(
                 f"`{arg}.eval_size` must be a count >= 0 or a share in (0, 1), got {s!r}"
             )

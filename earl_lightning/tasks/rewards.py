@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from earl_lightning.checks import is_real
 from earl_lightning.registry import import_object
 from earl_lightning.tasks.rows import accepted_kwargs
 
@@ -79,7 +80,7 @@ def resolve_reward_funcs(
                 f"give one weight per function (or leave it null: 1.0 each)"
             )
         for w in weights:
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            if not is_real(w):
                 raise ValueError(
                     f"`{warg}` must be a list of finite numbers, got {w!r} in {weights!r}"
                 )
