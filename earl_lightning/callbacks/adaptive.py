@@ -23,11 +23,12 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from earl_lightning.callbacks.base import StageOOMHandler, WorkloadSource
+from earl_lightning.callbacks.base import WorkloadSource
 from earl_lightning.parallel.layout import STAGES, Layout
 from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel, Workload
 from earl_lightning.parallel.profile import ProfileTable, layout_key
 from earl_lightning.parallel.selector import Decision, Selector, bucket_of
+from earl_lightning.stages import StageOOMHandler
 
 GIB = 2**30
 # The decisions `history` keeps (three a step: rollout, experience, train): the last hundred steps'.

@@ -1,5 +1,5 @@
-"""The run's metrics as torchmetrics: episode outcomes, context lengths, generated tokens, stage
-timings, and episode transcripts for TensorBoard.
+"""The run's metrics as torchmetrics: episode outcomes, context lengths, generated tokens, and
+episode transcripts for TensorBoard; stage timings are :class:`~earl_lightning.stages.StageTimer`.
 
 Every metric synchronizes its states across ranks (sums, maxima), so a multi-process run logs
 global values. Ranks of one tensor-parallel group play the same episodes: only TP rank 0 updates
@@ -12,9 +12,7 @@ outcome) is not shown.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -313,32 +311,6 @@ def zero_spread_share(episodes: Sequence[Any], num_groups: int, reduce: Any) -> 
     sized = group.count >= 2
     flat = sized & (group.var() <= 1e-12 * (1.0 + group.mean().abs()))
     return float(flat.sum()) / max(int(sized.sum()), 1)
-
-
-class StageTimer:
-    """Wall time per stage, and tokens/s of each stage over the iteration's tokens."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-    def metrics(self, generated: float, total: float) -> dict[str, float]:
-        """``generated`` / ``total``: the iteration's tokens over all ranks."""
-        out = {}
-        for name, sec in self.seconds.items():
-            out[f"stage/{name}/seconds"] = sec
-            # rollout throughput counts generated tokens; the other stages process every token
-            out[f"stage/{name}/tokens_per_s"] = (generated if name == "rollout" else total) / max(
-                sec, 1e-9
-            )
-        return out
 
 
 def format_transcript(ep: Any) -> str:

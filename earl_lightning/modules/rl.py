@@ -3,7 +3,7 @@
 One training step = one RL iteration (manual optimization), read top to bottom in
 :meth:`AgenticRLModule.training_step`: rollout -> experience (old/ref log-probs, values,
 advantages) -> train (``ppo_epochs`` passes over mini-batches of token-budgeted micro-batches).
-Each stage runs under the layout its strategy picks (:mod:`earl_lightning.strategies.stage`);
+Each stage runs under the layout its strategy picks (:mod:`earl_lightning.stages`);
 the DataModule's exchanger decides where episodes and rows live; the algorithm comes from the
 registries named in the typed configuration (:mod:`earl_lightning.modules.config`).
 """
@@ -16,7 +16,6 @@ import lightning as L
 import torch
 
 from earl_lightning.algorithms import get_kl_estimator
-from earl_lightning.callbacks.base import StageOOMHandler
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.datamodule import EpisodeDataModule
@@ -28,7 +27,6 @@ from earl_lightning.models.lora import LoraSettings, adapters_disabled, apply_lo
 from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import (
     RunMetrics,
-    StageTimer,
     batch_stats,
     log_transcripts,
     logged_by_reward_funcs,
@@ -38,7 +36,6 @@ from earl_lightning.modules.metrics import (
     zero_spread_share,
 )
 from earl_lightning.modules.rollout_setup import check_first_observation, loop_kwargs
-from earl_lightning.modules.stages import StageRunner, check_env_failures, free_memory
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import BackendSpec, SamplingConfig
 from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
@@ -46,8 +43,16 @@ from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
 from earl_lightning.seeding import run_seed
+from earl_lightning.stages import (
+    StageContext,
+    StageOOMHandler,
+    StageRunner,
+    StageTimer,
+    check_env_failures,
+    free_memory,
+    stages_of,
+)
 from earl_lightning.strategies.faults import trainer_lost_peer
-from earl_lightning.strategies.stage import StageContext, stages_of
 from earl_lightning.train.advantages import check_whole_groups, estimate_advantages
 from earl_lightning.train.forward import fill_logprobs
 from earl_lightning.train.scored import can_score_last_layer

@@ -58,6 +58,7 @@ from earl_lightning.parallel.parallelize import (
 )
 from earl_lightning.parallel.plans import reject_unplanned_tp, supports_tp
 from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
+from earl_lightning.stages import StageContext, StageStrategy
 from earl_lightning.strategies.checkpointing import DcpCheckpoints
 from earl_lightning.strategies.faults import OneLineCollectives
 from earl_lightning.strategies.layouts import (
@@ -68,7 +69,6 @@ from earl_lightning.strategies.layouts import (
     same_placement,
     to_layout,
 )
-from earl_lightning.strategies.stage import StageContext, StageStrategy
 
 
 class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, StageStrategy):

@@ -27,9 +27,9 @@ def play_and_check(rank: int, world: int, max_share: float) -> dict:
     from earl_lightning.errors import EnvironmentFailure
     from earl_lightning.models import load_tokenizer, make_tiny_model
     from earl_lightning.modules.metrics import RunMetrics
-    from earl_lightning.modules.stages import check_env_failures
     from earl_lightning.parallel.collectives import Reducer
     from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
+    from earl_lightning.stages import check_env_failures
 
     path = make_tiny_model("earl-tiny", hidden_size=64, intermediate_size=128)
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(str(path))

@@ -160,7 +160,7 @@ def test_rollout_samples_only_allowed_tokens_and_logprobs_equal_the_trainer_reco
 def test_module_resolves_allowed_tokens_and_rejects_bad_ones():
     from earl_lightning.parallel.collectives import Reducer
     from earl_lightning.parallel.layout import Layout
-    from earl_lightning.strategies.stage import StageContext
+    from earl_lightning.stages import StageContext
 
     module = AgenticRLModule(rollout={"sampling": {"allowed_tokens": DIGITS}})
     tok = module.tokenizer

@@ -13,8 +13,8 @@ from earl_lightning.parallel.layout import Layout
 from earl_lightning.rollout.backends.base import GenerationBackend
 from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
 from earl_lightning.rollout.types import EpisodeSpec
+from earl_lightning.stages import DataParallelStages, StageStrategy, stages_of
 from earl_lightning.strategies import EarlStrategy
-from earl_lightning.strategies.stage import DataParallelStages, StageStrategy, stages_of
 
 PROTOCOL = ("generate", "release", "prepare", "after_update", "metrics")
 

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from earl_lightning.errors import EnvironmentFailure
 from earl_lightning.models import load_tokenizer, make_tiny_model
-from earl_lightning.modules.stages import check_env_failures
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.rollout.env_calls import reset_logged_faults
+from earl_lightning.stages import check_env_failures
 from tests.plugins.faulty_envs import RELEASE
 
 P = "tests.plugins.faulty_envs."

@@ -27,6 +27,7 @@ TIERS = {
     "parallel": 2,
     "dispatch": 3,
     "train": 3,
+    "stages": 3,
     "strategies": 4,
     "callbacks": 4,
     "modules": 4,
