@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from earl_lightning.checks import check_count
+
 STAGES = ("rollout", "experience", "train")
 
 
@@ -21,9 +23,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "micro_batch_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Layout `{name}` must be a positive integer, got {v!r}")
+            check_count(f"Layout.{name}", getattr(self, name))
 
     @property
     def world_size(self) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.parallel.layout import Layout, check_stage
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -61,8 +62,8 @@ class ModelSizes:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"`model_config.{f.name}` must be a positive integer, got {v!r}")
+            if f.type == "int":
+                check_count(f"model_config.{f.name}", v)
 
     @classmethod
     def from_config(cls, config: Any) -> ModelSizes:
@@ -160,12 +161,8 @@ def check_stats(stats: Mapping[str, Any], arg: str = "stats") -> dict[str, float
         raise ValueError(f"`{arg}` lacks {missing}; required keys: {list(STATS_KEYS)}")
     out = {}
     for k in (*STATS_KEYS, *(k for k in OPTIONAL_STATS_KEYS if k in stats)):
-        v = stats[k]
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         lo = 0 if k in ("gen_len", "turn_prefill_max", "scored_max", "scored_share_max") else 1
-        if not ok or v < lo:
-            raise ValueError(f"`{arg}['{k}']` must be a finite number >= {lo}, got {v!r}")
-        out[k] = float(v)
+        out[k] = check_number(f"{arg}['{k}']", stats[k], low=lo)
     if out["context_mean"] > out["context_max"] or out["context_p95"] > out["context_max"]:
         raise ValueError(
             f"`{arg}`: context_mean ({out['context_mean']:g}) and context_p95 ({out['context_p95']:g}) "
@@ -283,23 +280,9 @@ class MemoryModel:
             raise ValueError(
                 f"`optimizer` must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}"
             )
-        if rollout_backend not in ("hf", "vllm"):
-            raise ValueError(
-                f"`rollout_backend` must be one of ['hf', 'vllm'], got {rollout_backend!r}"
-            )
-        for name, v in (
-            ("overhead_bytes", overhead_bytes),
-            ("prefill_chunk_elems", prefill_chunk_elems),
-        ):
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int)
-                or v < (0 if name == "overhead_bytes" else 1)
-            ):
-                raise ValueError(
-                    f"`{name}` must be a {'non-negative' if name == 'overhead_bytes' else 'positive'} "
-                    f"integer, got {v!r}"
-                )
+        check_choice("rollout_backend", rollout_backend, ("hf", "vllm"))
+        check_count("overhead_bytes", overhead_bytes, 0)
+        check_count("prefill_chunk_elems", prefill_chunk_elems)
         self.dtype, self.optimizer, self.rollout_backend = dtype, optimizer, rollout_backend
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.reference_model, self.resident_train_state = (

@@ -19,9 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, Union
 
+from earl_lightning.checks import check_count, check_number
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 from earl_lightning.parallel.memory import MemoryEstimate, MemoryModel, check_stats
-from earl_lightning.parallel.profile import ProfileTable, layout_key, work_tokens
+from earl_lightning.parallel.throughput import ProfileTable, layout_key, work_tokens
 
 STATE_VERSION = 1
 SwitchCost = Union[Mapping[str, float], Callable[[str, Layout, Layout], float], None]  # noqa: UP007
@@ -171,23 +172,11 @@ class Selector:
     def _check_numbers(
         budget_bytes: Any, safety_margin: Any, hysteresis: Any, amortize_steps: Any
     ) -> None:
-        def num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-        if not num(budget_bytes) or budget_bytes <= 0:
-            raise ValueError(
-                f"`budget_bytes` must be a positive number of bytes per device, got {budget_bytes!r}"
-            )
-        if not num(safety_margin) or not 0 <= safety_margin < 1:
-            raise ValueError(f"`safety_margin` must be in [0, 1), got {safety_margin!r}")
-        if not num(hysteresis) or hysteresis < 0:
-            raise ValueError(f"`hysteresis` must be >= 0, got {hysteresis!r}")
-        if (
-            isinstance(amortize_steps, bool)
-            or not isinstance(amortize_steps, int)
-            or amortize_steps < 1
-        ):
-            raise ValueError(f"`amortize_steps` must be a positive integer, got {amortize_steps!r}")
+        per_device = " of bytes per device"
+        check_number("budget_bytes", budget_bytes, low=0, strict=True, unit=per_device)
+        check_number("safety_margin", safety_margin, low=0, high=1, strict_high=True)
+        check_number("hysteresis", hysteresis, low=0)
+        check_count("amortize_steps", amortize_steps)
 
     @staticmethod
     def _check_switch_cost(cost: SwitchCost) -> tuple[Callable | None, dict[str, float]]:
@@ -204,15 +193,7 @@ class Selector:
                 raise ValueError(
                     f"`switch_cost_s` has unknown stage {stage!r}; valid stages: {list(STAGES)}"
                 )
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, (int, float))
-                or not math.isfinite(v)
-                or v < 0
-            ):
-                raise ValueError(
-                    f"`switch_cost_s['{stage}']` must be a number of seconds >= 0, got {v!r}"
-                )
+            check_number(f"switch_cost_s['{stage}']", v, low=0)
         return None, {s: float(v) for s, v in cost.items()}
 
     # ---- configuration ------------------------------------------------------------------
@@ -244,13 +225,7 @@ class Selector:
     def observe_switch(self, stage: str, seconds: float) -> None:
         """Record a measured switch time; later decisions use the running mean for the stage."""
         check_stage(stage)
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, (int, float))
-            or not math.isfinite(seconds)
-            or seconds < 0
-        ):
-            raise ValueError(f"`seconds` must be a number >= 0, got {seconds!r}")
+        check_number("seconds", seconds, low=0)
         n, mean = self._observed.get(stage, (0, 0.0))
         self._observed[stage] = (n + 1, mean + (float(seconds) - mean) / (n + 1))
 

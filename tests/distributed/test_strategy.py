@@ -167,7 +167,7 @@ def test_errors_need_processes():
 def test_errors_at_construction():
     with pytest.raises(ValueError, match=r"unknown `layouts` 'decode'; valid stages"):
         EarlStrategy(layouts={"decode": {"dp": 1, "tp": 1}})
-    with pytest.raises(ValueError, match=r"Layout `tp` must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"`Layout.tp` must be a positive integer, got 0"):
         EarlStrategy(train_layout={"dp": 2, "tp": 0})
     with pytest.raises(ValueError, match=r"`train_layout` has unknown keys \['pp'\]"):
         EarlStrategy(train_layout={"dp": 2, "pp": 2})

@@ -9,8 +9,8 @@ import pytest
 
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.memory import MemoryModel, ModelSizes
-from earl_lightning.parallel.profile import ProfileError, ProfileTable
 from earl_lightning.parallel.selector import Bucket, NoFeasibleLayoutError, Selector, bucket_of
+from earl_lightning.parallel.throughput import ProfileError, ProfileTable
 
 SIZES = ModelSizes(
     num_layers=24,
@@ -324,8 +324,8 @@ def test_bad_stats_and_current():
             dict(budget_bytes=0),
             r"`budget_bytes` must be a positive number of bytes per device, got 0",
         ),
-        (dict(safety_margin=1.0), r"`safety_margin` must be in \[0, 1\), got 1.0"),
-        (dict(hysteresis=-0.1), r"`hysteresis` must be >= 0, got -0.1"),
+        (dict(safety_margin=1.0), r"`safety_margin` must be a number in \[0, 1\), got 1.0"),
+        (dict(hysteresis=-0.1), r"`hysteresis` must be a number >= 0, got -0.1"),
         (dict(amortize_steps=0), r"`amortize_steps` must be a positive integer, got 0"),
         (
             dict(switch_cost_s={"reshard": 1.0}),
@@ -333,7 +333,7 @@ def test_bad_stats_and_current():
         ),
         (
             dict(switch_cost_s={"train": -1}),
-            r"`switch_cost_s\['train'\]` must be a number of seconds >= 0, got -1",
+            r"`switch_cost_s\['train'\]` must be a number >= 0, got -1",
         ),
         (
             dict(switch_cost_s=3.0),
