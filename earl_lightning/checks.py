@@ -25,12 +25,15 @@ def is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_count(arg: str, value: Any, low: int = 1, *, optional: bool = False) -> int:
-    """``value`` is an int >= ``low`` (or None when ``optional``)."""
+def check_count(
+    arg: str, value: Any, low: int = 1, *, optional: bool = False, unit: str = ""
+) -> int:
+    """``value`` is an int >= ``low`` (or None when ``optional``); ``unit`` follows the allowed range
+    in the error (``" (the adapters' rank)"``)."""
     if (optional and value is None) or (is_int(value) and value >= low):
         return value
     what = "a positive integer" if low == 1 else f"an integer >= {low}"
-    raise ValueError(f"`{arg}` must be {what}{' or None' if optional else ''}, got {value!r}")
+    raise ValueError(f"`{arg}` must be {what}{unit}{' or None' if optional else ''}, got {value!r}")
 
 
 def check_number(

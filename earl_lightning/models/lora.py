@@ -16,13 +16,14 @@ DoRA, no weight-changing initialisations, no trainable biases or whole modules).
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from earl_lightning.checks import check_count, check_number
 
 ARG = "--model.peft"
 ADAPTER = "default"
@@ -69,14 +70,9 @@ class LoraSettings:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise ValueError(
-                f"`{ARG}.r` must be a positive integer (the adapters' rank), got {self.r!r}"
-            )
-        if not _number(self.alpha) or self.alpha <= 0:
-            raise ValueError(f"`{ARG}.alpha` must be a number > 0, got {self.alpha!r}")
-        if not _number(self.dropout) or not 0 <= self.dropout < 1:
-            raise ValueError(f"`{ARG}.dropout` must be a number in [0, 1), got {self.dropout!r}")
+        check_count(f"{ARG}.r", self.r, unit=" (the adapters' rank)")
+        check_number(f"{ARG}.alpha", self.alpha, low=0, strict=True)
+        check_number(f"{ARG}.dropout", self.dropout, low=0, high=1, strict_high=True)
         t = self.target_modules
         if not (isinstance(t, str) and t) and not (
             isinstance(t, (list, tuple)) and t and all(isinstance(n, str) and n for n in t)
@@ -118,10 +114,6 @@ class LoraSettings:
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"`{ARG}`: peft rejects these settings: {err}") from None
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _targets(value: str | list[str]) -> str | list[str]:

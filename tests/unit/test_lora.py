@@ -40,7 +40,7 @@ def adapted(seed: int = 0, **settings) -> torch.nn.Module:
     [
         ({"r": 0}, r"`--model.peft.r` must be a positive integer \(the adapters' rank\), got 0"),
         ({"r": 2.5}, r"`--model.peft.r` must be a positive integer .*got 2.5"),
-        ({"alpha": 0}, r"`--model.peft.alpha` must be a number > 0, got 0"),
+        ({"alpha": 0}, r"`--model.peft.alpha` must be a positive number, got 0"),
         ({"dropout": 1.0}, r"`--model.peft.dropout` must be a number in \[0, 1\), got 1.0"),
         (
             {"target_modules": []},

@@ -275,7 +275,9 @@ def test_backend_errors(lm):
         backend.generate([GenRequest(1, [5]), GenRequest(1, [6])], SamplingConfig())
     with pytest.raises(ValueError, match=r"`requests` key 2: `prompt_ids` is empty"):
         backend.generate([GenRequest(2, [])], SamplingConfig())
-    with pytest.raises(ValueError, match=r"`prefill_chunk_elems` must be >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"`prefill_chunk_elems` must be a positive integer, got 0"
+    ):
         HFBackend(model, tok, prefill_chunk_elems=0)
     assert backend.generate([], SamplingConfig()) == []
 

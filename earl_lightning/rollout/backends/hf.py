@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from earl_lightning.checks import check_count
 from earl_lightning.models import eval_mode
 from earl_lightning.rollout.backends.base import (
     GenOutput,
@@ -82,8 +83,7 @@ class HFBackend:
         reuse_buffer: bool = True,
         gqa_decode_rows: bool = True,
     ):
-        if prefill_chunk_elems < 1:
-            raise ValueError(f"`prefill_chunk_elems` must be >= 1, got {prefill_chunk_elems!r}")
+        check_count("prefill_chunk_elems", prefill_chunk_elems)
         self.model, self.tokenizer = model, tokenizer
         self._tensor_parallel = _has_dtensor(model)
         self.reuse_kv, self.prefill_chunk_elems, self.share_prompts = (
