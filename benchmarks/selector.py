@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from earl_lightning.parallel.launch_env import free_port  # noqa: E402
 from earl_lightning.parallel.layout import Layout  # noqa: E402
-from earl_lightning.parallel.profile import layout_key  # noqa: E402
+from earl_lightning.parallel.throughput import layout_key  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 STAGES = ("rollout", "experience", "train")
@@ -340,7 +340,7 @@ def bench_worker(
 
 def run_profile(rank, out, repeats):
     from earl_lightning.models import load_model, load_tokenizer
-    from earl_lightning.profiling.stages import ProfileGrid, profile_stages
+    from earl_lightning.profiling.profiler import ProfileGrid, profile_stages
 
     placements = [Layout(d, t, m) for d, t in ((2, 1), (1, 2)) for m in (BIG, SMALL)]
     layouts = placements + [

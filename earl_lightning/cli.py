@@ -7,7 +7,7 @@
     earl export --ckpt_path runs/connect4_grpo/.../last.ckpt --out my_model   # a save_pretrained directory
 
 ``profile`` is not a LightningCLI subcommand: it measures the recipe's model per stage and layout
-(:mod:`earl_lightning.profile_command`) for ``AdaptiveParallelism(profile=...)``. Nor is ``export``
+(:mod:`earl_lightning.profiling.command`) for ``AdaptiveParallelism(profile=...)``. Nor is ``export``
 (:mod:`earl_lightning.export`): it rebuilds a checkpoint's model from the checkpoint alone.
 
 The omegaconf parser mode lets recipes interpolate (``${model.rollout.max_context_tokens}``).
@@ -356,7 +356,7 @@ def main(args: list[str] | None = None) -> None:
     install_warning_filters()  # again at each call: a caller's warnings.catch_warnings() may have reset them
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["profile"]:
-        from earl_lightning.profile_command import profile_command  # no Lightning CLI needed
+        from earl_lightning.profiling.command import profile_command  # no Lightning CLI needed
 
         profile_command(argv[1:])
         return

@@ -26,8 +26,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from earl_lightning.callbacks.base import WorkloadSource
 from earl_lightning.parallel.layout import STAGES, Layout
 from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel, Workload
-from earl_lightning.parallel.profile import ProfileTable, layout_key
 from earl_lightning.parallel.selector import Decision, Selector, bucket_of
+from earl_lightning.parallel.throughput import ProfileTable, layout_key
 from earl_lightning.stages import StageOOMHandler
 
 GIB = 2**30
@@ -440,7 +440,7 @@ class AdaptiveParallelism(StageOOMHandler):
     def _profile(self, trainer, pl_module, model, per_stage, work: Workload) -> ProfileTable:
         from transformers import AutoModelForCausalLM
 
-        from earl_lightning.profiling.stages import ProfileGrid, profile_stages
+        from earl_lightning.profiling.profiler import ProfileGrid, profile_stages
 
         layouts = list({layout_key(c): c for s in STAGES for c in per_stage[s]}.values())
         top = int(self._default_context) if self._default_context > 1 else 4096

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from earl_lightning.parallel.layout import Layout
-from earl_lightning.parallel.profile import ProfileTable
+from earl_lightning.parallel.throughput import ProfileTable
 from tests.distributed.launch import run_distributed
 from tests.unit.test_adaptive_oom import CPU_OOM, CUDA_OOM, VLLM_OOM
 

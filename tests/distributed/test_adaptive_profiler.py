@@ -16,7 +16,7 @@ def _profile(rank: int, world: int, path: str) -> dict:
 
     from earl_lightning.models import load_tokenizer
     from earl_lightning.parallel.layout import Layout
-    from earl_lightning.profiling.stages import ProfileGrid, profile_stages
+    from earl_lightning.profiling.profiler import ProfileGrid, profile_stages
 
     layouts = [Layout(2, 1, 256), Layout(1, 2, 256)]
     run = profile_stages(
@@ -31,7 +31,7 @@ def _profile(rank: int, world: int, path: str) -> dict:
 
 def test_profiles_every_layout_on_two_processes():
     from earl_lightning.models import make_tiny_model
-    from earl_lightning.parallel.profile import ProfileTable
+    from earl_lightning.parallel.throughput import ProfileTable
 
     path = str(make_tiny_model("earl-tiny", hidden_size=64, intermediate_size=128))
     r0, r1 = run_distributed(_profile, 2, path)

@@ -11,7 +11,7 @@ import yaml
 
 from earl_lightning.cli import main
 from earl_lightning.parallel.layout import Layout
-from earl_lightning.parallel.profile import ProfileTable
+from earl_lightning.parallel.throughput import ProfileTable
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "connect4_grpo.yaml"
 

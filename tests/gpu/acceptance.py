@@ -33,7 +33,7 @@ from earl_lightning.models import make_tiny_model, resolve_model_path
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.memory import MemoryModel
-from earl_lightning.parallel.profile import layout_key
+from earl_lightning.parallel.throughput import layout_key
 from earl_lightning.strategies import EarlStrategy
 
 SHAPE_05B = {

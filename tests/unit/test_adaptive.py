@@ -18,7 +18,7 @@ from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.models import make_tiny_model
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.parallel.layout import Layout
-from earl_lightning.parallel.profile import ProfileError, ProfileTable
+from earl_lightning.parallel.throughput import ProfileError, ProfileTable
 from earl_lightning.strategies import EarlStrategy
 
 
@@ -294,7 +294,7 @@ def test_profile_lookup_uses_the_nearest_measured_micro_batch():
 
 
 def test_profiler_layout_errors():
-    from earl_lightning.profiling.stages import ProfileGrid, profile_stages
+    from earl_lightning.profiling.profiler import ProfileGrid, profile_stages
 
     with pytest.raises(
         ValueError,

@@ -21,7 +21,7 @@ from earl_lightning.parallel.parallelize import (
     parallelize_model,
     set_activation_checkpointing,
 )
-from earl_lightning.profiling.stages import ProfileGrid, profile_stages
+from earl_lightning.profiling.profiler import ProfileGrid, profile_stages
 from earl_lightning.strategies import EarlStrategy
 from tests.unit.test_adaptive import datamodule, module, tiny_path, trainer
 from tests.unit.test_adaptive_oom import CPU_OOM

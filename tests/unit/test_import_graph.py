@@ -33,7 +33,6 @@ TIERS = {
     "modules": 4,
     "sft": 4,
     "profiling": 4,
-    "profile_command": 4,
     "export": 4,
     "cli": 4,
     "checkpoints_io": 4,

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from earl_lightning.parallel.layout import Layout
-from earl_lightning.parallel.profile import ProfileError, ProfileTable, layout_key, work_tokens
+from earl_lightning.parallel.throughput import ProfileError, ProfileTable, layout_key, work_tokens
 
 TP1, TP2 = Layout(dp=2, tp=1), Layout(dp=1, tp=2)
 

@@ -360,7 +360,7 @@ def test_the_profiler_times_the_forwards_the_trainer_runs(monkeypatch, scored):
     forwards as the trainer does: through the scored last layer unless the option is off (and never
     for a checkpointed layout, whose wrapped layers take the plain forward)."""
     from earl_lightning.parallel.layout import Layout
-    from earl_lightning.profiling.stages import ProfileGrid, profile_stages
+    from earl_lightning.profiling.profiler import ProfileGrid, profile_stages
 
     taken = []
     real = forward_mod.scored_last_layer

@@ -41,7 +41,7 @@ from earl_lightning.parallel.parallelize import (
     parallelize_model,
     set_activation_checkpointing,
 )
-from earl_lightning.parallel.profile import ProfileTable, layout_key
+from earl_lightning.parallel.throughput import ProfileTable, layout_key
 from earl_lightning.rollout.backends.base import GenRequest, SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.train.forward import fill_logprobs, forward_micro_batch, zero_loss

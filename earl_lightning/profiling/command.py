@@ -1,5 +1,5 @@
 """``earl profile --config <recipe>``: measure each RL stage's tokens/s per context length x number
-of sequences x layout for a recipe's model (:mod:`earl_lightning.profiling.stages`), for
+of sequences x layout for a recipe's model (:mod:`earl_lightning.profiling.profiler`), for
 ``AdaptiveParallelism(profile=...)``.
 
 The recipe is read the way ``earl fit`` reads it: its ``model:`` and ``data:`` sections build the
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from earl_lightning.parallel.collectives import global_rank, world_size
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import model_heads
-from earl_lightning.profiling.stages import ProfileGrid, ProfileRun, profile_stages
+from earl_lightning.profiling.profiler import ProfileGrid, ProfileRun, profile_stages
 
 
 def read_recipe(config: str) -> tuple[Any, Any]:
