@@ -39,6 +39,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from earl_lightning.checks import check_choice, check_number
 from earl_lightning.models.lora import has_lora
 from earl_lightning.parallel.collectives import (
     Reducer,
@@ -107,39 +108,21 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         timeout: timedelta | None = default_pg_timeout,
         collective_timeout_s: float | None = None,
     ) -> None:
-        if collective_timeout_s is not None and (
-            isinstance(collective_timeout_s, bool)
-            or not isinstance(collective_timeout_s, (int, float))
-            or not collective_timeout_s > 0
-        ):
-            raise ValueError(
-                f"`collective_timeout_s` must be a positive number of seconds or None, "
-                f"got {collective_timeout_s!r}"
-            )
-        self.collective_timeout = (
-            None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
+        seconds = collective_timeout_s
+        check_number(
+            "collective_timeout_s", seconds, low=0, strict=True, optional=True, unit=" of seconds"
         )
+        self.collective_timeout = None if seconds is None else timedelta(seconds=seconds)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if process_group_backend not in (None, "gloo", "nccl"):
-            raise ValueError(
-                f"`process_group_backend` must be 'gloo', 'nccl' or None, got {process_group_backend!r}"
-            )
-        if memory_budget_gb is not None and (
-            not isinstance(memory_budget_gb, (int, float)) or memory_budget_gb <= 0
-        ):
-            raise ValueError(
-                f"`memory_budget_gb` must be a positive number of GiB or None, got {memory_budget_gb!r}"
-            )
-        if reshard_method not in ("layout_aware", "naive"):
-            raise ValueError(
-                f"`reshard_method` must be 'layout_aware' or 'naive', got {reshard_method!r}"
-            )
-        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-            raise ValueError(f"`bucket_mb` must be a positive number of MiB, got {bucket_mb!r}")
+        check_choice("process_group_backend", process_group_backend, (None, "gloo", "nccl"))
+        gib = memory_budget_gb
+        check_number("memory_budget_gb", gib, low=0, strict=True, optional=True, unit=" of GiB")
+        check_choice("reshard_method", reshard_method, ("layout_aware", "naive"))
+        check_number("bucket_mb", bucket_mb, low=0, strict=True, unit=" of MiB")
         self._fixed, self._candidates, self._auto_candidates = parse_layouts(layouts)
         self._train = self._resolve_train_arg(to_layout(train_layout, "train_layout"))
         self.memory_budget_gb = memory_budget_gb

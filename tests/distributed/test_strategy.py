@@ -178,7 +178,7 @@ def test_errors_at_construction():
     with pytest.raises(ValueError, match=r"`memory_budget_gb` must be a positive number"):
         EarlStrategy(memory_budget_gb=-1)
     with pytest.raises(
-        ValueError, match=r"`reshard_method` must be 'layout_aware' or 'naive', got 'fast'"
+        ValueError, match=r"`reshard_method` must be one of \['layout_aware', 'naive'\], got 'fast'"
     ):
         EarlStrategy(reshard_method="fast")
 
