@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+from earl_lightning.checks import check_choice, check_count
 from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.datamodule import EvalEpisodes
 from earl_lightning.envs.base import check_env_name, make_env
@@ -177,16 +178,10 @@ class DemonstrationDataModule(L.LightningDataModule):
         if dataset is None:
             check_policy_name(policy, policy_kwargs, "--data.policy")
         seed = run_seed(seed, "--data.seed")
-        for name, value, low in (
-            ("num_episodes", num_episodes, 1),
-            ("batch_size", batch_size, 1),
-            ("seed", seed, 0),
-            ("eval_episodes", eval_episodes, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`--data.{name}` must be an integer >= {low}, got {value!r}")
-        if targets not in ("expected", "sampled"):
-            raise ValueError(f"`--data.targets` must be 'expected' or 'sampled', got {targets!r}")
+        check_count("--data.num_episodes", num_episodes)
+        check_count("--data.batch_size", batch_size)
+        check_count("--data.eval_episodes", eval_episodes, 0)
+        check_choice("--data.targets", targets, ("expected", "sampled"))
         self.splits: Splits | None = None
         if dataset is not None:
             self.splits = open_splits(dataset, eval_dataset, required=SFT_FORMS)
