@@ -20,6 +20,7 @@ import datasets
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
+from earl_lightning.checks import check_choice, check_count
 from earl_lightning.dispatch.exchange import DispatchConfig, Exchanger
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.groups import coerce, to_dict
@@ -197,9 +198,8 @@ class EpisodeDataModule(L.LightningDataModule):
             env = "connect_four"
         if env is not None:
             check_env_name(env, "--data.env")
-        for name, v in (("batch_size", batch_size), ("group_size", group_size)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"`--data.{name}` must be a positive integer, got {v!r}")
+        check_count("--data.batch_size", batch_size)
+        check_count("--data.group_size", group_size)
         seed = run_seed(seed, "--data.seed")
         if batch_size % group_size:
             raise ValueError(
@@ -207,13 +207,8 @@ class EpisodeDataModule(L.LightningDataModule):
                 f"each GRPO group of {group_size} episodes shares a seed; try batch_size="
                 f"{max(group_size, batch_size // group_size * group_size)}"
             )
-        if group_seeds not in GROUP_SEEDS:
-            raise ValueError(
-                f"`--data.group_seeds` must be one of {', '.join(map(repr, GROUP_SEEDS))}, "
-                f"got {group_seeds!r}"
-            )
-        if eval_episodes < 0:
-            raise ValueError(f"`--data.eval_episodes` must be >= 0, got {eval_episodes}")
+        check_choice("--data.group_seeds", group_seeds, GROUP_SEEDS)
+        check_count("--data.eval_episodes", eval_episodes, 0)
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
         if env is not None:

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from earl_lightning.checks import check_number
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, shape)
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -248,8 +250,7 @@ class Resharder:
         bucket_mb: float = 64.0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-            raise ValueError(f"`bucket_mb` must be a positive number of MiB, got {bucket_mb!r}")
+        check_number("bucket_mb", bucket_mb, low=0, strict=True, unit=" of MiB")
         self.src_model, self.dst_model, self.group = src_model, dst_model, group
         src, dst = sharded_parameters(src_model), sharded_parameters(dst_model)
         _check_same_params(src, dst)

@@ -66,6 +66,6 @@ def test_same_stream_from_a_resumed_step():
 def test_unknown_group_seeds_names_the_argument():
     with pytest.raises(
         ValueError,
-        match=r"`--data.group_seeds` must be one of 'shared', 'distinct', got 'per_member'",
+        match=r"`--data.group_seeds` must be one of \['shared', 'distinct'\], got 'per_member'",
     ):
         EpisodeDataModule(group_seeds="per_member")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from earl_lightning.checks import check_count
+from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.rollout.backends.base import (
     GenOutput,
     GenRequest,
@@ -90,16 +90,10 @@ class VLLMBackend:
     ):
         check_count("tp", tp)
         check_count("max_model_len", max_model_len)
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"`dtype` must be one of ['bfloat16', 'float16', 'float32'], got {dtype!r}"
-            )
-        if kv_cache_gib is not None and not (
-            isinstance(kv_cache_gib, (int, float)) and kv_cache_gib > 0
-        ):
-            raise ValueError(
-                f"`kv_cache_gib` must be a positive number of GiB or None, got {kv_cache_gib!r}"
-            )
+        check_choice("dtype", dtype, ("bfloat16", "float16", "float32"))
+        check_number(
+            "kv_cache_gib", kv_cache_gib, low=0, strict=True, optional=True, unit=" of GiB"
+        )
         if not (0 < gpu_memory_utilization <= 1):
             raise ValueError(
                 f"`gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization!r}"
