@@ -47,7 +47,16 @@ from earl_lightning.parallel.collectives import (
     init_elastic_process_group,
     set_collective_timeout,
 )
-from earl_lightning.parallel.layout import Layout, check_stage
+from earl_lightning.parallel.layout import (
+    Layout,
+    LayoutArg,
+    LayoutSelector,
+    check_stage,
+    check_stage_models,
+    parse_layouts,
+    same_placement,
+    to_layout,
+)
 from earl_lightning.parallel.parallelize import (
     build_replica,
     is_checkpoint_switchable,
@@ -62,14 +71,6 @@ from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_nai
 from earl_lightning.stages import StageContext, StageStrategy
 from earl_lightning.strategies.checkpointing import DcpCheckpoints
 from earl_lightning.strategies.faults import OneLineCollectives
-from earl_lightning.strategies.layouts import (
-    LayoutArg,
-    LayoutSelector,
-    check_stage_models,
-    parse_layouts,
-    same_placement,
-    to_layout,
-)
 
 
 class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, StageStrategy):
