@@ -11,7 +11,6 @@ module retry the stage under the next layout.
 
 from __future__ import annotations
 
-import math
 import os
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -24,6 +23,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from earl_lightning.callbacks.base import WorkloadSource
+from earl_lightning.checks import check_number, is_int
 from earl_lightning.parallel.layout import STAGES, Layout
 from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel, Workload
 from earl_lightning.parallel.selector import Decision, Selector, bucket_of
@@ -38,10 +38,6 @@ CONTEXT_KEYS = ("context_mean", "context_max", "context_p95", "prompt_max", "tur
 LayoutLike = Union[Layout, Mapping[str, Any]]  # noqa: UP007 - an alias jsonargparse reads at run time
 
 
-def _positive(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-
-
 def _check_args(
     profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens
 ) -> None:
@@ -52,30 +48,20 @@ def _check_args(
         )
     if profile is not None and not isinstance(profile, (str, os.PathLike)):
         raise ValueError(f"`profile` must be a path to a profile JSON file, got {profile!r}")
-    if profile_budget_s is not None and not _positive(profile_budget_s):
-        raise ValueError(
-            f"`profile_budget_s` must be a positive number of seconds, got {profile_budget_s!r}"
-        )
+    positive = dict(low=0, strict=True, optional=True)
+    check_number("profile_budget_s", profile_budget_s, **positive, unit=" of seconds")
     if memory_budget_gb is not None and memory_budget_bytes is not None:
         raise ValueError(
             "give the memory budget once: `memory_budget_gb` or `memory_budget_bytes`, not both"
         )
-    if memory_budget_gb is not None and not _positive(memory_budget_gb):
-        raise ValueError(
-            f"`memory_budget_gb` must be a positive number of GiB per device, got {memory_budget_gb!r}"
-        )
-    if memory_budget_bytes is not None and (
-        not _positive(memory_budget_bytes) or memory_budget_bytes < 1
-    ):
-        raise ValueError(
-            f"`memory_budget_bytes` must be a positive number of bytes per device, "
-            f"got {memory_budget_bytes!r}"
-        )
+    check_number("memory_budget_gb", memory_budget_gb, **positive, unit=" of GiB per device")
+    per_device = " of bytes per device"
+    check_number("memory_budget_bytes", memory_budget_bytes, **positive, unit=per_device)
     if micro_batch_tokens is not None and (
         isinstance(micro_batch_tokens, (str, bytes))
         or not isinstance(micro_batch_tokens, Sequence)
         or not micro_batch_tokens
-        or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in micro_batch_tokens)
+        or not all(is_int(m) and m >= 1 for m in micro_batch_tokens)
     ):
         raise ValueError(
             f"`micro_batch_tokens` must be a non-empty list of positive integers, "

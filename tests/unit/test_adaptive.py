@@ -89,17 +89,17 @@ def synthetic_table(world: int = 1, model: str = "synthetic") -> ProfileTable:
         ),
         (
             dict(profile_budget_s=0),
-            r"`profile_budget_s` must be a positive number of seconds, got 0",
+            r"`profile_budget_s` must be a positive number of seconds or None, got 0",
         ),
         (dict(profile=3), r"`profile` must be a path to a profile JSON file, got 3"),
         (
             dict(memory_budget_gb=-1),
-            r"`memory_budget_gb` must be a positive number of GiB per device, got -1",
+            r"`memory_budget_gb` must be a positive number of GiB per device or None, got -1",
         ),
         (dict(memory_budget_gb=1, memory_budget_bytes=10), r"give the memory budget once"),
         (
             dict(memory_budget_bytes="8G"),
-            r"`memory_budget_bytes` must be a positive number of bytes per device, got '8G'",
+            r"`memory_budget_bytes` must be a positive number of bytes per device or None, got '8G'",
         ),
         (
             dict(micro_batch_tokens=[512, 0]),
