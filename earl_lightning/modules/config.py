@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, get_policy_loss
 from earl_lightning.algorithms.estimators import AdvantageEstimator, get_advantage_estimator
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.registry import bind_params, param_default
-from earl_lightning.rollout.backends.base import SamplingConfig, check_sampling
+from earl_lightning.rollout.backends.base import SamplingConfig, SamplingFields
 from earl_lightning.rollout.loop import check_history_turns
 
 A = "--model"
@@ -64,7 +64,7 @@ def check_count(arg: str, value: Any, low: int = 1) -> None:
 
 
 @dataclass(frozen=True)
-class SamplingOptions:
+class SamplingOptions(SamplingFields):
     """How every assistant turn is sampled.
 
     Args:
@@ -79,18 +79,12 @@ class SamplingOptions:
             vocabulary.
     """
 
-    max_new_tokens: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: list[str] = field(default_factory=list)
     allowed_tokens: list[str] | None = None
 
+    _arg: ClassVar[str] = f"{A}.rollout.sampling"
+
     def __post_init__(self) -> None:
-        arg = f"{A}.rollout.sampling"
-        check_sampling(
-            self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.stop, arg=arg
-        )
+        super().__post_init__()
         t = self.allowed_tokens
         if t is not None and (
             isinstance(t, str)
@@ -99,9 +93,18 @@ class SamplingOptions:
             or not all(isinstance(x, str) and x for x in t)
         ):
             raise ValueError(
-                f"`{arg}.allowed_tokens` must be a non-empty list of non-empty strings such as "
+                f"`{self._arg}.allowed_tokens` must be a non-empty list of non-empty strings such as "
                 f"['0', '1', '2'], got {t!r}"
             )
+
+    def request(
+        self, allowed_token_ids: list[int] | None, *, greedy: bool = False, seed: int | None = None
+    ) -> SamplingConfig:
+        """A backend's request for these settings: the allowed tokens as ids
+        (:meth:`token_ids`), greedy or sampled, seeded or not."""
+        return SamplingConfig(
+            **self.sampling_fields(), greedy=greedy, seed=seed, allowed_token_ids=allowed_token_ids
+        )
 
     def token_ids(self, tokenizer: Any) -> list[int] | None:
         """The ids of :attr:`allowed_tokens` under ``tokenizer`` (None when unset)."""
@@ -502,19 +505,6 @@ def check_module_args(
     check_dtype_and_seed(dtype, seed)
     check_count(f"{A}.transcript_every_n_steps", transcript_every_n_steps, low=0)
     check_number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, strict=True)
-
-
-def sampling_config(rollout: RolloutConfig, allowed_token_ids: list[int] | None) -> SamplingConfig:
-    """The sampling settings of ``rollout``, its allowed tokens as ids (``sampling.token_ids(tokenizer)``)."""
-    s = rollout.sampling
-    return SamplingConfig(
-        max_new_tokens=s.max_new_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        stop=list(s.stop),
-        allowed_token_ids=allowed_token_ids,
-    )
 
 
 def module_hparams(

@@ -36,8 +36,9 @@ from earl_lightning.modules.metrics import (
     zero_spread_share,
 )
 from earl_lightning.modules.rollout_setup import check_first_observation, loop_kwargs
+from earl_lightning.modules.views import backend_spec, update_view
 from earl_lightning.parallel.memory import Workload
-from earl_lightning.rollout.backends.base import BackendSpec, SamplingConfig
+from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
@@ -128,7 +129,7 @@ class AgenticRLModule(L.LightningModule):
     # ---- what the run is made of -------------------------------------------------------------
     @property
     def sampling(self) -> SamplingConfig:
-        return C.sampling_config(self.rollout_config, self.allowed_token_ids)
+        return self.rollout_config.sampling.request(self.allowed_token_ids)
 
     @property
     def _on_policy(self) -> bool:
@@ -290,21 +291,21 @@ class AgenticRLModule(L.LightningModule):
     def _play(self, specs: list, ctx: StageContext, seed: int, greedy: bool = False) -> list:
         """This rank's share of ``specs``, played with the stage's model (the backend is bound to it)."""
         if self._backend is None:
-            spec = BackendSpec(
-                model_path=resolve_model_path(self.hparams.model, "--model.model"),
-                dtype=self.hparams.dtype,
-                seed=self.hparams.seed,
-                max_context_tokens=self.rollout_config.max_context_tokens,
-                reuse_kv=self.rollout_config.reuse_kv,
-                share_prompts=self.rollout_config.share_prompts,
-                local_rank=self.local_rank,
+            spec = backend_spec(
+                resolve_model_path(self.hparams.model, "--model.model"),
+                self.hparams.dtype,
+                self.hparams.seed,
+                self.rollout_config,
+                self.local_rank,
             )
             factory = GENERATION_BACKENDS.get(
                 self.rollout_config.backend, "--model.rollout.backend"
             )
             self._backend = factory(ctx.model("policy"), self.tokenizer, spec)
         self._backend.prepare(ctx.layout, ctx.model("policy"))
-        sampling = SamplingConfig(**{**vars(self.sampling), "seed": seed, "greedy": greedy})
+        sampling = self.rollout_config.sampling.request(
+            self.allowed_token_ids, greedy=greedy, seed=seed
+        )
         dm = self.trainer.datamodule
         tools = dm.tools if isinstance(dm, EpisodeDataModule) else []
         # tensor-parallel peers generate in lock step: every turn waits for every call
@@ -383,26 +384,12 @@ class AgenticRLModule(L.LightningModule):
         )
 
     def _update_config(self, ctx: StageContext) -> UpdateConfig:
-        algo, opt, loss = self.algorithm_config, self.optim_config, self.algorithm_config.loss
-        return UpdateConfig(
-            ppo_epochs=opt.ppo_epochs,
-            mini_batches=opt.mini_batches,
-            micro_batch_tokens=ctx.budget(opt.micro_batch_tokens),
-            temperature=self.rollout_config.sampling.temperature,
-            loss_fn=loss.fn,
-            loss_params=loss.params,
-            aggregation=loss.aggregation,
-            norm_constant=loss.norm_constant or float(self.rollout_config.max_context_tokens),
-            kl_coef=0.0 if algo.kl.in_reward else algo.kl.coef,
-            kl_estimator=algo.kl.estimator,
-            entropy_coef=algo.entropy_coef,
-            value_coef=algo.value.coef,
-            value_clip=algo.value.clip,
-            max_grad_norm=opt.max_grad_norm,
+        return update_view(
+            self.rollout_config,
+            self.algorithm_config,
+            self.optim_config,
+            micro_batch_tokens=ctx.budget(self.optim_config.micro_batch_tokens),
             allowed_token_ids=self.allowed_token_ids,
-            on_policy=self._on_policy,
-            share_prefix=opt.share_prefix,
-            scored_last_layer=opt.scored_last_layer,
         )
 
     # ---- helpers of the step -------------------------------------------------------------------

@@ -3,6 +3,7 @@ demonstration transcripts, and a greedy and a sampled evaluation in the environm
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
@@ -15,7 +16,6 @@ from earl_lightning.models import eval_mode, load_model, load_tokenizer
 from earl_lightning.modules import config as C
 from earl_lightning.modules.metrics import FLAGS, RunMetrics, reported
 from earl_lightning.modules.rollout_setup import loop_kwargs
-from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
@@ -75,8 +75,8 @@ class WarmStartModule(L.LightningModule):
             )
         )
         self.tokenizer = load_tokenizer(model, "--model.model")
-        self.sampling = C.sampling_config(
-            self.rollout_config, self.rollout_config.sampling.token_ids(self.tokenizer)
+        self.sampling = self.rollout_config.sampling.request(
+            self.rollout_config.sampling.token_ids(self.tokenizer)
         )
         self.policy = None
         self.evaluated_at_step = (
@@ -138,9 +138,7 @@ class WarmStartModule(L.LightningModule):
             r, dm.tools if isinstance(dm, DemonstrationDataModule) else [], continuous=True
         )
         for metrics, greedy in ((self.greedy_metrics, True), (self.sampled_metrics, False)):
-            sampling = SamplingConfig(
-                **{**vars(self.sampling), "greedy": greedy, "seed": self.hparams.seed}
-            )
+            sampling = replace(self.sampling, greedy=greedy, seed=self.hparams.seed)
             with eval_mode(self.policy), torch.no_grad():
                 episodes = rollout(specs, backend, self.tokenizer, sampling, **kwargs)
             score_episodes(episodes, funcs, self.tokenizer)

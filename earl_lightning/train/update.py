@@ -10,13 +10,13 @@ schedule, the batch, the settings, the stage's reducer and the backward function
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from earl_lightning.algorithms import aggregate, kl_divergence, ppo_clip_loss, value_loss
+from earl_lightning.algorithms import aggregate, kl_divergence, value_loss
 from earl_lightning.algorithms.losses import PolicyLossFn, loss_stat_means
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.parallel.collectives import Reducer, clip_gradients
@@ -26,31 +26,32 @@ from earl_lightning.train.prefix import PrefixPlan, prefix_plan
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    """The update's settings, resolved from the module's typed configuration."""
+    """The update's settings: a flat view of the typed groups (``--model.optim``,
+    ``--model.algorithm``, the rollout's temperature and context), made only by
+    :func:`earl_lightning.modules.views.update_view`; no defaults here, so none can drift from the
+    groups'."""
 
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    micro_batch_tokens: int = 16384
-    temperature: float = 1.0
-    loss_fn: PolicyLossFn = ppo_clip_loss
-    loss_params: dict[str, Any] = field(
-        default_factory=lambda: {"clip_low": 0.2, "clip_high": 0.28}
-    )
-    aggregation: str = "token_mean"
-    norm_constant: float = 4096.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    value_coef: float = 0.5
-    value_clip: float | None = 0.2
-    max_grad_norm: float = 1.0
-    allowed_token_ids: list[int] | None = None
+    ppo_epochs: int
+    mini_batches: int
+    micro_batch_tokens: int
+    temperature: float
+    loss_fn: PolicyLossFn
+    loss_params: dict[str, Any]
+    aggregation: str
+    norm_constant: float
+    kl_coef: float
+    kl_estimator: str
+    entropy_coef: float
+    value_coef: float
+    value_clip: float | None
+    max_grad_norm: float
+    allowed_token_ids: list[int] | None
     # old log-probs = this forward's, detached (modules.config.exactly_on_policy)
-    on_policy: bool = False
-    # a prompt shared by several sequences runs once (data.prefix)
-    share_prefix: bool = False
-    # the last layer only where an action token is scored (data.scored)
-    scored_last_layer: bool = False
+    on_policy: bool
+    # a prompt shared by several sequences runs once (train.prefix)
+    share_prefix: bool
+    # the last layer only where an action token is scored (train.scored)
+    scored_last_layer: bool
 
 
 @dataclass

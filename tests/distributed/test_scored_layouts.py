@@ -5,11 +5,13 @@ processes, must end at the parameters of the single-process update with the plai
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.train import forward as forward_mod
-from earl_lightning.train.update import Models, UpdateConfig
+from earl_lightning.train.update import Models
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_shared_prefix_layouts import (
     _with_values,
@@ -18,10 +20,11 @@ from tests.distributed.test_shared_prefix_layouts import (
 )
 from tests.distributed.test_update_uneven import _params, update, value_head
 from tests.unit.test_scored_last_layer import _batch
+from tests.updates import reference_update
 
 pytestmark = pytest.mark.distributed
 
-CFG = UpdateConfig(
+CFG = reference_update(
     micro_batch_tokens=4096, max_grad_norm=0.0, value_coef=1.0, value_clip=None, entropy_coef=0.01
 )
 LAYOUTS = [(2, 1, False), (1, 2, False), (2, 1, True)]  # (dp, tp, with a value head)
@@ -37,12 +40,7 @@ def _worker(rank: int, world: int, path: str):
         taken.clear()
         model, layout, mine = placed(path, full, dp, tp)
         models = Models(model, value_head() if with_value else None)
-        stats = update(
-            models,
-            mine,
-            UpdateConfig(**{**CFG.__dict__, "scored_last_layer": True}),
-            Reducer(layout),
-        )
+        stats = update(models, mine, replace(CFG, scored_last_layer=True), Reducer(layout))
         params = _params(models)  # a collective: every rank gathers
         out[(dp, tp, with_value)] = (
             ({n: p.numpy() for n, p in params.items()}, stats["loss/policy"], len(taken))

@@ -5,6 +5,8 @@ the single-process update with the plain forward over the whole batch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,11 +19,12 @@ from earl_lightning.train.update import Models, UpdateConfig
 from tests.distributed.launch import run_distributed
 from tests.distributed.test_update_uneven import _params, update, value_head
 from tests.unit.test_shared_prefix import _batch
+from tests.updates import reference_update
 
 pytestmark = pytest.mark.distributed
 
 GROUPS = ((12, 4), (20, 4))  # (prompt length, group size): one group per data-parallel rank
-CFG = UpdateConfig(micro_batch_tokens=4096, max_grad_norm=0.0, value_coef=1.0, value_clip=None)
+CFG = reference_update(micro_batch_tokens=4096, max_grad_norm=0.0, value_coef=1.0, value_clip=None)
 LAYOUTS = [(2, 1, False), (1, 2, False), (2, 1, True)]  # (dp, tp, with a value head)
 
 
@@ -56,7 +59,7 @@ def _worker(rank: int, world: int, path: str):
         model, layout, mine = placed(path, full, dp, tp)
         assert plan_shared_prefix(mine) is not None  # the shared path is what runs here
         models = Models(model, value_head() if with_value else None)
-        cfg = UpdateConfig(**{**CFG.__dict__, "share_prefix": True})
+        cfg = replace(CFG, share_prefix=True)
         stats = update(models, mine, cfg, Reducer(layout))
         params = _params(models)  # a collective: every rank gathers
         out[(dp, tp, with_value)] = (
@@ -102,7 +105,7 @@ UNEVEN = {
     0: ((12, 4), (20, 4)),
     1: ((16, 4),),
 }  # rank -> groups; budget below splits rank 0's batch
-UNEVEN_CFG = UpdateConfig(micro_batch_tokens=100, max_grad_norm=0.0, share_prefix=True)
+UNEVEN_CFG = reference_update(micro_batch_tokens=100, max_grad_norm=0.0, share_prefix=True)
 
 
 def _uneven_batch(rank: int):
@@ -152,7 +155,7 @@ def test_ranks_that_disagree_or_pad_run_the_same_forwards():
     )  # some passes were shared
     whole = type(_uneven_batch(0)).concat([_uneven_batch(0), _uneven_batch(1)])
     ref = Models(AutoModelForCausalLM.from_pretrained(path))
-    update(ref, whole, UpdateConfig(**{**UNEVEN_CFG.__dict__, "share_prefix": False}), Reducer())
+    update(ref, whole, replace(UNEVEN_CFG, share_prefix=False), Reducer())
     for name, value in _params(ref).items():
         torch.testing.assert_close(
             torch.from_numpy(out[0]["params"][name]), value, rtol=1e-4, atol=1e-6, msg=name

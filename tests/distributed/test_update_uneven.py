@@ -15,11 +15,12 @@ from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import parallelize_model
 from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 from tests.distributed.launch import run_distributed
+from tests.updates import reference_update
 
 pytestmark = pytest.mark.distributed
 
 LENGTHS = [(0, 10), (1, 40), (1, 36), (1, 44)]  # (rank, tokens)
-CFG = UpdateConfig(micro_batch_tokens=48, max_grad_norm=0.0)
+CFG = reference_update(micro_batch_tokens=48, max_grad_norm=0.0)
 
 
 class _Opt:
@@ -144,7 +145,7 @@ def test_value_head_and_gradient_clipping_under_fsdp_match_one_process(tp):
     from tests.distributed.test_invariance_layouts import tiny_path
 
     path = tiny_path()
-    cfg = UpdateConfig(micro_batch_tokens=48, max_grad_norm=0.05, value_coef=1.0)
+    cfg = reference_update(micro_batch_tokens=48, max_grad_norm=0.05, value_coef=1.0)
     ref = Models(AutoModelForCausalLM.from_pretrained(path), value_head())
     out = update(ref, batch(list(range(len(LENGTHS)))), cfg, Reducer())
     expected = _params(ref)

@@ -42,9 +42,10 @@ def test_both_backends_implement_the_whole_protocol():
 
 
 def _spec(path):
-    from earl_lightning.rollout.backends.base import BackendSpec
+    from earl_lightning.modules.config import RolloutConfig
+    from earl_lightning.modules.views import backend_spec
 
-    return BackendSpec(model_path=str(path))
+    return backend_spec(str(path), "float32", 0, RolloutConfig(), local_rank=0)
 
 
 def test_data_parallel_stages_stand_in_for_a_plain_strategy():

@@ -21,7 +21,8 @@ from earl_lightning.modules.config import (
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.train.forward import fill_logprobs
-from earl_lightning.train.update import Models, UpdateConfig, ppo_update
+from earl_lightning.train.update import Models, ppo_update
+from tests.updates import reference_update
 
 
 def test_taken_only_when_exactly_on_policy(monkeypatch):
@@ -72,7 +73,7 @@ def _update(model, batch, on_policy: bool, aggregation: str):
         optimizer, param_groups = opt, opt.param_groups
         step, zero_grad = opt.step, opt.zero_grad
 
-    cfg = UpdateConfig(
+    cfg = reference_update(
         micro_batch_tokens=64,
         loss_params={"clip_low": 0.2, "clip_high": 0.28},
         max_grad_norm=0.0,

@@ -39,7 +39,8 @@ from earl_lightning.train.scored import (
     scored_last_layer,
     scored_positions,
 )
-from earl_lightning.train.update import Models, UpdateConfig, ppo_update
+from earl_lightning.train.update import Models, ppo_update
+from tests.updates import reference_update
 
 SMALL = dict(
     vocab_size=101,
@@ -211,7 +212,7 @@ def _update(model, batch, scored, value_head=None, **kw):
         optimizer, param_groups = opt, opt.param_groups
         step, zero_grad = opt.step, opt.zero_grad
 
-    cfg = UpdateConfig(
+    cfg = reference_update(
         micro_batch_tokens=64, max_grad_norm=0.0, scored_last_layer=scored, entropy_coef=0.01, **kw
     )
     return ppo_update(models, Opt, None, batch, cfg, Reducer(), lambda loss: loss.backward())

@@ -24,7 +24,8 @@ from earl_lightning.parallel.parallelize import (
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.train.forward import fill_logprobs, forward_micro_batch
 from earl_lightning.train.prefix import can_share_prefix, plan_shared_prefix, prefix_plan
-from earl_lightning.train.update import Models, UpdateConfig, ppo_update
+from earl_lightning.train.update import Models, ppo_update
+from tests.updates import reference_update
 
 
 def _qwen():
@@ -188,7 +189,7 @@ def _update(model, batch, share):
         optimizer, param_groups = opt, opt.param_groups
         step, zero_grad = opt.step, opt.zero_grad
 
-    cfg = UpdateConfig(
+    cfg = reference_update(
         micro_batch_tokens=4096, max_grad_norm=0.0, on_policy=True, share_prefix=share
     )
     return ppo_update(Models(model), Opt, None, batch, cfg, Reducer(), lambda loss: loss.backward())

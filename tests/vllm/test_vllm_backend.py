@@ -195,7 +195,7 @@ def test_from_spec_builds_the_trainers_backend_without_an_engine(tiny):
 
     from earl_lightning.models import resolve_model_path
     from earl_lightning.modules.rl import AgenticRLModule
-    from earl_lightning.rollout.backends.base import BackendSpec
+    from earl_lightning.modules.views import backend_spec
     from earl_lightning.rollout.backends.vllm import VLLMBackend
     from earl_lightning.rollout.backends.vllm_support import kv_cache_gib_for
 
@@ -206,8 +206,8 @@ def test_from_spec_builds_the_trainers_backend_without_an_engine(tiny):
         dtype="bfloat16",
     )
     source = torch.nn.Linear(1, 1)
-    spec = BackendSpec(
-        model_path=resolve_model_path("earl-tiny"), dtype="bfloat16", seed=7, max_context_tokens=512
+    spec = backend_spec(
+        resolve_model_path("earl-tiny"), "bfloat16", 7, module.rollout_config, local_rank=0
     )
     backend = VLLMBackend.from_spec(source, module.tokenizer, spec, enforce_eager=False)
     assert backend.model == tiny[0] and backend.tokenizer is module.tokenizer

@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 
-@dataclass
-class SamplingConfig:
-    """How to sample one assistant turn; validated on construction.
+@dataclass(frozen=True)
+class SamplingFields:
+    """The sampling settings a user writes, each defined and defaulted once: the recipe's group
+    (``--model.rollout.sampling``, :class:`~earl_lightning.modules.config.SamplingOptions`) and a
+    backend's request (:class:`SamplingConfig`) both extend it. Validated on construction; errors
+    name the settings as ``{_arg}.<setting>``."""
+
+    max_new_tokens: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+
+    _arg: ClassVar[str] = "sampling"
+
+    def __post_init__(self) -> None:
+        check_sampling(
+            self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.stop, arg=self._arg
+        )
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The shared settings as keyword arguments (``stop`` copied)."""
+        return {f.name: getattr(self, f.name) for f in fields(SamplingFields)} | {
+            "stop": list(self.stop)
+        }
+
+
+@dataclass(frozen=True)
+class SamplingConfig(SamplingFields):
+    """How to sample one assistant turn: the user's settings (:class:`SamplingFields`) plus what
+    the trainer decides per call. Validated on construction.
 
     ``stop`` strings end a turn as soon as the decoded generated text contains one (the tokens
     are kept, finish reason ``"stop"``); the eos token always stops. ``greedy`` takes the argmax
@@ -19,19 +47,13 @@ class SamplingConfig:
     same seed and draw the same tokens.
     """
 
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: list[str] = field(default_factory=list)
     greedy: bool = False
     seed: int | None = None
     allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        temperature = (
-            1.0 if self.greedy else self.temperature
-        )  # greedy decoding ignores the temperature
+        # greedy decoding ignores the temperature
+        temperature = 1.0 if self.greedy else self.temperature
         check_sampling(self.max_new_tokens, temperature, self.top_p, self.top_k, self.stop)
         ids = self.allowed_token_ids
         if ids is not None and (
@@ -141,15 +163,16 @@ class BackendSpec:
     """What a backend factory needs besides the model and tokenizer: the model's path (an engine
     loads it), dtype, seed, longest context, the HF backend's KV reuse, and this process's rank on
     its node (an engine's device). ``share_prompts``: the HF backend encodes a prompt several
-    episodes of one call share once."""
+    episodes of one call share once. A view of the module's settings and its rollout group, made
+    by :func:`earl_lightning.modules.views.backend_spec`; no defaults of its own."""
 
     model_path: str
-    dtype: str = "float32"
-    seed: int = 0
-    max_context_tokens: int = 4096
-    reuse_kv: bool = True
-    share_prompts: bool = True
-    local_rank: int = 0
+    dtype: str
+    seed: int
+    max_context_tokens: int
+    reuse_kv: bool
+    share_prompts: bool
+    local_rank: int
 
 
 def check_requests(requests: list[GenRequest]) -> None:

@@ -1,0 +1,73 @@
+"""What the stages take, made from the typed configuration groups in one place.
+
+A setting is defined once, in its group (:mod:`earl_lightning.modules.config`), with its default
+and its check. The update and the generation backends do not read the groups (they sit below
+them and serve Python users who call them directly): they take flat views, and these functions
+are the only place that makes them. The views have no defaults of their own, so a default can
+not drift from the group's.
+"""
+
+from __future__ import annotations
+
+from earl_lightning.modules.config import (
+    AlgorithmConfig,
+    OptimConfig,
+    RolloutConfig,
+    exactly_on_policy,
+)
+from earl_lightning.rollout.backends.base import BackendSpec
+from earl_lightning.train.update import UpdateConfig
+
+
+def update_view(
+    rollout: RolloutConfig | None = None,
+    algorithm: AlgorithmConfig | None = None,
+    optim: OptimConfig | None = None,
+    *,
+    micro_batch_tokens: int | None = None,
+    allowed_token_ids: list[int] | None = None,
+) -> UpdateConfig:
+    """The update's settings (None: the group's defaults). ``micro_batch_tokens`` is the stage's
+    budget when the layout sets one (else ``optim.micro_batch_tokens``); ``allowed_token_ids`` are
+    ``rollout.sampling.allowed_tokens`` as the tokenizer's ids."""
+    rollout = rollout if rollout is not None else RolloutConfig()
+    algorithm = algorithm if algorithm is not None else AlgorithmConfig()
+    optim = optim if optim is not None else OptimConfig()
+    loss, kl = algorithm.loss, algorithm.kl
+    return UpdateConfig(
+        ppo_epochs=optim.ppo_epochs,
+        mini_batches=optim.mini_batches,
+        micro_batch_tokens=micro_batch_tokens or optim.micro_batch_tokens,
+        temperature=rollout.sampling.temperature,
+        loss_fn=loss.fn,
+        loss_params=loss.params,
+        aggregation=loss.aggregation,
+        norm_constant=loss.norm_constant or float(rollout.max_context_tokens),
+        # a KL in the reward is in the advantages already
+        kl_coef=0.0 if kl.in_reward else kl.coef,
+        kl_estimator=kl.estimator,
+        entropy_coef=algorithm.entropy_coef,
+        value_coef=algorithm.value.coef,
+        value_clip=algorithm.value.clip,
+        max_grad_norm=optim.max_grad_norm,
+        allowed_token_ids=allowed_token_ids,
+        on_policy=exactly_on_policy(rollout, algorithm, optim),
+        share_prefix=optim.share_prefix,
+        scored_last_layer=optim.scored_last_layer,
+    )
+
+
+def backend_spec(
+    model_path: str, dtype: str, seed: int, rollout: RolloutConfig, local_rank: int
+) -> BackendSpec:
+    """A generation backend's settings: the model's resolved path, the module's dtype and seed,
+    the rollout group's context limit and HF fast paths, and this process's rank on its node."""
+    return BackendSpec(
+        model_path=model_path,
+        dtype=dtype,
+        seed=seed,
+        max_context_tokens=rollout.max_context_tokens,
+        reuse_kv=rollout.reuse_kv,
+        share_prompts=rollout.share_prompts,
+        local_rank=local_rank,
+    )
