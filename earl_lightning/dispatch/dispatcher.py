@@ -136,9 +136,8 @@ def unpack_chunks(
         for f, v in parts.items()
     }
     lens = values.pop(LENGTHS).cpu() if LENGTHS in values else torch.zeros(0, dtype=torch.long)
-    cu = torch.zeros(
-        lens.numel() + 1, dtype=torch.long
-    )  # offsets stay on the host, like the container's
+    # offsets stay on the host, like the container's
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(lens, 0)
     return ExperienceBatch(
         cu,

@@ -408,9 +408,9 @@ class OptimConfig:
             no value head, no KL in the reward), skip the old log-probs' forward and use the training
             forward's own, detached (the ratio is exactly 1, as in TRL); false always recomputes them.
         share_prefix: a prompt several sequences of a micro-batch begin with runs once, from its KV
-            cache (``data/prefix.py``: when it saves >= 25% of the tokens); false runs whole sequences.
+            cache (``train/prefix.py``: when it saves >= 25% of the tokens); false runs whole sequences.
         scored_last_layer: the policy forwards' last layer runs only where an action token is scored
-            (``data/scored.py``: Llama-pattern models; same loss and gradients); false: everywhere.
+            (``train/scored.py``: Llama-pattern models; same loss and gradients); false: everywhere.
     """
 
     lr: float = 1e-3

@@ -68,7 +68,7 @@ class Models:
 
 
 MISMATCH = "logprob/mismatch"  # a maximum over micro-batches and ranks, where every other statistic is a sum
-SHARED_TOKENS = "train/shared_prefix_tokens"  # prompt token passes the shared-prefix forward saved (data.prefix)
+SHARED_TOKENS = "train/shared_prefix_tokens"  # prompt token passes the shared-prefix forward saved (train/prefix.py)
 
 
 def mini_batch_indices(batch: ExperienceBatch, n: int) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """The memory model against measured peaks: the project's real train step (padded micro-batch
-forward of ``data/forward``, backward, AdamW step) and real rollout (the HF generation
+forward of ``train/forward``, backward, AdamW step) and real rollout (the HF generation
 backend, one call or several turns over its kept KV cache; a multi-turn rollout is sized as the
 selector sizes it, by the final sequences' ``context_stats``) on the tiny model and the
 ~100M-parameter preset, each group in a fresh subprocess.
