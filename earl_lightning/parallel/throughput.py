@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from earl_lightning.checks import check_count, check_number
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 
 SCHEMA_VERSION = 1
@@ -81,8 +82,7 @@ class ProfileTable:
     def __init__(self, model: str, world_size: int, device: str = "") -> None:
         if not isinstance(model, str) or not model:
             raise ValueError(f"`model` must be a non-empty string, got {model!r}")
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"`world_size` must be a positive integer, got {world_size!r}")
+        check_count("world_size", world_size)
         self.model, self.world_size, self.device = model, world_size, str(device)
         self._entries: dict[tuple[str, int, int, str], float] = {}
 
@@ -110,18 +110,12 @@ class ProfileTable:
     ) -> str:
         if stage not in STAGES:
             raise ValueError(f"{where}: unknown stage {stage!r}; valid stages: {list(STAGES)}")
-        for name, v in (("context", context), ("num_seqs", num_seqs)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{where}: `{name}` must be a positive integer, got {v!r}")
-        if (
-            isinstance(tps, bool)
-            or not isinstance(tps, (int, float))
-            or not math.isfinite(tps)
-            or tps <= 0
-        ):
-            raise ValueError(
-                f"{where}: `tokens_per_s` must be a positive finite number, got {tps!r}"
-            )
+        try:
+            check_count("context", context)
+            check_count("num_seqs", num_seqs)
+            check_number("tokens_per_s", tps, low=0, strict=True)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
         key = layout_key(layout) if isinstance(layout, Layout) else layout
         m = _LAYOUT_KEY.match(key) if isinstance(key, str) else None
         if m is None:

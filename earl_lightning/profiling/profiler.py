@@ -24,7 +24,6 @@ every dp x tp factorization of N. No Lightning here: plain torch.distributed whe
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from earl_lightning.checks import check_count, check_number, is_int
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.parallel.collectives import Reducer, broadcast_object, global_rank, world_size
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
@@ -72,9 +72,7 @@ class ProfileGrid:
     def __post_init__(self) -> None:
         for name in ("contexts", "num_seqs"):
             vals = list(getattr(self, name))
-            if not vals or any(
-                isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in vals
-            ):
+            if not vals or not all(is_int(v) and v >= 2 for v in vals):
                 raise ValueError(
                     f"`{name}` must be a non-empty list of integers >= 2, got {vals!r}"
                 )
@@ -82,10 +80,8 @@ class ProfileGrid:
         for s in self.stages:
             check_stage(s, arg="stages")
         object.__setattr__(self, "stages", tuple(s for s in STAGES if s in self.stages))
-        for name in ("gen_len", "repeats"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {v!r}")
+        check_count("gen_len", self.gen_len)
+        check_count("repeats", self.repeats)
 
     def cells(self) -> list[tuple[int, int]]:
         """(context, num_seqs) from the cheapest to the dearest."""
@@ -297,15 +293,7 @@ def profile_stages(
     """
     rank, world = _rank_world()
     layouts = _check_layouts(layouts, world, model_factory)
-    if budget_s is not None and (
-        isinstance(budget_s, bool)
-        or not isinstance(budget_s, (int, float))
-        or not math.isfinite(budget_s)
-        or budget_s <= 0
-    ):
-        raise ValueError(
-            f"`budget_s` must be a positive number of seconds or None, got {budget_s!r}"
-        )
+    check_number("budget_s", budget_s, low=0, strict=True, optional=True, unit=" of seconds")
     run = ProfileRun(ProfileTable(model_name, world, device=_describe(torch.device(device), world)))
     prof = StageProfiler(model_factory, tokenizer, device, seed, scored_last_layer)
     start = time.perf_counter()

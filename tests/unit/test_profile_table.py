@@ -132,7 +132,7 @@ def test_load_not_json(tmp_path):
         (lambda d: d["entries"].append(3), r"is corrupt: entries\[10\] must be an object, got 3"),
         (
             lambda d: d["entries"][2].update(tokens_per_s=-5),
-            r"is corrupt: entries\[2\]: `tokens_per_s` must be a positive finite number, got -5",
+            r"is corrupt: entries\[2\]: `tokens_per_s` must be a positive number, got -5",
         ),
         (
             lambda d: d["entries"][0].update(stage="rolout"),
@@ -194,7 +194,7 @@ def test_profile_error_is_value_error():
         (("rollout", 8, True, TP1, 1.0), r"`num_seqs` must be a positive integer, got True"),
         (
             ("rollout", 8, 4, TP1, float("inf")),
-            r"`tokens_per_s` must be a positive finite number, got inf",
+            r"`tokens_per_s` must be a positive number, got inf",
         ),
         (
             ("roll", 8, 4, TP1, 1.0),
