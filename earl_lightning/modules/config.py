@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, get_policy_loss
 from earl_lightning.algorithms.estimators import AdvantageEstimator, get_advantage_estimator
+from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.registry import bind_params, param_default
 from earl_lightning.rollout.backends.base import SamplingConfig, SamplingFields
@@ -37,30 +38,6 @@ def _coerce_nested(group: Any, arg: str) -> None:
             object.__setattr__(
                 group, f.name, coerce(kind, getattr(group, f.name), f"{arg}.{f.name}")
             )
-
-
-def check_number(
-    arg: str, value: Any, *, low: float = 0.0, strict: bool = False, optional: bool = False
-) -> None:
-    """``value`` is a finite number >= ``low`` (> when ``strict``; None too when ``optional``), or the error
-    names ``arg``."""
-    if optional and value is None:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or (strict and value == low):
-        what = f"> {low:g}" if strict else f">= {low:g}"
-        raise ValueError(
-            f"`{arg}` must be a number {what}{' or null' if optional else ''}, got {value!r}"
-        )
-
-
-def check_count(arg: str, value: Any, low: int = 1) -> None:
-    """``value`` is an integer >= ``low``, or the error names ``arg``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(
-            f"`{arg}` must be {'a positive integer' if low == 1 else f'an integer >= {low}'}, "
-            f"got {value!r}"
-        )
 
 
 @dataclass(frozen=True)
@@ -200,19 +177,14 @@ class RolloutConfig:
         check_count(f"{arg}.max_turns", self.max_turns)
         check_count(f"{arg}.max_context_tokens", self.max_context_tokens)
         check_history_turns(self.history_turns, f"{arg}.history_turns")
-        check_number(f"{arg}.env_timeout_s", self.env_timeout_s, strict=True, optional=True)
+        check_number(f"{arg}.env_timeout_s", self.env_timeout_s, low=0, strict=True, optional=True)
         check_count(f"{arg}.call_workers", self.call_workers)
-        if self.call_isolation not in ("thread", "process"):
-            raise ValueError(
-                f"`{arg}.call_isolation` must be 'thread' or 'process', got {self.call_isolation!r}"
-            )
+        check_choice(f"{arg}.call_isolation", self.call_isolation, ("thread", "process"))
         if self.tool_parser is not None:
             from earl_lightning.tasks.tool_parsers import get_tool_parser
 
             get_tool_parser(self.tool_parser, f"{arg}.tool_parser")
-        ms = self.max_failed_share
-        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms <= 1:
-            raise ValueError(f"`{arg}.max_failed_share` must be a number in (0, 1], got {ms!r}")
+        check_number(f"{arg}.max_failed_share", self.max_failed_share, low=0, high=1, strict=True)
 
 
 @dataclass(frozen=True)
@@ -237,16 +209,9 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         arg = f"{A}.algorithm.advantage"
-        for name in ("gamma", "lam"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-                raise ValueError(
-                    f"`{arg}.{name}` must be a number in [0, 1] or null, got {value!r}"
-                )
-        if self.scale not in (None, "group", "batch", "none"):
-            raise ValueError(
-                f"`{arg}.scale` must be one of ['group', 'batch', 'none'] or null, got {self.scale!r}"
-            )
+        check_number(f"{arg}.gamma", self.gamma, low=0, high=1, optional=True)
+        check_number(f"{arg}.lam", self.lam, low=0, high=1, optional=True)
+        check_choice(f"{arg}.scale", self.scale, (None, "group", "batch", "none"))
         self.params  # noqa: B018 - resolves the estimator and binds its parameters now, at config time
 
     @property
@@ -296,16 +261,12 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         arg = f"{A}.algorithm.loss"
-        if self.clip_low is not None and not (
-            isinstance(self.clip_low, (int, float)) and 0 <= self.clip_low < 1
-        ):
-            raise ValueError(
-                f"`{arg}.clip_low` must be a number in [0, 1) (the ratio's lower bound is "
-                f"1 - clip_low) or null, got {self.clip_low!r}"
-            )
-        check_number(f"{arg}.clip_high", self.clip_high, optional=True)
+        why = " (the ratio's lower bound is 1 - clip_low)"
+        below_one = dict(low=0, high=1, strict_high=True, optional=True)
+        check_number(f"{arg}.clip_low", self.clip_low, **below_one, unit=why)
+        check_number(f"{arg}.clip_high", self.clip_high, low=0, optional=True)
         check_number(f"{arg}.dual_clip", self.dual_clip, low=1.0, strict=True, optional=True)
-        check_number(f"{arg}.norm_constant", self.norm_constant, strict=True, optional=True)
+        check_number(f"{arg}.norm_constant", self.norm_constant, low=0, strict=True, optional=True)
         get_loss_aggregation(self.aggregation, f"{arg}.aggregation")
         self.params  # noqa: B018 - resolves the loss and binds its parameters now, at config time
 
@@ -341,7 +302,7 @@ class KLConfig:
     in_reward: bool = False
 
     def __post_init__(self) -> None:
-        check_number(f"{A}.algorithm.kl.coef", self.coef)
+        check_number(f"{A}.algorithm.kl.coef", self.coef, low=0)
         get_kl_estimator(self.estimator, f"{A}.algorithm.kl.estimator")
 
 
@@ -358,8 +319,8 @@ class ValueConfig:
     clip: float | None = 0.2
 
     def __post_init__(self) -> None:
-        check_number(f"{A}.algorithm.value.coef", self.coef)
-        check_number(f"{A}.algorithm.value.clip", self.clip, optional=True)
+        check_number(f"{A}.algorithm.value.coef", self.coef, low=0)
+        check_number(f"{A}.algorithm.value.clip", self.clip, low=0, optional=True)
 
 
 @dataclass(frozen=True)
@@ -384,7 +345,7 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         _coerce_nested(self, f"{A}.algorithm")
-        check_number(f"{A}.algorithm.entropy_coef", self.entropy_coef)
+        check_number(f"{A}.algorithm.entropy_coef", self.entropy_coef, low=0)
 
     @property
     def needs_values(self) -> bool:
@@ -427,9 +388,9 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         arg = f"{A}.optim"
-        check_number(f"{arg}.lr", self.lr, strict=True)
-        check_number(f"{arg}.weight_decay", self.weight_decay)
-        check_number(f"{arg}.max_grad_norm", self.max_grad_norm)
+        check_number(f"{arg}.lr", self.lr, low=0, strict=True)
+        check_number(f"{arg}.weight_decay", self.weight_decay, low=0)
+        check_number(f"{arg}.max_grad_norm", self.max_grad_norm, low=0)
         check_count(f"{arg}.warmup_steps", self.warmup_steps, low=0)
         if self.lr_schedule not in ("constant", "cosine", "linear"):
             raise ValueError(
@@ -504,7 +465,7 @@ def check_module_args(
 ) -> None:
     check_dtype_and_seed(dtype, seed)
     check_count(f"{A}.transcript_every_n_steps", transcript_every_n_steps, low=0)
-    check_number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, strict=True)
+    check_number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, low=0, strict=True)
 
 
 def module_hparams(

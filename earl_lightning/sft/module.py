@@ -10,6 +10,7 @@ import lightning as L
 import torch
 
 from earl_lightning.algorithms.supervised import soft_token_cross_entropy
+from earl_lightning.checks import check_count, check_number
 from earl_lightning.groups import to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
@@ -57,9 +58,9 @@ class WarmStartModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.rollout_config = C.coerce(C.RolloutConfig, rollout, "--model.rollout")
-        C.check_number("--model.lr", lr, strict=True)
-        C.check_number("--model.weight_decay", weight_decay)
-        C.check_count("--model.warmup_steps", warmup_steps, low=0)
+        check_number("--model.lr", lr, low=0, strict=True)
+        check_number("--model.weight_decay", weight_decay, low=0)
+        check_count("--model.warmup_steps", warmup_steps, low=0)
         seed = run_seed(seed, f"{C.A}.seed")
         C.check_dtype_and_seed(dtype, seed)
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built

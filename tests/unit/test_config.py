@@ -132,7 +132,7 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (
             dict(algorithm={"advantage": {"gamma": 1.5, "name": "gae"}}),
-            r"`--model.algorithm.advantage.gamma` must be a number in \[0, 1\] or null, got 1.5",
+            r"`--model.algorithm.advantage.gamma` must be a number in \[0, 1\] or None, got 1.5",
         ),
         (
             dict(algorithm={"advantage": {"name": "grpo", "lam": 0.9}}),
@@ -150,7 +150,7 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (
             dict(algorithm={"loss": {"dual_clip": 0.5}}),
-            r"`--model.algorithm.loss.dual_clip` must be a number > 1 or null",
+            r"`--model.algorithm.loss.dual_clip` must be a number > 1 or None",
         ),
         (
             dict(algorithm={"loss": {"kwargs": {"beta": 1.0}}}),
@@ -163,14 +163,14 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (
             dict(algorithm={"value": {"clip": -0.1}}),
-            r"`--model.algorithm.value.clip` must be a number >= 0 or null",
+            r"`--model.algorithm.value.clip` must be a number >= 0 or None",
         ),
         (
             dict(algorithm={"entropy_coef": "a"}),
             r"`--model.algorithm.entropy_coef` must be a number >= 0, got 'a'",
         ),
         (dict(algorithm={"losses": {}}), r"`--model.algorithm` has unknown settings \['losses'\]"),
-        (dict(optim={"lr": 0}), r"`--model.optim.lr` must be a number > 0, got 0"),
+        (dict(optim={"lr": 0}), r"`--model.optim.lr` must be a positive number, got 0"),
         (
             dict(optim={"lr_schedule": "step"}),
             r"unknown `--model.optim.lr_schedule` 'step'; valid: \['constant', ",
@@ -186,7 +186,7 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (
             dict(logprob_mismatch_warn=0),
-            r"`--model.logprob_mismatch_warn` must be a number > 0, got 0",
+            r"`--model.logprob_mismatch_warn` must be a positive number, got 0",
         ),
         (dict(optim=[1]), r"`--model.optim` must be a mapping of its settings, got \[1\]"),
     ],
