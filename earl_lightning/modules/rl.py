@@ -20,11 +20,20 @@ from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.dispatch.exchange import Exchanger
-from earl_lightning.groups import to_dict
+from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
 from earl_lightning.models.lora import LoraSettings, adapters_disabled, apply_lora
-from earl_lightning.modules import config as C
+from earl_lightning.modules.config import (
+    A,
+    AlgorithmConfig,
+    OptimConfig,
+    RolloutConfig,
+    check_combination,
+    check_module_args,
+    exactly_on_policy,
+    module_hparams,
+)
 from earl_lightning.modules.metrics import (
     RunMetrics,
     batch_stats,
@@ -82,9 +91,9 @@ class AgenticRLModule(L.LightningModule):
         self,
         model: str = "earl-tiny",
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
-        rollout: C.RolloutConfig = C.RolloutConfig(),
-        algorithm: C.AlgorithmConfig = C.AlgorithmConfig(),
-        optim: C.OptimConfig = C.OptimConfig(),
+        rollout: RolloutConfig = RolloutConfig(),
+        algorithm: AlgorithmConfig = AlgorithmConfig(),
+        optim: OptimConfig = OptimConfig(),
         seed: int | None = None,
         transcript_every_n_steps: int = 10,
         logprob_mismatch_warn: float = 1e-3,
@@ -92,17 +101,17 @@ class AgenticRLModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.rollout_config = C.coerce(C.RolloutConfig, rollout, "--model.rollout")
-        self.algorithm_config = C.coerce(C.AlgorithmConfig, algorithm, "--model.algorithm")
-        self.optim_config = C.coerce(C.OptimConfig, optim, "--model.optim")
-        C.check_combination(self.rollout_config, self.algorithm_config)
-        seed = run_seed(seed, f"{C.A}.seed")
-        C.check_module_args(dtype, seed, transcript_every_n_steps, logprob_mismatch_warn)
-        self.peft_config = None if peft is None else C.coerce(LoraSettings, peft, "--model.peft")
+        self.rollout_config = coerce(RolloutConfig, rollout, "--model.rollout")
+        self.algorithm_config = coerce(AlgorithmConfig, algorithm, "--model.algorithm")
+        self.optim_config = coerce(OptimConfig, optim, "--model.optim")
+        check_combination(self.rollout_config, self.algorithm_config)
+        seed = run_seed(seed, f"{A}.seed")
+        check_module_args(dtype, seed, transcript_every_n_steps, logprob_mismatch_warn)
+        self.peft_config = None if peft is None else coerce(LoraSettings, peft, "--model.peft")
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
         self.save_hyperparameters(
             {
-                **C.module_hparams(
+                **module_hparams(
                     model,
                     dtype,
                     self.rollout_config,
@@ -133,7 +142,7 @@ class AgenticRLModule(L.LightningModule):
 
     @property
     def _on_policy(self) -> bool:
-        return C.exactly_on_policy(self.rollout_config, self.algorithm_config, self.optim_config)
+        return exactly_on_policy(self.rollout_config, self.algorithm_config, self.optim_config)
 
     @property
     def workload(self) -> Workload:

@@ -11,10 +11,10 @@ import torch
 
 from earl_lightning.algorithms.supervised import soft_token_cross_entropy
 from earl_lightning.checks import check_count, check_number
-from earl_lightning.groups import to_dict
+from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
-from earl_lightning.modules import config as C
+from earl_lightning.modules.config import A, RolloutConfig, check_dtype_and_seed
 from earl_lightning.modules.metrics import FLAGS, RunMetrics, reported
 from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.rollout.backends.hf import HFBackend
@@ -50,19 +50,19 @@ class WarmStartModule(L.LightningModule):
         self,
         model: str = "earl-tiny",
         dtype: Literal["float32", "bfloat16", "float16"] = "float32",
-        rollout: C.RolloutConfig = C.RolloutConfig(),
+        rollout: RolloutConfig = RolloutConfig(),
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         seed: int | None = None,
     ) -> None:
         super().__init__()
-        self.rollout_config = C.coerce(C.RolloutConfig, rollout, "--model.rollout")
+        self.rollout_config = coerce(RolloutConfig, rollout, "--model.rollout")
         check_number("--model.lr", lr, low=0, strict=True)
         check_number("--model.weight_decay", weight_decay, low=0)
         check_count("--model.warmup_steps", warmup_steps, low=0)
-        seed = run_seed(seed, f"{C.A}.seed")
-        C.check_dtype_and_seed(dtype, seed)
+        seed = run_seed(seed, f"{A}.seed")
+        check_dtype_and_seed(dtype, seed)
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
         self.save_hyperparameters(
             dict(
