@@ -1,4 +1,4 @@
-"""The scalar argument checks every layer shares (counts, numbers, choices, lists of strings).
+"""The scalar argument checks every layer shares: counts, numbers and choices.
 
 Each error names the argument as the caller wrote it (``arg``: ``"max_turns"``,
 ``"--algorithm.clip_low"``), the bad value (``!r``) and what is allowed. A bool is never a number
@@ -83,12 +83,3 @@ def check_choice(arg: str, value: T, allowed: Iterable[Any]) -> T:
     if value not in allowed:
         raise ValueError(f"`{arg}` must be one of {allowed}, got {value!r}")
     return value
-
-
-def check_strings(arg: str, value: Any, *, non_empty: bool = True) -> list[str]:
-    """``value`` is a list (or tuple) of non-empty strings, itself non-empty when ``non_empty``."""
-    ok = isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value)
-    if not ok or (non_empty and not value):
-        what = "a non-empty list" if non_empty else "a list"
-        raise ValueError(f"`{arg}` must be {what} of non-empty strings, got {value!r}")
-    return list(value)

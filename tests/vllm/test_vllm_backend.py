@@ -142,7 +142,10 @@ def test_tp_not_dividing_heads_is_rejected(tiny):
         (dict(tp=0), r"`tp` must be a positive integer, got 0"),
         (dict(dtype="fp8"), r"`dtype` must be one of .*got 'fp8'"),
         (dict(kv_cache_gib=-1), r"`kv_cache_gib` must be a positive number"),
-        (dict(gpu_memory_utilization=0), r"`gpu_memory_utilization` must be in \(0, 1\], got 0"),
+        (
+            dict(gpu_memory_utilization=0),
+            r"`gpu_memory_utilization` must be a number in \(0, 1\], got 0",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected(tiny, kwargs, match):

@@ -94,10 +94,8 @@ class VLLMBackend:
         check_number(
             "kv_cache_gib", kv_cache_gib, low=0, strict=True, optional=True, unit=" of GiB"
         )
-        if not (0 < gpu_memory_utilization <= 1):
-            raise ValueError(
-                f"`gpu_memory_utilization` must be in (0, 1], got {gpu_memory_utilization!r}"
-            )
+        share = gpu_memory_utilization
+        check_number("gpu_memory_utilization", share, low=0, high=1, strict=True)
         self.model, self.tokenizer, self.seed = str(model), tokenizer, seed
         self.config = read_config(self.model, "model")
         check_tp_heads(self.config, tp)
