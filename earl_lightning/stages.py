@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import lightning as L
 import torch
@@ -38,8 +38,6 @@ from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.faults import LostPeer, is_peer_failure
 from earl_lightning.parallel.layout import Layout, check_stage
 from earl_lightning.parallel.oom import is_oom_error
-
-T = TypeVar("T")
 
 
 # ---- the contract --------------------------------------------------------------------------
@@ -181,33 +179,39 @@ class StageRunner:
         """For the step's collectives between stages (``where``: "the env-failure check")."""
         return self.lost.during(where)
 
-    def run(self, name: str, stats: Mapping[str, Any] | None, fn: Callable[[StageContext], T]) -> T:
-        """``fn(ctx)`` under stage ``name``'s layout, retried on an out-of-memory error.
+    def attempts(self, name: str, stats: Mapping[str, Any] | None) -> Iterator[StageAttempt]:
+        """Tries of stage ``name`` until one succeeds on every rank (tenacity's idiom)::
 
-        With several processes, every rank reports after the stage whether it ran out of memory
-        (one all-reduce), so that an OOM on one rank is retried by all: safe when the other ranks
-        finish the stage without a collective that waits for the failed one (the rollout on
-        data-parallel replicas, where the KV cache grows); an OOM before a collective that peers
-        are already inside (FSDP's all-gathers in the train stage) still blocks them until the
-        process group's timeout."""
+            for attempt in runner.attempts("train", stats):
+                with attempt as ctx:
+                    ...  # the stage, under ctx.layout
+
+        An out-of-memory error in a try (entering the stage, its body, or leaving it) is kept,
+        not raised: with several processes every rank then reports whether it ran out of memory
+        (one all-reduce), so that an OOM on one rank is retried by all. That is safe when the
+        other ranks finish the stage without a collective that waits for the failed one (the
+        rollout on data-parallel replicas, where the KV cache grows); an OOM before a collective
+        that peers are already inside (FSDP's all-gathers in the train stage) still blocks them
+        until the process group's timeout. The handlers decide whether to try again (under the
+        layout the selector picks next) or to raise the error; the body's names keep the values
+        of the try that succeeded."""
         retries = 0
         while True:
-            err = out = None
+            attempt = StageAttempt(self, name)
             try:
-                with self.stages.stage(name, stats) as ctx, self.timer(name):
-                    out = fn(ctx)
-            except Exception as e:  # noqa: BLE001 - filtered right below
-                if is_peer_failure(e):
-                    raise self.lost.error(f"stage {name!r}", e) from e
-                if not is_oom_error(e):
-                    raise
-                err = e
+                with contextlib.ExitStack() as stack:
+                    attempt.ctx = stack.enter_context(self.stages.stage(name, stats))
+                    stack.enter_context(self.timer(name))
+                    attempt.stack = stack.pop_all()
+            except Exception as e:  # noqa: BLE001 - classified by keep_oom
+                attempt.error = self.keep_oom(name, e)
+            if attempt.stack is not None:
+                yield attempt
             with self.lost.during(f"stage {name!r}"):
-                any_oom = Reducer().any(err is not None)
-            if any_oom:
-                err = err or MemoryError(f"out of memory in stage {name!r} on another rank")
-            elif err is None:
-                return out
+                any_oom = Reducer().any(attempt.error is not None)
+            if not any_oom:
+                return
+            err = attempt.error or MemoryError(f"out of memory in stage {name!r} on another rank")
             if retries >= self.max_retries or not any(
                 [self.ask(h, name, stats, err) for h in self.handlers]
             ):
@@ -215,6 +219,45 @@ class StageRunner:
             retries += 1
             self.recoveries += 1
             self.free()
+
+    def keep_oom(self, name: str, err: BaseException) -> BaseException:
+        """``err`` when it is an out-of-memory error (to retry); a lost peer as its one line;
+        anything else raised as it is."""
+        if is_peer_failure(err):
+            raise self.lost.error(f"stage {name!r}", err) from err
+        if not is_oom_error(err):
+            raise err
+        return err
+
+
+class StageAttempt:
+    """One try of a stage (:meth:`StageRunner.attempts`): ``with attempt as ctx`` runs the body
+    under the stage's layout, already entered; leaving closes the stage and keeps an
+    out-of-memory error in :attr:`error` instead of raising it."""
+
+    def __init__(self, runner: StageRunner, name: str) -> None:
+        self.runner, self.name = runner, name
+        self.ctx: StageContext | None = None
+        self.stack: contextlib.ExitStack | None = None
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> StageContext:
+        assert self.ctx is not None, "a StageAttempt is entered once, as attempts() yields it"
+        return self.ctx
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        stack, self.stack = self.stack, None
+        try:
+            if stack is not None and stack.__exit__(exc_type, exc, tb):
+                return True
+        except Exception as e:  # noqa: BLE001 - leaving the stage failed: classified below
+            exc = e
+        if exc is None:
+            return False
+        if not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, SystemExit: not ours to keep
+        self.error = self.runner.keep_oom(self.name, exc)
+        return True
 
 
 def free_memory(optimizers: Sequence[Any], backend: Any) -> None:

@@ -212,47 +212,46 @@ class AgenticRLModule(L.LightningModule):
 
     # ---- the RL iteration ----------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """One RL iteration: rollout, experience, train, each under the layout its strategy
+        picks (:mod:`earl_lightning.stages`; a stage that ran out of memory is tried again), the
+        batch moving between layouts by the exchanger."""
         step, specs = batch["step"], batch["specs"]
         runner, exchanger = self._runner(StageTimer()), self._exchanger()
-        episodes, rollout_ctx = runner.run(
-            "rollout",
-            self._spec_stats(specs),
-            lambda ctx: (self._play(specs, ctx, self._sampling_seed(step, ctx)), ctx),
-        )
+        for attempt in runner.attempts("rollout", self._spec_stats(specs)):
+            with attempt as rollout_ctx:
+                episodes = self._play(specs, rollout_ctx, self._sampling_seed(step, rollout_ctx))
         with runner.outside("the env-failure check"):
             check_env_failures(
                 episodes, rollout_ctx.reduce, self.rollout_config.max_failed_share, step
             )
-        exp = episodes_to_experience(
+        played = episodes_to_experience(
             episodes, gamma=self.algorithm_config.advantage.effective("gamma", 1.0)
         )
         num_groups = max(s.group_id for s in specs) + 1
 
-        def experience(ctx: StageContext) -> tuple[ExperienceBatch, StageContext]:
-            out = self._fill(exchanger.exchange(exp, src=rollout_ctx.layout, to=ctx.layout), ctx)
-            return self._advantages(out, num_groups, ctx), ctx
+        with runner.outside("the batch statistics"):
+            stats = batch_stats(played, rollout_ctx.reduce)
+        for attempt in runner.attempts("experience", stats):
+            with attempt as exp_ctx:
+                here = exchanger.exchange(played, src=rollout_ctx.layout, to=exp_ctx.layout)
+                scored = self._advantages(self._fill(here, exp_ctx), num_groups, exp_ctx)
 
         with runner.outside("the batch statistics"):
-            stats = batch_stats(exp, rollout_ctx.reduce)
-        exp, exp_ctx = runner.run("experience", stats, experience)
+            stats = batch_stats(scored, exp_ctx.reduce)
+        for attempt in runner.attempts("train", stats):
+            with attempt as train_ctx:
+                exp = exchanger.exchange(scored, src=exp_ctx.layout, to=train_ctx.layout)
+                update = ppo_update(
+                    Models(self.policy, self.value_head),
+                    self.optimizers(),
+                    self.lr_schedulers(),
+                    exp,
+                    self._update_config(train_ctx),
+                    train_ctx.reduce,
+                    self.manual_backward,
+                )
+                self._backend.after_update(train_ctx.model("policy"))
 
-        def train(ctx: StageContext) -> tuple[ExperienceBatch, dict[str, float], StageContext]:
-            out = exchanger.exchange(exp, src=exp_ctx.layout, to=ctx.layout)
-            update = ppo_update(
-                Models(self.policy, self.value_head),
-                self.optimizers(),
-                self.lr_schedulers(),
-                out,
-                self._update_config(ctx),
-                ctx.reduce,
-                self.manual_backward,
-            )
-            self._backend.after_update(ctx.model("policy"))
-            return out, update, ctx
-
-        with runner.outside("the batch statistics"):
-            stats = batch_stats(exp, exp_ctx.reduce)
-        exp, update, train_ctx = runner.run("train", stats, train)
         self.rl_iteration, self.oom_recoveries = step + 1, self.oom_recoveries + runner.recoveries
         with runner.outside("the step's metric reductions"):
             metrics = self._step_metrics(
@@ -462,11 +461,9 @@ class AgenticRLModule(L.LightningModule):
     def _evaluate(self, specs: list) -> dict[str, bool]:
         """Play ``specs`` greedily into the validation metrics; which optional rates they report."""
         runner = self._runner(StageTimer())
-        episodes, ctx = runner.run(
-            "rollout",
-            self._spec_stats(specs),
-            lambda ctx: (self._play(specs, ctx, seed=0, greedy=True), ctx),
-        )
+        for attempt in runner.attempts("rollout", self._spec_stats(specs)):
+            with attempt as ctx:
+                episodes = self._play(specs, ctx, seed=0, greedy=True)
         self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
         with runner.outside("the evaluation's metric reductions"):
             return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
