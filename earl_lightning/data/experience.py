@@ -19,6 +19,8 @@ from typing import Literal
 
 import torch
 
+from earl_lightning.checks import check_count
+
 TOKEN_FIELDS_REQUIRED = ("input_ids", "action_mask")
 SEQ_FIELDS_REQUIRED = ("rewards", "group_ids", "episode_ids")
 
@@ -147,8 +149,7 @@ class ExperienceBatch:
         """Sequence indices of consecutive micro-batches whose padded size (rows x longest row)
         stays within ``max_tokens``. Sequences are sorted by length first so padding stays small;
         a sequence longer than the budget gets a micro-batch of its own."""
-        if max_tokens < 1:
-            raise ValueError(f"`micro_batch_tokens` must be >= 1, got {max_tokens}")
+        check_count("micro_batch_tokens", max_tokens)
         order = torch.argsort(self.seq_lens, descending=True, stable=True).tolist()
         lens = self.seq_lens.tolist()
         out, cur = [], []

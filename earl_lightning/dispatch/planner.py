@@ -24,6 +24,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Literal
 
+from earl_lightning.checks import check_count
 from earl_lightning.parallel.layout import Layout
 
 TpMode = Literal["auto", "direct", "broadcast"]
@@ -139,8 +140,7 @@ def balanced_partition(weights: list[int], k: int) -> list[int]:
     Runs Karmarkar-Karp's largest differencing method (k-way) and LPT, and keeps whichever has the
     smaller maximum (KK wins on many similar items, LPT on a few dominant ones). Deterministic.
     """
-    if k < 1:
-        raise ValueError(f"`k` must be >= 1, got {k}")
+    check_count("k", k)
     if k == 1 or not weights:
         return [0] * len(weights)
     candidates = [_lpt(weights, k)]
