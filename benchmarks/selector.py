@@ -303,9 +303,8 @@ def bench_worker(
         TOKENIZERS_PARALLELISM="false",
     )
     torch.set_num_threads(1)
-    os.environ["EARL_HOST_MEMORY"] = (
-        "glibc"  # the module must not undo exact_rss_allocator (host_memory.py)
-    )
+    # the module must not undo exact_rss_allocator (host_memory.py)
+    os.environ["EARL_HOST_MEMORY"] = "glibc"
     exact_rss_allocator()
     import warnings
 

@@ -48,16 +48,13 @@ class RunSpec:
     seed: int = 0
     threads: int = 2
     device: str = "cpu"
-    on_policy_shortcut: bool = (
-        True  # earl only: False recomputes the old log-probs (benchmarks/step_breakdown.py)
-    )
-    share_prefix: bool = (
-        True  # earl only: False runs every completion's prompt in the train forward
-    )
+    # earl only: False recomputes the old log-probs (benchmarks/step_breakdown.py)
+    on_policy_shortcut: bool = True
+    # earl only: False runs every completion's prompt in the train forward
+    share_prefix: bool = True
     share_prompts: bool = True  # earl only: False prefills every completion's prompt in the rollout
-    scored_last_layer: bool = (
-        True  # earl only: False runs the last layer at every position in the train forward
-    )
+    # earl only: False runs the last layer at every position in the train forward
+    scored_last_layer: bool = True
     micro_batch_tokens: int = 1 << 20  # earl only: the padded-token budget of one forward/backward
 
     def env_kwargs(self) -> dict:

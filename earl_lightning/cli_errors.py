@@ -20,9 +20,8 @@ class ShortErrorParser(LightningArgumentParser):
             not self.exit_on_error
         ):  # a parser that reports by raising (jsonargparse's own nested parses)
             super().error(message, ex)
-        parser = (
-            getattr(ex, "subcommand_parser", None) or self
-        )  # an error of `fit` found by the root parser
+        # an error of `fit` found by the root parser
+        parser = getattr(ex, "subcommand_parser", None) or self
         lines = short_error(message, options(parser))
         command = parser.prog.replace(
             " [options]", ""

@@ -176,9 +176,8 @@ class AdaptiveParallelism(StageOOMHandler):
         self._trainer = trainer
         train = trainer.strategy.train_layout
         if any(a != train.activation_checkpointing for a in self.activation_checkpointing or ()):
-            trainer.strategy.checkpoint_switchable = (
-                True  # wrap the layers once, recompute per choice
-            )
+            # wrap the layers once, recompute per choice
+            trainer.strategy.checkpoint_switchable = True
         if self.profile is not None:  # a corrupt or mismatched file fails before any model is built
             self.table = ProfileTable.load(self.profile, world_size=trainer.world_size)
 

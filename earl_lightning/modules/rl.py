@@ -127,9 +127,8 @@ class AgenticRLModule(L.LightningModule):
         self.tokenizer = load_tokenizer(model, "--model.model")
         self.allowed_token_ids = self.rollout_config.sampling.token_ids(self.tokenizer)
         self.policy = self.ref_policy = self.value_head = None
-        self.rl_iteration = (
-            0  # RL iterations done (checkpointed: sampling seeds continue from here)
-        )
+        # RL iterations done (checkpointed: sampling seeds continue from here)
+        self.rl_iteration = 0
         self.oom_recoveries = 0
         self.run_metrics = RunMetrics()
         self._backend = None

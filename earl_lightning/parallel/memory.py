@@ -396,9 +396,8 @@ class MemoryModel:
         weights = z.num_params * b // tp
         seqs = math.ceil(s["num_seqs"] / layout.dp)
         kv_tok = z.kv_bytes_per_token(tp, b)
-        logits = (
-            seqs * z.vocab_size * 4 * 3
-        )  # last-position logits, probabilities, sampling scratch
+        # last-position logits, probabilities, sampling scratch
+        logits = seqs * z.vocab_size * 4 * 3
         if self.rollout_backend == "hf":
             kv, transient = self._hf_calls(seqs, s, tp)
             total = weights + kv + transient + logits + self.overhead_bytes + resident

@@ -46,9 +46,8 @@ from earl_lightning.rollout.backends.base import GenRequest, SamplingConfig
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.train.forward import fill_logprobs, forward_micro_batch, zero_loss
 
-_FIRST_TOKEN = (
-    3  # ids below are the tiny tokenizer's pad / bos / eos: never part of a synthetic context
-)
+# ids below are the tiny tokenizer's pad / bos / eos: never part of a synthetic context
+_FIRST_TOKEN = 3
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,8 @@ class LiveEpisode:
     turn_starts: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     turn_prompts: list[list[int]] | None = None
-    next_prompt: list[int] | None = (
-        None  # the next turn's own prompt (history window, or a rewriting template)
-    )
+    # the next turn's own prompt (history window, or a rewriting template)
+    next_prompt: list[int] | None = None
     raw: bool = False  # a standard-form (string) prompt without an environment: plain text, no chat template
     rewrites: bool = False  # the chat template rewrote an earlier turn: each turn is generated from its own render
     prompt_tokens: int = 0

@@ -80,9 +80,8 @@ class WarmStartModule(L.LightningModule):
             self.rollout_config.sampling.token_ids(self.tokenizer)
         )
         self.policy = None
-        self.evaluated_at_step = (
-            -1
-        )  # the global step of the last evaluation (warm_start.json needs the final one)
+        # the global step of the last evaluation (warm_start.json needs the final one)
+        self.evaluated_at_step = -1
         self.greedy_metrics, self.sampled_metrics = RunMetrics(), RunMetrics()
 
     def setup(self, stage: str) -> None:

@@ -22,9 +22,8 @@ from earl_lightning.tasks.rows import check_messages, check_prompt
 log = logging.getLogger("earl_lightning.tasks")
 
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-_CHECKED_ROWS = (
-    64  # rows whose prompt form is checked when a dataset is opened (all of them: at use)
-)
+# rows whose prompt form is checked when a dataset is opened (all of them: at use)
+_CHECKED_ROWS = 64
 HOLDOUT_SEED = 0  # the held-out rows of `eval_size` are the same whatever the run's seed
 
 

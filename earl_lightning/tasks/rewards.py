@@ -270,9 +270,8 @@ class _Call:
             )
         checked = []
         for v in values:
-            v = (
-                v.item() if hasattr(v, "item") and not isinstance(v, numbers.Real) else v
-            )  # numpy / torch scalars
+            # numpy / torch scalars
+            v = v.item() if hasattr(v, "item") and not isinstance(v, numbers.Real) else v
             if v is None or (isinstance(v, numbers.Real) and math.isnan(float(v))):
                 checked.append(None)
             elif isinstance(v, numbers.Real) and math.isfinite(float(v)):

@@ -29,9 +29,8 @@ from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.parallel.parallelize import recomputes_activations
 
 PerPosition = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], dict[str, torch.Tensor]]
-MIN_SAVING = (
-    0.25  # share only when the two passes cost at most 75% of the plain pass's padded tokens
-)
+# share only when the two passes cost at most 75% of the plain pass's padded tokens
+MIN_SAVING = 0.25
 
 
 @dataclass(frozen=True)

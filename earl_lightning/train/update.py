@@ -105,9 +105,8 @@ def micro_batch_loss(
     agg = dict(num_tokens=denom["tokens"], num_seqs=denom["seqs"], norm_constant=cfg.norm_constant)
     loss = aggregate(tok_loss, mask, cfg.aggregation, **agg)
     ent = mb.pad(res["entropy"], 0.0)  # [B, T]
-    share = (
-        float(mask.sum()) / denom["tokens"]
-    )  # this micro-batch's share of the mini-batch's tokens
+    # this micro-batch's share of the mini-batch's tokens
+    share = float(mask.sum()) / denom["tokens"]
     stats = {
         "loss/policy": float(loss.detach()),
         "policy/entropy": float((ent.detach() * mask).sum() / denom["tokens"]),

@@ -74,9 +74,8 @@ def check(logged: dict[str, list[float]]) -> None:
 def test_estimator_and_loss_from_yaml_fit_two_steps(tmp_path, estimator, loss):
     logged = fit(tmp_path, {"advantage": {"name": estimator}, "loss": LOSSES[loss]})
     check(logged)
-    assert ("loss/value" in logged) == (
-        estimator == "gae"
-    )  # the value head comes with the estimator
+    # the value head comes with the estimator
+    assert ("loss/value" in logged) == estimator == "gae"
     assert ("policy/dual_clip_frac" in logged) and "policy/clip_frac" in logged
 
 
@@ -84,9 +83,8 @@ def test_gigpo_fits_two_steps_on_turn_rows(tmp_path):
     cfg = recipe(
         {"advantage": {"name": "gigpo", "kwargs": {"step_weight": 0.5}}, "loss": LOSSES["ppo_clip"]}
     )
-    cfg["model"]["rollout"]["history_turns"] = (
-        0  # one row per turn: GiGPO compares turns in the same state
-    )
+    # one row per turn: GiGPO compares turns in the same state
+    cfg["model"]["rollout"]["history_turns"] = 0
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(cfg))
     main(["fit", "--config", str(path), "--trainer.default_root_dir", str(tmp_path / "run")])

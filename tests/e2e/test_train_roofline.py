@@ -45,9 +45,8 @@ def test_flop_count_is_three_times_the_linear_layers_forward_plus_causal_attenti
     ids = torch.randint(3, cfg.vocab_size, (batch, length))
     counted, attention = count_flops(model, ids)
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    per_layer = (
-        h * h + 2 * h * kv + h * h + 3 * h * cfg.intermediate_size
-    )  # q, k, v, o, gate/up/down
+    # q, k, v, o, gate/up/down
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * cfg.intermediate_size
     linear_params = cfg.num_hidden_layers * per_layer + h * cfg.vocab_size  # + lm_head
     assert counted == pytest.approx(3 * 2 * batch * length * linear_params, rel=0.01)
     head_dim = h // cfg.num_attention_heads

@@ -125,9 +125,8 @@ def trl_grpo_loss(
     if loss_type == "dr_grpo":
         return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_completion_length)
     if loss_type == "dapo":
-        num_items_in_batch = (
-            mask.sum()
-        )  # one process, one accumulation step, steps_per_generation 1
+        # one process, one accumulation step, steps_per_generation 1
+        num_items_in_batch = mask.sum()
         return (per_token_loss * mask).sum() / num_items_in_batch.clamp(min=1.0)
     raise ValueError(loss_type)
 
@@ -143,9 +142,8 @@ TRL_TO_OURS = {  # loss_type -> (aggregation mode, extra kwargs given the mask a
 def _random_grpo_inputs(seed, B=6, T=9):
     g = torch.Generator().manual_seed(seed)
     lp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
-    old = (
-        lp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
-    )  # ratios well outside the clip
+    # ratios well outside the clip
+    old = lp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
     ref = lp.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.5
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     lengths = torch.randint(1, T + 1, (B,), generator=g)
@@ -230,9 +228,8 @@ def test_aggregation_over_micro_batches_and_ranks_equals_whole_batch(mode, ranks
     total = 0.0
     for rank_rows in rows:
         for mb in rank_rows.tensor_split(micro):
-            width = (
-                int(lengths[mb].max()) if len(mb) else 0
-            )  # each micro-batch padded to its own width
+            # each micro-batch padded to its own width
+            width = int(lengths[mb].max()) if len(mb) else 0
             part = x[mb, :width] * 2.5
             total = total + aggregate(
                 part,

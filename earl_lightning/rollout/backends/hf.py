@@ -168,9 +168,8 @@ class HFBackend:
     # ---- one call ------------------------------------------------------------------------
     def _generate(self, requests: list[GenRequest], sampling: SamplingConfig) -> list[GenOutput]:
         entries = [self._reusable(r) for r in requests]
-        whole = (
-            common_resident(entries) if self.reuse_buffer else None
-        )  # all continue rows of one buffer
+        # all continue rows of one buffer
+        whole = common_resident(entries) if self.reuse_buffer else None
         if whole is None and self.share_prompts:
             entries = self._shared_prompts(requests, entries)
         prefix_valid = None if whole is None else whole[2]
