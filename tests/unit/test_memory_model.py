@@ -145,7 +145,7 @@ def test_micro_batches_mirror_the_modules_batching():
         tokens, n = mm.micro_batches(Layout(micro_batch_tokens=mbt), st)
         assert largest <= tokens <= max(largest, mbt)  # never below the real largest micro-batch
         # a bound: only "more than one" matters
-        assert n >= len(groups) and (n > 1) == len(groups) > 1
+        assert n >= len(groups) and (n > 1) == (len(groups) > 1)
 
 
 def test_rollout_kv_cache_scales_with_sequences_context_and_layout():
