@@ -75,7 +75,7 @@ def test_estimator_and_loss_from_yaml_fit_two_steps(tmp_path, estimator, loss):
     logged = fit(tmp_path, {"advantage": {"name": estimator}, "loss": LOSSES[loss]})
     check(logged)
     # the value head comes with the estimator
-    assert ("loss/value" in logged) == estimator == "gae"
+    assert ("loss/value" in logged) == (estimator == "gae")
     assert ("policy/dual_clip_frac" in logged) and "policy/clip_frac" in logged
 
 
