@@ -33,7 +33,9 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
     lengths: list[int] = []
     total = 0  # tokens so far: where the next row starts in the flat batch
     rows: list[tuple[Episode, int]] = []
-    turn_ends: list[int] = []  # whole-episode rows: each turn's end in the flat batch, its reward, its row's start
+    turn_ends: list[
+        int
+    ] = []  # whole-episode rows: each turn's end in the flat batch, its reward, its row's start
     turn_values: list[float] = []
     turn_rows_at: list[int] = []
     for ep in episodes:
@@ -53,8 +55,13 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
             lengths.append(len(row[0]))
             total += lengths[-1]
             rows.append((ep, k))
-    arrays = {name: np.array(flat[name], dtype=np.int64 if name == "input_ids" else np.float32) for name in fields}
-    _place_turn_rewards(arrays["token_rewards"], arrays["action_mask"], turn_ends, turn_values, turn_rows_at)
+    arrays = {
+        name: np.array(flat[name], dtype=np.int64 if name == "input_ids" else np.float32)
+        for name in fields
+    }
+    _place_turn_rewards(
+        arrays["token_rewards"], arrays["action_mask"], turn_ends, turn_values, turn_rows_at
+    )
     seqs = {
         "rewards": torch.tensor([ep.reward for ep, _ in rows], dtype=torch.float32),
         "group_ids": torch.tensor([ep.spec.group_id for ep, _ in rows], dtype=torch.long),
@@ -63,11 +70,14 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
         "num_turns": torch.tensor([ep.num_turns for ep, _ in rows], dtype=torch.long),
         "turn_index": torch.tensor([k for _, k in rows], dtype=torch.long),
     }
-    return ExperienceBatch(cu_seqlens_of(lengths), {name: torch.from_numpy(a) for name, a in arrays.items()}, seqs)
+    return ExperienceBatch(
+        cu_seqlens_of(lengths), {name: torch.from_numpy(a) for name, a in arrays.items()}, seqs
+    )
 
 
-def _place_turn_rewards(out: np.ndarray, mask: np.ndarray, ends: list[int], values: list[float],
-                        row_starts: list[int]) -> None:
+def _place_turn_rewards(
+    out: np.ndarray, mask: np.ndarray, ends: list[int], values: list[float], row_starts: list[int]
+) -> None:
     """Add each turn's reward (at flat end ``ends[i]``) on the last generated token before that end
     within its row (``row_starts[i]`` on), in turn order, in float32: :func:`turn_token_rewards`
     for a whole batch at once."""
@@ -80,7 +90,9 @@ def _place_turn_rewards(out: np.ndarray, mask: np.ndarray, ends: list[int], valu
     np.add.at(out, pos[keep], np.asarray(values, dtype=np.float32)[keep])
 
 
-def _turn_rows(ep: Episode, gamma: float) -> list[tuple[list, list[float], list[float], list[float]]]:
+def _turn_rows(
+    ep: Episode, gamma: float
+) -> list[tuple[list, list[float], list[float], list[float]]]:
     """One (input_ids, action_mask, rollout_logprobs, token_rewards) row per turn, in turn order.
     Built from the last turn backwards, so that each row's final reward can include the discounted
     return of the turns after it."""
@@ -97,12 +109,12 @@ def _turn_rows(ep: Episode, gamma: float) -> list[tuple[list, list[float], list[
     for k in reversed(range(len(spans))):
         start, n = spans[k]
         prompt = ep.turn_prompts[k]
-        ids = list(prompt) + list(ep.token_ids[start:start + n])
+        ids = list(prompt) + list(ep.token_ids[start : start + n])
         mask, lps, rew = [0.0] * len(ids), [0.0] * len(ids), [0.0] * len(ids)
         last_return = rewards[k] + gamma * after
         if n and ep.error is None:
-            mask[len(prompt):] = [1.0] * n
-            lps[len(prompt):] = ep.logprobs[start:start + n]
+            mask[len(prompt) :] = [1.0] * n
+            lps[len(prompt) :] = ep.logprobs[start : start + n]
             rew[-1] = last_return  # rounded to float32 when packed
         after = last_return * gamma ** max(n - 1, 0)
         out.append((ids, mask, lps, rew))
@@ -157,6 +169,10 @@ def supervised_rows(episodes: list[Episode]) -> list[list[SupervisedRow]]:
                 rows.append(SupervisedRow(ids, [int(m) for m in mask], heads))
             out.append(rows)
         else:
-            heads = [(k, s) for k, s in enumerate(ep.turn_starts) if s < len(ep.token_ids) and ep.action_mask[s]]
+            heads = [
+                (k, s)
+                for k, s in enumerate(ep.turn_starts)
+                if s < len(ep.token_ids) and ep.action_mask[s]
+            ]
             out.append([SupervisedRow(list(ep.token_ids), [int(m) for m in ep.action_mask], heads)])
     return out

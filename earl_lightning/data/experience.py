@@ -44,18 +44,22 @@ class ExperienceBatch:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_sequences(cls, token_fields: dict[str, list[torch.Tensor]], seq_fields: dict[str, torch.Tensor]):
+    def from_sequences(
+        cls, token_fields: dict[str, list[torch.Tensor]], seq_fields: dict[str, torch.Tensor]
+    ):
         lengths = [len(t) for t in next(iter(token_fields.values()))]
         cu = cu_seqlens_of(lengths)
         tokens = {}
         for name, parts in token_fields.items():
             if len(parts) != len(lengths):
-                raise ValueError(f"token field {name!r} has {len(parts)} sequences, expected {len(lengths)}")
+                raise ValueError(
+                    f"token field {name!r} has {len(parts)} sequences, expected {len(lengths)}"
+                )
             tokens[name] = torch.cat(parts) if parts else torch.zeros(0)
         return cls(cu, tokens, dict(seq_fields))
 
     @classmethod
-    def empty_like(cls, other: "ExperienceBatch") -> "ExperienceBatch":
+    def empty_like(cls, other: ExperienceBatch) -> ExperienceBatch:
         return other.select(torch.zeros(0, dtype=torch.long))
 
     def validate(self) -> None:
@@ -80,7 +84,9 @@ class ExperienceBatch:
             if bool(bad.any()):
                 i = int(bad.nonzero()[0])
                 ep = int(self.seqs["episode_ids"][i]) if "episode_ids" in self.seqs else i
-                raise ValueError(f"reward of episode {ep} is {float(self.seqs['rewards'][i])}; rewards must be finite")
+                raise ValueError(
+                    f"reward of episode {ep} is {float(self.seqs['rewards'][i])}; rewards must be finite"
+                )
 
     # ---- shape ---------------------------------------------------------------------------
     @property
@@ -104,17 +110,22 @@ class ExperienceBatch:
 
     def token_offsets(self) -> torch.Tensor:
         """[N] each token's position inside its own sequence (0 at every sequence's start)."""
-        return torch.arange(self.num_tokens) - torch.repeat_interleave(self.cu_seqlens[:-1], self.seq_lens)
+        return torch.arange(self.num_tokens) - torch.repeat_interleave(
+            self.cu_seqlens[:-1], self.seq_lens
+        )
 
     # ---- selection -----------------------------------------------------------------------
-    def select(self, indices) -> "ExperienceBatch":
+    def select(self, indices) -> ExperienceBatch:
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         lens = self.seq_lens[idx]
         cu = torch.zeros(idx.numel() + 1, dtype=torch.long)
         cu[1:] = torch.cumsum(lens, 0)
         pos = self.token_positions(idx)
-        return ExperienceBatch(cu, {k: v[pos] for k, v in self.tokens.items()},
-                               {k: v[idx] for k, v in self.seqs.items()})
+        return ExperienceBatch(
+            cu,
+            {k: v[pos] for k, v in self.tokens.items()},
+            {k: v[idx] for k, v in self.seqs.items()},
+        )
 
     def token_positions(self, indices) -> torch.Tensor:
         """[n] positions in the packed token fields of the tokens of sequences ``indices``, in order."""
@@ -126,7 +137,7 @@ class ExperienceBatch:
         return torch.repeat_interleave(starts, lens) + offs
 
     @staticmethod
-    def concat(batches: list["ExperienceBatch"]) -> "ExperienceBatch":
+    def concat(batches: list[ExperienceBatch]) -> ExperienceBatch:
         if not batches:
             raise ValueError("concat needs at least one batch")
         keys_t, keys_s = set(batches[0].tokens), set(batches[0].seqs)
@@ -160,7 +171,7 @@ class ExperienceBatch:
             cur.append(i)
         return out + ([cur] if cur else [])
 
-    def split_by_tokens(self, max_tokens: int) -> list["ExperienceBatch"]:
+    def split_by_tokens(self, max_tokens: int) -> list[ExperienceBatch]:
         """The micro-batches of :meth:`micro_batch_indices` as batches."""
         return [self.select(idx) for idx in self.micro_batch_indices(max_tokens)]
 
@@ -185,12 +196,17 @@ class ExperienceBatch:
         cols = self.token_offsets().to(padded.device)
         return padded[rows, cols]
 
-    def to(self, device) -> "ExperienceBatch":
-        return ExperienceBatch(self.cu_seqlens, {k: v.to(device) for k, v in self.tokens.items()},
-                               {k: v.to(device) for k, v in self.seqs.items()})
+    def to(self, device) -> ExperienceBatch:
+        return ExperienceBatch(
+            self.cu_seqlens,
+            {k: v.to(device) for k, v in self.tokens.items()},
+            {k: v.to(device) for k, v in self.seqs.items()},
+        )
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.tokens.values(), *self.seqs.values()])
+        return sum(
+            t.numel() * t.element_size() for t in [*self.tokens.values(), *self.seqs.values()]
+        )
 
     def context_stats(self) -> dict[str, float]:
         """The sequences' lengths, for the memory model, and what an HF rollout with a KV cache
@@ -201,8 +217,19 @@ class ExperienceBatch:
         and ``scored_share_max``, the largest share of its length they make (:meth:`scored_counts`)."""
         lens = self.seq_lens.double()
         if lens.numel() == 0:
-            return dict.fromkeys(("num_seqs", "context_mean", "context_max", "context_p95", "prompt_max",
-                                  "turn_prefill_max", "scored_max", "scored_share_max"), 0.0)
+            return dict.fromkeys(
+                (
+                    "num_seqs",
+                    "context_mean",
+                    "context_max",
+                    "context_p95",
+                    "prompt_max",
+                    "turn_prefill_max",
+                    "scored_max",
+                    "scored_share_max",
+                ),
+                0.0,
+            )
         prompt, turn = self.prompt_runs()
         scored = self.scored_counts().double()
         return {
@@ -220,7 +247,9 @@ class ExperienceBatch:
         """[S] the positions of each sequence whose logits score an action token: its action tokens
         after the first position (train/scored.py)."""
         mask = (self.tokens["action_mask"] > 0).long().cpu()
-        counts = torch.zeros(self.num_seqs, dtype=torch.long).index_add_(0, self.token_seq_index().cpu(), mask)
+        counts = torch.zeros(self.num_seqs, dtype=torch.long).index_add_(
+            0, self.token_seq_index().cpu(), mask
+        )
         starts, nonempty = self.cu_seqlens[:-1], self.seq_lens > 0
         counts[nonempty] -= mask[starts[nonempty]]
         return counts
@@ -240,7 +269,11 @@ class ExperienceBatch:
         lengths = torch.bincount(run[prompt])
         first = torch.zeros(lengths.numel(), dtype=torch.bool)  # the runs that open an episode
         seen: set[int] = set()
-        episodes = self.seqs["episode_ids"].tolist() if "episode_ids" in self.seqs else range(self.num_seqs)
+        episodes = (
+            self.seqs["episode_ids"].tolist()
+            if "episode_ids" in self.seqs
+            else range(self.num_seqs)
+        )
         for row, (start, ep) in enumerate(zip(seq_starts.tolist(), episodes)):
             if nonempty[row] and ep not in seen and bool(prompt[start]):
                 first[run[start]] = True
@@ -248,13 +281,15 @@ class ExperienceBatch:
         return tuple(int(lengths[sel].max()) if bool(sel.any()) else 0 for sel in (first, ~first))
 
     # ---- dtype grouping (what the dispatcher packs into one buffer per dtype) ----------------
-    def schema(self) -> tuple["FieldSpec", ...]:
+    def schema(self) -> tuple[FieldSpec, ...]:
         """Every field as a :class:`FieldSpec`: token fields by name, then sequence fields by name."""
-        return (*(FieldSpec(k, "token", self.tokens[k].dtype) for k in sorted(self.tokens)),
-                *(FieldSpec(k, "seq", self.seqs[k].dtype) for k in sorted(self.seqs)))
+        return (
+            *(FieldSpec(k, "token", self.tokens[k].dtype) for k in sorted(self.tokens)),
+            *(FieldSpec(k, "seq", self.seqs[k].dtype) for k in sorted(self.seqs)),
+        )
 
     @classmethod
-    def empty(cls, schema: tuple["FieldSpec", ...]) -> "ExperienceBatch":
+    def empty(cls, schema: tuple[FieldSpec, ...]) -> ExperienceBatch:
         """A batch with no sequences and the given fields (what a rank that produced nothing holds)."""
         tokens = {f.name: torch.zeros(0, dtype=f.dtype) for f in schema if f.kind == "token"}
         seqs = {f.name: torch.zeros(0, dtype=f.dtype) for f in schema if f.kind == "seq"}
@@ -263,8 +298,17 @@ class ExperienceBatch:
 
 # Dtypes every torch.distributed backend (gloo, NCCL) moves natively; anything else (int16, uint16,
 # float8 ...) travels as its raw bytes, which is exact because the receiver views them back.
-WIRE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16,
-               torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool)
+WIRE_DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 
 
 @dataclass(frozen=True)
@@ -287,7 +331,9 @@ class FieldSpec:
         return 1 if self.dtype in WIRE_DTYPES else torch.empty(0, dtype=self.dtype).element_size()
 
     def to_wire(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.width == 1 and self.wire == self.dtype else t.contiguous().view(torch.uint8)
+        return (
+            t if self.width == 1 and self.wire == self.dtype else t.contiguous().view(torch.uint8)
+        )
 
     def from_wire(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.wire == self.dtype else t.view(self.dtype)
@@ -311,4 +357,7 @@ def schema_fingerprint(schema: tuple[FieldSpec, ...]) -> int:
 
 
 def describe_schema(schema: tuple[FieldSpec, ...]) -> str:
-    return ", ".join(f"{f.name}[{f.kind}]:{str(f.dtype).removeprefix('torch.')}" for f in schema) or "(no fields)"
+    return (
+        ", ".join(f"{f.name}[{f.kind}]:{str(f.dtype).removeprefix('torch.')}" for f in schema)
+        or "(no fields)"
+    )
