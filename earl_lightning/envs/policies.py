@@ -29,6 +29,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.envs.calculator import CalcError, safe_eval
 from earl_lightning.envs.openspiel_env import legal_from_observation, preference_policy
 from earl_lightning.registry import Registry
@@ -143,52 +144,93 @@ class ImperfectCalculator:
 
     On a question it calls the calculator on the question's expression and then answers with the
     tool's result, except that with probability ``no_tool_share`` it answers at once, without
-    the tool, with a wrong number (the right one off by 1 to ``max_error``). ``protocol="tools"``
-    writes the call in the Hermes / Qwen format (``<tool_call>{"name": "calculate", ...}</tool_call>``,
-    as ``--model.rollout.tool_parser hermes`` reads it) and the answer as the bare number;
-    ``"text"`` writes ``calc(expr)`` and ``answer(N)``.
+    the tool, with a wrong number (the right one off by 1 to ``max_error``, each equally likely).
+    ``protocol="tools"`` writes the call in the Hermes / Qwen format
+    (``<tool_call>{"name": "calculate", ...}</tool_call>``, as ``--model.rollout.tool_parser
+    hermes`` reads it) and the answer as the bare number; ``"text"`` writes ``calc(expr)`` and
+    ``answer(N)``.
+
+    ``shown_no_tool_share`` (default: ``no_tool_share``) is how often the transcripts show the
+    answer without the tool. :meth:`distribution` states the policy's own mix, so with
+    ``--data.targets expected`` a turn's first token (tool call or number) is trained on
+    ``no_tool_share`` whatever the transcripts show, while the rest of a turn imitates that
+    branch's own continuation, which does not depend on how often the branch is shown. A warm
+    start can thus show the call written out in most transcripts (a small model needs many to
+    learn to copy the expression into it) and still imitate a user who calls it for a quarter of
+    the questions.
     """
 
     def __init__(
-        self, seed: int = 0, no_tool_share: float = 0.5, max_error: int = 9, protocol: str = "tools"
+        self,
+        seed: int = 0,
+        no_tool_share: float = 0.5,
+        max_error: int = 9,
+        protocol: str = "tools",
+        shown_no_tool_share: float | None = None,
     ) -> None:
-        if (
-            isinstance(no_tool_share, bool)
-            or not isinstance(no_tool_share, (int, float))
-            or not 0.0 <= no_tool_share <= 1.0
-        ):
-            raise ValueError(f"`no_tool_share` must be a number in [0, 1], got {no_tool_share!r}")
-        if isinstance(max_error, bool) or not isinstance(max_error, int) or max_error < 1:
-            raise ValueError(f"`max_error` must be an integer >= 1, got {max_error!r}")
-        if protocol not in ("tools", "text"):
-            raise ValueError(f"`protocol` must be 'tools' or 'text', got {protocol!r}")
-        self.rng = random.Random(seed)
-        self.no_tool_share, self.max_error, self.protocol = (
-            float(no_tool_share),
-            max_error,
-            protocol,
+        p = check_number("no_tool_share", no_tool_share, low=0, high=1)
+        shown = check_number(
+            "shown_no_tool_share", shown_no_tool_share, low=0, high=1, optional=True
         )
+        shown = p if shown is None else shown
+        if (p == 0 and shown > 0) or (p == 1 and shown < 1):
+            raise ValueError(
+                f"`shown_no_tool_share` is {shown_no_tool_share!r} but `no_tool_share` is {p:g}: "
+                f"the transcripts may only show a branch the policy takes"
+            )
+        self.max_error = check_count("max_error", max_error)
+        self.protocol = check_choice("protocol", protocol, ("tools", "text"))
+        self.rng = random.Random(seed)
+        self.no_tool_share, self.shown_no_tool_share = p, shown
 
     def __call__(self, observation: str) -> str:
+        branches = self._branches(observation)
+        if len(branches) == 1:
+            return branches[0][0][0]
+        (call, _), _ = branches
+        if self.rng.random() < self.shown_no_tool_share:
+            error = self.rng.choice([-1, 1]) * self.rng.randint(1, self.max_error)
+            return self._answer(str(self._right(observation) + error))
+        return call[0]
+
+    def distribution(self, observation: str) -> dict[str, float]:
+        """What the policy plays on ``observation``: the call with probability
+        ``1 - no_tool_share``, each wrong answer with an equal part of ``no_tool_share``."""
+        out: dict[str, float] = {}
+        for actions, p in self._branches(observation):
+            for action in actions:
+                if p > 0:
+                    out[action] = out.get(action, 0.0) + p / len(actions)
+        return out
+
+    def _branches(self, observation: str) -> list[tuple[list[str], float]]:
+        """``[(actions, probability)]``: one certain action, or the call and the wrong answers."""
         result = (_TOOL_RESULT if self.protocol == "tools" else _RESULT).match(observation)
         if result is not None:
-            return self._answer(result.group(1))
+            return [([self._answer(result.group(1))], 1.0)]
         question = _QUESTION.search(observation)
-        if question is None:
-            return self._answer(
-                "0"
-            )  # a calc error or anything unexpected: give up with some answer
-        expr = question.group(1)
-        if self.rng.random() < self.no_tool_share:
-            try:
-                right = int(safe_eval(expr))
-            except CalcError:
-                right = 0
-            return self._answer(
-                str(right + self.rng.choice([-1, 1]) * self.rng.randint(1, self.max_error))
-            )
+        if question is None:  # a calc error or anything unexpected: give up with some answer
+            return [([self._answer("0")], 1.0)]
+        right = self._right(observation)
+        wrong = [
+            self._answer(str(right + sign * k))
+            for k in range(1, self.max_error + 1)
+            for sign in (-1, 1)
+        ]
+        call = self._call(question.group(1))
+        return [([call], 1.0 - self.no_tool_share), (wrong, self.no_tool_share)]
+
+    @staticmethod
+    def _right(observation: str) -> int:
+        try:
+            return int(safe_eval(_QUESTION.search(observation).group(1)))
+        except CalcError:
+            return 0
+
+    def _call(self, expr: str) -> str:
         if self.protocol == "tools":
-            return f"<tool_call>\n{json.dumps({'name': 'calculate', 'arguments': {'expression': expr}})}\n</tool_call>"
+            call = json.dumps({"name": "calculate", "arguments": {"expression": expr}})
+            return f"<tool_call>\n{call}\n</tool_call>"
         return f"calc({expr})"
 
     def _answer(self, number: str) -> str:
@@ -207,15 +249,8 @@ class ImperfectInventory:
     are written in the Hermes / Qwen format, the answer as the bare number."""
 
     def __init__(self, seed: int = 0, wrong_tool_share: float = 0.5) -> None:
-        if (
-            isinstance(wrong_tool_share, bool)
-            or not isinstance(wrong_tool_share, (int, float))
-            or not 0.0 <= wrong_tool_share <= 1.0
-        ):
-            raise ValueError(
-                f"`wrong_tool_share` must be a number in [0, 1], got {wrong_tool_share!r}"
-            )
-        self.rng, self.wrong_tool_share = random.Random(seed), float(wrong_tool_share)
+        share = check_number("wrong_tool_share", wrong_tool_share, low=0, high=1)
+        self.rng, self.wrong_tool_share = random.Random(seed), share
 
     def __call__(self, observation: str) -> str:
         if re.fullmatch(r"-?\d+", observation.strip()):

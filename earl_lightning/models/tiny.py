@@ -80,6 +80,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },  # a template that rewrites earlier turns
     # a byte-level BPE tokenizer trained offline (models/bpe.py): merges across the rollout's joins
     "earl-tiny-bpe": {**_TINY, "tokenizer": "bpe"},
+    # the same with 4 layers: the tool tasks' model (a tool call's JSON and the tools' schemas are
+    # a few BPE tokens where the character tokenizer needs hundreds; docs/experiments/tools.md)
+    "earl-tiny-bpe-4l": {**_TINY, "num_hidden_layers": 4, "tokenizer": "bpe"},
     "earl-tiny-100m": dict(
         hidden_size=768,
         intermediate_size=2816,

@@ -116,11 +116,11 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (
             dict(rollout={"sampling": {"temperature": 0}}),
-            r"`--model.rollout.sampling.temperature` must be > 0",
+            r"`--model.rollout.sampling.temperature` must be a positive number",
         ),
         (
             dict(rollout={"sampling": {"top_p": 1.5}}),
-            r"`--model.rollout.sampling.top_p` must be in \(0, 1\], got 1.5",
+            r"`--model.rollout.sampling.top_p` must be a number in \(0, 1\], got 1.5",
         ),
         (
             dict(rollout={"sampling": {"stop": ")"}}),

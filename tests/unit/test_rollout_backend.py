@@ -249,10 +249,10 @@ def test_sampling_distribution_and_filters():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_new_tokens=0), r"`sampling.max_new_tokens` must be an integer >= 1, got 0"),
-        (dict(temperature=0.0), r"`sampling.temperature` must be > 0 .*got 0.0"),
-        (dict(top_p=0.0), r"`sampling.top_p` must be in \(0, 1\], got 0.0"),
-        (dict(top_p=1.5), r"`sampling.top_p` must be in \(0, 1\], got 1.5"),
+        (dict(max_new_tokens=0), r"`sampling.max_new_tokens` must be a positive integer, got 0"),
+        (dict(temperature=0.0), r"`sampling.temperature` must be a positive number .*got 0.0"),
+        (dict(top_p=0.0), r"`sampling.top_p` must be a number in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), r"`sampling.top_p` must be a number in \(0, 1\], got 1.5"),
         (dict(top_k=-1), r"`sampling.top_k` must be an integer >= 0 .*got -1"),
         (dict(stop="</s>"), r"`sampling.stop` must be a list of non-empty strings, got '</s>'"),
         (dict(stop=[""]), r"`sampling.stop` must be a list of non-empty strings"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from earl_lightning.checks import check_count, check_number, is_int
+
 
 @dataclass(frozen=True)
 class SamplingFields:
@@ -60,15 +62,13 @@ class SamplingConfig(SamplingFields):
             isinstance(ids, (str, bytes))
             or not ids
             or len(set(ids)) != len(ids)
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+            or not all(is_int(i) and i >= 0 for i in ids)
         ):
             raise ValueError(
                 f"`sampling.allowed_token_ids` must be None or a non-empty list of distinct token ids "
                 f"(integers >= 0), got {ids!r}"
             )
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"`sampling.seed` must be an integer or None, got {self.seed!r}")
 
 
@@ -82,23 +82,16 @@ def check_sampling(
     arg: str = "sampling",
 ) -> None:
     """The sampling settings a user writes; errors name them as ``{arg}.<setting>``."""
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise ValueError(f"`{arg}.max_new_tokens` must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(temperature, bool) or not (
-        isinstance(temperature, (int, float)) and temperature > 0
-    ):
-        raise ValueError(
-            f"`{arg}.temperature` must be > 0 (or set `sampling.greedy` for argmax decoding), "
-            f"got {temperature!r}"
-        )
-    if isinstance(top_p, bool) or not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"`{arg}.top_p` must be in (0, 1], got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"`{arg}.top_k` must be an integer >= 0 (0 = no top-k), got {top_k!r}")
+    check_count(f"{arg}.max_new_tokens", max_new_tokens)
+    check_number(
+        f"{arg}.temperature",
+        temperature,
+        low=0,
+        strict=True,
+        unit=" (or set `sampling.greedy` for argmax decoding)",
+    )
+    check_number(f"{arg}.top_p", top_p, low=0, high=1, strict=True)
+    check_count(f"{arg}.top_k", top_k, low=0, unit=" (0 = no top-k)")
     if (
         isinstance(stop, str)
         or not isinstance(stop, (list, tuple))
