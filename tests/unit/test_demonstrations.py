@@ -172,6 +172,45 @@ def test_imperfect_calculator_skips_the_tool_on_its_share_and_is_then_wrong():
     assert 0.62 < sum(used) / len(used) < 0.78
 
 
+def test_imperfect_calculator_states_its_mix_whatever_its_transcripts_show():
+    """distribution() is the policy's own mix (the call with 1 - no_tool_share, each wrong answer
+    an equal part of no_tool_share); shown_no_tool_share only changes how often the transcripts
+    show the answer without the tool, and every action shown is one the distribution gives."""
+    env = make_env("calculator")
+    shown_without = []
+    for seed in range(400):
+        policy, obs = (
+            ImperfectCalculator(seed, no_tool_share=0.75, shown_no_tool_share=0.1),
+            env.reset(seed),
+        )
+        dist = policy.distribution(obs)
+        call = [a for a in dist if a.startswith("<tool_call>")]
+        assert len(call) == 1 and dist[call[0]] == pytest.approx(0.25)
+        assert len(dist) == 19 and sum(dist.values()) == pytest.approx(1.0)
+        assert all(p == pytest.approx(0.75 / 18) for a, p in dist.items() if a != call[0])
+        assert str(env.answer) not in dist  # every answer without the tool is wrong
+        action = policy(obs)
+        assert action in dist
+        shown_without.append(action != call[0])
+    assert 0.06 < sum(shown_without) / len(shown_without) < 0.15
+    result = ImperfectCalculator(0, no_tool_share=0.75).distribution("42")
+    assert result == {"42": 1.0}  # the tool's result: answered as it is
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(no_tool_share=1.5), r"`no_tool_share` must be a number in \[0, 1\], got 1.5"),
+        (dict(no_tool_share=0.0, shown_no_tool_share=0.2), r"`shown_no_tool_share` is 0.2 but"),
+        (dict(no_tool_share=1.0, shown_no_tool_share=0.5), r"only show a branch the policy takes"),
+        (dict(max_error=0), r"`max_error` must be a positive integer, got 0"),
+    ],
+)
+def test_imperfect_calculator_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ImperfectCalculator(0, **kwargs)
+
+
 def test_policy_errors_name_the_policy_and_what_is_wrong(tiny):
     _, tok = tiny
     specs = [EpisodeSpec("connect_four", seed=0, group_id=0, episode_id=0)]
