@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, get_policy_loss
 from earl_lightning.algorithms.estimators import AdvantageEstimator, get_advantage_estimator
 from earl_lightning.checks import check_choice, check_count, check_number
-from earl_lightning.groups import coerce, to_dict
+from earl_lightning.groups import coerce
 from earl_lightning.registry import bind_params, param_default
 from earl_lightning.rollout.backends.base import SamplingConfig, SamplingFields
 from earl_lightning.rollout.loop import check_history_turns
@@ -411,23 +411,6 @@ class OptimConfig:
         return 1.0
 
 
-def exactly_on_policy(
-    rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig
-) -> bool:
-    """Whether the old log-probs may be the training forward's own (``optim.on_policy_shortcut``):
-    one optimizer step per batch (the weights the rollout sampled with are the ones the loss sees),
-    log-probs that the trainer computes itself (a vLLM engine's may differ by float noise), and
-    nothing else needs the experience forward before the update (values, a KL penalty in the reward)."""
-    return (
-        optim.on_policy_shortcut
-        and optim.ppo_epochs == 1
-        and optim.mini_batches == 1
-        and rollout.backend == "hf"
-        and not algorithm.needs_values
-        and not (algorithm.kl.coef and algorithm.kl.in_reward)
-    )
-
-
 def check_combination(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> None:
     """Settings that are valid alone but not together."""
     h = rollout.history_turns
@@ -466,27 +449,3 @@ def check_module_args(
     check_dtype_and_seed(dtype, seed)
     check_count(f"{A}.transcript_every_n_steps", transcript_every_n_steps, low=0)
     check_number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, low=0, strict=True)
-
-
-def module_hparams(
-    model: str,
-    dtype: str,
-    rollout: RolloutConfig,
-    algorithm: AlgorithmConfig,
-    optim: OptimConfig,
-    seed: int,
-    transcript_every_n_steps: int,
-    logprob_mismatch_warn: float,
-) -> dict[str, Any]:
-    """The module's arguments as plain data: what checkpoints store and TensorBoard shows, and what
-    ``load_from_checkpoint`` hands back to the constructor (which takes dicts for groups)."""
-    return {
-        "model": model,
-        "dtype": dtype,
-        "rollout": to_dict(rollout),
-        "algorithm": to_dict(algorithm),
-        "optim": to_dict(optim),
-        "seed": seed,
-        "transcript_every_n_steps": transcript_every_n_steps,
-        "logprob_mismatch_warn": logprob_mismatch_warn,
-    }

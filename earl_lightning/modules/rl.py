@@ -31,8 +31,6 @@ from earl_lightning.modules.config import (
     RolloutConfig,
     check_combination,
     check_module_args,
-    exactly_on_policy,
-    module_hparams,
 )
 from earl_lightning.modules.metrics import (
     RunMetrics,
@@ -45,7 +43,12 @@ from earl_lightning.modules.metrics import (
     zero_spread_share,
 )
 from earl_lightning.modules.rollout_setup import check_first_observation, loop_kwargs
-from earl_lightning.modules.views import backend_spec, update_view
+from earl_lightning.modules.views import (
+    backend_spec,
+    exactly_on_policy,
+    module_hparams,
+    update_view,
+)
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS

@@ -4,17 +4,16 @@ A setting is defined once, in its group (:mod:`earl_lightning.modules.config`), 
 and its check. The update and the generation backends do not read the groups (they sit below
 them and serve Python users who call them directly): they take flat views, and these functions
 are the only place that makes them. The views have no defaults of their own, so a default can
-not drift from the group's.
+not drift from the group's. Also here: what the groups decide together (whether the update is
+exactly on-policy) and the module's arguments as plain data (its saved hyperparameters).
 """
 
 from __future__ import annotations
 
-from earl_lightning.modules.config import (
-    AlgorithmConfig,
-    OptimConfig,
-    RolloutConfig,
-    exactly_on_policy,
-)
+from typing import Any
+
+from earl_lightning.groups import to_dict
+from earl_lightning.modules.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from earl_lightning.rollout.backends.base import BackendSpec
 from earl_lightning.train.update import UpdateConfig
 
@@ -71,3 +70,44 @@ def backend_spec(
         share_prompts=rollout.share_prompts,
         local_rank=local_rank,
     )
+
+
+def exactly_on_policy(
+    rollout: RolloutConfig, algorithm: AlgorithmConfig, optim: OptimConfig
+) -> bool:
+    """Whether the old log-probs may be the training forward's own (``optim.on_policy_shortcut``):
+    one optimizer step per batch (the weights the rollout sampled with are the ones the loss sees),
+    log-probs that the trainer computes itself (a vLLM engine's may differ by float noise), and
+    nothing else needs the experience forward before the update (values, a KL penalty in the reward)."""
+    return (
+        optim.on_policy_shortcut
+        and optim.ppo_epochs == 1
+        and optim.mini_batches == 1
+        and rollout.backend == "hf"
+        and not algorithm.needs_values
+        and not (algorithm.kl.coef and algorithm.kl.in_reward)
+    )
+
+
+def module_hparams(
+    model: str,
+    dtype: str,
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    optim: OptimConfig,
+    seed: int,
+    transcript_every_n_steps: int,
+    logprob_mismatch_warn: float,
+) -> dict[str, Any]:
+    """The module's arguments as plain data: what checkpoints store and TensorBoard shows, and what
+    ``load_from_checkpoint`` hands back to the constructor (which takes dicts for groups)."""
+    return {
+        "model": model,
+        "dtype": dtype,
+        "rollout": to_dict(rollout),
+        "algorithm": to_dict(algorithm),
+        "optim": to_dict(optim),
+        "seed": seed,
+        "transcript_every_n_steps": transcript_every_n_steps,
+        "logprob_mismatch_warn": logprob_mismatch_warn,
+    }

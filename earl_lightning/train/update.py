@@ -46,7 +46,7 @@ class UpdateConfig:
     value_clip: float | None
     max_grad_norm: float
     allowed_token_ids: list[int] | None
-    # old log-probs = this forward's, detached (modules.config.exactly_on_policy)
+    # old log-probs = this forward's, detached (modules.views.exactly_on_policy)
     on_policy: bool
     # a prompt shared by several sequences runs once (train.prefix)
     share_prefix: bool

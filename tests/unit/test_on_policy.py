@@ -12,12 +12,8 @@ import torch
 
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.models import load_tokenizer, make_tiny_model
-from earl_lightning.modules.config import (
-    AlgorithmConfig,
-    OptimConfig,
-    RolloutConfig,
-    exactly_on_policy,
-)
+from earl_lightning.modules.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from earl_lightning.modules.views import exactly_on_policy
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 from earl_lightning.train.forward import fill_logprobs
