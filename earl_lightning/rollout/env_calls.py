@@ -23,7 +23,8 @@ its env is abandoned (never called again), and the worker stuck in it is replace
 the stuck daemon thread runs on until the call returns (or the process exits) and then exits.
 An environment that shares state with others (TextArena swaps the global ``random`` state around
 each call) guards that state itself; the results of a step do not depend on which calls finished
-first. With ``workers=1`` the calls run one at a time in the loop's order.
+first. With ``workers=1`` the calls run one at a time in the loop's order. The pool of workers and
+its time limit are :mod:`earl_lightning.rollout.call_pool`.
 """
 
 from __future__ import annotations
@@ -32,18 +33,14 @@ import asyncio
 import inspect
 import logging
 import math
-import queue
-import sys
 import threading
-import time
-import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.envs.base import Env, StepResult, check_env_name, make_env
 from earl_lightning.parallel.collectives import global_rank, is_distributed
+from earl_lightning.rollout.call_pool import CallJob, CallPool, Pending
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.tasks.rows import reset_kwargs
 from earl_lightning.tasks.tools import Tool, ToolCall, ToolResult, ToolSet
@@ -135,7 +132,7 @@ class EnvCalls:
 
             check_picklable(self.task_tools)
             start_servers()
-        self._pool = _Pool(workers)
+        self._pool = CallPool(workers)
         self._processes: list[Any] = []  # the ProcessEnvs of this rollout, ended by close()
         self._hosts: dict[Any, Any] = {}  # episode id -> the ProcessEnv its task tools run in
         self._lock = threading.Lock()
@@ -284,7 +281,7 @@ class EnvCalls:
         return checked
 
     # ---- outcomes ----------------------------------------------------------------------------
-    def _outcome(self, job: _Job, spec: EpisodeSpec, name: str) -> Any:
+    def _outcome(self, job: CallJob, spec: EpisodeSpec, name: str) -> Any:
         if job.timed_out:
             fate = (
                 "its process is killed"
@@ -305,7 +302,7 @@ class EnvCalls:
             raise exc  # KeyboardInterrupt or SystemExit, as a direct call would
         return job.future.result()
 
-    def _tool_result(self, job: _Job, call: ToolCall) -> ToolResult:
+    def _tool_result(self, job: CallJob, call: ToolCall) -> ToolResult:
         if job.timed_out:
             return ToolResult(
                 call.name,
@@ -408,133 +405,3 @@ def _checked(result: Any) -> StepResult | tuple[str, str]:
 
 def _what(value: Any) -> str:
     return f"{type(value).__name__} {value!r:.60}"
-
-
-class Pending:
-    """Calls in flight for one episode; :meth:`result` once :attr:`done`."""
-
-    def __init__(self, jobs: list[_Job], finish: Callable[[list[_Job]], Any]) -> None:
-        self.jobs, self._finish = jobs, finish
-
-    @property
-    def done(self) -> bool:
-        return all(j.future.done() or j.timed_out for j in self.jobs)
-
-    def result(self) -> Any:
-        return self._finish(self.jobs)
-
-
-class _Job:
-    """One submitted call: its future, when a worker started it, and that worker."""
-
-    def __init__(
-        self, fn: Callable[..., Any], args: tuple, on_abandon: Callable[[], Any] | None = None
-    ) -> None:
-        self.fn, self.args, self.future, self.on_abandon = fn, args, Future(), on_abandon
-        self.started: float | None = None
-        self.thread: threading.Thread | None = None
-        self.timed_out, self.stack = False, ""
-
-
-class _Pool:
-    """Up to ``workers`` daemon threads running submitted calls in submission order, started as the
-    calls need them. A worker whose call is abandoned (:meth:`wait`'s time limit) retires once its
-    call returns, and no longer counts: a fresh worker may take its place at once."""
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = threading.Condition()
-        self._retired: set[int] = set()
-        self._live = 0  # workers not retired
-        self._queued = 0  # jobs submitted and not yet taken by a worker
-        self._busy = 0  # workers running a job (not retired)
-
-    def submit(
-        self, fn: Callable[..., Any], *args: Any, on_abandon: Callable[[], Any] | None = None
-    ) -> _Job:
-        job = _Job(fn, args, on_abandon)
-        with self._done:
-            self._queued += 1
-            if self._busy + self._queued > self._live and self._live < self.workers:
-                self._spawn()
-        self._jobs.put(job)
-        return job
-
-    def wait(
-        self, groups: Sequence[Sequence[_Job]], timeout_s: float | None, first: bool = False
-    ) -> None:
-        """Until every group of jobs is done (``first``: one group, when any is given) or, with
-        ``timeout_s``, has run that long since it started."""
-        jobs = [j for g in groups for j in g]
-        with self._done:
-            while True:
-                now = time.monotonic()
-                if timeout_s is not None:
-                    for j in jobs:
-                        if (
-                            not j.future.done()
-                            and not j.timed_out
-                            and j.started is not None
-                            and now - j.started >= timeout_s
-                        ):
-                            self._abandon(j)
-                finished = [all(j.future.done() or j.timed_out for j in g) for g in groups]
-                if all(finished) or (first and any(finished)):
-                    return
-                starts = [
-                    j.started
-                    for j in jobs
-                    if not j.future.done() and not j.timed_out and j.started is not None
-                ]
-                # workers notify when they start and when they finish a call
-                self._done.wait(
-                    timeout=max(min(starts) + timeout_s - now, 0.0)
-                    if timeout_s and starts
-                    else None
-                )
-
-    def close(self) -> None:
-        for _ in range(self._live):
-            self._jobs.put(None)
-        self._live = 0
-
-    def _abandon(self, job: _Job) -> None:
-        """Called with the lock held: ``job`` ran too long; its worker retires, and a fresh one
-        starts when calls are waiting."""
-        job.timed_out = True
-        thread = job.thread
-        frame = sys._current_frames().get(thread.ident) if thread is not None else None
-        job.stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        self._retired.add(thread.ident)
-        self._live -= 1
-        self._busy -= 1
-        if self._queued:
-            self._spawn()
-        if (
-            job.on_abandon is not None
-        ):  # a call in a process of its own: ending the process ends the call
-            job.on_abandon()
-
-    def _spawn(self) -> None:
-        self._live += 1
-        threading.Thread(target=self._run, name="earl-env-call", daemon=True).start()
-
-    def _run(self) -> None:
-        me = threading.current_thread()
-        while (job := self._jobs.get()) is not None:
-            with self._done:
-                job.thread, job.started = me, time.monotonic()
-                self._queued -= 1
-                self._busy += 1
-                self._done.notify_all()
-            try:
-                job.future.set_result(job.fn(*job.args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting rollout
-                job.future.set_exception(exc)
-            with self._done:
-                if me.ident in self._retired:
-                    self._done.notify_all()
-                    return
-                self._busy -= 1
-                self._done.notify_all()

@@ -34,8 +34,9 @@ from typing import Any
 from earl_lightning.checks import check_count, is_int
 from earl_lightning.envs.base import ToolEnv
 from earl_lightning.rollout.backends.base import GenerationBackend, GenRequest, SamplingConfig
+from earl_lightning.rollout.call_pool import Pending
 from earl_lightning.rollout.chat import ChatDeltas
-from earl_lightning.rollout.env_calls import DEFAULT_WORKERS, EnvCalls, EnvFault, Pending
+from earl_lightning.rollout.env_calls import DEFAULT_WORKERS, EnvCalls, EnvFault
 from earl_lightning.rollout.turns import LiveEpisode, TurnLimits
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 from earl_lightning.tasks.rows import first_messages

@@ -1,0 +1,149 @@
+"""The worker pool behind :class:`~earl_lightning.rollout.env_calls.EnvCalls`: daemon threads
+that run submitted calls, each bounded by a time limit measured from when a worker started it.
+
+Python cannot stop a thread: a call that does not return in time is abandoned (marked
+``timed_out``, the stack it is stuck in kept), its worker retires once the call returns, and a
+fresh worker takes its place at once; a call with an ``on_abandon`` hook (a call into a process of
+its own) is ended by it. :class:`Pending` groups the calls of one episode until they are done.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+
+class Pending:
+    """Calls in flight for one episode; :meth:`result` once :attr:`done`."""
+
+    def __init__(self, jobs: list[CallJob], finish: Callable[[list[CallJob]], Any]) -> None:
+        self.jobs, self._finish = jobs, finish
+
+    @property
+    def done(self) -> bool:
+        return all(j.future.done() or j.timed_out for j in self.jobs)
+
+    def result(self) -> Any:
+        return self._finish(self.jobs)
+
+
+class CallJob:
+    """One submitted call: its future, when a worker started it, and that worker."""
+
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple, on_abandon: Callable[[], Any] | None = None
+    ) -> None:
+        self.fn, self.args, self.future, self.on_abandon = fn, args, Future(), on_abandon
+        self.started: float | None = None
+        self.thread: threading.Thread | None = None
+        self.timed_out, self.stack = False, ""
+
+
+class CallPool:
+    """Up to ``workers`` daemon threads running submitted calls in submission order, started as the
+    calls need them. A worker whose call is abandoned (:meth:`wait`'s time limit) retires once its
+    call returns, and no longer counts: a fresh worker may take its place at once."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._retired: set[int] = set()
+        self._live = 0  # workers not retired
+        self._queued = 0  # jobs submitted and not yet taken by a worker
+        self._busy = 0  # workers running a job (not retired)
+
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, on_abandon: Callable[[], Any] | None = None
+    ) -> CallJob:
+        job = CallJob(fn, args, on_abandon)
+        with self._done:
+            self._queued += 1
+            if self._busy + self._queued > self._live and self._live < self.workers:
+                self._spawn()
+        self._jobs.put(job)
+        return job
+
+    def wait(
+        self, groups: Sequence[Sequence[CallJob]], timeout_s: float | None, first: bool = False
+    ) -> None:
+        """Until every group of jobs is done (``first``: one group, when any is given) or, with
+        ``timeout_s``, has run that long since it started."""
+        jobs = [j for g in groups for j in g]
+        with self._done:
+            while True:
+                now = time.monotonic()
+                if timeout_s is not None:
+                    for j in jobs:
+                        if (
+                            not j.future.done()
+                            and not j.timed_out
+                            and j.started is not None
+                            and now - j.started >= timeout_s
+                        ):
+                            self._abandon(j)
+                finished = [all(j.future.done() or j.timed_out for j in g) for g in groups]
+                if all(finished) or (first and any(finished)):
+                    return
+                starts = [
+                    j.started
+                    for j in jobs
+                    if not j.future.done() and not j.timed_out and j.started is not None
+                ]
+                # workers notify when they start and when they finish a call
+                self._done.wait(
+                    timeout=max(min(starts) + timeout_s - now, 0.0)
+                    if timeout_s and starts
+                    else None
+                )
+
+    def close(self) -> None:
+        for _ in range(self._live):
+            self._jobs.put(None)
+        self._live = 0
+
+    def _abandon(self, job: CallJob) -> None:
+        """Called with the lock held: ``job`` ran too long; its worker retires, and a fresh one
+        starts when calls are waiting."""
+        job.timed_out = True
+        thread = job.thread
+        frame = sys._current_frames().get(thread.ident) if thread is not None else None
+        job.stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        self._retired.add(thread.ident)
+        self._live -= 1
+        self._busy -= 1
+        if self._queued:
+            self._spawn()
+        if (
+            job.on_abandon is not None
+        ):  # a call in a process of its own: ending the process ends the call
+            job.on_abandon()
+
+    def _spawn(self) -> None:
+        self._live += 1
+        threading.Thread(target=self._run, name="earl-env-call", daemon=True).start()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while (job := self._jobs.get()) is not None:
+            with self._done:
+                job.thread, job.started = me, time.monotonic()
+                self._queued -= 1
+                self._busy += 1
+                self._done.notify_all()
+            try:
+                job.future.set_result(job.fn(*job.args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting rollout
+                job.future.set_exception(exc)
+            with self._done:
+                if me.ident in self._retired:
+                    self._done.notify_all()
+                    return
+                self._busy -= 1
+                self._done.notify_all()
