@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from earl_lightning.dispatch.planner import balanced_partition, make_plan
+from earl_lightning.dispatch.partition import balanced_partition
+from earl_lightning.dispatch.planner import make_plan
 from earl_lightning.parallel.layout import Layout
 
 
