@@ -79,7 +79,7 @@ def test_strategy_refuses_tp_and_auto_leaves_it_out(monkeypatch):
 
 
 def test_memory_model_reads_every_family():
-    from earl_lightning.parallel.memory import ModelSizes
+    from earl_lightning.parallel.model_sizes import ModelSizes
 
     for model_type in (*FAMILIES, NO_PLAN):
         sizes = ModelSizes.from_config(tiny_config(model_type))

@@ -10,7 +10,8 @@ import torch
 
 from earl_lightning.models.tiny import PRESETS, tiny_config
 from earl_lightning.parallel.layout import Layout
-from earl_lightning.parallel.memory import MemoryModel, ModelSizes, check_stats
+from earl_lightning.parallel.memory import MemoryModel, check_stats
+from earl_lightning.parallel.model_sizes import ModelSizes
 
 STATS = dict(num_seqs=16, context_mean=400, context_max=512, context_p95=500, gen_len=32)
 QWEN_05B = ModelSizes(
