@@ -24,9 +24,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from earl_lightning.callbacks.base import WorkloadSource
 from earl_lightning.checks import check_number, is_int
+from earl_lightning.parallel.decision import Decision, bucket_of
 from earl_lightning.parallel.layout import STAGES, Layout
 from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel, Workload
-from earl_lightning.parallel.selector import Decision, Selector, bucket_of
+from earl_lightning.parallel.selector import Selector
 from earl_lightning.parallel.throughput import ProfileTable, layout_key
 from earl_lightning.stages import StageOOMHandler
 

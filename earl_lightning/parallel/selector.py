@@ -13,15 +13,21 @@ Pure Python; the strategy and the AdaptiveParallelism callback drive it.
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple, Union
+from dataclasses import asdict
+from typing import Any, Union
 
 from earl_lightning.checks import check_count, check_number
+from earl_lightning.parallel.decision import (
+    Bucket,
+    CandidateReport,
+    Decision,
+    bucket_of,
+    choose,
+    gib,
+)
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
-from earl_lightning.parallel.memory import MemoryEstimate, MemoryModel, check_stats
+from earl_lightning.parallel.memory import MemoryEstimate, MemoryModel
 from earl_lightning.parallel.throughput import ProfileTable, layout_key, work_tokens
 
 STATE_VERSION = 1
@@ -30,59 +36,6 @@ SwitchCost = Union[Mapping[str, float], Callable[[str, Layout, Layout], float], 
 
 class NoFeasibleLayoutError(ValueError):
     """No candidate layout fits the memory budget (or all that fit were marked infeasible)."""
-
-
-class Bucket(NamedTuple):
-    """The step's size class: the powers of two at or above its longest context and sequence count."""
-
-    context: int
-    num_seqs: int
-
-
-def bucket_of(stats: Mapping[str, Any]) -> Bucket:
-    s = check_stats(stats)
-    return Bucket(_pow2(s["context_max"]), _pow2(s["num_seqs"]))
-
-
-def _pow2(x: float) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1.0, x))))
-
-
-@dataclass(frozen=True)
-class CandidateReport:
-    """One candidate as the selector saw it."""
-
-    layout: str
-    predicted_bytes: int
-    fits: bool
-    marked_infeasible: bool
-    tokens_per_s: float | None
-    seconds: float | None  # predicted stage time, without the switch
-    switch_s: float  # cost of switching to it from the current layout (amortized)
-
-    @property
-    def usable(self) -> bool:
-        return self.fits and not self.marked_infeasible
-
-    @property
-    def score(self) -> float:
-        return (self.seconds or 0.0) + self.switch_s
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The chosen layout of one stage at one step, and why."""
-
-    stage: str
-    layout: Layout
-    predicted_bytes: int
-    predicted_tokens_per_s: float | None
-    reason: str
-    bucket: Bucket
-    switched: bool  # differs from the layout the model was in
-    predicted_seconds: float | None
-    switch_cost_s: float
-    candidates: tuple[CandidateReport, ...]
 
 
 class Selector:
@@ -268,7 +221,7 @@ class Selector:
         if not usable:
             raise self._no_fit_error(stage, stats, reports)
         incumbent = self._incumbent(stage, current, reports)
-        key, reason = self._choose(stage, usable, incumbent, reports)
+        key, reason = choose(stage, usable, incumbent, reports, self.hysteresis)
         dropped = [self._drop_note(r) for r in reports.values() if not r.usable]
         if dropped:
             reason += "; dropped " + ", ".join(dropped)
@@ -335,56 +288,10 @@ class Selector:
                 return layout_key(lay)
         return None
 
-    def _choose(
-        self,
-        stage: str,
-        usable: list[str],
-        incumbent: str | None,
-        reports: dict[str, CandidateReport],
-    ) -> tuple[str, str]:
-        inc = reports.get(incumbent) if incumbent else None
-        known = [k for k in usable if reports[k].seconds is not None]
-        if not known:
-            if inc is not None and inc.usable:
-                return incumbent, f"keep {incumbent}: no profile data for stage {stage!r}"
-            # Without throughput data prefer the least tensor parallelism (the fewest collectives),
-            # then no recomputation, then the largest micro-batch.
-            pick = min(
-                usable,
-                key=lambda k: (_tp_of(k), _ckpt_of(k), -_mbt_of(k), reports[k].predicted_bytes),
-            )
-            return pick, (
-                f"{pick}: no profile data for stage {stage!r}; least tensor parallelism and "
-                f"recomputation that fits"
-            )
-        # Ties (micro-batch variants of one dp x tp share its profile row): the larger micro-batch,
-        # since fewer forward calls are never slower, then the smaller memory.
-        best = min(known, key=lambda k: (reports[k].score, -_mbt_of(k), reports[k].predicted_bytes))
-        b = reports[best]
-        if inc is None or not inc.usable or inc.seconds is None:
-            why = (
-                "first choice"
-                if inc is None
-                else f"{incumbent} is " + ("unusable" if not inc.usable else "not in the profile")
-            )
-            return best, f"{best}: fastest that fits ({_rate(b)}); {why}"
-        if best == incumbent:
-            return best, f"keep {best}: still the fastest that fits ({_rate(b)})"
-        gain = inc.score / b.score - 1.0 if b.score > 0 else 0.0
-        if gain <= self.hysteresis:
-            return incumbent, (
-                f"keep {incumbent} ({_rate(inc)}): {best} would be {gain:.1%} faster "
-                f"including a {b.switch_s:.2f}s switch, within the {self.hysteresis:.0%} hysteresis"
-            )
-        return best, (
-            f"switch {incumbent} -> {best} ({_rate(b)}): {gain:.1%} faster including a "
-            f"{b.switch_s:.2f}s switch, above the {self.hysteresis:.0%} hysteresis"
-        )
-
     def _drop_note(self, r: CandidateReport) -> str:
         if r.marked_infeasible:
             return f"{r.layout} (out of memory at this size before)"
-        return f"{r.layout} (needs {_gib(r.predicted_bytes)} > {_gib(self.usable_bytes)})"
+        return f"{r.layout} (needs {gib(r.predicted_bytes)} > {gib(self.usable_bytes)})"
 
     def _no_fit_error(
         self, stage: str, stats: Mapping[str, Any], reports: dict[str, CandidateReport]
@@ -397,10 +304,10 @@ class Selector:
         )
         marked = [r.layout for r in reports.values() if r.marked_infeasible]
         return NoFeasibleLayoutError(
-            f"no candidate layout fits `budget_bytes`={self.budget_bytes} ({_gib(self.budget_bytes)} per device, "
-            f"{_gib(self.usable_bytes)} after the {self.safety_margin:.0%} safety margin) for stage {stage!r} "
+            f"no candidate layout fits `budget_bytes`={self.budget_bytes} ({gib(self.budget_bytes)} per device, "
+            f"{gib(self.usable_bytes)} after the {self.safety_margin:.0%} safety margin) for stage {stage!r} "
             f"with num_seqs={stats['num_seqs']}, context_max={stats['context_max']}: the smallest estimate is "
-            f"{smallest.layout} at {_gib(smallest.predicted_bytes)} [{est.summary()}]"
+            f"{smallest.layout} at {gib(smallest.predicted_bytes)} [{est.summary()}]"
             + (f"; marked infeasible after an out-of-memory error: {marked}" if marked else "")
             + ". Raise `budget_bytes`, lower the micro-batch tokens, enable activation checkpointing, "
             "or add layouts with more parallelism."
@@ -442,28 +349,3 @@ class Selector:
         self._observed = {
             s: (int(v[0]), float(v[1])) for s, v in state.get("switch_observed", {}).items()
         }
-
-
-def _tp_of(key: str) -> int:
-    return int(key.split("xtp")[1].split("-")[0])
-
-
-def _ckpt_of(key: str) -> bool:
-    return key.endswith("-ckpt")
-
-
-def _mbt_of(key: str) -> int:
-    m = re.search(r"-mbt(\d+)", key)
-    return int(m[1]) if m else Layout().micro_batch_tokens
-
-
-def _rate(r: CandidateReport) -> str:
-    return (
-        f"{r.tokens_per_s:.0f} tok/s, {_gib(r.predicted_bytes)}"
-        if r.tokens_per_s
-        else _gib(r.predicted_bytes)
-    )
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

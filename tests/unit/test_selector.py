@@ -7,10 +7,11 @@ import json
 
 import pytest
 
+from earl_lightning.parallel.decision import Bucket, bucket_of
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.memory import MemoryModel
 from earl_lightning.parallel.model_sizes import ModelSizes
-from earl_lightning.parallel.selector import Bucket, NoFeasibleLayoutError, Selector, bucket_of
+from earl_lightning.parallel.selector import NoFeasibleLayoutError, Selector
 from earl_lightning.parallel.throughput import ProfileError, ProfileTable
 
 SIZES = ModelSizes(
