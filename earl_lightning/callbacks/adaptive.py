@@ -11,67 +11,38 @@ module retry the stage under the next layout.
 
 from __future__ import annotations
 
-import os
 from collections import deque
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 import lightning as L
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from earl_lightning.callbacks.base import WorkloadSource
-from earl_lightning.checks import check_number, is_int
+from earl_lightning.callbacks.adaptive_setup import (
+    GIB,
+    budget_bytes,
+    candidate_layouts,
+    check_arguments,
+    checkpointing_choices,
+    optimizer_name,
+    policy_of,
+    profile_at_fit_start,
+    stage_candidates,
+    workload_of,
+)
 from earl_lightning.parallel.decision import Decision, bucket_of
-from earl_lightning.parallel.layout import STAGES, Layout
-from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel, Workload
+from earl_lightning.parallel.layout import Layout
+from earl_lightning.parallel.memory import MemoryModel
 from earl_lightning.parallel.selector import Selector
 from earl_lightning.parallel.throughput import ProfileTable, layout_key
 from earl_lightning.stages import StageOOMHandler
 
-GIB = 2**30
 # The decisions `history` keeps (three a step: rollout, experience, train): the last hundred steps'.
 HISTORY_DECISIONS = 300
 STATE_VERSION = 1
 CONTEXT_KEYS = ("context_mean", "context_max", "context_p95", "prompt_max", "turn_prefill_max")
 LayoutLike = Union[Layout, Mapping[str, Any]]  # noqa: UP007 - an alias jsonargparse reads at run time
-
-
-def _check_args(
-    profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens
-) -> None:
-    if profile is not None and profile_budget_s is not None:
-        raise ValueError(
-            "give either `profile` (a saved table) or `profile_budget_s` (measure one at fit start), "
-            f"not both; got profile={profile!r}, profile_budget_s={profile_budget_s!r}"
-        )
-    if profile is not None and not isinstance(profile, (str, os.PathLike)):
-        raise ValueError(f"`profile` must be a path to a profile JSON file, got {profile!r}")
-    positive = dict(low=0, strict=True, optional=True)
-    check_number("profile_budget_s", profile_budget_s, **positive, unit=" of seconds")
-    if memory_budget_gb is not None and memory_budget_bytes is not None:
-        raise ValueError(
-            "give the memory budget once: `memory_budget_gb` or `memory_budget_bytes`, not both"
-        )
-    check_number("memory_budget_gb", memory_budget_gb, **positive, unit=" of GiB per device")
-    per_device = " of bytes per device"
-    check_number("memory_budget_bytes", memory_budget_bytes, **positive, unit=per_device)
-    if micro_batch_tokens is not None and (
-        isinstance(micro_batch_tokens, (str, bytes))
-        or not isinstance(micro_batch_tokens, Sequence)
-        or not micro_batch_tokens
-        or not all(is_int(m) and m >= 1 for m in micro_batch_tokens)
-    ):
-        raise ValueError(
-            f"`micro_batch_tokens` must be a non-empty list of positive integers, "
-            f"got {micro_batch_tokens!r}"
-        )
-
-
-def _to_layout(value: Any, arg: str) -> Layout:
-    return Layout.coerce(dict(value) if isinstance(value, Mapping) else value, arg)
 
 
 class AdaptiveParallelism(StageOOMHandler):
@@ -118,32 +89,11 @@ class AdaptiveParallelism(StageOOMHandler):
         amortize_steps: int = 1,
     ) -> None:
         super().__init__()
-        _check_args(
+        check_arguments(
             profile, profile_budget_s, memory_budget_gb, memory_budget_bytes, micro_batch_tokens
         )
-        if activation_checkpointing is not None and (
-            isinstance(activation_checkpointing, (str, bytes))
-            or not isinstance(activation_checkpointing, Sequence)
-            or not activation_checkpointing
-            or any(not isinstance(a, bool) for a in activation_checkpointing)
-        ):
-            raise ValueError(
-                f"`activation_checkpointing` must be a non-empty list of booleans such as [False, True], "
-                f"got {activation_checkpointing!r}"
-            )
-        self.activation_checkpointing = (
-            None if activation_checkpointing is None else sorted(set(activation_checkpointing))
-        )
-        if candidates != "auto":
-            if (
-                isinstance(candidates, (str, bytes))
-                or not isinstance(candidates, Sequence)
-                or not candidates
-            ):
-                raise ValueError(
-                    f"`candidates` must be 'auto' or a non-empty list of layouts, got {candidates!r}"
-                )
-            candidates = [_to_layout(c, f"candidates[{i}]") for i, c in enumerate(candidates)]
+        self.activation_checkpointing = checkpointing_choices(activation_checkpointing)
+        candidates = candidate_layouts(candidates)
         self.profile, self.profile_budget_s = profile, profile_budget_s
         self.profile_contexts, self.profile_out = profile_contexts, profile_out
         self.memory_budget_gb, self.memory_budget_bytes = memory_budget_gb, memory_budget_bytes
@@ -191,25 +141,42 @@ class AdaptiveParallelism(StageOOMHandler):
     def build(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Selector:
         """Build the memory model and the selector and register them with the strategy."""
         strategy = trainer.strategy
-        model, work = self._policy(pl_module, strategy), self._workload(pl_module)
+        model, work = policy_of(pl_module, strategy), workload_of(pl_module)
         memory = MemoryModel(
             model.config,
             str(next(model.parameters()).dtype),
-            self._optimizer_name(trainer),
+            optimizer_name(trainer),
             rollout_backend=work.backend,
             reference_model=work.reference_model,
             reuse_kv=getattr(work, "reuse_kv", True),
             scored_last_layer=getattr(work, "scored_last_layer", False),
         )
         self._default_context = float(work.max_context_tokens)
-        per_stage = self._candidates(strategy, memory, work)
+        per_stage = stage_candidates(
+            strategy,
+            memory,
+            work,
+            self.candidates,
+            self.micro_batch_tokens,
+            self.activation_checkpointing,
+        )
         if self.table is None and self.profile_budget_s is not None:
-            self.table = self._profile(trainer, pl_module, model, per_stage, work)
+            self.table = profile_at_fit_start(
+                trainer,
+                pl_module,
+                model,
+                per_stage,
+                work,
+                default_context=self._default_context,
+                contexts=self.profile_contexts,
+                budget_s=self.profile_budget_s,
+                out_dir=self.profile_out,
+            )
         self.selector = Selector(
             per_stage,
             memory,
             self.table,
-            self._budget_bytes(trainer),
+            budget_bytes(trainer, self.memory_budget_bytes, self.memory_budget_gb),
             safety_margin=self.safety_margin,
             hysteresis=self.hysteresis,
             amortize_steps=self.amortize_steps,
@@ -356,104 +323,6 @@ class AdaptiveParallelism(StageOOMHandler):
                 metrics[f"layout/{stage}/predicted_tokens_per_s"] = float(d.predicted_tokens_per_s)
         return d.layout
 
-    # ---- construction helpers ----------------------------------------------------------------
-    @staticmethod
-    def _workload(pl_module: L.LightningModule) -> Workload:
-        if not isinstance(pl_module, WorkloadSource):
-            raise ValueError(
-                f"AdaptiveParallelism sizes layouts from the module's declared `workload` and "
-                f"`tokenizer` (AgenticRLModule has both); {type(pl_module).__name__} lacks them"
-            )
-        return pl_module.workload
-
-    @staticmethod
-    def _policy(pl_module: L.LightningModule, strategy: Any) -> torch.nn.Module:
-        from transformers import PreTrainedModel
-
-        for attr in strategy.model_attrs:
-            model = getattr(pl_module, attr, None)
-            if isinstance(model, PreTrainedModel):
-                return model
-        raise ValueError(
-            f"AdaptiveParallelism sizes layouts from the module's HF model; none of the strategy's "
-            f"`model_attrs` {list(strategy.model_attrs)} holds one on {type(pl_module).__name__}"
-        )
-
-    @staticmethod
-    def _optimizer_name(trainer: L.Trainer) -> str:
-        opts = trainer.optimizers
-        name = type(opts[0]).__name__.lower() if opts else "adamw"
-        return name if name in OPTIMIZER_STATES else "adamw"  # unknown: assume Adam-like states
-
-    def _budget_bytes(self, trainer: L.Trainer) -> int:
-        if self.memory_budget_bytes is not None:
-            return int(self.memory_budget_bytes)
-        gb = self.memory_budget_gb or trainer.strategy.memory_budget_gb
-        if gb:
-            return int(gb * GIB)
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            return int(torch.cuda.get_device_properties(device).total_memory)
-        per_node = max(1, trainer.world_size // max(1, trainer.num_nodes))
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // per_node)
-
-    def _mbt_options(self, work: Workload) -> list[int]:
-        if self.micro_batch_tokens is not None:
-            return sorted(set(self.micro_batch_tokens), reverse=True)
-        base = int(work.micro_batch_tokens)
-        return sorted({max(1, base // f) for f in (1, 2, 4)}, reverse=True)
-
-    def _candidates(
-        self, strategy: Any, memory: MemoryModel, work: Workload
-    ) -> dict[str, list[Layout]]:
-        z, world = memory.sizes, strategy.world_size
-        if self.candidates == "auto":
-            places = Layout.factorizations(world, z.num_heads, z.num_kv_heads)
-            allowed = strategy.listed_layouts  # an explicit strategy list narrows "auto"
-            if allowed:
-                places = [p for p in places if any((a.dp, a.tp) == (p.dp, p.tp) for a in allowed)]
-        else:
-            places = self.candidates
-        mbts = self._mbt_options(work)
-        knobs = lambda p: [Layout(p.dp, p.tp, m, p.activation_checkpointing) for m in mbts]  # noqa: E731
-        unique = list({(p.dp, p.tp, p.activation_checkpointing): p for p in places}.values())
-        inference = [lay for p in unique for lay in knobs(p)]
-        train = strategy.train_layout
-        ckpts = self.activation_checkpointing or [train.activation_checkpointing]
-        train_options = [Layout(train.dp, train.tp, m, a) for a in ckpts for m in mbts]
-        return {"rollout": inference, "experience": inference, "train": train_options}
-
-    def _profile(self, trainer, pl_module, model, per_stage, work: Workload) -> ProfileTable:
-        from transformers import AutoModelForCausalLM
-
-        from earl_lightning.profiling.profiler import ProfileGrid, profile_stages
-
-        layouts = list({layout_key(c): c for s in STAGES for c in per_stage[s]}.values())
-        top = int(self._default_context) if self._default_context > 1 else 4096
-        contexts = self.profile_contexts or [
-            c for c in (256, 1024, 4096, 16384, 65536) if c <= max(top, 256)
-        ]
-        grid = ProfileGrid(
-            contexts=contexts, num_seqs=[_batch_size(trainer)], gen_len=int(work.max_new_tokens)
-        )
-        dtype, config = next(model.parameters()).dtype, model.config
-        run = profile_stages(
-            lambda: AutoModelForCausalLM.from_config(config).to(dtype),
-            pl_module.tokenizer,
-            layouts=layouts,
-            grid=grid,
-            model_name=getattr(config, "_name_or_path", "") or "model",
-            budget_s=self.profile_budget_s,
-            device=trainer.strategy.root_device,
-            scored_last_layer=getattr(work, "scored_last_layer", False),
-        )
-        if self.profile_out and trainer.global_rank == 0:
-            out = Path(self.profile_out)
-            out = out if out.is_absolute() else Path(trainer.default_root_dir) / out
-            run.table.save(out / "profile.json")
-            run.table.heatmaps(out)
-        return run.table
-
 
 class _StageSelector:
     """What EarlStrategy calls: ``select(stage, stats, current) -> Layout``."""
@@ -463,14 +332,6 @@ class _StageSelector:
 
     def select(self, stage: str, stats: Mapping[str, Any] | None, current: Layout) -> Layout:
         return self.callback.decide(stage, stats, current)
-
-
-def _batch_size(trainer: L.Trainer) -> int:
-    """Episodes per RL step of the trainer's EpisodeDataModule (8 without one)."""
-    from earl_lightning.datamodule import EpisodeDataModule
-
-    dm = trainer.datamodule
-    return int(dm.batch_size) if isinstance(dm, EpisodeDataModule) else 8
 
 
 def _describe(d: Decision) -> str:
