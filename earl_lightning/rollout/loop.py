@@ -86,30 +86,21 @@ def rollout(
         ValueError: bad ``max_turns`` / ``max_context_tokens`` / ``history_turns`` / duplicate
             episode ids, or a first observation that does not fit in ``max_context_tokens``.
     """
-    _check_args(specs, max_turns, max_context_tokens)
-    check_history_turns(history_turns, "history_turns")
+    _check_args(specs, max_turns, max_context_tokens, history_turns)
     keys = [s.episode_id for s in specs]
     calls = EnvCalls(
         env_timeout_s, call_workers, call_isolation, tools.tools if tools is not None else ()
     )
-    backend.release(
-        keys
-    )  # a stale cache from an earlier rollout (older weights) must not be reused
+    # a stale cache from an earlier rollout (older weights) must not be reused
+    backend.release(keys)
     try:
         states = start_episodes(specs, calls, tokenizer, system_prompt, history_turns, tools)
         for st in states:
             _check_first_fit(st, sampling.max_new_tokens, max_context_tokens)
         limits = TurnLimits(max_turns, max_context_tokens - sampling.max_new_tokens, history_turns)
         play = _play_continuous if continuous else _play_lockstep
-        play(
-            states,
-            backend,
-            sampling,
-            calls,
-            tokenizer,
-            limits,
-            tools.parser if tools is not None else None,
-        )
+        parser = tools.parser if tools is not None else None
+        play(states, backend, sampling, calls, tokenizer, limits, parser)
         return [st.to_episode() for st in states]
     finally:
         calls.close()
@@ -196,7 +187,9 @@ def _apply(st: LiveEpisode, pending: Pending | None, action: Any, limits: TurnLi
         st.apply_step(pending.result(), limits)
 
 
-def _check_args(specs: list[EpisodeSpec], max_turns: int, max_context_tokens: int) -> None:
+def _check_args(
+    specs: list[EpisodeSpec], max_turns: int, max_context_tokens: int, history_turns: int | None
+) -> None:
     check_count("max_turns", max_turns)
     check_count("max_context_tokens", max_context_tokens)
     ids = [s.episode_id for s in specs]
@@ -205,6 +198,7 @@ def _check_args(specs: list[EpisodeSpec], max_turns: int, max_context_tokens: in
         raise ValueError(
             f"`specs` must have unique `episode_id`s (they key the KV cache); duplicated: {dup[:8]}"
         )
+    check_history_turns(history_turns, "history_turns")
 
 
 def check_history_turns(value: int | None, arg: str) -> None:

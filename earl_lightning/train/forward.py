@@ -53,22 +53,7 @@ def forward_micro_batch(
         if allowed is None
         else torch.as_tensor(allowed, dtype=torch.long, device=mb.tokens["input_ids"].device)
     )
-
-    def per_position(logits, input_ids, hidden):
-        logits = logits.float()  # [R, C, V]
-        res = {
-            "logprobs": shifted_logprobs(
-                logits, input_ids, temperature=temperature, allowed=allowed_t
-            )
-        }
-        if with_entropy:
-            res["entropy"] = shifted_entropy(logits, temperature=temperature, allowed=allowed_t)
-        if need_hidden:
-            v = value_head(hidden.float()).squeeze(-1)  # [R, C]: value of the state after token c
-            # value before choosing token c
-            res["values"] = torch.nn.functional.pad(v[:, :-1], (1, 0))
-        return res
-
+    per_position = _per_position(temperature, allowed_t, with_entropy, value_head)
     if plan is not None:
         return shared_prefix_forward(model, mb, plan, per_position, need_hidden=need_hidden)
     if scored:
@@ -89,6 +74,30 @@ def forward_micro_batch(
     out = model(input_ids=input_ids, output_hidden_states=need_hidden, use_cache=False)
     res = per_position(out.logits, input_ids, out.hidden_states[-1] if need_hidden else None)
     return {k: mb.unpad(v) for k, v in res.items()}
+
+
+def _per_position(
+    temperature: float, allowed: torch.Tensor | None, with_entropy: bool, value_head=None
+):
+    """``fn(logits, input_ids, hidden)``: the shifted log-probs (and entropy, values) of a
+    forward's [R, C] positions from its logits (and last hidden states, with a value head)."""
+
+    def per_position(logits, input_ids, hidden):
+        logits = logits.float()  # [R, C, V]
+        res = {
+            "logprobs": shifted_logprobs(
+                logits, input_ids, temperature=temperature, allowed=allowed
+            )
+        }
+        if with_entropy:
+            res["entropy"] = shifted_entropy(logits, temperature=temperature, allowed=allowed)
+        if value_head is not None:
+            v = value_head(hidden.float()).squeeze(-1)  # [R, C]: value of the state after token c
+            # value before choosing token c
+            res["values"] = torch.nn.functional.pad(v[:, :-1], (1, 0))
+        return res
+
+    return per_position
 
 
 def _scored_forward(
