@@ -334,3 +334,23 @@ def log_transcripts(loggers: Sequence[Any], episodes: Sequence[Any], step: int) 
                 logger.experiment.add_text(
                     f"transcripts/episode_{i}", format_transcript(ep), global_step=step
                 )
+
+
+def episode_metrics(
+    episodes: Sequence[Any],
+    num_groups: int,
+    reduce: Any,
+    reward_names: list[str],
+    reward_outcomes: list,
+    tools: bool,
+) -> dict[str, float]:
+    """The step's metrics read from its episodes, reduced over the rollout's ranks: the share of
+    groups whose rewards are all equal, each reward function's mean (and what the functions
+    logged themselves, ``reward_outcomes``), and the tool calls when the task has tools."""
+    out = {"reward/zero_std_groups": zero_spread_share(episodes, num_groups, reduce.sum_moments)}
+    if tools:
+        out.update(tool_metrics(episodes, reduce))
+    if reward_names:
+        out.update(reward_metrics(episodes, reward_names, reduce))
+        out.update(logged_by_reward_funcs(reward_outcomes, reward_names))
+    return out

@@ -35,12 +35,9 @@ from earl_lightning.modules.config import (
 from earl_lightning.modules.metrics import (
     RunMetrics,
     batch_stats,
+    episode_metrics,
     log_transcripts,
-    logged_by_reward_funcs,
     reported,
-    reward_metrics,
-    tool_metrics,
-    zero_spread_share,
 )
 from earl_lightning.modules.rollout_setup import check_first_observation, loop_kwargs
 from earl_lightning.modules.views import (
@@ -48,6 +45,7 @@ from earl_lightning.modules.views import (
     exactly_on_policy,
     module_hparams,
     update_view,
+    workload_view,
 )
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
@@ -148,18 +146,14 @@ class AgenticRLModule(L.LightningModule):
 
     @property
     def workload(self) -> Workload:
-        r = self.rollout_config
-        return Workload(
-            backend=r.backend,
-            max_context_tokens=r.max_context_tokens,
-            max_new_tokens=r.sampling.max_new_tokens,
-            micro_batch_tokens=self.optim_config.micro_batch_tokens,
-            reference_model=self.algorithm_config.kl.coef > 0
-            and self.peft_config is None,  # LoRA: none
-            reuse_kv=r.reuse_kv,
-            scored_last_layer=self.optim_config.scored_last_layer
-            and self.policy is not None
-            and can_score_last_layer(self.policy, now=False),
+        """What the layout selector's memory model sizes (:func:`workload_view`)."""
+        scored = self.policy is not None and can_score_last_layer(self.policy, now=False)
+        return workload_view(
+            self.rollout_config,
+            self.algorithm_config,
+            self.optim_config,
+            lora=self.peft_config is not None,
+            scored_last_layer=scored,
         )
 
     def configure_model(self) -> None:
@@ -284,15 +278,13 @@ class AgenticRLModule(L.LightningModule):
         ):
             metrics.update(more)
         metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
-        metrics["reward/zero_std_groups"] = zero_spread_share(
-            episodes, num_groups, rollout_ctx.reduce.sum_moments
-        )
-        if self.rollout_config.tool_parser is not None:
-            metrics.update(tool_metrics(episodes, rollout_ctx.reduce))
         names = [f.name for f in self._reward_funcs()]
-        if names:
-            metrics.update(reward_metrics(episodes, names, rollout_ctx.reduce))
-            metrics.update(logged_by_reward_funcs(self._reward_outcomes, names))
+        tools = self.rollout_config.tool_parser is not None
+        metrics.update(
+            episode_metrics(
+                episodes, num_groups, rollout_ctx.reduce, names, self._reward_outcomes, tools
+            )
+        )
         metrics.update(
             {"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)}
         )

@@ -14,6 +14,7 @@ from typing import Any
 
 from earl_lightning.groups import to_dict
 from earl_lightning.modules.config import AlgorithmConfig, OptimConfig, RolloutConfig
+from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import BackendSpec
 from earl_lightning.train.update import UpdateConfig
 
@@ -69,6 +70,29 @@ def backend_spec(
         reuse_kv=rollout.reuse_kv,
         share_prompts=rollout.share_prompts,
         local_rank=local_rank,
+    )
+
+
+def workload_view(
+    rollout: RolloutConfig,
+    algorithm: AlgorithmConfig,
+    optim: OptimConfig,
+    *,
+    lora: bool,
+    scored_last_layer: bool,
+) -> Workload:
+    """What the layout selector's memory model sizes: the rollout's backend and lengths, the
+    micro-batch budget, a reference model when there is a KL (none under LoRA: the reference is
+    the model with its adapters off), and the scored-last-layer path when the option is on and
+    the model can take it (``scored_last_layer``)."""
+    return Workload(
+        backend=rollout.backend,
+        max_context_tokens=rollout.max_context_tokens,
+        max_new_tokens=rollout.sampling.max_new_tokens,
+        micro_batch_tokens=optim.micro_batch_tokens,
+        reference_model=algorithm.kl.coef > 0 and not lora,
+        reuse_kv=rollout.reuse_kv,
+        scored_last_layer=optim.scored_last_layer and scored_last_layer,
     )
 
 
