@@ -39,6 +39,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from earl_lightning.checkpoints_io import DcpCheckpoints
 from earl_lightning.checks import check_choice, check_number
 from earl_lightning.models.lora import has_lora
 from earl_lightning.parallel.collectives import (
@@ -69,7 +70,6 @@ from earl_lightning.parallel.parallelize import (
 from earl_lightning.parallel.plans import reject_unplanned_tp, supports_tp
 from earl_lightning.parallel.reshard import Resharder, ReshardStats, reshard_naive
 from earl_lightning.stages import StageContext, StageStrategy
-from earl_lightning.strategies.checkpointing import DcpCheckpoints
 from earl_lightning.strategies.faults import OneLineCollectives
 
 
