@@ -37,6 +37,7 @@ from earl_lightning.parallel.memory import MemoryModel
 from earl_lightning.parallel.selector import Selector
 from earl_lightning.parallel.throughput import ProfileTable, layout_key
 from earl_lightning.stages import StageOOMHandler
+from earl_lightning.train.scored import MAX_SCORED_SHARE
 
 # The decisions `history` keeps (three a step: rollout, experience, train): the last hundred steps'.
 HISTORY_DECISIONS = 300
@@ -149,7 +150,9 @@ class AdaptiveParallelism(StageOOMHandler):
             rollout_backend=work.backend,
             reference_model=work.reference_model,
             reuse_kv=getattr(work, "reuse_kv", True),
-            scored_last_layer=getattr(work, "scored_last_layer", False),
+            scored_share_limit=MAX_SCORED_SHARE
+            if getattr(work, "scored_last_layer", False)
+            else None,
         )
         self._default_context = float(work.max_context_tokens)
         per_stage = stage_candidates(

@@ -30,9 +30,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # state tensors per parameter
 STATS_KEYS = ("num_seqs", "context_mean", "context_max", "context_p95", "gen_len")
 OPTIONAL_STATS_KEYS = ("prompt_max", "turn_prefill_max", "scored_max", "scored_share_max")
-# The share of a micro-batch's positions up to which train/scored.py runs its last layer at the
-# scored positions only (above it the plain forward is as cheap); defined here, read there.
-MAX_SCORED_SHARE = 0.5
 RolloutBackend = Literal["hf", "vllm"]
 
 # Framework memory of a stage beyond its tensors (allocator slack, autograd bookkeeping). On CPU,
@@ -146,9 +143,11 @@ class MemoryModel:
         reuse_kv: the HF backend keeps each episode's KV cache between turns (false: every call
             encodes its whole context into an empty buffer).
         reference_model: a frozen reference policy lives next to the policy in the experience stage.
-        scored_last_layer: the train and experience forwards run the last decoder layer and the LM
-            head only at the positions that score an action token (``train/scored.py``), where the
-            step's stats give ``scored_max`` and ``scored_share_max`` and the share allows it.
+        scored_share_limit: the train and experience forwards run the last decoder layer and the
+            LM head only at the positions that score an action token (``train/scored.py``) in a
+            micro-batch where those are at most this share of its positions (the forward's
+            ``MAX_SCORED_SHARE``), as the step's stats ``scored_max`` and ``scored_share_max``
+            tell; None: the plain forward everywhere.
         resident_train_state: the sharded weights and optimizer state of the train layout stay on
             the device during rollout and experience (no offload).
         overhead_bytes: fixed framework memory per rank.
@@ -164,7 +163,7 @@ class MemoryModel:
         rollout_backend: RolloutBackend = "hf",
         reference_model: bool = False,
         reuse_kv: bool = True,
-        scored_last_layer: bool = False,
+        scored_share_limit: float | None = None,
         resident_train_state: bool = False,
         overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
         prefill_chunk_elems: int = DEFAULT_PREFILL_CHUNK_ELEMS,
@@ -186,7 +185,10 @@ class MemoryModel:
             bool(reference_model),
             bool(resident_train_state),
         )
-        self.reuse_kv, self.scored_last_layer = bool(reuse_kv), bool(scored_last_layer)
+        self.reuse_kv = bool(reuse_kv)
+        self.scored_share_limit = check_number(
+            "scored_share_limit", scored_share_limit, low=0, high=1, strict=True, optional=True
+        )
         self.overhead_bytes, self.prefill_chunk_elems = overhead_bytes, prefill_chunk_elems
 
     # ---- public -------------------------------------------------------------------------
@@ -379,13 +381,13 @@ class MemoryModel:
         padded tokens, or None where the plain forward runs. A micro-batch scores at most
         ``scored_max`` positions per row and at most ``scored_share_max`` of its padded positions
         (its rows are no longer than its width), so the path is taken in every micro-batch when
-        that share is within :data:`MAX_SCORED_SHARE`."""
+        that share is within :attr:`scored_share_limit`."""
         share, most = s.get("scored_share_max"), s.get("scored_max")
         if (
-            not self.scored_last_layer
+            self.scored_share_limit is None
             or share is None
             or most is None
-            or not 0 < share <= MAX_SCORED_SHARE
+            or not 0 < share <= self.scored_share_limit
         ):
             return None
         rows = max(1, tokens // max(1, math.ceil(s["context_max"])))

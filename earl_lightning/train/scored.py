@@ -35,11 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# the memory model sizes by the same rule; the forward reads it from here
-from earl_lightning.parallel.memory import MAX_SCORED_SHARE  # noqa: F401
 from earl_lightning.parallel.parallelize import recomputes_activations
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+# The share of a micro-batch's positions up to which the last layer runs at the scored positions
+# only (above it the plain forward is as cheap); the layout selector's memory model is told it.
+MAX_SCORED_SHARE = 0.5
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 

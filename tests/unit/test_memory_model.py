@@ -12,6 +12,7 @@ from earl_lightning.models.tiny import PRESETS, tiny_config
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.memory import MemoryModel, check_stats
 from earl_lightning.parallel.model_sizes import ModelSizes
+from earl_lightning.train.scored import MAX_SCORED_SHARE
 
 STATS = dict(num_seqs=16, context_mean=400, context_max=512, context_p95=500, gen_len=32)
 QWEN_05B = ModelSizes(
@@ -226,7 +227,7 @@ def test_scored_last_layer_sizes_the_logits_and_the_last_layer_by_the_scored_pos
     the last layer's saved activations mostly too; experience keeps only the scored logits."""
     plain, scored = (
         MemoryModel(QWEN_05B, "bfloat16"),
-        MemoryModel(QWEN_05B, "bfloat16", scored_last_layer=True),
+        MemoryModel(QWEN_05B, "bfloat16", scored_share_limit=MAX_SCORED_SHARE),
     )
     s = stats(context_mean=512, scored_max=40, scored_share_max=40 / 512)
     a, b = (
@@ -256,11 +257,17 @@ def test_scored_last_layer_sizes_the_logits_and_the_last_layer_by_the_scored_pos
         )
 
 
-def test_scored_share_agrees_with_the_forward():
-    from earl_lightning.parallel.memory import MAX_SCORED_SHARE
-    from earl_lightning.train.scored import MAX_SCORED_SHARE as forward_share
-
-    assert MAX_SCORED_SHARE == forward_share
+def test_the_scored_path_is_sized_up_to_the_share_the_forward_allows():
+    """The memory model follows the limit it is told (the forward's MAX_SCORED_SHARE): a step
+    whose scored share is above it is sized as the plain forward, one within it as the scored."""
+    s = stats(scored_max=300, scored_share_max=0.6)
+    plain = MemoryModel(QWEN_05B, "bfloat16").estimate("train", Layout(), s).total
+    above = MemoryModel(QWEN_05B, "bfloat16", scored_share_limit=MAX_SCORED_SHARE)
+    within = MemoryModel(QWEN_05B, "bfloat16", scored_share_limit=0.7)
+    assert MAX_SCORED_SHARE < 0.6 and above.estimate("train", Layout(), s).total == plain
+    assert within.estimate("train", Layout(), s).total < plain
+    with pytest.raises(ValueError, match=r"`scored_share_limit` must be a number in \(0, 1\]"):
+        MemoryModel(QWEN_05B, scored_share_limit=0.0)
 
 
 def test_estimate_as_dict_and_summary():

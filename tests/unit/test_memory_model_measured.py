@@ -308,8 +308,10 @@ def _estimate(spec: dict) -> int:
         stats.update(scored_max=c // spec["scored"], scored_share_max=(c // spec["scored"]) / c)
     # one micro-batch holding the whole batch, as the worker runs it
     layout = Layout(micro_batch_tokens=1 << 20, activation_checkpointing=bool(spec.get("ckpt")))
+    from earl_lightning.train.scored import MAX_SCORED_SHARE
+
     return (
-        MemoryModel(cfg, scored_last_layer="scored" in spec)
+        MemoryModel(cfg, scored_share_limit=MAX_SCORED_SHARE if "scored" in spec else None)
         .estimate(spec["stage"], layout, stats)
         .total
     )
