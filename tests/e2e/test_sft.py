@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from earl_lightning.cli import main
+from earl_lightning.models.tiny import PRESETS
 from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
 
 RECIPES = Path(__file__).parents[2] / "recipes"
@@ -287,7 +288,11 @@ def test_the_warm_starts_differ_only_in_the_task():
     }
     recipes = env_recipes("*_sft.yaml")
     assert len(recipes) >= 4
-    _assert_one_family(recipes, task_keys)
+    _assert_one_family(recipes, task_keys | {("model", "model")})
+    # one model size; a tool task may take the same model with a BPE tokenizer (its JSON is short)
+    models = {yaml.safe_load(p.read_text())["model"]["model"] for p in recipes}
+    assert models <= {"earl-tiny-4l", "earl-tiny-bpe-4l"}
+    assert PRESETS["earl-tiny-bpe-4l"] == {**PRESETS["earl-tiny-4l"], "tokenizer": "bpe"}
 
 
 def test_seeds_script_runs_warm_start_then_rl_per_seed_and_reports_curves(tmp_path):
