@@ -22,8 +22,8 @@ from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.dispatch.exchange import Exchanger
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
-from earl_lightning.models import load_model, load_tokenizer, resolve_model_path
-from earl_lightning.models.lora import LoraSettings, adapters_disabled, apply_lora
+from earl_lightning.models import load_model, load_tokenizer
+from earl_lightning.models.lora import LoraSettings, apply_lora
 from earl_lightning.modules.config import (
     A,
     AlgorithmConfig,
@@ -39,9 +39,13 @@ from earl_lightning.modules.metrics import (
     log_transcripts,
     reported,
 )
-from earl_lightning.modules.rollout_setup import check_first_observation, loop_kwargs
+from earl_lightning.modules.rollout_setup import (
+    check_first_observation,
+    loop_kwargs,
+    make_backend,
+    reward_extras,
+)
 from earl_lightning.modules.views import (
-    backend_spec,
     exactly_on_policy,
     module_hparams,
     update_view,
@@ -49,7 +53,6 @@ from earl_lightning.modules.views import (
 )
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
-from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
@@ -65,7 +68,7 @@ from earl_lightning.stages import (
 )
 from earl_lightning.strategies.faults import trainer_lost_peer
 from earl_lightning.train.advantages import check_whole_groups, estimate_advantages
-from earl_lightning.train.forward import fill_logprobs
+from earl_lightning.train.forward import fill_experience
 from earl_lightning.train.scored import can_score_last_layer
 from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 
@@ -293,17 +296,9 @@ class AgenticRLModule(L.LightningModule):
     def _play(self, specs: list, ctx: StageContext, seed: int, greedy: bool = False) -> list:
         """This rank's share of ``specs``, played with the stage's model (the backend is bound to it)."""
         if self._backend is None:
-            spec = backend_spec(
-                resolve_model_path(self.hparams.model, "--model.model"),
-                self.hparams.dtype,
-                self.hparams.seed,
-                self.rollout_config,
-                self.local_rank,
-            )
-            factory = GENERATION_BACKENDS.get(
-                self.rollout_config.backend, "--model.rollout.backend"
-            )
-            self._backend = factory(ctx.model("policy"), self.tokenizer, spec)
+            hp, policy = self.hparams, ctx.model("policy")
+            args = (hp.model, hp.dtype, hp.seed, self.rollout_config, self.local_rank)
+            self._backend = make_backend(*args, policy, self.tokenizer)
         self._backend.prepare(ctx.layout, ctx.model("policy"))
         sampling = self.rollout_config.sampling.request(
             self.allowed_token_ids, greedy=greedy, seed=seed
@@ -323,26 +318,13 @@ class AgenticRLModule(L.LightningModule):
         finally:
             self._backend.release(None)
         self._reward_outcomes = score_episodes(
-            episodes, self._reward_funcs(), self.tokenizer, self._reward_extras()
+            episodes, self._reward_funcs(), self.tokenizer, reward_extras(self.trainer)
         )
         return episodes
 
     def _reward_funcs(self) -> list:
         dm = self.trainer.datamodule
         return dm.reward_funcs if isinstance(dm, EpisodeDataModule) else []
-
-    def _reward_extras(self) -> dict[str, Any]:
-        """TRL's ``trainer_state`` for reward functions that read the step (a transformers TrainerState)."""
-        from transformers import TrainerState
-
-        t = self.trainer
-        return {
-            "trainer_state": TrainerState(
-                global_step=t.global_step,
-                max_steps=max(t.max_steps, 0),
-                epoch=float(t.current_epoch),
-            )
-        }
 
     def _fill(self, exp: ExperienceBatch, ctx: StageContext) -> ExperienceBatch:
         """Old log-probs (and values), and reference log-probs when there is a KL term."""
@@ -353,18 +335,18 @@ class AgenticRLModule(L.LightningModule):
             share_prefix=self.optim_config.share_prefix,
             scored=self.optim_config.scored_last_layer,
         )
-        if not self._on_policy:  # else the training forward's own log-probs serve as the old ones
-            exp = fill_logprobs(
-                ctx.model("policy"), exp, name="old_logprobs", value_head=self.value_head, **kw
-            )
-        if self.ref_policy is not None:
-            exp = fill_logprobs(ctx.model("ref_policy"), exp, name="ref_logprobs", **kw)
-        elif (
-            self.algorithm_config.kl.coef
-        ):  # LoRA: the reference is the policy with its adapters off
-            with adapters_disabled(ctx.model("policy")) as base:
-                exp = fill_logprobs(base, exp, name="ref_logprobs", **kw)
-        return exp
+        kl = self.algorithm_config.kl.coef > 0
+        return fill_experience(
+            exp,
+            ctx.model("policy"),
+            self.value_head,
+            # on-policy: the training forward's own log-probs serve as the old ones
+            old=not self._on_policy,
+            reference=ctx.model("ref_policy") if self.ref_policy is not None else None,
+            # LoRA: the reference is the policy with its adapters off
+            adapters_off=kl and self.ref_policy is None,
+            **kw,
+        )
 
     def _advantages(
         self, exp: ExperienceBatch, num_groups: int, ctx: StageContext

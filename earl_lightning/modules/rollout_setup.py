@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from earl_lightning.models import resolve_model_path
 from earl_lightning.modules.config import A, RolloutConfig
+from earl_lightning.modules.views import backend_spec
+from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
 
 
 def loop_kwargs(
@@ -77,3 +80,35 @@ def check_first_observation(
             f"plus one turn: {len(ids)} prompt tokens + {rollout.sampling.max_new_tokens} new tokens = "
             f"{need}; raise it to at least {need}"
         )
+
+
+def make_backend(
+    model: str,
+    dtype: str,
+    seed: int,
+    rollout: RolloutConfig,
+    local_rank: int,
+    policy: Any,
+    tokenizer: Any,
+) -> Any:
+    """The generation backend ``--model.rollout.backend`` names, bound to ``policy`` (the rollout
+    stage's copy) and made from the module's settings (:func:`backend_spec`)."""
+    spec = backend_spec(
+        resolve_model_path(model, "--model.model"), dtype, seed, rollout, local_rank
+    )
+    factory = GENERATION_BACKENDS.get(rollout.backend, "--model.rollout.backend")
+    return factory(policy, tokenizer, spec)
+
+
+def reward_extras(trainer: Any) -> dict[str, Any]:
+    """What reward functions may read besides the completions: TRL's ``trainer_state`` (a
+    transformers ``TrainerState`` with the step, the planned steps and the epoch)."""
+    from transformers import TrainerState
+
+    return {
+        "trainer_state": TrainerState(
+            global_step=trainer.global_step,
+            max_steps=max(trainer.max_steps, 0),
+            epoch=float(trainer.current_epoch),
+        )
+    }

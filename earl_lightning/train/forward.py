@@ -6,7 +6,10 @@ No Lightning here; the caller hands in the model placed for the stage's layout.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import nn
 
 from earl_lightning.algorithms import (
     entropy,
@@ -16,6 +19,7 @@ from earl_lightning.algorithms import (
 )
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.models import eval_mode
+from earl_lightning.models.lora import adapters_disabled
 from earl_lightning.train.prefix import PrefixPlan, prefix_plan, shared_prefix_forward
 from earl_lightning.train.scored import (
     MAX_SCORED_SHARE,
@@ -191,3 +195,26 @@ def zero_loss(model, value_head=None, passes: int = 1) -> torch.Tensor:
         if value_head is not None:
             loss = loss + value_head(out.hidden_states[-1].float()).sum() * 0.0
     return loss
+
+
+def fill_experience(
+    exp: ExperienceBatch,
+    policy: nn.Module,
+    value_head: nn.Module | None,
+    *,
+    old: bool,
+    reference: nn.Module | None,
+    adapters_off: bool,
+    **kw: Any,
+) -> ExperienceBatch:
+    """The experience stage's forwards: the old log-probs (and values, with a value head) when
+    ``old``, and the reference log-probs from ``reference`` or, with ``adapters_off``, from
+    ``policy`` with its LoRA adapters off. ``kw``: :func:`fill_logprobs`'s settings."""
+    if old:
+        exp = fill_logprobs(policy, exp, name="old_logprobs", value_head=value_head, **kw)
+    if reference is not None:
+        exp = fill_logprobs(reference, exp, name="ref_logprobs", **kw)
+    elif adapters_off:
+        with adapters_disabled(policy) as base:
+            exp = fill_logprobs(base, exp, name="ref_logprobs", **kw)
+    return exp

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import earl_lightning.modules.rl as rl
+import earl_lightning.train.forward as forward
 from earl_lightning.cli import main
 from earl_lightning.models import load_model, resolve_model_path
 from earl_lightning.models.lora import LoraSettings, apply_lora
@@ -49,7 +49,7 @@ def adapted_policy(ckpt: Path, settings: LoraSettings) -> torch.nn.Module:
 def test_a_lora_step_trains_only_the_adapters_against_the_base_model(tmp_path, monkeypatch, recipe):
     base = load_model("earl-tiny").eval()
     same_as_base: list[bool] = []
-    original = rl.fill_logprobs
+    original = forward.fill_logprobs
 
     def spy(model, batch, *, name, **kw):
         out = original(model, batch, name=name, **kw)
@@ -58,7 +58,7 @@ def test_a_lora_step_trains_only_the_adapters_against_the_base_model(tmp_path, m
             same_as_base.append(torch.equal(out.tokens[name], want.tokens[name]))
         return out
 
-    monkeypatch.setattr(rl, "fill_logprobs", spy)
+    monkeypatch.setattr(forward, "fill_logprobs", spy)
     main(
         fit(
             recipe_saving_last_every_step(tmp_path, RECIPES / f"{recipe}.yaml"),
