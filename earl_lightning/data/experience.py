@@ -24,6 +24,16 @@ from earl_lightning.checks import check_count
 TOKEN_FIELDS_REQUIRED = ("input_ids", "action_mask")
 SEQ_FIELDS_REQUIRED = ("rewards", "group_ids", "episode_ids")
 
+# The statistics of :meth:`ExperienceBatch.context_stats` that combine over ranks by their maximum
+MAX_CONTEXT_STATS = (
+    "context_max",
+    "context_p95",
+    "prompt_max",
+    "turn_prefill_max",
+    "scored_max",
+    "scored_share_max",
+)
+
 
 def cu_seqlens_of(lengths: list[int]) -> torch.Tensor:
     """[len(lengths) + 1] int64 offsets of sequences of these lengths packed end to end, from 0."""
@@ -217,19 +227,7 @@ class ExperienceBatch:
         and ``scored_share_max``, the largest share of its length they make (:meth:`scored_counts`)."""
         lens = self.seq_lens.double()
         if lens.numel() == 0:
-            return dict.fromkeys(
-                (
-                    "num_seqs",
-                    "context_mean",
-                    "context_max",
-                    "context_p95",
-                    "prompt_max",
-                    "turn_prefill_max",
-                    "scored_max",
-                    "scored_share_max",
-                ),
-                0.0,
-            )
+            return dict.fromkeys(("num_seqs", "context_mean", *MAX_CONTEXT_STATS), 0.0)
         prompt, turn = self.prompt_runs()
         scored = self.scored_counts().double()
         return {

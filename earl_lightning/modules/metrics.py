@@ -22,7 +22,7 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import MaxMetric, SumMetric
 
 from earl_lightning.algorithms.moments import STAT_DTYPE, grouped_moments
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.data.experience import MAX_CONTEXT_STATS, ExperienceBatch
 
 # order of the entries of the count vector
 COUNT_KEYS = (
@@ -284,14 +284,7 @@ def batch_stats(exp: ExperienceBatch, reduce: Any) -> dict[str, float]:
     local = exp.context_stats()
     lens = exp.seq_lens.double()
     total, n = reduce.sum_floats([float(lens.sum()), float(lens.numel())])
-    keys = (
-        "context_max",
-        "context_p95",
-        "prompt_max",
-        "turn_prefill_max",
-        "scored_max",
-        "scored_share_max",
-    )
+    keys = MAX_CONTEXT_STATS
     top = reduce.max(torch.tensor([local[k] for k in keys], dtype=torch.float64))
     return {
         "num_seqs": int(n),
