@@ -67,9 +67,8 @@ def _timed(fn, repeats: int) -> tuple[int, float]:
 
 def _run_pair(model, src: Layout, dst: Layout, repeats: int) -> list[tuple[str, int, float]]:
     replica = build_replica(model, mesh=_mesh(dst), layout=dst, device="cpu")
-    resharder = Resharder(
-        model, replica
-    )  # plan built once, outside the timing, as the strategy does
+    # plan built once, outside the timing, as the strategy does
+    resharder = Resharder(model, replica)
     rows = []
 
     def naive() -> int:

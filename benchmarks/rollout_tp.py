@@ -89,13 +89,11 @@ def run_cell(
         for i in range(per_engine)
     ]
     llm.reset_prefix_cache()
-    llm.generate(
-        prompts, SamplingParams(max_tokens=1, temperature=1.0, seed=0), use_tqdm=False
-    )  # prefill
+    # prefill
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=1.0, seed=0), use_tqdm=False)
     best = float("inf")
-    for rep in range(
-        repeats
-    ):  # best of N: the machine is shared, the minimum is the least disturbed
+    # best of N: the machine is shared, the minimum is the least disturbed
+    for rep in range(repeats):
         t0 = time.perf_counter()
         llm.generate(
             prompts,

@@ -92,9 +92,8 @@ def exact_rss_allocator() -> None:
     and hide the next stage's peak)."""
     import ctypes
 
-    ctypes.CDLL("libc.so.6").mallopt(
-        -3, 256 * 1024
-    )  # M_MMAP_THRESHOLD, fixed (disables the adaptation)
+    # M_MMAP_THRESHOLD, fixed (disables the adaptation)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 256 * 1024)
 
 
 def reset_peak() -> int:

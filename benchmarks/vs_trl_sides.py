@@ -350,9 +350,8 @@ def _trl_dataset(spec: RunSpec):
 
 
 def run_trl(spec: RunSpec) -> dict:
-    os.environ.setdefault(
-        "TRL_EXPERIMENTAL_SILENCE", "1"
-    )  # rollout_func is "experimental" in TRL 1.16
+    # rollout_func is "experimental" in TRL 1.16
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from transformers import AutoTokenizer, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -440,9 +439,8 @@ def main(argv: list[str]) -> None:
     guard = machine_speed(spec.threads)
     torch.manual_seed(spec.seed)
     out = (run_earl if spec.side == "earl" else run_trl)(spec)
-    guard = max(
-        guard, machine_speed(spec.threads)
-    )  # neighbours that arrived during the run count too
+    # neighbours that arrived during the run count too
+    guard = max(guard, machine_speed(spec.threads))
     gpu = torch.cuda.max_memory_allocated() / 2**20 if spec.device == "cuda" else 0.0
     out.update(spec=asdict(spec), guard_s=guard, peak_rss_mib=peak_rss_mib(), peak_gpu_mib=gpu)
     print(RESULT_TAG + json.dumps(out), flush=True)

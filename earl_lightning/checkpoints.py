@@ -292,9 +292,8 @@ def write_dir_atomically(dst: PathLike, write: Callable[[Path], None]) -> Path:
     tmp.mkdir(parents=True)
     try:
         write(tmp)
-        for file in tmp.rglob(
-            "*"
-        ):  # the files' data on disk before the rename makes them the directory
+        # the files' data on disk before the rename makes them the directory
+        for file in tmp.rglob("*"):
             if file.is_file():
                 _fsync_file(file)
         replace_dir(tmp, dst)

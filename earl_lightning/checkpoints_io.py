@@ -57,9 +57,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
     ) -> None:
         if storage_options is not None or "://" in str(path):
-            return super().save_checkpoint(
-                checkpoint, path, storage_options
-            )  # raises for storage_options
+            # raises for storage_options
+            return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
         if not path.is_dir():
             return save_file_atomically(checkpoint, path)

@@ -339,9 +339,8 @@ def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
             cli.model.evaluated_at_step != cli.trainer.global_step
             and cli.datamodule.hparams.eval_episodes
         ):
-            cli.trainer.validate(
-                cli.model, datamodule=cli.datamodule, verbose=False
-            )  # the saved model's figures
+            # the saved model's figures
+            cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
         save_warm_start(
             cli.trainer,
             cli.model,

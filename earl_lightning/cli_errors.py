@@ -16,16 +16,14 @@ class ShortErrorParser(LightningArgumentParser):
     """LightningCLI's parser, whose errors are :func:`short_error` lines instead of the usage."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if (
-            not self.exit_on_error
-        ):  # a parser that reports by raising (jsonargparse's own nested parses)
+        # a parser that reports by raising (jsonargparse's own nested parses)
+        if not self.exit_on_error:
             super().error(message, ex)
         # an error of `fit` found by the root parser
         parser = getattr(ex, "subcommand_parser", None) or self
         lines = short_error(message, options(parser))
-        command = parser.prog.replace(
-            " [options]", ""
-        )  # `earl fit`, `earl sft`: the CLIs name their prog
+        # `earl fit`, `earl sft`: the CLIs name their prog
+        command = parser.prog.replace(" [options]", "")
         sys.stderr.write("".join(f"earl: error: {line}\n" for line in lines))
         sys.stderr.write(f"earl: `{command} --help` lists every option\n")
         sys.stderr.flush()

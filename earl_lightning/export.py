@@ -56,9 +56,8 @@ def gather_state_dict(model: torch.nn.Module, keep: bool) -> dict[str, torch.Ten
     LoRA layers are merged into plain weights."""
     out: dict[str, torch.Tensor] = {}
     whole: dict[int, torch.Tensor] = {}
-    entries = model.state_dict(
-        keep_vars=True
-    )  # the parameters themselves: tied ones are one object
+    # the parameters themselves: tied ones are one object
+    entries = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, value in entries.items():
             if id(value) not in whole:

@@ -70,9 +70,8 @@ def local_counts(mask: Tensor) -> Tensor:
     micro-batch of every rank (one all-reduce) to get ``num_tokens`` / ``num_seqs`` for ``aggregate``."""
     check_2d("mask", mask)
     rows = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
-    return torch.stack(
-        [mask.bool().sum().to(torch.float64), rows]
-    )  # on mask's device, ready for NCCL
+    # on mask's device, ready for NCCL
+    return torch.stack([mask.bool().sum().to(torch.float64), rows])
 
 
 def _denominator(value: Number | None, local: Tensor) -> Tensor:

@@ -154,9 +154,8 @@ def gigpo(
         )
     episode = grpo(inputs, reduce, scale=scale, eps=eps).advantages  # [B, T]
     valid = inputs.mask.sum(dim=1) > 0
-    returns = (inputs.token_rewards * inputs.mask).sum(
-        dim=1
-    )  # a turn row's return sits on its last token
+    # a turn row's return sits on its last token
+    returns = (inputs.token_rewards * inputs.mask).sum(dim=1)
     step = anchor_state_advantages(returns, inputs.state_keys, valid, scale=scale, eps=eps)
     return AdvantageOutput(episode + _per_row(step_weight * step, inputs.mask))
 

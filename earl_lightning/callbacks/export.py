@@ -55,9 +55,8 @@ class ExportModel(L.Callback):
                 f"tokenizer); {type(pl_module).__name__} has not"
             )
         out = Path(trainer.strategy.broadcast(str(self.resolve_dirpath(trainer))))
-        state = gather_state_dict(
-            pl_module.policy, keep=trainer.is_global_zero
-        )  # every rank: a collective
+        # every rank: a collective
+        state = gather_state_dict(pl_module.policy, keep=trainer.is_global_zero)
         if trainer.is_global_zero:
             write_pretrained(pl_module.policy, pl_module.tokenizer, out, state)
             print(

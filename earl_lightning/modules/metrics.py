@@ -119,9 +119,8 @@ def _episode_metrics(sync_on_step: bool) -> nn.ModuleDict:
 
 
 def _key(name: str) -> str:
-    return name.replace(
-        "/", "__"
-    )  # ModuleDict keys cannot contain dots; slashes read badly as attributes
+    # ModuleDict keys cannot contain dots; slashes read badly as attributes
+    return name.replace("/", "__")
 
 
 class RunMetrics(nn.Module):

@@ -88,9 +88,8 @@ def set_collective_timeout(
         if not groups:
             _timeout[0] = timeout
         for group in groups or [None]:
-            dist.distributed_c10d._set_pg_timeout(
-                timeout, group
-            )  # torch's only setter (private, since 2.2)
+            # torch's only setter (private, since 2.2)
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def comm_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -40,9 +40,8 @@ class ModelSizes:
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
         inter = getattr(config, "intermediate_size", None)
-        if inter is None and hasattr(
-            config, "n_inner"
-        ):  # GPT-2 family: n_inner, None meaning 4 x hidden
+        # GPT-2 family: n_inner, None meaning 4 x hidden
+        if inter is None and hasattr(config, "n_inner"):
             inter = config.n_inner or 4 * config.hidden_size
         need = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
         missing = [n for n in need if getattr(config, n, None) is None] + (

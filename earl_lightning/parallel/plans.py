@@ -48,9 +48,8 @@ def _style(name: str):
     if name in ("rowwise_rep", "rowwise_split_input"):
         return RowwiseParallel(input_layouts=Replicate())
     if name == "replicated_with_grad_allreduce":
-        return SequenceParallel(
-            sequence_dim=2, use_local_output=True
-        )  # [batch, seq, heads, head_dim]: heads are TP-sharded
+        # [batch, seq, heads, head_dim]: heads are TP-sharded
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise AssertionError(name)
 
 

@@ -135,9 +135,8 @@ class _Placements:
     def get(self, layout: Layout, train: bool) -> tuple[nn.Module, Any]:
         key = (train, layout.dp, layout.tp)
         if key not in self._models:
-            torch.manual_seed(
-                0
-            )  # every rank builds the same weights, so sharding them needs no broadcast
+            # every rank builds the same weights, so sharding them needs no broadcast
+            torch.manual_seed(0)
             model = self.factory().to(self.device)
             placement = Layout(dp=layout.dp, tp=layout.tp)
             # Train copies are wrapped for checkpointing once; run() switches recomputation per layout.
@@ -301,9 +300,8 @@ def profile_stages(
         stage_layouts = [
             lay for lay in layouts if stage == "train" or not lay.activation_checkpointing
         ]
-        for (
-            layout
-        ) in stage_layouts:  # warm-up: first calls pay for lazy initialization, not throughput
+        # warm-up: first calls pay for lazy initialization, not throughput
+        for layout in stage_layouts:
             prof.run(stage, layout, grid.contexts[0], grid.num_seqs[0], 1)
         for (ctx, nseq), layout in _schedule(grid, stage_layouts):
             if not _agree(budget_s is None or time.perf_counter() - start < budget_s):

@@ -120,9 +120,8 @@ class CallPool:
         self._busy -= 1
         if self._queued:
             self._spawn()
-        if (
-            job.on_abandon is not None
-        ):  # a call in a process of its own: ending the process ends the call
+        # a call in a process of its own: ending the process ends the call
+        if job.on_abandon is not None:
             job.on_abandon()
 
     def _spawn(self) -> None:

@@ -149,9 +149,8 @@ class EnvCalls:
         """Build and reset ``spec``'s env (see :meth:`start`); the result a ``(env, observation)``
         pair or an :class:`EnvFault`."""
         if spec.env is not None:
-            check_env_name(
-                spec.env
-            )  # an unknown name or a bad import path is a config error: it raises
+            # an unknown name or a bad import path is a config error: it raises
+            check_env_name(spec.env)
         if self.isolation == "process" and (spec.env is not None or self.task_tools):
             holder: list[Any] = []
             job = self._pool.submit(

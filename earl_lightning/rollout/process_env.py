@@ -41,9 +41,8 @@ def _context():
                 ["__main__", "earl_lightning.envs", "earl_lightning.rollout.process_env"]
             )
             forkserver.ensure_running()
-            ready = ctx.Process(
-                target=_ready, daemon=True
-            )  # returns once the server has imported them
+            # returns once the server has imported them
+            ready = ctx.Process(target=_ready, daemon=True)
             ready.start()
             ready.join()
             _CONTEXT = ctx
@@ -152,9 +151,9 @@ class _Remote:
         return self.env._call(self.__name__, **arguments)
 
 
-def _serve(
+def _serve(  # pragma: no cover - runs in the child
     conn: Any, name: str | None, kwargs: dict[str, Any], task: dict[str, Any]
-) -> None:  # pragma: no cover - runs in the child
+) -> None:
     from earl_lightning.envs.base import ToolEnv, make_env
     from earl_lightning.tasks.rows import reset_kwargs
     from earl_lightning.tasks.tools import tool_of

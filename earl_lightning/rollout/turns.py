@@ -170,9 +170,8 @@ class LiveEpisode:
             return
         try:
             delta = self.chat.encode(self.chat.next_messages(self.messages, new))
-        except (
-            NotAppendOnly
-        ):  # the template rewrote an earlier turn: every turn is its own row from now on
+        # the template rewrote an earlier turn: every turn is its own row from now on
+        except NotAppendOnly:
             self.rewrites = True
             if self.turn_prompts is None:
                 self.turn_prompts = [self.token_ids[:s] for s in self.turn_starts]

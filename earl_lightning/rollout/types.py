@@ -70,9 +70,8 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_seconds: float = 0.0
-    turn_calls: list[list[Any]] = field(
-        default_factory=list
-    )  # each turn's parsed tool calls (ToolCall)
+    # each turn's parsed tool calls (ToolCall)
+    turn_calls: list[list[Any]] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:

@@ -334,9 +334,8 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         if self._selector is None:
             return self._fixed.get(name, self.train_layout)
         layout = self._selector.select(name, stats, self.current_layout)
-        layout = broadcast_object(
-            layout
-        )  # one decision for all ranks, even if the selector's inputs differ
+        # one decision for all ranks, even if the selector's inputs differ
+        layout = broadcast_object(layout)
         if not isinstance(layout, Layout):
             raise TypeError(
                 f"the layout selector returned {layout!r} for stage {name!r}; expected a Layout"
@@ -375,9 +374,8 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
             return model
         key = (attr, layout.dp, layout.tp)
         if key not in self._replicas:
-            placement = Layout(
-                dp=layout.dp, tp=layout.tp
-            )  # inference replica: no activation checkpointing
+            # inference replica: no activation checkpointing
+            placement = Layout(dp=layout.dp, tp=layout.tp)
             self._replicas[key] = build_replica(
                 model, mesh=self.mesh_for(placement), layout=placement, device=self.root_device
             )

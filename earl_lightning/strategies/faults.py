@@ -50,9 +50,8 @@ class OneLineCollectives:
         if isinstance(exception, RankFailure) and isinstance(
             self.launcher, _SubprocessScriptLauncher
         ):
-            self.launcher.kill(
-                signal.SIGKILL
-            )  # a stopped process acts on no other signal until continued
+            # a stopped process acts on no other signal until continued
+            self.launcher.kill(signal.SIGKILL)
 
     def _lost_peer(self, what: str) -> AbstractContextManager[None]:
         module = self.lightning_module

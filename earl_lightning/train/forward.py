@@ -135,9 +135,8 @@ def _scored_forward(
     }
     if with_entropy:
         res["entropy"] = scatter_scored(entropy(logits, temperature, allowed), pos, length)
-    if (
-        value_head is not None
-    ):  # the value before choosing token t is read at t - 1: a scored position
+    # the value before choosing token t is read at t - 1: a scored position
+    if value_head is not None:
         hidden = out.hidden_states[-1]  # [S, K, H]
         res["values"] = scatter_scored(value_head(hidden.float()).squeeze(-1), pos, length)
     return {k: mb.unpad(v) for k, v in res.items()}

@@ -112,9 +112,8 @@ def micro_batch_loss(
         "policy/entropy": float((ent.detach() * mask).sum() / denom["tokens"]),
     }
     stats.update({f"policy/{k}": float(v) * share for k, v in loss_stat_means(pstats).items()})
-    if (
-        cfg.on_policy and "rollout_logprobs" in mb.tokens
-    ):  # the rollout's log-probs vs the weights it sampled with
+    # the rollout's log-probs vs the weights it sampled with
+    if cfg.on_policy and "rollout_logprobs" in mb.tokens:
         stats[MISMATCH] = (
             float(((mb.padded("rollout_logprobs", 0.0) - old).abs() * mask).max())
             if mask.numel()
@@ -198,9 +197,8 @@ def _accumulate(
     for i in range(reduce.agree_count(len(micro))):
         mine = i < len(micro)
         plan = prefix_plan(models.policy, micro[i], cfg.share_prefix) if mine else None
-        shared = cfg.share_prefix and reduce.all(
-            plan is not None or not mine
-        )  # a padding rank abstains
+        # a padding rank abstains
+        shared = cfg.share_prefix and reduce.all(plan is not None or not mine)
         if not mine:
             backward(zero_loss(models.policy, models.value_head, passes=2 if shared else 1))
             continue

@@ -141,9 +141,8 @@ def _launch(fn, world_size: int, args: tuple, timeout: float, join_timeout: floa
     except BaseException:
         _stop(procs, grace_s=0.0)  # survivors may wait forever in a collective with a dead rank
         raise
-    _stop(
-        procs, grace_s=30.0
-    )  # every rank reported: give them time to tear their process group down
+    # every rank reported: give them time to tear their process group down
+    _stop(procs, grace_s=30.0)
     return [results[r] for r in range(world_size)]
 
 

@@ -29,9 +29,8 @@ def main(mode: str, rank: int, port: str, timeout_s: float) -> None:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     set_collective_timeout(timedelta(seconds=timeout_s))
     set_collective_timeout(timedelta(seconds=timeout_s), mesh.get_all_groups())
-    later = dist.new_group(
-        [0, 1], timeout=collective_timeout()
-    )  # as the dispatcher makes its groups
+    # as the dispatcher makes its groups
+    later = dist.new_group([0, 1], timeout=collective_timeout())
     dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)

@@ -35,9 +35,8 @@ def test_profiles_every_layout_on_two_processes():
 
     path = str(make_tiny_model("earl-tiny", hidden_size=64, intermediate_size=128))
     r0, r1 = run_distributed(_profile, 2, path)
-    assert (
-        r0["table"] == r1["table"]
-    )  # times are the slowest rank's, work the global sum: one answer
+    # times are the slowest rank's, work the global sum: one answer
+    assert r0["table"] == r1["table"]
     assert r0["measured"] == 12 and r0["skipped"] == []
     table = ProfileTable.from_dict(r0["table"])
     assert table.world_size == 2

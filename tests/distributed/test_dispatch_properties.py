@@ -253,6 +253,5 @@ def test_broadcast_group_forms_after_ranks_made_different_groups():
     results = run_distributed(run_after_uneven_groups, 4, case, timeout=120.0)
     for i in range(2):
         check_case(case, [results[r][i] for r in range(4)])
-        assert (
-            len({results[r][i]["digest"] for r in range(4)}) == 1
-        )  # the TP-4 group holds one batch
+        # the TP-4 group holds one batch
+        assert len({results[r][i]["digest"] for r in range(4)}) == 1

@@ -61,9 +61,8 @@ def _rollout_peak(rank: int, world: int, tp: int) -> dict:
         fsdp=False,
     )
     backend = HFBackend(model, build_char_tokenizer())
-    backend.generate(
-        [GenRequest(0, [5, 6, 7])], SamplingConfig(max_new_tokens=2, seed=0)
-    )  # warm-up
+    # warm-up
+    backend.generate([GenRequest(0, [5, 6, 7])], SamplingConfig(max_new_tokens=2, seed=0))
     backend.release()
     peak, stats = _play(backend, SEQS // layout.dp, libc)
     estimate = (

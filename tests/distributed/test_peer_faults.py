@@ -105,9 +105,8 @@ def test_a_stopped_peer_is_a_lost_peer_that_went_silent(mode):
         RuntimeError(
             "env 'tests.plugins.faulty_envs.Hangs' (seed 3): step() raised TimeoutError('timed out after 5 s')"
         ),
-        RuntimeError(
-            "Timed out waiting 3000ms for recv operation to complete"
-        ),  # gloo's words, not from gloo
+        # gloo's words, not from gloo
+        RuntimeError("Timed out waiting 3000ms for recv operation to complete"),
         RuntimeError("Connection reset by peer"),  # a tool's HTTP call
         TimeoutError("timed out"),
         ConnectionResetError("Connection reset by peer"),

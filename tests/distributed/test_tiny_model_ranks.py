@@ -12,9 +12,8 @@ from pathlib import Path
 from earl_lightning.models import make_tiny_model
 from tests.distributed.launch import run_distributed
 
-SPEC = dict(
-    hidden_size=32, intermediate_size=64
-)  # a spec no other test builds: always built fresh here
+# a spec no other test builds: always built fresh here
+SPEC = dict(hidden_size=32, intermediate_size=64)
 
 
 def _build(rank: int, world: int, cache: str) -> list[str]:

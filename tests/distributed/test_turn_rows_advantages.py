@@ -70,9 +70,8 @@ def _worker(rank: int, world: int) -> dict[str, list[float]]:
     for est in ("grpo", "reinforce_pp"):
         res = advantages(local, est, reduce=Reducer().sum_moments)
         out[est] = res.tokens["advantages"].tolist()
-    whole_groups = exp.select(
-        _group_rows(exp, rank, world)
-    )  # keep_groups: group g on rank g % world
+    # keep_groups: group g on rank g % world
+    whole_groups = exp.select(_group_rows(exp, rank, world))
     out["gigpo"] = (
         advantages(whole_groups, "gigpo", reduce=Reducer().sum_moments)
         .tokens["advantages"]
@@ -102,9 +101,8 @@ def test_turn_row_advantages_split_across_ranks_equal_one_process():
 def test_gigpo_with_whole_groups_on_each_rank_equals_one_process():
     exp = episodes_to_experience(episodes(), gamma=0.9)
     single = advantages(exp, "gigpo").tokens["advantages"]
-    assert not torch.equal(
-        single, advantages(exp, "grpo").tokens["advantages"]
-    )  # the groups share states
+    # the groups share states
+    assert not torch.equal(single, advantages(exp, "grpo").tokens["advantages"])
     for rank, res in enumerate(run_distributed(_worker, 2)):
         expected = single[exp.token_positions(_group_rows(exp, rank, 2))]
         torch.testing.assert_close(

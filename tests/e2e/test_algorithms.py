@@ -103,6 +103,5 @@ def test_user_loss_and_estimator_by_import_path_fit_two_steps(tmp_path):
         },
     )
     check(logged)
-    assert (
-        "policy/ratio_mean" in logged and "policy/clip_frac" not in logged
-    )  # the user loss's own statistics
+    # the user loss's own statistics
+    assert "policy/ratio_mean" in logged and "policy/clip_frac" not in logged

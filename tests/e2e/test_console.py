@@ -181,6 +181,5 @@ def test_step_progress_bar_reads_step_of_max_steps(tmp_path):
     trainer.fit(_Tiny())
     assert "step" in probe.text and "3/10" in probe.text, probe.text
     assert "reward/mean=0.5" in probe.text, probe.text
-    assert "v_num" not in probe.text, (
-        probe.text
-    )  # a logger is on (default TensorBoard): its version is not shown
+    # a logger is on (default TensorBoard): its version is not shown
+    assert "v_num" not in probe.text, probe.text

@@ -107,9 +107,8 @@ def test_fit_ends_with_a_model_transformers_loads_with_the_policys_logprobs(one_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = one_process / EXPORT_DIRNAME
-    assert (
-        sorted(p.name for p in one_process.iterdir() if p.name.startswith(".")) == []
-    )  # no temporary left
+    # no temporary left
+    assert sorted(p.name for p in one_process.iterdir() if p.name.startswith(".")) == []
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in out.iterdir()
     }

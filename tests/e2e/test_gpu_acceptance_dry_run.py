@@ -61,9 +61,8 @@ def test_dry_run_parts_pass_and_write_their_figures(tmp_path):
         assert len(steps) == 2
         assert all(abs(float(r["logprob/mismatch"])) < 1e-3 for r in steps), steps
         assert read(tmp_path / f"memory_{backend}.csv")
-    oom = read(
-        tmp_path / "oom.csv"
-    )  # the big micro-batch fails, the stage reruns under the next layout
+    # the big micro-batch fails, the stage reruns under the next layout
+    oom = read(tmp_path / "oom.csv")
     first_step = [r for r in oom if r["step"] == oom[0]["step"]]
     assert [r["ok"] for r in first_step][:2] == ["False", "True"], oom
     assert first_step[0]["layout"] != first_step[1]["layout"]

@@ -85,9 +85,8 @@ def test_a_lora_step_trains_only_the_adapters_against_the_base_model(tmp_path, m
         "the adapters did not train"
     )
     in_optimizer = sum(len(g["params"]) for g in ckpt["optimizer_states"][0]["param_groups"])
-    assert in_optimizer == len(adapters) + (
-        2 if recipe == "connect4_ppo" else 0
-    )  # + the value head
+    # + the value head
+    assert in_optimizer == len(adapters) + (2 if recipe == "connect4_ppo" else 0)
 
     exported = tmp_path / "run" / "hf_model"
     assert not [

@@ -127,7 +127,6 @@ def test_env_by_import_path_on_two_processes(tmp_path):
     s = scalars(tmp_path / "run")
     assert len(s["reward/mean"]) == 2 and len(s["val/win_rate"]) >= 1
     for rate in s["env/win_rate"] + s["env/invalid_rate"]:  # over the 16 episodes of both ranks
-        assert (
-            abs(rate * 16 - round(rate * 16)) < 1e-5
-        )  # (tests/distributed/test_collectives.py: exactly)
+        # (tests/distributed/test_collectives.py: exactly)
+        assert abs(rate * 16 - round(rate * 16)) < 1e-5
     assert "sync_dist" not in proc.stderr, proc.stderr[-4000:]

@@ -37,9 +37,8 @@ def earl_commands() -> list[list[str]]:
     text = README.read_text()
     shell = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    shell += re.findall(
-        r"`((?:\.venv/bin/)?earl (?:fit|validate|sft|export) [^`]+)`", prose
-    )  # inline commands
+    # inline commands
+    shell += re.findall(r"`((?:\.venv/bin/)?earl (?:fit|validate|sft|export) [^`]+)`", prose)
     for block in shell:
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("&&"):
@@ -121,9 +120,8 @@ def _scalar(value: str):
 
 def test_every_earl_command_in_readme_parses(capsys):
     commands = [c for c in earl_commands() if not any(PLACEHOLDER.search(w) for w in c)]
-    assert len(commands) >= 8, (
-        commands
-    )  # the two main commands, warm start, resume, several processes, vLLM
+    # the two main commands, warm start, resume, several processes, vLLM
+    assert len(commands) >= 8, commands
     for argv in commands:
         if argv[0] == "export":  # not LightningCLI: its own parser, no recipe
             from earl_lightning.export import export_parser

@@ -85,9 +85,8 @@ def test_recipe_smoke_runs_two_steps(recipe, tmp_path):
     mismatch = [e.value for e in acc.Scalars("logprob/mismatch")]
     assert max(mismatch) < 1e-4, "rollout and recomputed log-probs disagree"
     assert list(tmp_path.rglob("last.ckpt")) or list(tmp_path.rglob("*.ckpt"))
-    if (
-        "adaptive" in recipe.name
-    ):  # profiled at fit start, saved under the run's root, decisions logged
+    # profiled at fit start, saved under the run's root, decisions logged
+    if "adaptive" in recipe.name:
         assert (tmp_path / "profile" / "profile.json").is_file()
         assert {
             "layout/train/activation_checkpointing",

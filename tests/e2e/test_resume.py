@@ -86,9 +86,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, name, strategy):
         )
     ra, rb = scalars(full, "reward/mean"), scalars(part, "reward/mean")
     assert set(ra) == set(rb) and len(ra) == 4
-    resumed = max(
-        (part / "lightning_logs").glob("version_*")
-    )  # the relaunch's own logs start at step 2
+    # the relaunch's own logs start at step 2
+    resumed = max((part / "lightning_logs").glob("version_*"))
     assert sorted(scalars(resumed, "reward/mean")) == [2, 3], (
         "the relaunch did not resume from the checkpoint"
     )

@@ -73,16 +73,14 @@ def test_a_save_killed_under_strategy_auto_keeps_the_last_checkpoint(tmp_path, c
         proc.stdout.close(), proc.stderr.close()
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     stale = last.with_name(f".last.ckpt.partial{proc.pid}")
-    assert (
-        stale.stat().st_size > 100_000
-    )  # the killed save: a checkpoint-sized file beside last.ckpt
+    # the killed save: a checkpoint-sized file beside last.ckpt
+    assert stale.stat().st_size > 100_000
     assert torch.load(last, weights_only=True)["global_step"] == 1  # step 1's checkpoint, whole
 
     capsys.readouterr()
     main(fit(recipe, tmp_path / "run", 2, "--trainer.strategy", "auto", "--ckpt_path", "last"))
-    assert (
-        "saved with other settings" not in capsys.readouterr().err
-    )  # the same recipe: nothing to report
+    # the same recipe: nothing to report
+    assert "saved with other settings" not in capsys.readouterr().err
     assert starts == [1]  # resumed from step 1, not started over
     assert torch.load(last, weights_only=True)["global_step"] == 2
     assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # the stale file removed

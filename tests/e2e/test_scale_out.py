@@ -132,9 +132,8 @@ def assert_same_run(a: Path, b: Path, steps: int = STEPS) -> None:
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("one_node")
-    finish(
-        torchrun(run, "--standalone", "--nproc-per-node", "2")
-    )  # standalone: a free port of its own
+    # standalone: a free port of its own
+    finish(torchrun(run, "--standalone", "--nproc-per-node", "2"))
     return run
 
 

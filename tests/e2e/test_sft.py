@@ -45,9 +45,8 @@ SMALL = [
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
-    with (
-        pytest.MonkeyPatch.context() as mp
-    ):  # module-scoped: conftest's per-test argv fixture is not active yet
+    # module-scoped: conftest's per-test argv fixture is not active yet
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "argv", ["earl"])
         _sft(root)
     return root / "model"

@@ -125,9 +125,8 @@ def test_trl_turn_tokens_match_the_chat_template():
     )
     expected = tok.encode(whole[len(first) + len(reply) :], add_special_tokens=False)
     assert _trl_turn_text(tok, "3 digits.", ended_eos=False) == expected
-    assert (
-        _trl_turn_text(tok, "3 digits.", ended_eos=True) == expected[1:]
-    )  # the sampled eos is <|im_end|>
+    # the sampled eos is <|im_end|>
+    assert _trl_turn_text(tok, "3 digits.", ended_eos=True) == expected[1:]
     assert expected[0] == tok.eos_token_id
 
 

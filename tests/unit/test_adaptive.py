@@ -325,9 +325,8 @@ def test_profiles_at_fit_start_within_its_budget(tmp_path):
     ]
     assert ProfileTable.load(tmp_path / "prof" / "profile.json") == cb.table
     assert all((tmp_path / "prof" / f"profile_{s}.png").is_file() for s in cb.table.stages())
-    assert all(
-        h["predicted_tokens_per_s"] for h in cb.history
-    )  # every decision used the measured table
+    # every decision used the measured table
+    assert all(h["predicted_tokens_per_s"] for h in cb.history)
 
 
 def test_history_keeps_the_latest_decisions_only(tmp_path, monkeypatch):

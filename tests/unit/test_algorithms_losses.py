@@ -174,9 +174,8 @@ def test_matches_trl_grpo_loss(loss_type, beta, level):
 
     policy_loss = get_policy_loss("ppo_clip" if level == "token" else "gspo")
     per_token, stats = policy_loss(lp, old, adv, mask, clip_low=eps_low, clip_high=eps_high)
-    assert (
-        0.05 < stats.clip_frac.item() < 0.95 or level == "sequence"
-    )  # the clip is really exercised
+    # the clip is really exercised
+    assert 0.05 < stats.clip_frac.item() < 0.95 or level == "sequence"
     if beta:
         per_token = per_token + beta * kl_divergence(lp, ref, mask, "k3")
     mode, extra = TRL_TO_OURS[loss_type]
@@ -200,9 +199,8 @@ def test_aggregation_by_hand():
     )
     assert aggregate(v, mask, "token_mean", num_tokens=20).item() == pytest.approx(10 / 20)
     assert aggregate(v, mask, "seq_mean_token_mean", num_seqs=8).item() == pytest.approx(6 / 8)
-    assert (
-        aggregate(v, torch.zeros_like(mask), "token_mean").item() == 0.0
-    )  # nothing generated: 0, not nan
+    # nothing generated: 0, not nan
+    assert aggregate(v, torch.zeros_like(mask), "token_mean").item() == 0.0
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])

@@ -48,9 +48,8 @@ def test_switchable_wrapper_same_gradients_and_names_less_saved_memory():
     )
     assert is_checkpoint_switchable(wrapped) and not is_checkpoint_switchable(plain)
     assert all(isinstance(layer, SwitchableCheckpointWrapper) for layer in wrapped.model.layers)
-    assert list(wrapped.state_dict()) == list(
-        plain.state_dict()
-    )  # checkpoints stay interchangeable
+    # checkpoints stay interchangeable
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
     ids = torch.randint(3, plain.config.vocab_size, (2, 96))
     ref_loss, ref_saved = _loss_and_saved_bytes(plain, ids)
     ref_grads = [p.grad.clone() for p in plain.parameters()]

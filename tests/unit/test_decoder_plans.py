@@ -84,6 +84,5 @@ def test_memory_model_reads_every_family():
     for model_type in (*FAMILIES, NO_PLAN):
         sizes = ModelSizes.from_config(tiny_config(model_type))
         assert (sizes.num_layers, sizes.hidden_size, sizes.num_heads) == (2, 64, 4), model_type
-    assert (
-        ModelSizes.from_config(tiny_config(NO_PLAN)).intermediate_size == 4 * 64
-    )  # GPT-2: n_inner=None
+    # GPT-2: n_inner=None
+    assert ModelSizes.from_config(tiny_config(NO_PLAN)).intermediate_size == 4 * 64

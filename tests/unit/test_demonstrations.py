@@ -166,9 +166,8 @@ def test_imperfect_calculator_skips_the_tool_on_its_share_and_is_then_wrong():
         result = env.step(action)
         used.append(result.info["tool_calls"] > 0)
         correct.append(result.info["correct"])
-    assert all(
-        c == u for c, u in zip(correct, used)
-    )  # with the tool always right, without it always wrong
+    # with the tool always right, without it always wrong
+    assert all(c == u for c, u in zip(correct, used))
     assert 0.62 < sum(used) / len(used) < 0.78
 
 

@@ -150,9 +150,8 @@ def test_the_traceback_is_logged_once_per_kind(lm, caplog):
     with caplog.at_level(logging.WARNING, logger="earl_lightning.rollout"):
         episodes = _run(lm, specs)
     assert all(ep.error for ep in episodes)
-    reset, step = _fault_records(
-        caplog
-    )  # reset faults come first: every env is reset before turn 1
+    # reset faults come first: every env is reset before turn 1
+    reset, step = _fault_records(caplog)
     assert reset.getMessage().startswith(
         f"env '{P}RaisesInReset' (seed 7): reset() raised OSError('reset broke')"
     )
@@ -225,9 +224,8 @@ def test_a_hung_call_is_abandoned_after_the_time_limit(lm, caplog, threads):
         "where the call is stuck:" in record.getMessage() and "RELEASE.wait(" in record.getMessage()
     )
     assert all(t.daemon and t.name == "earl-env-call" for t in threads)
-    for t in (
-        threads
-    ):  # an abandoned worker exits once its call returns (the others when the rollout closes)
+    # an abandoned worker exits once its call returns (the others when the rollout closes)
+    for t in threads:
         t.join(timeout=10)
         assert not t.is_alive()
 

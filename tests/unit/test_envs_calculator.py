@@ -127,9 +127,8 @@ def test_first_call_in_the_text_wins_and_nested_parentheses_are_kept():
 )
 def test_safe_eval_arithmetic(expr, value):
     got = safe_eval(expr)
-    assert got == value and isinstance(
-        got, Fraction
-    )  # floor division too (int // on Fractions is an int)
+    # floor division too (int // on Fractions is an int)
+    assert got == value and isinstance(got, Fraction)
 
 
 @pytest.mark.parametrize(

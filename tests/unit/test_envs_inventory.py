@@ -55,9 +55,8 @@ def test_the_imperfect_user_is_right_exactly_when_it_picks_the_right_tool():
         result = env.step(policy(getattr(env, call.name)(**call.arguments)))
         right_tool.append(result.info["right_tool"])
         correct.append(result.info["correct"])
-    assert all(
-        c for c, r in zip(correct, right_tool) if r
-    )  # the right tool always gives the answer
+    # the right tool always gives the answer
+    assert all(c for c, r in zip(correct, right_tool) if r)
     assert 0.5 < sum(right_tool) / 300 < 0.7
 
 

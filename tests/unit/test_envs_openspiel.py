@@ -212,9 +212,8 @@ def test_win_or_random_takes_every_immediate_win_and_otherwise_plays_the_random_
             mine, plain = random.Random(episode), random.Random(episode)
             random_move = plain.choice(legal)
             assert _win_or_random(mine, state) == (min(winners) if winners else random_move)
-            assert (
-                mine.random() == plain.random()
-            )  # one draw either way: the stream stays the random opponent's
+            # one draw either way: the stream stays the random opponent's
+            assert mine.random() == plain.random()
             wins_taken += bool(winners)
             state.apply_action(walk.choice(legal))
     assert wins_taken >= 20
@@ -338,9 +337,8 @@ def test_full_column_keeps_its_slot_in_the_legal_line():
     env.reset(0)
     for _ in range(3):
         assert env.step("3").observation.splitlines()[-1] == "Legal: 0 1 2 3 4 5 6"
-    obs = env.step(
-        "3"
-    ).observation  # with seed 0 the random opponent also stacked column 3: it is full
+    # with seed 0 the random opponent also stacked column 3: it is full
+    obs = env.step("3").observation
     assert obs.splitlines()[1][3] != "."
     assert obs.splitlines()[-1] == "Legal: 0 1 2 # 4 5 6"
     assert legal_from_observation(obs) == [0, 1, 2, 4, 5, 6]

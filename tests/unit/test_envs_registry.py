@@ -111,9 +111,8 @@ def test_bad_names_and_paths_fail_at_config_time(name, match):
 
 
 def test_object_that_is_not_an_env():
-    check_env_name(
-        "tests.plugins.envs.NotAnEnv", "--data.env"
-    )  # callable: only building it can tell
+    # callable: only building it can tell
+    check_env_name("tests.plugins.envs.NotAnEnv", "--data.env")
     with pytest.raises(
         ValueError,
         match=r"`--data.env` 'tests.plugins.envs.NotAnEnv' built a NotAnEnv, which does "

@@ -77,9 +77,8 @@ def test_gathered_state_dict_of_a_plain_model():
     model = load_model("earl-tiny")
     state = gather_state_dict(model, keep=True)
     assert list(state) == list(model.state_dict())
-    assert (
-        state["lm_head.weight"] is state["model.embed_tokens.weight"]
-    )  # tied: one tensor, saved once
+    # tied: one tensor, saved once
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert gather_state_dict(model, keep=False) is None
 
@@ -95,9 +94,8 @@ def test_export_directory_and_switch(tmp_path):
     assert ExportModel(dirpath="elsewhere").resolve_dirpath(trainer) == Path("elsewhere")
     trainer.checkpoint_callback = None
     assert ExportModel().resolve_dirpath(trainer) == tmp_path / "logs" / "hf_model"
-    ExportModel(enabled=False).on_fit_end(
-        trainer, object()
-    )  # writes nothing, asks nothing of the module
+    # writes nothing, asks nothing of the module
+    ExportModel(enabled=False).on_fit_end(trainer, object())
     assert not (tmp_path / "logs").exists()
     with pytest.raises(
         TypeError,

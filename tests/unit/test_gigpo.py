@@ -22,9 +22,8 @@ def test_anchor_states_by_hand():
     valid = torch.tensor([True, True, True, True, True, False])
     adv = anchor_state_advantages(returns, keys, valid)
     std = math.sqrt(4.5)  # unbiased std of [1, -2]
-    expected = torch.tensor(
-        [1.5 / std, -1.5 / std, 0.0, 0.0, 0.0, 0.0]
-    )  # equal returns, a lone state, invalid
+    # equal returns, a lone state, invalid
+    expected = torch.tensor([1.5 / std, -1.5 / std, 0.0, 0.0, 0.0, 0.0])
     torch.testing.assert_close(adv, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(
         anchor_state_advantages(returns, keys, valid, scale="none"),
@@ -90,9 +89,8 @@ def _group() -> list[Episode]:
 
 def test_state_keys_are_equal_exactly_for_the_same_prompt_in_the_same_group():
     exp = episodes_to_experience(_group(), gamma=0.9)
-    keys = state_keys(
-        exp
-    ).tolist()  # rows: ep0 t0, ep0 t1, ep1 t0, ep1 t1, ep2 t0, ep2 t1, ep3 t0, ep3 t1
+    # rows: ep0 t0, ep0 t1, ep1 t0, ep1 t1, ep2 t0, ep2 t1, ep3 t0, ep3 t1
+    keys = state_keys(exp).tolist()
     assert keys[0] == keys[2] and keys[1] == keys[3]  # group 0 in states 20 and 21
     assert keys[4] == keys[6] and keys[5] == keys[7]  # group 1 in states 20 and 22
     assert keys[0] != keys[4]  # state 20, but another group
@@ -118,9 +116,8 @@ def test_gigpo_blames_the_turn_that_differed_and_not_the_turn_both_took():
     ]  # state 20: returns 0.9, -1.8 -> also split
     step[0], step[2] = 1.35 / math.sqrt(2 * 1.35**2), -1.35 / math.sqrt(2 * 1.35**2)
     assert adv == pytest.approx([b + s for b, s in zip(base, step)], rel=1e-5, abs=1e-6)
-    assert (
-        adv[1] - adv[3] > base[1] - base[3] > 0
-    )  # the turns that differed, set further apart than by GRPO
+    # the turns that differed, set further apart than by GRPO
+    assert adv[1] - adv[3] > base[1] - base[3] > 0
     assert adv[4:] == [0.0] * 4  # group 1 has no spread at all
 
 
@@ -148,9 +145,8 @@ def test_gigpo_needs_turn_rows_at_config_time_and_state_keys_at_run_time():
     ):
         check_combination(RolloutConfig(), algo)
     check_combination(RolloutConfig(history_turns=0), algo)
-    assert (
-        algo.advantage.effective("gamma", 1.0) == 0.95
-    )  # the turn rows are discounted with its default
+    # the turn rows are discounted with its default
+    assert algo.advantage.effective("gamma", 1.0) == 0.95
     inputs = AdvantageInputs(
         rewards=torch.zeros(2),
         group_ids=torch.zeros(2, dtype=torch.long),

@@ -127,9 +127,8 @@ def test_disabled_adapters_are_the_base_model_and_freeze_nothing():
 @pytest.mark.parametrize("kwargs", [{}, {"use_rslora": True}])
 def test_merged_weights_are_a_plain_model_with_the_adapted_outputs(kwargs):
     model = adapted(r=4, alpha=8.0, kwargs=kwargs)
-    merged = dict(
-        stream_full_weights(model, bucket_bytes=4096)
-    )  # small buckets split the layers' pieces
+    # small buckets split the layers' pieces
+    merged = dict(stream_full_weights(model, bucket_bytes=4096))
     plain = load_model("earl-tiny").eval()
     assert set(merged) == set(dict(plain.named_parameters()))
     plain.load_state_dict(merged, strict=False)

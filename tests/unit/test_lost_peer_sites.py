@@ -51,13 +51,11 @@ def dies_at_save(self, name=None):
 )
 def test_a_lost_peer_outside_the_stages_is_one_line(tmp_path, monkeypatch, target, where):
     callbacks, dm, rl = [], datamodule(eval_episodes=2 if "eval" in target else 0), module()
-    if (
-        target == "first_eval"
-    ):  # the evaluation before the first update computes (syncs) its metrics
+    # the evaluation before the first update computes (syncs) its metrics
+    if target == "first_eval":
         monkeypatch.setattr(RunMetrics, "compute_val", peer_dies)
-    elif (
-        target == "eval"
-    ):  # a validation run after step 1: Lightning computes the logged metric objects
+    # a validation run after step 1: Lightning computes the logged metric objects
+    elif target == "eval":
         monkeypatch.setattr(AgenticRLModule, "on_train_start", lambda self: None)
         monkeypatch.setattr(rl.run_metrics.val_episodes["env__errors"], "compute", peer_dies)
     elif target == "save":

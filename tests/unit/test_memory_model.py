@@ -98,9 +98,8 @@ def test_train_sharding_and_checkpointing():
         and dp4.grads == dp4.weights
     )
     assert tp2.weights == one.weights // 4
-    assert (
-        dp4.transient > 0 and one.transient == 0
-    )  # FSDP all-gather buffers only when sharded over dp
+    # FSDP all-gather buffers only when sharded over dp
+    assert dp4.transient > 0 and one.transient == 0
     # the same micro-batch on every tp rank, but the attention / MLP internals are split
     dp2 = mm.estimate("train", Layout(dp=2, tp=1), stats())
     assert dp2.activations_no_ckpt / 2 < tp2.activations_no_ckpt < dp2.activations_no_ckpt
@@ -158,9 +157,8 @@ def test_rollout_kv_cache_scales_with_sequences_context_and_layout():
     assert (
         mm.estimate("rollout", Layout(dp=1, tp=1), stats(num_seqs=32)).kv_cache == 2 * base.kv_cache
     )
-    assert (
-        mm.estimate("rollout", Layout(dp=2, tp=1), stats()).kv_cache == base.kv_cache // 2
-    )  # half the seqs
+    # half the seqs
+    assert mm.estimate("rollout", Layout(dp=2, tp=1), stats()).kv_cache == base.kv_cache // 2
     tp2 = mm.estimate("rollout", Layout(dp=1, tp=2), stats())
     assert tp2.kv_cache == base.kv_cache // 2 and tp2.weights == base.weights // 2
     # 2 KV heads cannot split 4 ways: each rank keeps one head (replicated), like the engines do
@@ -238,9 +236,8 @@ def test_scored_last_layer_sizes_the_logits_and_the_last_layer_by_the_scored_pos
         b.logits == 16 * 40 * QWEN_05B.vocab_size * (4 * 3 + 2) and a.logits == b.logits * 512 // 40
     )
     per_layer = QWEN_05B.saved_per_token(1) * 2 * 16 * 512
-    assert (
-        per_layer * 0.8 < a.activations - b.activations < per_layer
-    )  # the last layer, less K, V, input
+    # the last layer, less K, V, input
+    assert per_layer * 0.8 < a.activations - b.activations < per_layer
     assert b.total < 0.6 * a.total  # at 152k tokens of vocabulary the logits dominate
     whole = Layout(micro_batch_tokens=16 * 512)
     ea, eb = plain.estimate("experience", whole, s), scored.estimate("experience", whole, s)

@@ -26,9 +26,8 @@ import pytest
 TOLERANCE = 0.30
 TINY = "earl-tiny"
 M100 = "earl-tiny-100m"
-WIDE_VOCAB = dict(
-    vocab=8192, overrides=dict(hidden_size=64, intermediate_size=128)
-)  # logits dominate
+# logits dominate
+WIDE_VOCAB = dict(vocab=8192, overrides=dict(hidden_size=64, intermediate_size=128))
 
 SPECS = {
     "tiny": [
@@ -368,9 +367,8 @@ def _device_params():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS reset needs Linux /proc")
 @pytest.mark.parametrize("device", _device_params())
-@pytest.mark.parametrize(
-    "group", ["tiny", pytest.param("100m", marks=pytest.mark.slow)]
-)  # 100m: ~25 s of CPU
+# 100m: ~25 s of CPU
+@pytest.mark.parametrize("group", ["tiny", pytest.param("100m", marks=pytest.mark.slow)])
 def test_estimates_within_30_percent_of_measured_peaks(group, device):
     _check(_run_worker(SPECS[group], device))
 

@@ -45,9 +45,8 @@ def test_calculator_episodes_report_accuracy_and_tool_use(tok):
     assert values["val/tool_use_rate"] == pytest.approx(used) and values[
         "val/accuracy"
     ] == pytest.approx(right)
-    assert (
-        used == right and 0.6 < used < 0.9
-    )  # the imperfect user is right exactly when it used the tool
+    # the imperfect user is right exactly when it used the tool
+    assert used == right and 0.6 < used < 0.9
     assert "val/win_rate" not in values
 
 

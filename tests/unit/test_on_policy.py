@@ -30,13 +30,11 @@ def test_taken_only_when_exactly_on_policy(monkeypatch):
     assert not exactly_on_policy(r, a, OptimConfig(ppo_epochs=2))
     assert not exactly_on_policy(r, a, OptimConfig(mini_batches=2))
     assert not exactly_on_policy(RolloutConfig(backend="vllm"), a, o)  # the engine's log-probs
-    assert not exactly_on_policy(
-        r, AlgorithmConfig(advantage={"name": "gae"}), o
-    )  # values come from that forward
+    # values come from that forward
+    assert not exactly_on_policy(r, AlgorithmConfig(advantage={"name": "gae"}), o)
     assert not exactly_on_policy(r, AlgorithmConfig(kl={"coef": 0.1, "in_reward": True}), o)
-    assert exactly_on_policy(
-        r, AlgorithmConfig(kl={"coef": 0.1}), o
-    )  # KL in the loss needs only the reference
+    # KL in the loss needs only the reference
+    assert exactly_on_policy(r, AlgorithmConfig(kl={"coef": 0.1}), o)
     assert not exactly_on_policy(r, a, OptimConfig(on_policy_shortcut=False))
 
 
@@ -91,9 +89,8 @@ def test_shortcut_equals_the_full_path(aggregation):
         full_model, batch, name="old_logprobs", temperature=1.0, micro_batch_tokens=64
     )
     full = _update(full_model, full_batch, on_policy=False, aggregation=aggregation)
-    short = _update(
-        short_model, batch, on_policy=True, aggregation=aggregation
-    )  # no old_logprobs in the batch
+    # no old_logprobs in the batch
+    short = _update(short_model, batch, on_policy=True, aggregation=aggregation)
     for key in (
         "loss/policy",
         "policy/entropy",

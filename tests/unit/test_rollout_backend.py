@@ -216,9 +216,8 @@ def test_model_mode_is_restored_and_cache_released(lm):
             SamplingConfig(max_new_tokens=2, seed=0),
         )
         assert model.training
-        assert (
-            model.config._attn_implementation == "sdpa"
-        )  # the generation-only GQA attention is undone
+        # the generation-only GQA attention is undone
+        assert model.config._attn_implementation == "sdpa"
     finally:
         model.eval()
     assert backend.cached_keys() == [3, 4]
@@ -353,9 +352,8 @@ def test_shared_prompts_encode_once_and_equal_separate_encoding(lm, sampling):
         for be in (shared, alone, ref)
     ]
     assert shared.stats["shared_prompt_tokens"] == 3 * 11 + 3 * 19
-    assert (
-        shared.stats["prefill_tokens"] == 11 + 19 + len(prompts) + 9 - 1
-    )  # distinct prompts, then one token each
+    # distinct prompts, then one token each
+    assert shared.stats["prefill_tokens"] == 11 + 19 + len(prompts) + 9 - 1
     assert alone.stats["shared_prompt_tokens"] == 0 and alone.stats["prefill_tokens"] == sum(
         map(len, prompts)
     )
@@ -367,9 +365,8 @@ def test_shared_prompts_encode_once_and_equal_separate_encoding(lm, sampling):
         GenRequest(k, p + o.token_ids + [5, 6]) for k, (p, o) in enumerate(zip(prompts, outs[0]))
     ]
     c, d = shared.generate(nxt, sampling), ref.generate(nxt, sampling)
-    assert (
-        shared.stats["shared_prompt_tokens"] == 3 * 11 + 3 * 19
-    )  # the contexts differ now: nothing more shared
+    # the contexts differ now: nothing more shared
+    assert shared.stats["shared_prompt_tokens"] == 3 * 11 + 3 * 19
     for x, y in zip(c, d):
         assert x.token_ids == y.token_ids
         assert max((abs(u - v) for u, v in zip(x.logprobs, y.logprobs)), default=0.0) < 1e-5

@@ -195,9 +195,8 @@ def test_fill_logprobs_equals_plain_on_the_actions():
     from earl_lightning.train.forward import fill_logprobs
 
     model, mb = _qwen(), _batch()
-    kw = dict(
-        name="old", temperature=1.0, micro_batch_tokens=4096
-    )  # one micro-batch: the scored path
+    # one micro-batch: the scored path
+    kw = dict(name="old", temperature=1.0, micro_batch_tokens=4096)
     a, b = fill_logprobs(model, mb, **kw), fill_logprobs(model, mb, scored=True, **kw)
     on = mb.tokens["action_mask"] > 0
     torch.testing.assert_close(a.tokens["old"][on], b.tokens["old"][on], atol=1e-5, rtol=1e-5)
@@ -289,9 +288,8 @@ def test_a_fit_takes_it_by_default_and_ends_where_the_plain_fit_does(
 
 def test_not_taken_where_it_cannot_run_or_does_not_pay():
     model = _qwen()
-    apply_activation_checkpointing(
-        model, enabled=True
-    )  # recomputation would rerun the replaced layer
+    # recomputation would rerun the replaced layer
+    apply_activation_checkpointing(model, enabled=True)
     assert not can_score_last_layer(model)
     plain = _qwen()
     plain.gradient_checkpointing_enable()
@@ -327,9 +325,8 @@ def test_taken_inside_a_switchable_checkpoint_wrapper_while_it_does_not_recomput
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     fixed = _qwen()
-    fixed.model.layers[-1] = checkpoint_wrapper(
-        fixed.model.layers[-1]
-    )  # torch's own: always recomputes
+    # torch's own: always recomputes
+    fixed.model.layers[-1] = checkpoint_wrapper(fixed.model.layers[-1])
     assert not can_score_last_layer(fixed) and not can_score_last_layer(fixed, now=False)
     _assert_same(
         mb, _run(plain, mb, False, temperature=1.0), _run(wrapped, mb, True, temperature=1.0)

@@ -126,9 +126,8 @@ def test_plan_declines_when_sharing_does_not_pay():
         },
         {"rewards": torch.zeros(2), "group_ids": torch.zeros(2), "episode_ids": torch.arange(2)},
     )
-    assert (
-        plan_shared_prefix(rows) is None
-    )  # 2 + 2 x 10 token-passes vs 2 x 12: saves 8%, under 25%
+    # 2 + 2 x 10 token-passes vs 2 x 12: saves 8%, under 25%
+    assert plan_shared_prefix(rows) is None
     assert plan_shared_prefix(_batch().select([0])) is None
 
 
@@ -136,9 +135,8 @@ def test_plan_declines_when_sharing_does_not_pay():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_equals_plain_forward(make, temperature):
     model = make()
-    torch.manual_seed(
-        0
-    )  # the value head's weights, the same whichever tests ran before in this process
+    # the value head's weights, the same whichever tests ran before in this process
+    torch.manual_seed(0)
     vh = torch.nn.Linear(model.config.hidden_size, 1)
     mb = _batch()
     _assert_same(

@@ -107,9 +107,8 @@ def test_reward_functions_add_to_the_env_reward_on_the_last_turn(lm):
     row = {"prompt": [{"role": "user", "content": "Go."}], "start": 2, "answer": "0"}
     (ep,) = _play(tok, [_spec(row, ENV)], [["1", "0"]])
     score_episodes([ep], funcs, tok)
-    assert ep.reward == pytest.approx(
-        1.0 + 2.0 * 1.0 - 0.01
-    )  # env + exact_sum (the last turn said 0) + brevity
+    # env + exact_sum (the last turn said 0) + brevity
+    assert ep.reward == pytest.approx(1.0 + 2.0 * 1.0 - 0.01)
     assert ep.turn_rewards == pytest.approx([0.0, 3.0 - 0.01])
 
 

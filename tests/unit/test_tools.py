@@ -179,9 +179,8 @@ def test_parsers_by_name_and_import_path():
         "llama3_json",
         "mistral",
     ]
-    assert (
-        get_tool_parser("tests.unit.test_tools.lookup") is lookup
-    )  # a user's function by import path
+    # a user's function by import path
+    assert get_tool_parser("tests.unit.test_tools.lookup") is lookup
     with pytest.raises(
         ValueError,
         match=r"unknown `--model.rollout.tool_parser` 'qwen'; valid tool-call parsers: "

@@ -49,9 +49,8 @@ def test_vllm_greedy_play_on_an_exported_model_equals_transformers(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     r = json.loads((tmp_path / "result.json").read_text())
-    assert len(r["hf_tokens"]) >= 4 and len(set(r["hf_tokens"])) > 1, (
-        r
-    )  # a real sequence, not one token repeated
+    # a real sequence, not one token repeated
+    assert len(r["hf_tokens"]) >= 4 and len(set(r["hf_tokens"])) > 1, r
     assert r["vllm_tokens"] == r["hf_tokens"]
     torch.testing.assert_close(
         torch.tensor(r["vllm_logprobs"]), torch.tensor(r["hf_logprobs"]), rtol=0, atol=1e-3

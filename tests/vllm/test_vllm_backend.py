@@ -106,9 +106,8 @@ def test_failed_engine_build_leaves_nothing_behind_and_the_retry_syncs(ranks):
     for r in ranks:
         assert "KV cache is needed" in r["oom_build_error"] and r["oom_is_oom"]
         assert r["retry_tp"] == 1 and r["retry_switch_s"] > 0
-        assert (
-            r["retry_mismatch"] < TOL
-        )  # the rebuilt engine got the trained weights, not the checkpoint's
+        # the rebuilt engine got the trained weights, not the checkpoint's
+        assert r["retry_mismatch"] < TOL
 
 
 # ---- errors (run with or without vLLM) ------------------------------------------------------
@@ -218,8 +217,7 @@ def test_from_spec_builds_the_trainers_backend_without_an_engine(tiny):
     assert backend.kv_cache_gib == pytest.approx(kv_cache_gib_for(backend.config, 528, "bfloat16"))
     assert backend.enforce_eager is False and backend.weights_source is source
     newer = torch.nn.Linear(1, 1)
-    backend.after_update(
-        newer
-    )  # no engine yet: nothing to push, but a later build syncs from `newer`
+    # no engine yet: nothing to push, but a later build syncs from `newer`
+    backend.after_update(newer)
     assert backend.weights_source is newer
     assert backend.stats == {"engines_built": 0, "generated_tokens": 0, "weight_updates": 0}
