@@ -33,7 +33,7 @@ def check_count(
     if (optional and value is None) or (is_int(value) and value >= low):
         return value
     what = "a positive integer" if low == 1 else f"an integer >= {low}"
-    raise ValueError(f"`{arg}` must be {what}{unit}{' or None' if optional else ''}, got {value!r}")
+    raise ValueError(f"`{arg}` must be {what}{unit}{_or_none(arg, optional)}, got {value!r}")
 
 
 def check_number(
@@ -60,7 +60,7 @@ def check_number(
     if ok:
         return float(value)
     what = _range(low, high, strict, strict_high)
-    raise ValueError(f"`{arg}` must be {what}{unit}{' or None' if optional else ''}, got {value!r}")
+    raise ValueError(f"`{arg}` must be {what}{unit}{_or_none(arg, optional)}, got {value!r}")
 
 
 def _range(low: float | None, high: float | None, strict: bool, strict_high: bool) -> str:
@@ -75,6 +75,14 @@ def _range(low: float | None, high: float | None, strict: bool, strict_high: boo
     if low is None:
         return f"a number {'<' if strict_high else '<='} {high:g}"
     return f"a number in {'(' if strict else '['}{low:g}, {high:g}{')' if strict_high else ']'}"
+
+
+def _or_none(arg: str, optional: bool) -> str:
+    """How an optional argument's "unset" is written: ``null`` for a recipe's or the command
+    line's setting (``--model...``), ``None`` for a Python argument."""
+    if not optional:
+        return ""
+    return " or null" if arg.startswith("--") else " or None"
 
 
 def check_choice(arg: str, value: T, allowed: Iterable[Any]) -> T:

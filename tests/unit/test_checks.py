@@ -23,6 +23,9 @@ def test_counts():
         check_count("n", 2.5, 0, optional=True)
     with pytest.raises(ValueError, match=r"^`r` must be a positive integer \(rank\), got 0$"):
         check_count("r", 0, unit=" (rank)")
+    # a recipe's or the command line's setting is unset with null, a Python argument with None
+    with pytest.raises(ValueError, match=r"^`--data.n` must be a positive integer or null, got 0$"):
+        check_count("--data.n", 0, optional=True)
 
 
 @pytest.mark.parametrize(

@@ -132,7 +132,7 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (
             dict(algorithm={"advantage": {"gamma": 1.5, "name": "gae"}}),
-            r"`--model.algorithm.advantage.gamma` must be a number in \[0, 1\] or None, got 1.5",
+            r"`--model.algorithm.advantage.gamma` must be a number in \[0, 1\] or null, got 1.5",
         ),
         (
             dict(algorithm={"advantage": {"name": "grpo", "lam": 0.9}}),
@@ -150,7 +150,7 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (
             dict(algorithm={"loss": {"dual_clip": 0.5}}),
-            r"`--model.algorithm.loss.dual_clip` must be a number > 1 or None",
+            r"`--model.algorithm.loss.dual_clip` must be a number > 1 or null",
         ),
         (
             dict(algorithm={"loss": {"kwargs": {"beta": 1.0}}}),
@@ -163,7 +163,7 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (
             dict(algorithm={"value": {"clip": -0.1}}),
-            r"`--model.algorithm.value.clip` must be a number >= 0 or None",
+            r"`--model.algorithm.value.clip` must be a number >= 0 or null",
         ),
         (
             dict(algorithm={"entropy_coef": "a"}),
