@@ -56,6 +56,7 @@ def _fit_two_steps(world: int, root: str, cb, box: dict):
 
 def _fit(rank: int, world: int, root: str, profile_path: str) -> dict:
     import earl_lightning.modules.rl as rl
+    import earl_lightning.train.forward as forward
     from earl_lightning.callbacks import AdaptiveParallelism
 
     seen: dict[str, list[str]] = {"rollout": [], "experience": [], "train": []}
@@ -74,7 +75,7 @@ def _fit(rank: int, world: int, root: str, profile_path: str) -> dict:
         setattr(owner, name, wrapped)
 
     inject("rollout", rl.AgenticRLModule, "_play", VLLM_OOM, lambda lay: lay.tp == 1)
-    inject("experience", rl, "fill_logprobs", CPU_OOM, lambda lay: lay.tp == 1)
+    inject("experience", forward, "fill_logprobs", CPU_OOM, lambda lay: lay.tp == 1)
     inject("train", rl, "ppo_update", CUDA_OOM, lambda lay: lay.micro_batch_tokens == 1024)
     cb = AdaptiveParallelism(
         profile=profile_path, memory_budget_gb=1, micro_batch_tokens=[1024, 256]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import earl_lightning.modules.rl as rl
+import earl_lightning.train.forward as forward
 from earl_lightning.callbacks import AdaptiveParallelism
 from tests.unit.test_adaptive import datamodule, module, trainer
 
@@ -35,7 +36,7 @@ def inject(monkeypatch, stage: str, err: BaseException) -> list[str]:
     seen: list[str] = []
     target = {
         "rollout": (rl.AgenticRLModule, "_play"),
-        "experience": (rl, "fill_logprobs"),
+        "experience": (forward, "fill_logprobs"),
         "train": (rl, "ppo_update"),
     }[stage]
     real = getattr(*target)

@@ -38,7 +38,7 @@ def dies_at_save(self, name=None):
         ("earl_lightning.modules.rl.check_env_failures", r"the env-failure check of RL step 0"),
         ("earl_lightning.modules.rl.batch_stats", r"the batch statistics of RL step 0"),
         (
-            "earl_lightning.modules.rl.zero_spread_share",
+            "earl_lightning.modules.metrics.zero_spread_share",
             r"the step's metric reductions of RL step 0",
         ),
         ("first_eval", r"the evaluation's metric reductions of global step 0"),
