@@ -24,9 +24,13 @@ class SamplingFields:
     _arg: ClassVar[str] = "sampling"
 
     def __post_init__(self) -> None:
+        temperature = self._checked_temperature()
         check_sampling(
-            self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.stop, arg=self._arg
+            self.max_new_tokens, temperature, self.top_p, self.top_k, self.stop, arg=self._arg
         )
+
+    def _checked_temperature(self) -> float:
+        return self.temperature
 
     def sampling_fields(self) -> dict[str, Any]:
         """The shared settings as keyword arguments (``stop`` copied)."""
@@ -53,10 +57,11 @@ class SamplingConfig(SamplingFields):
     seed: int | None = None
     allowed_token_ids: list[int] | None = None
 
+    def _checked_temperature(self) -> float:
+        return 1.0 if self.greedy else self.temperature  # greedy decoding ignores the temperature
+
     def __post_init__(self) -> None:
-        # greedy decoding ignores the temperature
-        temperature = 1.0 if self.greedy else self.temperature
-        check_sampling(self.max_new_tokens, temperature, self.top_p, self.top_k, self.stop)
+        super().__post_init__()
         ids = self.allowed_token_ids
         if ids is not None and (
             isinstance(ids, (str, bytes))
