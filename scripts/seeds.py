@@ -26,8 +26,15 @@ from pathlib import Path
 
 from _rows import report_rows
 
-METRICS = ("val/win_rate", "val/invalid_rate", "val/accuracy", "val/tool_use_rate", "val/reward")
-SAMPLED = ("win_rate", "invalid_rate", "accuracy", "tool_use_rate", "reward")
+METRICS = (
+    "val/win_rate",
+    "val/invalid_rate",
+    "val/accuracy",
+    "val/tool_use_rate",
+    "val/right_tool_rate",
+    "val/reward",
+)
+SAMPLED = ("win_rate", "invalid_rate", "accuracy", "tool_use_rate", "right_tool_rate", "reward")
 REWARD_FUNCTIONS = "val/rewards/"  # each reward function's evaluation (a dataset task) is read too
 
 
@@ -163,7 +170,7 @@ def plot(records: list[dict], out: Path, title: str) -> None:
     import numpy as np
 
     functions = sorted({m for r in records for m in r["curves"] if m.startswith(REWARD_FUNCTIONS)})
-    shown = [m for m in [*METRICS[:4], *functions] if all(m in r["curves"] for r in records)] or [
+    shown = [m for m in [*METRICS[:-1], *functions] if all(m in r["curves"] for r in records)] or [
         METRICS[-1]
     ]
     fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4), squeeze=False)

@@ -40,6 +40,8 @@ COUNT_KEYS = (
     "correct",
     "tool_env",
     "tool_used",
+    "tool_choice",
+    "right_tool",
 )
 # metric name -> (numerator, denominator) in COUNT_KEYS
 RATES = {
@@ -52,17 +54,20 @@ RATES = {
     "env/turns": ("turns", "episodes"),
     "env/accuracy": ("correct", "episodes"),
     "env/tool_use_rate": ("tool_used", "episodes"),
+    "env/right_tool_rate": ("right_tool", "episodes"),
 }
 # A rate shown only when some episode reported what it counts: game outcomes, graded answers
-# (info["correct"]: the calculator), tool calls (info["tool_calls"]).
+# (info["correct"]: the calculator), tool calls (info["tool_calls"]), the choice of a tool
+# (info["right_tool"]: whether the first tool called was the right one; the inventory task).
 REPORTED_BY = {
     "env/win_rate": "outcomes",
     "env/draw_rate": "outcomes",
     "env/loss_rate": "outcomes",
     "env/accuracy": "graded",
     "env/tool_use_rate": "tool_env",
+    "env/right_tool_rate": "tool_choice",
 }
-FLAGS = ("outcomes", "graded", "tool_env")
+FLAGS = ("outcomes", "graded", "tool_env", "tool_choice")
 
 
 class Rate(Metric):
@@ -101,6 +106,8 @@ def episode_counts(episodes: Sequence[Any]) -> dict[str, float]:
         c["correct"] += info.get("correct") is True
         c["tool_env"] += "tool_calls" in info
         c["tool_used"] += (info.get("tool_calls") or 0) > 0
+        c["tool_choice"] += "right_tool" in info
+        c["right_tool"] += info.get("right_tool") is True
     return c
 
 

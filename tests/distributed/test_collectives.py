@@ -77,7 +77,9 @@ def metrics_of(layout: Layout | None) -> tuple[dict[str, float], dict[str, float
     run = RunMetrics()
     step = run.step(eps, counted, experience(eps), counted)
     run.update_val(eps, counted)
-    return step, run.compute_val({"outcomes": True, "graded": False, "tool_env": False})
+    return step, run.compute_val(
+        {"outcomes": True, "graded": False, "tool_env": False, "tool_choice": False}
+    )
 
 
 def check(rank: int, world: int, tp: int) -> dict:

@@ -1,5 +1,6 @@
 """Optional rates appear only for environments that report what they count: win/draw/loss for
-games (an outcome), accuracy and tool use for the calculator (info["correct"], info["tool_calls"])."""
+games (an outcome), accuracy and tool use for the calculator (info["correct"],
+info["tool_calls"]), the right tool's share for the inventory task (info["right_tool"])."""
 
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ def _play(tok, env: str, policy: str, n: int, **policy_kwargs):
 
 def test_calculator_episodes_report_accuracy_and_tool_use(tok):
     episodes = _play(tok, "calculator", "imperfect_calculator", 40, no_tool_share=0.25)
-    assert reported(episodes) == {"outcomes": False, "graded": True, "tool_env": True}
+    assert reported(episodes) == {
+        "outcomes": False,
+        "graded": True,
+        "tool_env": True,
+        "tool_choice": False,
+    }
     run = RunMetrics()
     run.update_val(episodes, True)
     values = run.compute_val(reported(episodes))
@@ -47,12 +53,35 @@ def test_calculator_episodes_report_accuracy_and_tool_use(tok):
     ] == pytest.approx(right)
     # the imperfect user is right exactly when it used the tool
     assert used == right and 0.6 < used < 0.9
-    assert "val/win_rate" not in values
+    assert "val/win_rate" not in values and "val/right_tool_rate" not in values
+
+
+def test_inventory_episodes_report_how_often_the_first_call_is_the_right_tool(tok):
+    episodes = _play(tok, "inventory", "imperfect_inventory", 40, wrong_tool_share=0.5)
+    assert reported(episodes) == {
+        "outcomes": False,
+        "graded": True,
+        "tool_env": True,
+        "tool_choice": True,
+    }
+    run = RunMetrics()
+    run.update_val(episodes, True)
+    values = run.compute_val(reported(episodes))
+    right = sum(ep.info["right_tool"] is True for ep in episodes) / 40
+    assert values["val/right_tool_rate"] == pytest.approx(right) and 0.25 < right < 0.75
+    # the right tool gives the answer (a wrong one may give the same number by chance)
+    assert all(ep.info["correct"] for ep in episodes if ep.info["right_tool"])
+    assert right <= values["val/accuracy"] <= right + 0.1
 
 
 def test_game_episodes_report_outcomes_only(tok):
     episodes = _play(tok, "connect_four", "random_legal", 6)
-    assert reported(episodes) == {"outcomes": True, "graded": False, "tool_env": False}
+    assert reported(episodes) == {
+        "outcomes": True,
+        "graded": False,
+        "tool_env": False,
+        "tool_choice": False,
+    }
     run = RunMetrics()
     run.update_val(episodes, True)
     values = run.compute_val(reported(episodes))
