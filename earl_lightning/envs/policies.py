@@ -238,6 +238,7 @@ class ImperfectCalculator:
 
 
 _ASKS = {"cost": "price", "stock": "stock", "weigh": "weight"}
+_FIELDS = ("price", "stock", "weight")
 _ITEM = re.compile(r"(?:one|many) (\w+)")
 
 
@@ -245,11 +246,17 @@ _ITEM = re.compile(r"(?:one|many) (\w+)")
 class ImperfectInventory:
     """The inventory task's imperfect tool user: it looks the asked field of the item up with the
     matching tool and answers with what the tool said, except that with probability
-    ``wrong_tool_share`` it picks one of the two other tools (and so answers a wrong number). Calls
-    are written in the Hermes / Qwen format, the answer as the bare number."""
+    ``wrong_tool_share`` it confuses the tool with its neighbour (price -> stock -> weight ->
+    price; ``confusion: neighbour``, the default) or with either other tool (``confusion:
+    either``), and so answers a wrong number. A consistent confusion above a share of 0.5 makes
+    the wrong tool the imitating model's most likely one: RL has a choice to undo. Calls are
+    written in the Hermes / Qwen format, the answer as the bare number."""
 
-    def __init__(self, seed: int = 0, wrong_tool_share: float = 0.5) -> None:
+    def __init__(
+        self, seed: int = 0, wrong_tool_share: float = 0.5, confusion: str = "neighbour"
+    ) -> None:
         share = check_number("wrong_tool_share", wrong_tool_share, low=0, high=1)
+        self.confusion = check_choice("confusion", confusion, ("neighbour", "either"))
         self.rng, self.wrong_tool_share = random.Random(seed), share
 
     def __call__(self, observation: str) -> str:
@@ -261,5 +268,6 @@ class ImperfectInventory:
             return "0"  # an error message or anything unexpected: give up with some answer
         tool = asked
         if self.rng.random() < self.wrong_tool_share:
-            tool = self.rng.choice([f for f in ("price", "stock", "weight") if f != asked])
+            others = _FIELDS[_FIELDS.index(asked) + 1 :] + _FIELDS[: _FIELDS.index(asked)]
+            tool = others[0] if self.confusion == "neighbour" else self.rng.choice(others)
         return f"<tool_call>\n{json.dumps({'name': tool, 'arguments': {'item': item.group(1)}})}\n</tool_call>"

@@ -60,6 +60,33 @@ def test_the_imperfect_user_is_right_exactly_when_it_picks_the_right_tool():
     assert 0.5 < sum(right_tool) / 300 < 0.7
 
 
+@pytest.mark.parametrize("confusion, wrong_tools", [("neighbour", 3), ("either", 6)])
+def test_the_imperfect_users_confusion(confusion, wrong_tools):
+    """``neighbour``: a wrong call is always the asked field's neighbour (price -> stock ->
+    weight -> price), so above a share of 0.5 the wrong tool is the most likely one; ``either``:
+    both other tools."""
+    env, picks = make_env("inventory"), set()
+    neighbour = {"price": "stock", "stock": "weight", "weight": "price"}
+    for seed in range(300):
+        policy = make_policy(
+            "imperfect_inventory", {"wrong_tool_share": 0.7, "confusion": confusion}, seed
+        )
+        obs = env.reset(seed)
+        (call,) = hermes(policy(obs)).calls
+        if call.name != env.asked:
+            picks.add((env.asked, call.name))
+            if confusion == "neighbour":
+                assert call.name == neighbour[env.asked]
+    assert len(picks) == wrong_tools
+
+
+def test_a_bad_confusion_is_one_line():
+    with pytest.raises(
+        ValueError, match=r"`confusion` must be one of \['neighbour', 'either'\], got 'any'"
+    ):
+        make_policy("imperfect_inventory", {"confusion": "any"}, 0)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
