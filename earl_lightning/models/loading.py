@@ -29,7 +29,8 @@ def resolve_model_path(name_or_path: str, arg: str = "--model.name_or_path") -> 
     """Turn a model name into something ``from_pretrained`` accepts.
 
     ``earl-tiny`` (and the other presets) builds the offline model on first use and returns its
-    directory. A path that looks local (absolute, ``./``, ``~``) must exist, and a local directory
+    directory. A path that looks local (absolute, ``./``, ``~``, two slashes or more, or in an
+    existing directory) must exist, and a local directory
     must hold a whole model (:func:`check_model_dir`). Anything else is a hub id, passed through as is.
     """
     if not isinstance(name_or_path, str) or not name_or_path:
@@ -39,8 +40,10 @@ def resolve_model_path(name_or_path: str, arg: str = "--model.name_or_path") -> 
     if name_or_path in PRESETS:
         return str(make_tiny_model(name_or_path))
     expanded = os.path.expanduser(name_or_path)
+    # a hub id is "name" or "namespace/name": two slashes or more make a relative path
     looks_local = (
         expanded.startswith(("/", "./", "../"))
+        or expanded.count("/") >= 2
         or os.sep in expanded
         and os.path.exists(os.path.dirname(expanded) or ".")
     )

@@ -65,6 +65,16 @@ def test_model_path_that_does_not_exist(tmp_path):
         AgenticRLModule(model=missing)
 
 
+def test_a_relative_model_path_that_does_not_exist_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    # a recipe's `runs/<task>_sft/model` before that warm start was made: not a hub id
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"`--model.model`: model path 'runs/calculator_sft/model' does not exist",
+    ):
+        AgenticRLModule(model="runs/calculator_sft/model")
+
+
 def test_max_context_tokens_smaller_than_first_observation():
     from earl_lightning.modules.rollout_setup import check_first_observation
 
