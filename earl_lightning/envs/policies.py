@@ -31,6 +31,7 @@ from typing import Any
 
 from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.envs.calculator import CalcError, safe_eval
+from earl_lightning.envs.inventory import FIELDS
 from earl_lightning.envs.openspiel_env import legal_from_observation, preference_policy
 from earl_lightning.registry import Registry
 
@@ -238,7 +239,6 @@ class ImperfectCalculator:
 
 
 _ASKS = {"cost": "price", "stock": "stock", "weigh": "weight"}
-_FIELDS = ("price", "stock", "weight")
 _ITEM = re.compile(r"(?:one|many) (\w+)")
 
 
@@ -268,6 +268,7 @@ class ImperfectInventory:
             return "0"  # an error message or anything unexpected: give up with some answer
         tool = asked
         if self.rng.random() < self.wrong_tool_share:
-            others = _FIELDS[_FIELDS.index(asked) + 1 :] + _FIELDS[: _FIELDS.index(asked)]
+            i = FIELDS.index(asked)
+            others = FIELDS[i + 1 :] + FIELDS[:i]  # the neighbour first
             tool = others[0] if self.confusion == "neighbour" else self.rng.choice(others)
         return f"<tool_call>\n{json.dumps({'name': tool, 'arguments': {'item': item.group(1)}})}\n</tool_call>"

@@ -30,8 +30,8 @@ def resolve_model_path(name_or_path: str, arg: str = "--model.name_or_path") -> 
 
     ``earl-tiny`` (and the other presets) builds the offline model on first use and returns its
     directory. A path that looks local (absolute, ``./``, ``~``, two slashes or more, or in an
-    existing directory) must exist, and a local directory
-    must hold a whole model (:func:`check_model_dir`). Anything else is a hub id, passed through as is.
+    existing directory) must exist, and a local directory must hold a whole model
+    (:func:`check_model_dir`). Anything else is a hub id, passed through as is.
     """
     if not isinstance(name_or_path, str) or not name_or_path:
         raise ValueError(

@@ -69,7 +69,7 @@ def experience(eps: list[Episode]) -> ExperienceBatch:
 
 
 def metrics_of(layout: Layout | None) -> tuple[dict[str, float], dict[str, float]]:
-    from earl_lightning.modules.metrics import RunMetrics
+    from earl_lightning.modules.metrics import FLAGS, RunMetrics
 
     dp_rank, dp = (layout.coords(global_rank())[0], layout.dp) if layout else (0, 1)
     counted = Reducer(layout).counts_here
@@ -77,9 +77,7 @@ def metrics_of(layout: Layout | None) -> tuple[dict[str, float], dict[str, float
     run = RunMetrics()
     step = run.step(eps, counted, experience(eps), counted)
     run.update_val(eps, counted)
-    return step, run.compute_val(
-        {"outcomes": True, "graded": False, "tool_env": False, "tool_choice": False}
-    )
+    return step, run.compute_val(dict.fromkeys(FLAGS, False) | {"outcomes": True})
 
 
 def check(rank: int, world: int, tp: int) -> dict:

@@ -35,6 +35,13 @@ def _play(tok, env: str, policy: str, n: int, **policy_kwargs):
     )
 
 
+def _evaluated(episodes) -> dict[str, float]:
+    """The evaluation metrics of ``episodes``, with the rates they report."""
+    run = RunMetrics()
+    run.update_val(episodes, True)
+    return run.compute_val(reported(episodes))
+
+
 def test_calculator_episodes_report_accuracy_and_tool_use(tok):
     episodes = _play(tok, "calculator", "imperfect_calculator", 40, no_tool_share=0.25)
     assert reported(episodes) == {
@@ -43,9 +50,7 @@ def test_calculator_episodes_report_accuracy_and_tool_use(tok):
         "tool_env": True,
         "tool_choice": False,
     }
-    run = RunMetrics()
-    run.update_val(episodes, True)
-    values = run.compute_val(reported(episodes))
+    values = _evaluated(episodes)
     used = sum(ep.info["tool_calls"] > 0 for ep in episodes) / 40
     right = sum(ep.info["correct"] for ep in episodes) / 40
     assert values["val/tool_use_rate"] == pytest.approx(used) and values[
@@ -64,9 +69,7 @@ def test_inventory_episodes_report_how_often_the_first_call_is_the_right_tool(to
         "tool_env": True,
         "tool_choice": True,
     }
-    run = RunMetrics()
-    run.update_val(episodes, True)
-    values = run.compute_val(reported(episodes))
+    values = _evaluated(episodes)
     right = sum(ep.info["right_tool"] is True for ep in episodes) / 40
     assert values["val/right_tool_rate"] == pytest.approx(right) and 0.25 < right < 0.75
     # the right tool gives the answer (a wrong one may give the same number by chance)
@@ -82,9 +85,7 @@ def test_game_episodes_report_outcomes_only(tok):
         "tool_env": False,
         "tool_choice": False,
     }
-    run = RunMetrics()
-    run.update_val(episodes, True)
-    values = run.compute_val(reported(episodes))
+    values = _evaluated(episodes)
     assert {"val/win_rate", "val/invalid_rate"} <= set(values)
     assert "val/accuracy" not in values and "val/tool_use_rate" not in values
 
