@@ -118,6 +118,11 @@ def load_dataset_splits(
             if path.exists()
             else " (no such local file or directory; and not a hub id reachable from here)"
         )
+        if path.suffix in (".yaml", ".yml"):  # a path is always the data, never its settings
+            hint = (
+                f" (a path names the data itself: give its settings inline, `{arg} '{{path: ..., "
+                f"eval_size: 0.1}}'`, or under data.dataset in a --config file)"
+            )
         raise ValueError(
             f"`{path_arg}` {config.path!r}: cannot load the dataset{hint}: "
             f"{type(err).__name__}: {first[:200]}"

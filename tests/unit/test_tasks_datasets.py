@@ -191,6 +191,18 @@ def test_a_dataset_file_is_opened_by_its_path_object_too(tmp_path):
     assert len(open_splits(Path(path)).train) == 3
 
 
+def test_a_settings_file_given_as_the_dataset_says_where_settings_go(tmp_path):
+    settings = tmp_path / "dataset.yaml"
+    settings.write_text("path: data.jsonl\neval_size: 4\n")
+    with pytest.raises(
+        ValueError,
+        match=r"^`--data.dataset` '.*dataset.yaml': cannot load the dataset \(a path names the data "
+        r"itself: give its settings inline, `--data.dataset '\{path: ..., eval_size: 0.1\}'`, or "
+        r"under data.dataset in a --config file\): ",
+    ):
+        open_splits(str(settings))
+
+
 def test_an_empty_file_is_one_line_naming_the_argument_and_the_file(tmp_path):
     empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
     empty.write_text("")
