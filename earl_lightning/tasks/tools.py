@@ -45,12 +45,14 @@ class ToolCall:
 
 @dataclass
 class ToolResult:
-    """What a call returned (the ``tool`` message's content), whether it failed, and its seconds."""
+    """What a call returned (the ``tool`` message's content), whether it failed, its seconds, and
+    whether the content was cut to the result budget (``rollout.max_tool_result_chars``)."""
 
     name: str
     content: str
     error: bool
     seconds: float
+    truncated: bool = False
 
     def as_message(self) -> dict[str, Any]:
         return {"role": "tool", "name": self.name, "content": self.content}
@@ -226,14 +228,17 @@ def _as_text(value: Any) -> str:
 
 @dataclass
 class ToolStats:
-    """An episode's tool use: calls made, calls that failed, seconds spent in them."""
+    """An episode's tool use: calls made, calls that failed, seconds spent in them, results cut to
+    the result budget."""
 
     calls: int = 0
     errors: int = 0
     seconds: float = 0.0
+    truncated: int = 0
     per_turn: list[list[ToolCall]] = field(default_factory=list)  # the calls each turn made
 
     def add(self, results: Sequence[ToolResult]) -> None:
         self.calls += len(results)
         self.errors += sum(r.error for r in results)
         self.seconds += sum(r.seconds for r in results)
+        self.truncated += sum(r.truncated for r in results)

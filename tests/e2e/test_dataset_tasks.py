@@ -380,7 +380,13 @@ def test_a_dataset_task_with_tools_from_the_command_line(data, tmp_path):
             "1024",
         )
     )
-    for tag in ("tools/calls", "tools/errors", "tools/seconds", "rewards/accuracy_reward/mean"):
+    for tag in (
+        "tools/calls",
+        "tools/errors",
+        "tools/seconds",
+        "tools/truncated",
+        "rewards/accuracy_reward/mean",
+    ):
         assert scalars(tmp_path, tag), f"{tag} not logged"
 
 

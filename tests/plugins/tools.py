@@ -131,3 +131,28 @@ class Sleepy:
         time.sleep(0.05 * (self.seed % 3))
         self.turn += 1
         return StepResult("Again.", 0.0, self.turn >= self.turns, {})
+
+
+def flood(size: int) -> str:
+    """A result of ``size`` characters (a tool that answers with far too much text).
+
+    Args:
+        size: how many characters.
+    """
+    return "x" * size
+
+
+def raising_parser(text: str):
+    """A user's tool-call parser with a bug: it raises on every turn that mentions a call."""
+    from earl_lightning.tasks.tool_parsers import ParsedTurn
+
+    if "call" in text:
+        raise RuntimeError("this parser is broken")
+    return ParsedTurn()
+
+
+def untyped_parser(text: str):
+    """A user's tool-call parser that returns a dict instead of a ParsedTurn for a call."""
+    from earl_lightning.tasks.tool_parsers import ParsedTurn
+
+    return {"calls": [text]} if "call" in text else ParsedTurn()
