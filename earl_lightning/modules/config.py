@@ -136,6 +136,13 @@ class RolloutConfig:
         max_tool_result_chars: each tool result (and error message) is cut to this many characters
             before it is tokenized, and ``[... truncated N characters]`` added, so the model knows
             (``tools/truncated`` counts them); null: whole results.
+        reward_timeout_s: a reward function still running this long after it was handed a batch
+            of rows fails the rows it has not scored, as if it had raised (``rewards/errors``); it
+            is abandoned on a daemon thread, and not called again while that call still runs (its
+            rows fail at once). With a limit, plain functions run on a thread of their own (``async``
+            ones on the event loop, cancelled at the limit); null: no limit, and plain functions
+            run on the calling thread (for a function that needs the main thread, e.g.
+            ``signal.alarm``).
         call_workers: threads running the env steps and tool calls of all live episodes at once
             (1: one at a time).
         call_isolation: ``thread``: environments and tools live in the trainer's process;
@@ -163,6 +170,7 @@ class RolloutConfig:
     tool_parser: str | None = None
     max_tool_argument_chars: int | None = 32768
     max_tool_result_chars: int | None = 32768
+    reward_timeout_s: float | None = 300.0
     call_workers: int = 64
     call_isolation: Literal["thread", "process"] = "thread"
     continuous_turns: bool = False
@@ -189,6 +197,9 @@ class RolloutConfig:
         check_number(f"{arg}.env_timeout_s", self.env_timeout_s, low=0, strict=True, optional=True)
         for name in ("max_tool_argument_chars", "max_tool_result_chars"):
             check_count(f"{arg}.{name}", getattr(self, name), optional=True)
+        check_number(
+            f"{arg}.reward_timeout_s", self.reward_timeout_s, low=0, strict=True, optional=True
+        )
         check_count(f"{arg}.call_workers", self.call_workers)
         check_choice(f"{arg}.call_isolation", self.call_isolation, ("thread", "process"))
         if self.tool_parser is not None:

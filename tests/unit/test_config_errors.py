@@ -132,6 +132,11 @@ def test_vllm_backend_without_vllm_names_the_extra(monkeypatch):
             "lots",
             r"^`--model.rollout.max_tool_result_chars` must be a positive integer or null, got 'lots'",
         ),
+        (
+            "reward_timeout_s",
+            0,
+            r"^`--model.rollout.reward_timeout_s` must be a positive number or null, got 0$",
+        ),
     ],
 )
 def test_the_limits_on_what_a_model_and_its_tools_bring_are_checked(setting, value, message):
