@@ -187,7 +187,7 @@ def read_calls(parser: ToolParser, text: str, max_argument_chars: int | None = N
                 f"ParsedTurn"
             ]
         )
-    out = ParsedTurn(errors=[e if isinstance(e, str) else repr(e)[:200] for e in turn.errors])
+    out = ParsedTurn(errors=[e if isinstance(e, str) else _shown(e) for e in turn.errors])
     for call in turn.calls:
         problem = _argument_problem(call, max_argument_chars)
         (out.errors if problem is not None else out.calls).append(problem or call)
@@ -197,7 +197,7 @@ def read_calls(parser: ToolParser, text: str, max_argument_chars: int | None = N
 def _argument_problem(call: Any, max_chars: int | None) -> str | None:
     """Why ``call`` is not run (None when it is fine)."""
     if not isinstance(call, ToolCall) or not isinstance(call.name, str):
-        return f"the tool-call parser returned {type(call).__name__} {call!r:.60} as a call, not a ToolCall"
+        return f"the tool-call parser returned {_shown(call)} as a call, not a ToolCall"
     if not isinstance(call.arguments, dict):
         return f"the arguments of {call.name!r} must be a JSON object, got {type(call.arguments).__name__}"
     if _deeper_than(call.arguments, MAX_ARGUMENT_DEPTH):
@@ -227,6 +227,14 @@ def _deeper_than(value: Any, limit: int) -> bool:
                 (v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
             )
     return False
+
+
+def _shown(obj: Any) -> str:
+    """``type repr`` of something a user's parser returned, at most 60 characters of the repr."""
+    try:
+        return f"{type(obj).__name__} {repr(obj)[:60]}"
+    except Exception:  # noqa: BLE001 - nested past the stack, a number past the digit limit
+        return type(obj).__name__
 
 
 def _name(fn: Any) -> str:

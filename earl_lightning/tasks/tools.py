@@ -188,7 +188,16 @@ class ToolSet:
             return self._result(
                 call, f"Error: {call.name!r} raised {type(err).__name__}: {str(err)[:300]}", start
             )
-        return ToolResult(call.name, _as_text(value), False, time.perf_counter() - start)
+        try:
+            text = _as_text(value)
+        except Exception as err:  # noqa: BLE001 - nested past the stack, a number past the digit limit
+            return self._result(
+                call,
+                f"Error: {call.name!r} returned a value of type {type(value).__name__} that cannot be "
+                f"written as text ({type(err).__name__})",
+                start,
+            )
+        return ToolResult(call.name, text, False, time.perf_counter() - start)
 
     @staticmethod
     def _result(call: ToolCall, text: str, start: float) -> ToolResult:

@@ -156,3 +156,24 @@ def untyped_parser(text: str):
     from earl_lightning.tasks.tool_parsers import ParsedTurn
 
     return {"calls": [text]} if "call" in text else ParsedTurn()
+
+
+def bignum(digits: int) -> int:
+    """A number of ``digits`` + 1 digits (past Python's int-to-text limit of 4,300).
+
+    Args:
+        digits: its power of ten.
+    """
+    return 10**digits
+
+
+def deep(levels: int) -> list:
+    """Lists nested ``levels`` deep (past Python's stack when written as JSON).
+
+    Args:
+        levels: how deep.
+    """
+    out: list = []
+    for _ in range(levels):
+        out = [out]
+    return out

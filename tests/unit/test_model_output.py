@@ -156,3 +156,18 @@ def test_the_default_result_budget_is_the_settings(tok):
     (flood,) = tool_messages(ep)
     assert flood == "x" * budget + f"\n[... truncated {10_000_000 - budget} characters]"
     assert ep.tool_truncated == 1
+
+
+def test_a_result_that_cannot_be_written_as_text_is_an_error_message(tok):
+    turns = [
+        '<tool_call>{"name": "bignum", "arguments": {"digits": 5000}}</tool_call>',
+        '<tool_call>{"name": "deep", "arguments": {"levels": 5000}}</tool_call>',
+        FORMATS["hermes"](json.dumps({"a": 2, "b": 3})),
+        "5",
+    ]
+    ep = play(tok, turns, tools=(plugin.bignum, plugin.deep, plugin.add))
+    assert_answered_and_went_on(
+        ep,
+        "Error: 'bignum' returned a value of type int that cannot be written as text (ValueError)",
+        "Error: 'deep' returned a value of type list that cannot be written as text (RecursionError)",
+    )
