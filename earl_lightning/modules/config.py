@@ -137,12 +137,12 @@ class RolloutConfig:
             before it is tokenized, and ``[... truncated N characters]`` added, so the model knows
             (``tools/truncated`` counts them); null: whole results.
         reward_timeout_s: a reward function still running this long after it was handed a batch
-            of rows fails the rows it has not scored, as if it had raised (``rewards/errors``); it
-            is abandoned on a daemon thread, and not called again while that call still runs (its
-            rows fail at once). With a limit, plain functions run on a thread of their own (``async``
-            ones on the event loop, cancelled at the limit); null: no limit, and plain functions
-            run on the calling thread (for a function that needs the main thread, e.g.
-            ``signal.alarm``).
+            of rows loses the rows it has not scored, as if it had raised (``rewards/errors``);
+            where it was is logged once. A plain function stays on the main thread (math-verify's
+            own alarms need it) and is interrupted there, in a sleep, a wait or a Python loop (not
+            inside C code that never returns); off the main thread it runs on a daemon thread of
+            its own and is abandoned, then not called again until that call returns. An ``async``
+            one is cancelled. null: no limit.
         call_workers: threads running the env steps and tool calls of all live episodes at once
             (1: one at a time).
         call_isolation: ``thread``: environments and tools live in the trainer's process;

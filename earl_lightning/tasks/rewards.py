@@ -14,13 +14,16 @@ use). A function that raises is called again row by row, so that only the rows i
 are lost; a function that returns the wrong number of values, or a value that is not a number,
 loses the whole batch. Pure Python: no torch, no trainer.
 
-Time limit (``timeout_s``). Python cannot stop a thread, so each function then runs on a daemon
-thread of its own (the plain ones still one after another) and is waited for at most
-``timeout_s`` from its start; an ``async`` one is cancelled on the event loop at its limit. A
-function still running then loses the rows it has not scored, as if it had raised, and its thread
-is abandoned: the first time, its stack is logged. While an abandoned call still runs, that
-function is not called again (its rows fail at once), so a function that hangs for ever holds one
-thread, not one per step. Without a limit the plain functions run on the caller's thread.
+Time limit (``timeout_s``). A plain function keeps running on the main thread, where
+``math_verify`` needs it: at its limit a watchdog interrupts it there
+(:mod:`earl_lightning.tasks.deadline`: in a sleep, a wait, a Python loop; not inside C code that
+never returns to the interpreter, whose place is then logged). Off the main thread (or without
+real-time signals) it runs on a daemon thread of its own instead, waited for at most
+``timeout_s``; still running then, it is abandoned, and not called again while that call runs (its
+rows fail at once), so a function that hangs for ever holds one thread, not one per step. An
+``async`` one is cancelled on the event loop at its limit. Either way a function past its limit
+loses the rows it has not scored, as if it had raised, and the first time its stack is logged.
+Without a limit the plain functions run on the caller's thread, as they always did.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 
 from earl_lightning.checks import is_real
 from earl_lightning.registry import import_object
+from earl_lightning.tasks.deadline import CallTimeout, call_with_limit, can_interrupt
 from earl_lightning.tasks.rows import accepted_kwargs
 
 log = logging.getLogger("earl_lightning.tasks")
@@ -199,7 +203,7 @@ def call_reward_funcs(
 
     Each ``async`` function is driven from a helper thread that waits on its coroutines, which all
     run on one event loop, so they interleave; the plain functions run meanwhile, one after
-    another (on this thread when there is no limit)."""
+    another, on this thread (on a thread of their own when a limit cannot interrupt them here)."""
     calls = [_Call(f, prompts, completions, completion_ids, columns, extras or {}) for f in funcs]
     waiting = [c for c in calls if c.func.is_async and c.start(timeout_s)]
     for c in calls:
@@ -207,6 +211,8 @@ def call_reward_funcs(
             continue
         if timeout_s is None:
             c.run()
+        elif can_interrupt():
+            c.run_interrupted(timeout_s)
         elif c.start(timeout_s):
             c.wait()
     for c in waiting:
@@ -290,6 +296,20 @@ class _Call:
                 except Exception as err:  # noqa: BLE001
                     self._fail([i], _raised(err))
 
+    def run_interrupted(self, timeout_s: float) -> None:
+        """:meth:`run` on this (the main) thread, interrupted at ``timeout_s``: the rows it has not
+        scored by then fail."""
+        self.timeout_s = timeout_s
+        try:
+            call_with_limit(self.run, timeout_s, self._log_late)
+        except CallTimeout:
+            with self.lock:
+                late = [i for i, done in enumerate(self.settled) if not done]
+            self._fail(late, self._late())
+
+    def _late(self) -> str:
+        return f"did not return within {self.timeout_s:g} s (`--model.rollout.reward_timeout_s`)"
+
     def start(self, timeout_s: float | None) -> bool:
         """Run on a daemon thread of its own (limited to ``timeout_s`` when given); False, with
         every row failed, when an abandoned call of this function still runs."""
@@ -320,6 +340,8 @@ class _Call:
             return
         with self.lock:
             late = [i for i, done in enumerate(self.settled) if not done]
+            if not late:
+                return  # it returned just now
             kept = RewardOutcome(
                 list(self.out.values),
                 list(self.out.errors),
@@ -329,27 +351,30 @@ class _Call:
             self.abandoned = kept
         for i in late:
             kept.values[i] = None
-            kept.errors[i] = self._why(
-                f"did not return within {self.timeout_s:g} s (`--model.rollout.reward_timeout_s`)"
-            )
-        if self.future is not None:
-            self.future.cancel()
-        with _abandoned_lock:
-            first = self.func.name not in _logged_hangs
-            _logged_hangs.add(self.func.name)
-            _abandoned[id(self.func.fn)] = (self.thread, self.timeout_s)
-        if first:
-            self._log_hang()
+            kept.errors[i] = self._why(self._late())
+        frame = sys._current_frames().get(self.thread.ident)
+        # a cancelled coroutine ends its driver thread at once; a blocked one (or a plain function)
+        # stays abandoned
+        if self.future is not None and self.future.cancel():
+            self.thread.join(1.0)
+        if self.thread.is_alive():
+            with _abandoned_lock:
+                _abandoned[id(self.func.fn)] = (self.thread, self.timeout_s)
+        self._log_late(frame)
 
     def outcome(self) -> RewardOutcome:
         return self.abandoned if self.abandoned is not None else self.out
 
-    def _log_hang(self) -> None:
-        frame = sys._current_frames().get(self.thread.ident)
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(not known)"
+    def _log_late(self, frame: Any) -> None:
+        """The first time this function runs past its limit: where it is (``frame``)."""
+        with _abandoned_lock:
+            if self.func.name in _logged_hangs:
+                return
+            _logged_hangs.add(self.func.name)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(not known)\n"
         log.warning(
-            "reward function %r did not return within %g s: its rows are not scored, and it is not "
-            "called again until this call returns [logged once per function]; where it is stuck:\n%s",
+            "reward function %r did not return within %g s: the rows it has not scored are lost "
+            "[logged once per function]; where it was:\n%s",
             self.func.name,
             self.timeout_s,
             stack,

@@ -414,10 +414,10 @@ def test_tools_without_a_parser_are_one_line(data, tmp_path, capsys):
 
 
 def test_a_hung_reward_function_ends_the_run_in_one_line_within_seconds(data, tmp_path):
-    """A reward function that sleeps 60 s under a 1 s limit: the evaluation before the first update
-    loses its rows at the limit, the abandoned call still sleeps at step 0, so step 0's rows fail
-    at once, and the run ends as a raising function ends it (every row unscored:
-    ``max_failed_share`` 1), in seconds, not hung."""
+    """A reward function that sleeps 60 s under a 1 s limit: it is interrupted where it sleeps, in
+    the evaluation before the first update and again at step 0, whose rows it then has not scored,
+    and the run ends as a raising function ends it (every row unscored: ``max_failed_share`` 1),
+    in seconds, not hung."""
     from tests.distributed.launch import subprocess_env
 
     earl = Path(sys.executable).with_name("earl")
@@ -435,10 +435,10 @@ def test_a_hung_reward_function_ends_the_run_in_one_line_within_seconds(data, tm
     assert time.perf_counter() - start < 60, "the run waited for the sleeping function"
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        "earl: error: reward function 'sleepy' is still running its call on an earlier batch, "
-        "abandoned after 1 s; its rows are not scored until that call returns (8 of 8 episodes of "
-        "RL step 0 could not be scored (`--model.rollout.max_failed_share` 1)). Fix the reward "
-        "function, or raise max_failed_share to train on the rows it scores"
+        "earl: error: reward function 'sleepy' did not return within 1 s "
+        "(`--model.rollout.reward_timeout_s`) (8 of 8 episodes of RL step 0 could not be scored "
+        "(`--model.rollout.max_failed_share` 1)). Fix the reward function, or raise "
+        "max_failed_share to train on the rows it scores"
     )
     assert "Traceback" not in proc.stderr
-    assert "reward function 'sleepy' did not return within 1 s" in proc.stderr, "the hang is logged"
+    assert "where it was:" in proc.stderr and "in sleepy" in proc.stderr, "the hang is logged"

@@ -224,6 +224,15 @@ def _limited(funcs, timeout_s=1.0):
     return out, time.perf_counter() - start
 
 
+def _off_main(fn, *args):
+    """``fn(*args)`` on a thread other than the main one (as a Python user's own thread calls)."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn(*args)))
+    t.start()
+    t.join(30)
+    return box[0]
+
+
 def _threads(name: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"earl-reward-{name}"]
 
@@ -242,15 +251,25 @@ def wake():
 LATE = "did not return within 1 s (`--model.rollout.reward_timeout_s`)"
 
 
-def test_a_hung_reward_function_loses_its_rows_at_the_limit_and_the_others_score(wake):
-    (fine, hung), seconds = _limited(
-        ["tests.plugins.rewards.exact_sum", "tests.plugins.rewards.sleepy"]
-    )
-    assert seconds < 5, "waited for the 60 s sleep"
-    assert fine.values == [1.0, 0.0, 1.0] and fine.errors == [None] * 3
-    assert hung.values == [None] * 3 and hung.errors == [f"reward function 'sleepy' {LATE}"] * 3
+def test_a_hung_reward_function_is_interrupted_at_the_limit_and_the_others_score(wake):
+    """On the main thread (where ``earl`` scores) the sleeping function is interrupted where it
+    sleeps: its rows are lost, nothing is left running, and the next batch calls it again."""
+    for _ in range(2):
+        (fine, hung), seconds = _limited(
+            ["tests.plugins.rewards.exact_sum", "tests.plugins.rewards.sleepy"]
+        )
+        assert seconds < 5, "waited for the 60 s sleep"
+        assert fine.values == [1.0, 0.0, 1.0] and fine.errors == [None] * 3
+        assert hung.values == [None] * 3
+        assert hung.errors == [f"reward function 'sleepy' {LATE}"] * 3
+        assert _threads("sleepy") == [], "interrupted, not left running"
+
+
+def test_off_the_main_thread_a_hung_function_is_abandoned_and_holds_one_thread(wake):
+    (hung,), seconds = _off_main(_limited, ["tests.plugins.rewards.sleepy"])
+    assert seconds < 5 and hung.errors == [f"reward function 'sleepy' {LATE}"] * 3
     # the next batch: the abandoned call still sleeps, so the function is not called again
-    (again,), seconds = _limited(["tests.plugins.rewards.sleepy"])
+    (again,), seconds = _off_main(_limited, ["tests.plugins.rewards.sleepy"])
     assert (
         seconds < 0.5
         and again.errors
@@ -263,7 +282,7 @@ def test_a_hung_reward_function_loses_its_rows_at_the_limit_and_the_others_score
     assert len(_threads("sleepy")) == 1, "one abandoned thread, however many batches"
     rewards_plugin.WAKE.set()  # the abandoned call returns: the function is called again
     _threads("sleepy")[0].join(10)
-    (back,), _ = _limited(["tests.plugins.rewards.sleepy"])
+    (back,), _ = _off_main(_limited, ["tests.plugins.rewards.sleepy"])
     assert back.values == [1.0] * 3 and back.errors == [None] * 3
 
 
@@ -276,15 +295,17 @@ def test_a_hung_async_reward_function_is_cancelled_at_the_limit():
     assert _threads("asleep") == [], "nothing left running"
 
 
-def test_the_rows_scored_before_the_limit_are_kept(wake):
-    (out,), seconds = _limited(["tests.plugins.rewards.stalls_on_second_row"])
+@pytest.mark.parametrize("main", [True, False], ids=["main_thread", "other_thread"])
+def test_the_rows_scored_before_the_limit_are_kept(wake, main):
+    args = (["tests.plugins.rewards.stalls_on_second_row"],)
+    (out,), seconds = _limited(*args) if main else _off_main(_limited, *args)
     assert seconds < 5
     assert out.values == [1.0, None, None]
     late = f"reward function 'stalls_on_second_row' {LATE}"
     assert out.errors == [None, late, late]
 
 
-def test_without_a_limit_plain_functions_run_on_the_calling_thread_and_with_one_on_their_own():
+def test_plain_functions_run_on_the_main_thread_with_or_without_a_limit():
     seen = []
 
     def where(completions, **kw):
@@ -293,7 +314,19 @@ def test_without_a_limit_plain_functions_run_on_the_calling_thread_and_with_one_
 
     _call([where])
     _limited([where])
-    assert seen[0] is threading.current_thread() and seen[1] is not seen[0]
+    _off_main(_limited, [where])
+    main = threading.main_thread()
+    assert seen[0] is main and seen[1] is main, "a limit keeps them where they were"
+    assert seen[2] is not main and seen[2].name == "earl-reward-where", (
+        "elsewhere: their own thread"
+    )
+
+
+def test_math_verify_keeps_its_own_alarms_under_a_time_limit():
+    """math-verify's parse with its default time-out uses signal.alarm, which only the main
+    thread may: under a limit it still runs there, and scores."""
+    (out,), _ = _limited(["tests.plugins.rewards.verified"], timeout_s=30.0)
+    assert out.errors == [None] * 3 and out.values == [1.0, 0.0, 1.0]
 
 
 def test_trls_own_accuracy_reward_runs_under_a_time_limit():
