@@ -320,7 +320,11 @@ class AgenticRLModule(L.LightningModule):
         finally:
             self._backend.release(None)
         self._reward_outcomes = score_episodes(
-            episodes, self._reward_funcs(), self.tokenizer, reward_extras(self.trainer)
+            episodes,
+            self._reward_funcs(),
+            self.tokenizer,
+            reward_extras(self.trainer),
+            self.rollout_config.reward_timeout_s,
         )
         return episodes
 

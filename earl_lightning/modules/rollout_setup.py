@@ -24,7 +24,12 @@ def loop_kwargs(
     use = tools
     if not isinstance(tools, ToolUse):
         use = (
-            ToolUse(get_tool_parser(rollout.tool_parser), tuple(tools or ()))
+            ToolUse(
+                get_tool_parser(rollout.tool_parser),
+                tuple(tools or ()),
+                rollout.max_tool_argument_chars,
+                rollout.max_tool_result_chars,
+            )
             if rollout.tool_parser
             else None
         )
