@@ -305,6 +305,14 @@ class SftCLI(EarlCLI):
             say(f"earl: error: {problem}")
             raise SystemExit(2)
 
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        try:  # the model's rollout settings with the data's tools and env (as check_data in fit)
+            self.datamodule.check_rollout(self.model.rollout_config)
+        except ValueError as err:
+            say(f"earl: error: {err}")
+            raise SystemExit(2) from None
+
 
 def output_dir_problem(output_dir: str | None, overwrite: bool) -> str | None:
     """Why ``--output_dir`` cannot take the warm start (None: it can). Checked before any work."""
