@@ -107,8 +107,8 @@ class EnvCalls:
         timeout_s: the longest a call may run (None: no limit).
         workers: threads running calls at the same time (1: one at a time, in order).
         isolation: ``thread``: environments live in this process; ``process``: in the pool of
-            worker processes (:mod:`~earl_lightning.rollout.process_env`: ``min(workers, CPUs)``
-            processes, started once per trainer process), each episode pinned to one; a worker
+            worker processes (:mod:`~earl_lightning.rollout.process_env`: ``processes`` of them,
+            started once per trainer process), each episode pinned to one; a worker
             whose call (its tools' included) runs past ``timeout_s`` is killed and replaced: a call
             that holds the GIL ends with it, and only its episode is lost (the others that lived
             there are rebuilt in the fresh worker by replaying their calls).
@@ -116,6 +116,8 @@ class EnvCalls:
             environment's worker, see :meth:`tools_for`.
         log_faults: log the first fault of each kind with its traceback (False: a caller that
             reports the fault itself, e.g. the set-up checks' one line).
+        processes: the worker processes of ``process`` isolation (None: ``min(workers, CPUs)``,
+            :func:`~earl_lightning.rollout.process_pool.pool_size`).
     """
 
     def __init__(
@@ -125,18 +127,21 @@ class EnvCalls:
         isolation: str = "thread",
         task_tools: Sequence[Tool] = (),
         log_faults: bool = True,
+        processes: int | None = None,
     ) -> None:
         check_number("env_timeout_s", timeout_s, low=0, strict=True, optional=True)
         check_count("call_workers", workers)
         check_choice("call_isolation", isolation, ("thread", "process"))
+        check_count("call_processes", processes, optional=True)
         self.timeout_s, self.isolation, self.task_tools = timeout_s, isolation, tuple(task_tools)
         self.log_faults = log_faults
         self._workers = None  # the worker processes (``process`` isolation)
         if isolation == "process":
-            from earl_lightning.rollout.process_env import check_picklable, worker_pool
+            from earl_lightning.rollout.process_env import check_picklable, pool_size, worker_pool
 
             check_picklable(self.task_tools)
-            self._workers = worker_pool(workers)  # started (once per process) before any call
+            # started (once per trainer process) before any call is timed
+            self._workers = worker_pool(processes or pool_size(workers))
         self._pool = CallPool(workers)
         self._processes: list[Any] = []  # the ProcessEnvs of this rollout, forgotten by close()
         self._hosts: dict[Any, Any] = {}  # episode id -> the ProcessEnv its task tools run in

@@ -204,13 +204,12 @@ def _spawner(spawns: queue.SimpleQueue) -> None:
             done.set_exception(exc)
 
 
-def worker_pool(workers: int) -> WorkerPool:
-    """This process's pool (started on first use: ``pool_size(workers)`` processes), with one more
-    user; :func:`release_pool` when done. A different size starts a new pool once no one uses the
+def worker_pool(size: int) -> WorkerPool:
+    """This process's pool (started on first use, ``size`` processes), with one more user;
+    :func:`release_pool` when done. A different size starts a new pool once no one uses the
     current one."""
     global _POOL
     with _POOL_LOCK:
-        size = pool_size(workers)
         if _POOL is not None and _POOL.owner != os.getpid():
             _POOL = None  # a fork's copy: its workers are the parent's
         if _POOL is not None and _POOL.size != size and _POOL.users == 0:

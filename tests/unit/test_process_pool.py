@@ -14,6 +14,7 @@ import pytest
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.rollout import EpisodeSpec, SamplingConfig, rollout
 from earl_lightning.rollout.demonstrations import PolicyBackend
+from earl_lightning.rollout.env_calls import EnvCalls
 from earl_lightning.rollout.process_env import (
     ProcessEnv,
     pool_size,
@@ -65,7 +66,7 @@ def test_a_call_that_holds_the_gil_is_killed_and_the_pool_recovers(tok, fresh_po
     held): its worker is killed at the time limit, its episode alone fails, the episodes that lived
     in the same worker are rebuilt in its replacement, and the next rollout plays on the same pool."""
     size = pool_size(2)
-    pool = worker_pool(2)
+    pool = worker_pool(pool_size(2))
     first_pids = pool.pids()
     release_pool(pool)
     t0 = time.perf_counter()
@@ -124,9 +125,22 @@ def test_a_worker_imports_neither_the_cli_nor_lightning_nor_torch(fresh_pool):
 
 
 def test_shutdown_ends_and_reaps_every_worker(fresh_pool):
-    pool = worker_pool(2)
+    pool = worker_pool(pool_size(2))
     pids = pool.pids()
     release_pool(pool)
     assert all(alive(p) for p in pids)
     shutdown_workers()
     assert not any(alive(p) for p in pids)
+
+
+def test_the_pool_size_is_the_cpus_the_call_workers_or_as_given(fresh_pool):
+    calls = EnvCalls(isolation="process", workers=2, processes=3)
+    try:
+        assert calls._workers.size == 3 and len(calls._workers.pids()) == 3
+    finally:
+        calls.close()
+    assert pool_size(64) == min(64, len(os.sched_getaffinity(0))) and pool_size(1) == 1
+    with pytest.raises(
+        ValueError, match=r"^`call_processes` must be a positive integer or None, got 0$"
+    ):
+        EnvCalls(isolation="process", processes=0)
