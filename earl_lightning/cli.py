@@ -360,6 +360,13 @@ class SftCLI(EarlCLI):
         if problem is not None:
             refuse(problem)
 
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        try:  # the model's rollout settings with the data's tools and env (as check_data in fit)
+            self.datamodule.check_rollout(self.model.rollout_config)
+        except ValueError as err:
+            refuse(str(err))
+
 
 def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
     """``earl sft``. ``command_line``: the process's own ``sys.argv`` (with ``sft``), put back once
