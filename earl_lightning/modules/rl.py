@@ -40,6 +40,7 @@ from earl_lightning.modules.metrics import (
     reported,
 )
 from earl_lightning.modules.rollout_setup import (
+    agent_kwargs,
     check_first_observation,
     loop_kwargs,
     make_backend,
@@ -53,6 +54,7 @@ from earl_lightning.modules.views import (
 )
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
+from earl_lightning.rollout.endpoint import EndpointServer, agent_rollout
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
@@ -136,6 +138,7 @@ class AgenticRLModule(L.LightningModule):
         self.oom_recoveries = 0
         self.run_metrics = RunMetrics()
         self._backend = None
+        self._endpoint: EndpointServer | None = None  # started at the first agent rollout
         self._reward_outcomes: list = []  # the last scoring's outcomes on this rank (log_metric values)
 
     # ---- what the run is made of -------------------------------------------------------------
@@ -304,17 +307,22 @@ class AgenticRLModule(L.LightningModule):
             self.allowed_token_ids, greedy=greedy, seed=seed
         )
         dm = self.trainer.datamodule
-        tools = dm.tools if isinstance(dm, EpisodeDataModule) else []
-        # tensor-parallel peers generate in lock step: every turn waits for every call
-        kwargs = loop_kwargs(self.rollout_config, tools, continuous=ctx.layout.tp == 1)
+        share = self._exchanger().rollout_share(specs, ctx.layout, self.global_rank)
         try:
-            episodes = rollout(
-                self._exchanger().rollout_share(specs, ctx.layout, self.global_rank),
-                self._backend,
-                self.tokenizer,
-                sampling,
-                **kwargs,
-            )
+            if isinstance(dm, EpisodeDataModule) and dm.agent is not None:
+                if self._endpoint is None:
+                    self._endpoint = EndpointServer(self.hparams.model).start()
+                kw = agent_kwargs(
+                    self.rollout_config, self._endpoint, ctx.layout, bool(dm.reward_funcs)
+                )
+                episodes = agent_rollout(
+                    share, self._backend, self.tokenizer, sampling, agent=dm.agent, **kw
+                )
+            else:
+                tools = dm.tools if isinstance(dm, EpisodeDataModule) else []
+                # tensor-parallel peers generate in lock step: every turn waits for every call
+                kwargs = loop_kwargs(self.rollout_config, tools, continuous=ctx.layout.tp == 1)
+                episodes = rollout(share, self._backend, self.tokenizer, sampling, **kwargs)
         finally:
             self._backend.release(None)
         self._reward_outcomes = score_episodes(
@@ -478,6 +486,11 @@ class AgenticRLModule(L.LightningModule):
                 values = self.run_metrics.compute_val(flags)
             for logger in self.loggers:
                 logger.log_metrics(values, step=0)
+
+    def teardown(self, stage: str) -> None:
+        if self._endpoint is not None:  # the agents' endpoint serves one fit (or validate)
+            self._endpoint.close()
+            self._endpoint = None
 
     # ---- checkpointing -------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
