@@ -148,3 +148,17 @@ async def agents_sdk(client, row):
     )
     result = await Runner.run(agent, row["prompt"], max_turns=4)
     return float(str(result.final_output).strip() == "5")
+
+
+async def varied(client, row):
+    """Two calls of one conversation; a reward that varies with what was sampled, so that GRPO
+    groups have spread (the resume and layout tests then compare real updates)."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    r = await client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+    messages += [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "and?"},
+    ]
+    r2 = await client.chat.completions.create(model="m", messages=messages, max_tokens=6)
+    ids = r.choices[0].token_ids + r2.choices[0].token_ids
+    return {"reward": (sum(ids) % 7) / 6.0, "info": {"outcome": "win" if sum(ids) % 2 else "loss"}}
