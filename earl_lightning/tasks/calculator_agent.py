@@ -15,39 +15,39 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from transformers.utils import get_json_schema
+
 from earl_lightning.envs.calculator import CalcError, format_number, safe_eval
 from earl_lightning.envs.parsing import read_int
 
 MODEL = "policy"  # the endpoint serves one model, whatever the name
-CALCULATE = {
-    "type": "function",
-    "function": {
-        "name": "calculate",
-        "description": "Evaluate an arithmetic expression exactly.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "expression": {
-                    "type": "string",
-                    "description": "integers with + - * / // % ** and parentheses.",
-                }
-            },
-            "required": ["expression"],
-        },
-    },
-}
 
 
-def calculate(arguments: str, calls_left: int) -> str:
-    """The tool: the result of ``{"expression": ...}``, or the error the model reads."""
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly.
+
+    Args:
+        expression: integers with + - * / // % ** and parentheses.
+    """
+    try:
+        return format_number(safe_eval(str(expression)))
+    except CalcError as err:
+        return f"Error: {err}"
+
+
+# the schema as transformers writes it from the function (what the environment's tool renders)
+CALCULATE = get_json_schema(calculate)
+
+
+def run_call(arguments: str, calls_left: int) -> str:
+    """The tool's answer to one call (its arguments as the model wrote them), or the error the
+    model reads."""
     if calls_left <= 0:
         return "Error: no calculator calls left"
     try:
-        expression = json.loads(arguments)["expression"]
-        return format_number(safe_eval(str(expression)))
-    except (ValueError, KeyError, TypeError) as err:
-        return f"Error: {err}"
-    except CalcError as err:
+        args = json.loads(arguments)
+        return calculate(**args)
+    except (ValueError, TypeError) as err:
         return f"Error: {err}"
 
 
@@ -68,7 +68,7 @@ async def calculator_agent(
             break
         for call in message.tool_calls:
             calls += 1
-            result = calculate(call.function.arguments, max_tool_calls - calls + 1)
+            result = run_call(call.function.arguments, max_tool_calls - calls + 1)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     number = _integer(message.content or "")
     correct = number is not None and number == answer

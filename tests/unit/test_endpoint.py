@@ -350,3 +350,30 @@ def test_a_call_after_the_episode_ended_is_refused(server, tok):
     )
     assert [ep.error for ep in eps] == [None, None]
     assert late == [(409, "episode_ended")]
+
+
+def test_the_calculator_agent_trains_on_the_tokens_the_environment_would(server, tok):
+    """The calculator task as an OpenAI-SDK agent and as the built-in environment: the same model
+    output gives the same token rows, masks and reward (so one warm start serves both)."""
+    from earl_lightning.envs.calculator import make_question
+    from earl_lightning.rollout import rollout
+    from earl_lightning.rollout.demonstrations import PolicyBackend
+    from earl_lightning.rollout.loop import ToolUse
+    from earl_lightning.tasks.calculator_agent import calculator_agent
+    from tests.plugins.scripted import Says
+
+    bpe = load_tokenizer(str(make_tiny_model("earl-tiny-bpe-4l")))
+    question, answer = make_question(5, "easy")
+    script = [call("calculate", expression=question), str(answer)]
+    kw = dict(max_turns=4, max_context_tokens=1536)
+    spec = EpisodeSpec(
+        "calculator", seed=5, group_id=0, episode_id=0, env_kwargs={"difficulty": "easy"}
+    )
+    backend = PolicyBackend({0: Says(*script)}, bpe)
+    (native,) = rollout(
+        [spec], backend, bpe, SamplingConfig(max_new_tokens=96), tools=ToolUse(hermes, ()), **kw
+    )
+    row = {"prompt": f"What is {question}? Answer with the number.", "answer": answer}
+    (agent,) = play(server, bpe, calculator_agent, [row], ScriptedBackend({0: script}, bpe), **kw)
+    assert native.reward == agent.reward == 1.0
+    assert agent.token_ids == native.token_ids and agent.action_mask == native.action_mask
