@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from earl_lightning.rollout.demonstrations import PolicyBackend
-from earl_lightning.rollout.endpoint.record import KEY_STRIDE
+from earl_lightning.rollout.endpoint.record import episode_of
 
 ADD = {
     "type": "function",
@@ -27,7 +27,7 @@ ADD = {
 
 class ScriptedBackend(PolicyBackend):
     """Each episode's calls answered in order by its script's texts (the last one repeated), on
-    any of the episode's rows (request key // KEY_STRIDE is the episode)."""
+    any of the episode's rows."""
 
     def __init__(self, scripts: dict[int, list[str]], tokenizer: Any) -> None:
         super().__init__({}, tokenizer, "script")
@@ -37,7 +37,7 @@ class ScriptedBackend(PolicyBackend):
     def generate(self, requests, sampling):
         self.calls.append([r.key for r in requests])
         for r in requests:
-            script = self.scripts[r.key // KEY_STRIDE]
+            script = self.scripts[episode_of(r.key)]
             said = script.pop(0) if len(script) > 1 else script[0]
             self.policies[r.key] = lambda _obs, said=said: said
         return super().generate(requests, sampling)

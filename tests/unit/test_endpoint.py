@@ -377,3 +377,38 @@ def test_the_calculator_agent_trains_on_the_tokens_the_environment_would(server,
     (agent,) = play(server, bpe, calculator_agent, [row], ScriptedBackend({0: script}, bpe), **kw)
     assert native.reward == agent.reward == 1.0
     assert agent.token_ids == native.token_ids and agent.action_mask == native.action_mask
+
+
+def test_the_same_model_samples_the_same_episodes_through_the_endpoint(server):
+    """Real sampling (the tiny model, seeded): the calculator environment's episodes and the
+    agent's are the same tokens, log-probs and rewards, whatever batches the endpoint formed."""
+    from earl_lightning.envs.calculator import make_question
+    from earl_lightning.rollout import rollout
+    from earl_lightning.rollout.loop import ToolUse
+    from earl_lightning.tasks.calculator_agent import calculator_agent
+
+    path = make_tiny_model("earl-tiny-bpe-4l")
+    bpe, model = load_tokenizer(str(path)), AutoModelForCausalLM.from_pretrained(str(path))
+    sampling = SamplingConfig(max_new_tokens=24, seed=11)
+    kw = dict(max_turns=4, max_context_tokens=1536)
+    seeds = range(6)
+    env_specs = [
+        EpisodeSpec(
+            "calculator", seed=s, group_id=s, episode_id=s, env_kwargs={"difficulty": "easy"}
+        )
+        for s in seeds
+    ]
+    native = rollout(
+        env_specs, HFBackend(model, bpe), bpe, sampling, tools=ToolUse(hermes, ()), **kw
+    )
+    rows = []
+    for s in seeds:
+        question, answer = make_question(s, "easy")
+        rows.append({"prompt": f"What is {question}? Answer with the number.", "answer": answer})
+    agent = play(
+        server, bpe, calculator_agent, rows, HFBackend(model, bpe), sampling=sampling, **kw
+    )
+    for a, n in zip(agent, native):
+        assert a.token_ids == n.token_ids and a.action_mask == n.action_mask
+        assert a.logprobs == pytest.approx(n.logprobs, abs=1e-5)
+        assert a.reward == n.reward

@@ -28,7 +28,17 @@ from earl_lightning.rollout.turns import assistant_text
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 from earl_lightning.tasks.tool_parsers import ToolParser
 
-KEY_STRIDE = 4096  # backend request keys: episode_id * KEY_STRIDE + row (a row has its own cache)
+# backend request keys: a row has its own (its KV cache, its sampling stream); row 0's key is the
+# episode id, as the native rollout's, so the same model samples the same tokens on both paths
+ROW_KEY_STRIDE = 1 << 40
+
+
+def row_key(episode_id: int, row: int) -> int:
+    return episode_id + row * ROW_KEY_STRIDE
+
+
+def episode_of(key: int) -> int:
+    return key % ROW_KEY_STRIDE
 # where each built-in parser's calls begin: the text before is the response's content
 _CALL_MARKS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
 
@@ -145,7 +155,7 @@ class EpisodeCalls:
         if chat is None:
             chat = self._chats[tools_key] = ChatDeltas(self.tokenizer, request.tools)
         messages = [self._as_rendered(m) for m in request.messages]
-        row = Row(self.spec.episode_id * KEY_STRIDE + len(self.rows), tools_key, chat, [], [])
+        row = Row(row_key(self.spec.episode_id, len(self.rows)), tools_key, chat, [], [])
         return row, messages, chat.encode(chat.prompt(messages))
 
     def _as_rendered(self, m: dict[str, Any]) -> dict[str, Any]:
