@@ -40,10 +40,9 @@ from earl_lightning.modules.metrics import (
     reported,
 )
 from earl_lightning.modules.rollout_setup import (
-    agent_kwargs,
     check_first_observation,
-    loop_kwargs,
     make_backend,
+    play_share,
     reward_extras,
 )
 from earl_lightning.modules.views import (
@@ -54,8 +53,7 @@ from earl_lightning.modules.views import (
 )
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
-from earl_lightning.rollout.endpoint import EndpointServer, agent_rollout
-from earl_lightning.rollout.loop import rollout
+from earl_lightning.rollout.endpoint import EndpointServer
 from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
 from earl_lightning.seeding import run_seed
@@ -307,22 +305,23 @@ class AgenticRLModule(L.LightningModule):
             self.allowed_token_ids, greedy=greedy, seed=seed
         )
         dm = self.trainer.datamodule
+        task = dm if isinstance(dm, EpisodeDataModule) else None
+        if task is not None and task.agent is not None and self._endpoint is None:
+            self._endpoint = EndpointServer(self.hparams.model).start()
         share = self._exchanger().rollout_share(specs, ctx.layout, self.global_rank)
         try:
-            if isinstance(dm, EpisodeDataModule) and dm.agent is not None:
-                if self._endpoint is None:
-                    self._endpoint = EndpointServer(self.hparams.model).start()
-                kw = agent_kwargs(
-                    self.rollout_config, self._endpoint, ctx.layout, bool(dm.reward_funcs)
-                )
-                episodes = agent_rollout(
-                    share, self._backend, self.tokenizer, sampling, agent=dm.agent, **kw
-                )
-            else:
-                tools = dm.tools if isinstance(dm, EpisodeDataModule) else []
-                # tensor-parallel peers generate in lock step: every turn waits for every call
-                kwargs = loop_kwargs(self.rollout_config, tools, continuous=ctx.layout.tp == 1)
-                episodes = rollout(share, self._backend, self.tokenizer, sampling, **kwargs)
+            episodes = play_share(
+                share,
+                self._backend,
+                self.tokenizer,
+                sampling,
+                self.rollout_config,
+                ctx.layout,
+                tools=task.tools if task is not None else [],
+                agent=task.agent if task is not None else None,
+                endpoint=self._endpoint,
+                scored_elsewhere=bool(self._reward_funcs()),
+            )
         finally:
             self._backend.release(None)
         self._reward_outcomes = score_episodes(

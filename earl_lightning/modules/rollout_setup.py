@@ -41,6 +41,32 @@ def loop_kwargs(
     )
 
 
+def play_share(
+    specs: list[Any],
+    backend: Any,
+    tokenizer: Any,
+    sampling: Any,
+    rollout: RolloutConfig,
+    layout: Any,
+    *,
+    tools: Any,
+    agent: Any,
+    endpoint: Any,
+    scored_elsewhere: bool,
+) -> list[Any]:
+    """This rank's episodes played: by the user's ``agent`` through the ``endpoint``, or by the
+    rollout loop (an environment, tools, or a row's single turn)."""
+    from earl_lightning.rollout.endpoint import agent_rollout
+    from earl_lightning.rollout.loop import rollout as play
+
+    if agent is not None:
+        kw = agent_kwargs(rollout, endpoint, layout, scored_elsewhere)
+        return agent_rollout(specs, backend, tokenizer, sampling, agent=agent, **kw)
+    # tensor-parallel peers generate in lock step: every turn waits for every call
+    kwargs = loop_kwargs(rollout, tools, continuous=layout.tp == 1)
+    return play(specs, backend, tokenizer, sampling, **kwargs)
+
+
 def agent_kwargs(
     rollout: RolloutConfig, server: Any, layout: Any, scored_elsewhere: bool
 ) -> dict[str, Any]:

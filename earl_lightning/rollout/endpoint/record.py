@@ -39,6 +39,8 @@ def row_key(episode_id: int, row: int) -> int:
 
 def episode_of(key: int) -> int:
     return key % ROW_KEY_STRIDE
+
+
 # where each built-in parser's calls begin: the text before is the response's content
 _CALL_MARKS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
 
