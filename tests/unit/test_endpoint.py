@@ -58,12 +58,13 @@ def test_rows_are_the_ids_the_server_sampled(server, tok):
     model = AutoModelForCausalLM.from_pretrained(str(make_tiny_model("earl-tiny")))
     rows = [{"prompt": f"question {i}"} for i in range(3)]
     plugin.chat.seen.clear()
+    backend = HFBackend(model, tok)
     episodes = play(
         server,
         tok,
         plugin.chat,
         rows,
-        HFBackend(model, tok),
+        backend,
         sampling=SamplingConfig(max_new_tokens=12, seed=7),
     )
     for ep, row in zip(episodes, rows):
@@ -90,6 +91,7 @@ def test_rows_are_the_ids_the_server_sampled(server, tok):
         assert second[: len(r1.prompt_token_ids) + len(r1.choices[0].token_ids)] == (
             r1.prompt_token_ids + r1.choices[0].token_ids
         ), "the continuing call is the first call's ids, then the sampled ids, never re-tokenized"
+    assert backend.stats["reused_tokens"] > 0, "a continuing call reuses its row's KV cache"
     batch = episodes_to_experience(episodes)
     assert batch.seqs["turn_index"].tolist() == [0, 1] * 3
     assert batch.seqs["rewards"].tolist() == [1.0] * 6, "both rows carry the episode's reward"

@@ -239,7 +239,7 @@ class EpisodeCalls:
             num_turns=len(starts),
             done=error is None and not self.truncated,
             truncated=self.truncated,
-            invalid_action=False,
+            invalid_action=bool(info.get("invalid_action", False)),
             outcome=info.get("outcome") if isinstance(info.get("outcome"), str) else None,
             error=error,
             turn_starts=starts,
