@@ -240,6 +240,10 @@ class EarlCLI(LightningCLI):
                 self.datamodule, EpisodeDataModule
             ):
                 self.model.check_data(self.datamodule, self.trainer.world_size)
+                if self.model.peft_config is not None and isinstance(
+                    self.trainer.strategy, EarlStrategy
+                ):
+                    self.trainer.strategy.refuse_lora_tp("--trainer.strategy.")
         except (ValueError, FileNotFoundError, ImportError) as err:
             say(f"earl: error: {group_error(str(err))}")
             raise SystemExit(2) from None

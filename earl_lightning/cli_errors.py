@@ -4,9 +4,12 @@ short message: the key as the user wrote it, the value, what is allowed, and one
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import difflib
 import re
 import sys
+import typing
 from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
@@ -31,10 +34,15 @@ class ShortErrorParser(LightningArgumentParser):
 
 
 def options(parser: Any) -> list[str]:
-    """Every ``--key`` the parser accepts."""
-    return sorted(
-        {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
-    )
+    """Every ``--key`` the parser accepts, with the fields of a group typed as a dataclass or an
+    ``Optional`` one (``--model.peft.r``: jsonargparse takes them, but lists no option for them)."""
+    keys = {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
+    for action in parser._actions:
+        hint = getattr(action, "_typehint", None)  # jsonargparse's ActionTypeHint
+        for kind in typing.get_args(hint) or (hint,):
+            if dataclasses.is_dataclass(kind):
+                keys |= {f"--{action.dest}.{f.name}" for f in dataclasses.fields(kind)}
+    return sorted(keys)
 
 
 def short_error(message: str, known: list[str]) -> list[str]:
@@ -51,12 +59,39 @@ def short_error(message: str, known: list[str]) -> list[str]:
         return [unknown_key(f"--{from_file.group(1)}", None, known, where=" (in a --config file)")]
     typed = re.match(r'Parser key "([^"]+)":\s*(.*)', message, re.DOTALL)
     if typed:
-        return [f"`--{typed.group(1)}`: {wrong_value(typed.group(2))}"]
+        in_group = group_key_error(typed.group(1), typed.group(2), known)
+        return [in_group or f"`--{typed.group(1)}`: {wrong_value(typed.group(2))}"]
     return [" ".join(message.split())[:300]]
 
 
-def unknown_key(key: str, value: str | None, known: list[str], where: str = "") -> str:
-    """The line for an option no parser group has, with the closest valid keys when there are some."""
+def group_key_error(dest: str, detail: str, known: list[str]) -> str | None:
+    """A key inside a group typed as a dataclass (``--model.peft.rr 8``, or ``rr`` in a config
+    file's ``peft:``): jsonargparse reports the group's value against each type of its union;
+    the line names the key itself, the value, and what is allowed. None: not such an error."""
+    given = re.search(r"Given value: NestedArg\(key='([^']+)', val=(.*)\)\s*$", detail, re.DOTALL)
+    unknown = re.search(r"Option '([^']+)' is not accepted", detail)
+    if unknown:
+        name = unknown.group(1)
+        value = _literal(given.group(2)) if given and given.group(1) == name else None
+        return unknown_key(f"--{dest}.{name}", value, known, list_group=True)
+    inner = re.search(r'Parser key "([^"]+)":\s*(.*?)(?=\n\s*- |\Z)', detail, re.DOTALL)
+    if given and inner:
+        return f"`--{dest}.{inner.group(1)}`: {wrong_value(inner.group(2))}"
+    return None
+
+
+def _literal(text: str) -> str:
+    try:
+        return str(ast.literal_eval(text.strip()))
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def unknown_key(
+    key: str, value: str | None, known: list[str], where: str = "", list_group: bool = False
+) -> str:
+    """The line for an option no parser group has, with the closest valid keys when there are some;
+    ``list_group``: and every key of a small group, closest first."""
     given = f" (given {value!r})" if value is not None else ""
     parent, _, name = key.rpartition(".")
     siblings = [
@@ -70,12 +105,15 @@ def unknown_key(key: str, value: str | None, known: list[str], where: str = "") 
         for k in difflib.get_close_matches(name, [k[len(parent) + 1 :] for k in siblings], n=3)
     ]
     close = close or difflib.get_close_matches(key, known, n=2, cutoff=0.85)
-    if close:
-        hint = f"; did you mean {' or '.join(f'`{k}`' for k in close)}?"
-    elif 0 < len(siblings) <= 12:  # a small group (`--model`, not `--trainer`): its keys
-        hint = f"; `{parent}` takes {', '.join(k[len(parent) + 1 :] for k in siblings)}"
-    else:
-        hint = ""
+    names = [k[len(parent) + 1 :] for k in siblings]
+    if list_group:  # a dataclass group's fields, not jsonargparse's `--group.help CLASS`
+        names = [k for k in names if k != "help"]
+    small = 0 < len(siblings) <= 12  # a small group (`--model`, not `--trainer`): its keys
+    if list_group:
+        names.sort(key=lambda k: -difflib.SequenceMatcher(None, name, k).ratio())
+    hint = f"; did you mean {' or '.join(f'`{k}`' for k in close)}?" if close else ""
+    if small and (list_group or not close):
+        hint += f"{' ' if close else '; '}`{parent}` takes {', '.join(names)}"
     return f"`{key}`{where}{given} is not an option{hint}"
 
 

@@ -14,6 +14,7 @@ run would have seen.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import datasets
@@ -194,7 +195,9 @@ class EpisodeDataModule(L.LightningDataModule):
         eval_env_kwargs: dict[str, Any] | None = None,
         dispatch: DispatchConfig = DispatchConfig(),
         group_seeds: str = "shared",
-        dataset: DatasetConfig | str | datasets.Dataset | datasets.DatasetDict | None = None,
+        # Path: jsonargparse then takes a string as a path, never as a settings file to read in
+        # (an empty .jsonl would become null; a .csv, its own text)
+        dataset: DatasetConfig | str | Path | datasets.Dataset | datasets.DatasetDict | None = None,
         eval_dataset: datasets.Dataset | None = None,
         reward_funcs: list[str | Callable[..., Any]] | None = None,
         reward_weights: list[float] | None = None,

@@ -17,9 +17,13 @@ from earl_lightning.rollout.types import Episode
 
 def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> ExperienceBatch:
     """Pack episodes (no padding). Failed episodes (env exception) keep their tokens but get an
-    all-zero action mask: they are counted in the metrics and contribute nothing to the loss.
-    An agent's episode split into rows (``row_starts``) is one row per part, ``turn_index`` the
-    part's number, every part with the episode's reward.
+    all-zero action mask: they are counted in the metrics and contribute nothing to the loss. A
+    dataset row skipped as too long for the context (``error_kind == "row"``) makes no row at all:
+    its prompt can be far longer than any trained sequence, and carried along with a zero mask it
+    would still cost the experience and train forwards their time and memory. It stays counted
+    where the episodes are (``data/skipped_rows``, ``reward/mean``); a group's advantages are
+    those of its other members. An agent's episode split into rows (``row_starts``) is one row
+    per part, ``turn_index`` the part's number, every part with the episode's reward.
 
     An episode whose turns saw the whole chat is one row; ``token_rewards`` holds each turn's
     reward on that turn's last generated token (see :func:`turn_token_rewards`), what the
@@ -41,6 +45,8 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
     turn_values: list[float] = []
     turn_rows_at: list[int] = []
     for ep in episodes:
+        if ep.error_kind == "row":
+            continue
         if ep.turn_prompts and len(ep.turn_prompts) == len(ep.turn_starts):
             per_row = _turn_rows(ep, gamma)
         else:

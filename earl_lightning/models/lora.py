@@ -133,6 +133,7 @@ def import_peft() -> Any:
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
     """Inject ``settings``' adapters into ``model`` in place (base weights frozen) and return it."""
     peft = import_peft()
+    names = linear_names(model)
     try:
         peft.inject_adapter_in_model(settings.peft_config(), model, adapter_name=ADAPTER)
     except ValueError as err:
@@ -140,7 +141,8 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
             raise
         raise ValueError(
             f"`{ARG}.target_modules` {settings.target_modules!r} matches no module of "
-            f"{type(model).__name__}; e.g. 'all-linear' or ['q_proj', 'v_proj']"
+            f"{type(model).__name__}; its linear layers are named {', '.join(names)} (a list of "
+            f"these, a regular expression over module paths, or 'all-linear')"
         ) from None
     from peft.tuners.lora import Linear
 
@@ -151,6 +153,33 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
                 f"({type(layer.get_base_layer()).__name__}); LoRA here covers linear layers only"
             )
     return model
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The names ``target_modules`` can list: the last part of every linear layer's path (the
+    output layer aside, as ``all-linear`` leaves it)."""
+    head = model.get_output_embeddings()  # a HF causal LM
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head
+        }
+    )
+
+
+def check_targets(settings: LoraSettings, name_or_path: str, arg: str = "--model.model") -> None:
+    """Inject ``settings``' adapters into ``name_or_path``'s architecture built on the meta device
+    (no weights read, nothing allocated): a ``target_modules`` that matches nothing, or matches
+    something other than a linear layer, is refused while the run is being built rather than
+    once every process has loaded the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from earl_lightning.models.loading import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(name_or_path, arg))
+    with torch.device("meta"):
+        apply_lora(AutoModelForCausalLM.from_config(config), settings)
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, Any]:

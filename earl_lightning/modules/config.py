@@ -129,6 +129,20 @@ class RolloutConfig:
         tool_parser: how the model writes tool calls: ``hermes`` (Hermes, Qwen2.5, Qwen3 and the
             offline tiny models), ``llama3_json``, ``mistral``, or an import path; null: no turn is
             read as a tool call (then the task may offer no tools).
+        max_tool_argument_chars: a tool call whose arguments, written as JSON, are longer than this
+            (in characters) is not run: the model reads an error message instead; null: no cap.
+            (Arguments nested deeper than 32 levels, or that are not plain JSON data, are refused
+            the same way whatever this is.)
+        max_tool_result_chars: each tool result (and error message) is cut to this many characters
+            before it is tokenized, and ``[... truncated N characters]`` added, so the model knows
+            (``tools/truncated`` counts them); null: whole results.
+        reward_timeout_s: a reward function still running this long after it was handed a batch
+            of rows loses the rows it has not scored, as if it had raised (``rewards/errors``);
+            where it was is logged once. A plain function stays on the main thread (math-verify's
+            own alarms need it) and is interrupted there, in a sleep, a wait or a Python loop (not
+            inside C code that never returns); off the main thread it runs on a daemon thread of
+            its own and is abandoned, then not called again until that call returns. An ``async``
+            one is cancelled. null: no limit.
         call_workers: threads running the env steps and tool calls of all live episodes at once
             (1: one at a time).
         call_isolation: ``thread``: environments and tools live in the trainer's process;
@@ -154,6 +168,9 @@ class RolloutConfig:
     env_timeout_s: float | None = 120.0
     max_failed_share: float = 1.0
     tool_parser: str | None = None
+    max_tool_argument_chars: int | None = 32768
+    max_tool_result_chars: int | None = 32768
+    reward_timeout_s: float | None = 300.0
     call_workers: int = 64
     call_isolation: Literal["thread", "process"] = "thread"
     continuous_turns: bool = False
@@ -178,6 +195,11 @@ class RolloutConfig:
         check_count(f"{arg}.max_context_tokens", self.max_context_tokens)
         check_history_turns(self.history_turns, f"{arg}.history_turns")
         check_number(f"{arg}.env_timeout_s", self.env_timeout_s, low=0, strict=True, optional=True)
+        for name in ("max_tool_argument_chars", "max_tool_result_chars"):
+            check_count(f"{arg}.{name}", getattr(self, name), optional=True)
+        check_number(
+            f"{arg}.reward_timeout_s", self.reward_timeout_s, low=0, strict=True, optional=True
+        )
         check_count(f"{arg}.call_workers", self.call_workers)
         check_choice(f"{arg}.call_isolation", self.call_isolation, ("thread", "process"))
         if self.tool_parser is not None:

@@ -23,7 +23,7 @@ from earl_lightning.dispatch.exchange import Exchanger
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer
-from earl_lightning.models.lora import LoraSettings, apply_lora
+from earl_lightning.models.lora import LoraSettings, apply_lora, check_targets
 from earl_lightning.modules.config import (
     A,
     AlgorithmConfig,
@@ -129,6 +129,8 @@ class AgenticRLModule(L.LightningModule):
             }
         )
         self.tokenizer = load_tokenizer(model, "--model.model")
+        if self.peft_config is not None:
+            check_targets(self.peft_config, model)
         self.allowed_token_ids = self.rollout_config.sampling.token_ids(self.tokenizer)
         self.policy = self.ref_policy = self.value_head = None
         # RL iterations done (checkpointed: sampling seeds continue from here)
@@ -325,7 +327,11 @@ class AgenticRLModule(L.LightningModule):
         finally:
             self._backend.release(None)
         self._reward_outcomes = score_episodes(
-            episodes, self._reward_funcs(), self.tokenizer, reward_extras(self.trainer)
+            episodes,
+            self._reward_funcs(),
+            self.tokenizer,
+            reward_extras(self.trainer),
+            self.rollout_config.reward_timeout_s,
         )
         return episodes
 

@@ -24,7 +24,12 @@ def loop_kwargs(
     use = tools
     if not isinstance(tools, ToolUse):
         use = (
-            ToolUse(get_tool_parser(rollout.tool_parser), tuple(tools or ()))
+            ToolUse(
+                get_tool_parser(rollout.tool_parser),
+                tuple(tools or ()),
+                rollout.max_tool_argument_chars,
+                rollout.max_tool_result_chars,
+            )
             if rollout.tool_parser
             else None
         )
@@ -88,6 +93,7 @@ def agent_kwargs(
         max_context_tokens=rollout.max_context_tokens,
         env_timeout_s=rollout.env_timeout_s,
         scored_elsewhere=scored_elsewhere,
+        max_argument_chars=rollout.max_tool_argument_chars,
     )
 
 

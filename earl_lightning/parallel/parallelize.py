@@ -40,7 +40,13 @@ def reject_fsdp1(model: nn.Module, arg: str = "model") -> None:
 def reject_lora_tp(model: nn.Module, layout: Layout, arg: str = "layout") -> None:
     """Tensor parallel shards ``nn.Linear`` weights; a LoRA layer is not one (its adapters would
     need a plan of their own), so adapters train data-parallel only."""
-    if layout.tp_enabled and has_lora(model):
+    if has_lora(model):
+        refuse_lora_tp(layout, arg)
+
+
+def refuse_lora_tp(layout: Layout, arg: str = "layout") -> None:
+    """:func:`reject_lora_tp` for a model known to carry adapters before it is built."""
+    if layout.tp_enabled:
         raise ValueError(
             f"`{arg}` has tp={layout.tp}, but the model carries LoRA adapters (--model.peft), which "
             "EarlStrategy does not shard with tensor parallel; use tp=1 layouts (data parallel, FSDP) "

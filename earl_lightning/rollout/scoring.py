@@ -6,9 +6,10 @@ text generated; or the messages after the prompt: assistant turns and the enviro
 the whole transcript), the token ids after the prompt, and the row's other columns. The weighted
 sum of the values (None: not applicable) is added to the episode's reward and to its last turn's.
 
-An episode that a function could not score fails (``error_kind="reward"``; it keeps its tokens
-and trains on nothing, like an environment failure); a row without an environment that no
-function scored is ``unscored`` and dropped the same way (TRL gives it advantage 0).
+An episode that a function could not score (it raised, or ran past its time limit) fails
+(``error_kind="reward"``; it keeps its tokens and trains on nothing, like an environment
+failure); a row without an environment that no function scored is ``unscored`` and dropped the
+same way (TRL gives it advantage 0).
 """
 
 from __future__ import annotations
@@ -87,16 +88,19 @@ def score_episodes(
     funcs: Sequence[RewardFunction],
     tokenizer: Any,
     extras: Mapping[str, Any] | None = None,
+    timeout_s: float | None = None,
 ) -> list[RewardOutcome]:
     """Score ``episodes`` in place (see the module docstring); the functions' outcomes on the
-    episodes that were scored (those that did not fail in their environment), in order."""
+    episodes that were scored (those that did not fail in their environment), in order. A function
+    still running ``timeout_s`` after it started fails the episodes it has not scored, as one that
+    raises does (:func:`~earl_lightning.tasks.rewards.call_reward_funcs`; None: no limit)."""
     scored = [ep for ep in episodes if ep.error is None]
     if not funcs or not scored:
         return []
     prompts, completions, ids = map(list, zip(*(transcript(ep, tokenizer) for ep in scored)))
     keys = sorted({k for ep in scored for k in (ep.spec.row or {}) if k not in NOT_COLUMNS})
     columns = {k: [(ep.spec.row or {}).get(k) for ep in scored] for k in keys}
-    outcomes = call_reward_funcs(funcs, prompts, completions, ids, columns, extras)
+    outcomes = call_reward_funcs(funcs, prompts, completions, ids, columns, extras, timeout_s)
     for j, ep in enumerate(scored):
         _apply(ep, funcs, [o.values[j] for o in outcomes], [o.errors[j] for o in outcomes])
         for o in outcomes:

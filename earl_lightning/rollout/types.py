@@ -42,9 +42,11 @@ class Episode:
 
     ``prompt_tokens`` is the length of the first prompt (what the reward functions' completion ids
     follow); ``rewards`` holds each reward function's value (None: not applicable, or not scored);
-    ``error_kind`` says where ``error`` arose: ``env`` (an environment call) or ``reward`` (a
-    reward function; the environment's own part of the episode went fine). ``tool_calls``,
-    ``tool_errors`` and ``tool_seconds`` count the episode's tool use; ``turn_calls[k]`` are the
+    ``error_kind`` says where ``error`` arose: ``env`` (an environment call), ``reward`` (a
+    reward function; the environment's own part of the episode went fine), ``unscored`` (no
+    reward function scored the row) or ``row`` (a dataset row too long for the context: skipped,
+    never trained on). ``tool_calls``, ``tool_errors``, ``tool_seconds`` and ``tool_truncated``
+    (results cut to the result budget) count the episode's tool use; ``turn_calls[k]`` are the
     calls turn ``k`` made (its assistant message in ``messages`` holds the text the model wrote).
 
     An episode played by a user's agent (``from_agent``) is the calls it made to the endpoint:
@@ -75,6 +77,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_seconds: float = 0.0
+    tool_truncated: int = 0
     # each turn's parsed tool calls (ToolCall)
     turn_calls: list[list[Any]] = field(default_factory=list)
     # an agent's episode whose calls rewrote the context: where each row after the first starts

@@ -5,6 +5,7 @@ evaluation episodes (env seeds, or the dataset's evaluation rows scored by rewar
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import datasets
@@ -27,6 +28,7 @@ from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.seeding import run_seed
 from earl_lightning.tasks.datasets import DatasetConfig, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
+from earl_lightning.tasks.rows import check_sft_row
 from earl_lightning.tasks.tools import Tool, resolve_tools
 
 SFT_FORMS = (("prompt", "completion"), ("messages",))
@@ -163,7 +165,9 @@ class DemonstrationDataModule(L.LightningDataModule):
         eval_episodes: int = 128,
         eval_env_kwargs: dict[str, Any] | None = None,
         targets: Literal["expected", "sampled"] = "expected",
-        dataset: DatasetConfig | str | datasets.Dataset | datasets.DatasetDict | None = None,
+        # Path: jsonargparse then takes a string as a path, never as a settings file to read in
+        # (an empty .jsonl would become null; a .csv, its own text)
+        dataset: DatasetConfig | str | Path | datasets.Dataset | datasets.DatasetDict | None = None,
         eval_dataset: datasets.Dataset | None = None,
         reward_funcs: list[str | Callable[..., Any]] | None = None,
         reward_weights: list[float] | None = None,
@@ -184,7 +188,9 @@ class DemonstrationDataModule(L.LightningDataModule):
         check_choice("--data.targets", targets, ("expected", "sampled"))
         self.splits: Splits | None = None
         if dataset is not None:
-            self.splits = open_splits(dataset, eval_dataset, required=SFT_FORMS)
+            self.splits = open_splits(
+                dataset, eval_dataset, required=SFT_FORMS, check_row=check_sft_row
+            )
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
         self.tools: list[Tool] = resolve_tools(tools)
         if self.splits is not None:

@@ -141,7 +141,7 @@ class WarmStartModule(L.LightningModule):
             sampling = replace(self.sampling, greedy=greedy, seed=self.hparams.seed)
             with eval_mode(self.policy), torch.no_grad():
                 episodes = rollout(specs, backend, self.tokenizer, sampling, **kwargs)
-            score_episodes(episodes, funcs, self.tokenizer)
+            score_episodes(episodes, funcs, self.tokenizer, timeout_s=r.reward_timeout_s)
             metrics.update_val(episodes, True)
             now = reported(episodes)
             flags = {k: v or now[k] for k, v in flags.items()}

@@ -63,6 +63,7 @@ from earl_lightning.parallel.parallelize import (
     is_checkpoint_switchable,
     model_heads,
     parallelize_model,
+    refuse_lora_tp,
     reject_fsdp1,
     reject_lora_tp,
     set_activation_checkpointing,
@@ -205,14 +206,26 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         for i, layout in enumerate(self._candidates or []):
             layout.check_world(world_size, arg=f"layouts[{i}]")
 
-    def _check_heads(self, model: nn.Module, attr: str) -> None:
-        heads, kv_heads = model_heads(model)
-        named = [
-            ("train_layout", self._train),
+    def named_layouts(self) -> list[tuple[str, Layout]]:
+        """Each layout this strategy was given, with the setting that gave it; the train layout once
+        known (``auto`` is resolved when the processes start)."""
+        train = [("train_layout", self._train)] if self._train is not None else []
+        return [
+            *train,
             *((f"layouts.{s}", lay) for s, lay in self._fixed.items()),
             *((f"layouts[{i}]", lay) for i, lay in enumerate(self._candidates or [])),
         ]
-        for arg, layout in named:
+
+    def refuse_lora_tp(self, prefix: str = "") -> None:
+        """The module carries LoRA adapters: a tensor-parallel layout given is refused now, in one
+        line (the ``earl`` command asks before any process starts; ``setup`` would refuse it on
+        every rank), each named as ``prefix`` + its setting."""
+        for arg, layout in self.named_layouts():
+            refuse_lora_tp(layout, prefix + arg)
+
+    def _check_heads(self, model: nn.Module, attr: str) -> None:
+        heads, kv_heads = model_heads(model)
+        for arg, layout in self.named_layouts():
             layout.check_heads(heads, kv_heads, arg=arg)
             reject_lora_tp(model, layout, arg=arg)
             reject_unplanned_tp(model, layout, arg=arg)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,21 @@ from typing import Any
 import numpy as np
 
 from earl_lightning.checks import is_int
-from earl_lightning.tasks.rows import check_messages, check_prompt
+from earl_lightning.tasks.rows import BadRowError, check_rl_row
 
 log = logging.getLogger("earl_lightning.tasks")
 
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# rows whose prompt form is checked when a dataset is opened (all of them: at use)
+_FILE_BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
+# rows checked when a dataset is opened (a wrong form fails before anything runs); every other row
+# is checked when it is first read
 _CHECKED_ROWS = 64
+RowCheck = Callable[[dict[str, Any], str], None]
 HOLDOUT_SEED = 0  # the held-out rows of `eval_size` are the same whatever the run's seed
 
 
@@ -33,8 +42,8 @@ class DatasetConfig:
 
     Args:
         path: a hub id (``openai/gsm8k``), a local file (``.jsonl``, ``.json``, ``.parquet``,
-            ``.csv``), a directory written by ``save_to_disk``, or a builder name (``json``,
-            ``parquet``, ``csv``) with ``data_files``.
+            ``.csv``, ``.arrow``), a directory written by ``save_to_disk``, or a builder name
+            (``json``, ``parquet``, ``csv``) with ``data_files``.
         name: the dataset's configuration name (``load_dataset(path, name)``), e.g. ``main``.
         data_files: files of a builder, a path or list of paths, or ``{split: paths}``.
         train_split: the split the training rows come from.
@@ -81,10 +90,15 @@ class DatasetConfig:
             )
 
 
-def load_dataset_splits(config: DatasetConfig, arg: str = "--data.dataset") -> dict[str, Any]:
-    """``{split name: datasets.Dataset}`` of ``config.path``; one clear line when it cannot be opened."""
+def load_dataset_splits(
+    config: DatasetConfig, arg: str = "--data.dataset", path_arg: str | None = None
+) -> dict[str, Any]:
+    """``{split name: datasets.Dataset}`` of ``config.path``; one clear line when it cannot be
+    opened. ``path_arg``: the argument as the user wrote the path (``--data.dataset`` for a bare
+    path; ``--data.dataset.path`` by default)."""
     import datasets
 
+    path_arg = path_arg or f"{arg}.path"
     path = Path(config.path).expanduser()
     try:
         if path.is_dir() and (
@@ -97,13 +111,20 @@ def load_dataset_splits(config: DatasetConfig, arg: str = "--data.dataset") -> d
             loaded = datasets.load_dataset(config.path, config.name, data_files=config.data_files)
     except Exception as err:  # noqa: BLE001 - whatever `datasets` raises, the user sees one line naming the path
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        if isinstance(err, StopIteration):  # `datasets`' json builder on a file with no row
+            first = "no row found (an empty file?)"
         hint = (
             ""
             if path.exists()
             else " (no such local file or directory; and not a hub id reachable from here)"
         )
+        if path.suffix in (".yaml", ".yml"):  # a path is always the data, never its settings
+            hint = (
+                f" (a path names the data itself: give its settings inline, `{arg} '{{path: ..., "
+                f"eval_size: 0.1}}'`, or under data.dataset in a --config file)"
+            )
         raise ValueError(
-            f"`{arg}.path` {config.path!r}: cannot load the dataset{hint}: "
+            f"`{path_arg}` {config.path!r}: cannot load the dataset{hint}: "
             f"{type(err).__name__}: {first[:200]}"
         ) from None
     if isinstance(loaded, datasets.Dataset):
@@ -111,12 +132,97 @@ def load_dataset_splits(config: DatasetConfig, arg: str = "--data.dataset") -> d
     return dict(loaded)
 
 
+def _refuse_empty_files(config: DatasetConfig, arg: str, path_arg: str, need: str) -> None:
+    """A local data file with nothing in it is named in one line (``datasets`` answers
+    ``StopIteration``, or a dataset with no rows)."""
+    files = config.data_files
+    named: dict[str, Any] = files if isinstance(files, dict) else {"": files}
+    candidates = [(path_arg, config.path, "")] + [
+        (f"{arg}.data_files", f, split)
+        for split, group in named.items()
+        for f in ([group] if isinstance(group, str) else group or [])
+    ]
+    for where, file, split in candidates:
+        if isinstance(file, str) and _is_blank(Path(file).expanduser()):
+            of = f" (split {split!r})" if split else ""
+            raise ValueError(
+                f"`{where}` {file!r}{of} is an empty file: the dataset needs at least one row, "
+                f"with {need}; write rows into it or name another file"
+            )
+
+
+def _is_blank(path: Path) -> bool:
+    """A regular file holding nothing but whitespace (read up to its first other byte)."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+class CheckedRows:
+    """The rows of one split, each checked the first time it is read.
+
+    A huge dataset costs no pass at start (a ``datasets.Dataset`` is read row by row at about
+    30,000 rows a second here: a million rows would wait half a minute), yet no row reaches an
+    episode or a tokenizer unchecked, and none is checked twice. A bad row is one
+    :class:`BadRowError` line naming ``label`` (the argument, the file, the split) and the row's
+    index in the split as loaded (``row 90`` is a file's 91st row), whatever was held out or
+    dropped before.
+    """
+
+    def __init__(
+        self, rows: Any, label: str, check: RowCheck, numbers: np.ndarray | None = None
+    ) -> None:
+        self.dataset, self.label, self.check = rows, label, check
+        self.numbers = np.arange(len(rows)) if numbers is None else numbers
+        self._checked = np.zeros(len(rows), dtype=bool)
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.dataset.column_names)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def where(self, i: int) -> str:
+        """Row ``i`` as a message names it."""
+        return f"{self.label}, row {int(self.numbers[i])}"
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = self.dataset[int(i)]
+        if not self._checked[i]:
+            try:
+                self.check(row, self.where(i))
+            except ValueError as err:
+                raise BadRowError(f"{err}; fix or remove that row") from None
+            self._checked[i] = True
+        return row
+
+    def check_first(self, n: int) -> None:
+        """Check the first ``n`` rows now (a dataset whose every row is wrong fails at start)."""
+        for i in range(min(n, len(self))):
+            self[i]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self[i] for i in range(len(self)))
+
+    def select(self, indices: Sequence[int]) -> CheckedRows:
+        """These rows at ``indices`` (what is known checked stays checked)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        out = CheckedRows(self.dataset.select(idx), self.label, self.check, self.numbers[idx])
+        out._checked = self._checked[idx]
+        return out
+
+
 @dataclass
 class Splits:
-    """The training rows and the evaluation rows, disjoint (``datasets.Dataset`` objects)."""
+    """The training rows and the evaluation rows, disjoint, each checked when first read."""
 
-    train: Any
-    eval: Any | None
+    train: CheckedRows
+    eval: CheckedRows | None
     source: str  # how the user named the data, for messages
 
     def columns(self) -> list[str]:
@@ -128,19 +234,28 @@ def open_splits(
     eval_dataset: Any = None,
     arg: str = "--data.dataset",
     required: Sequence[Sequence[str]] = (("prompt",),),
+    check_row: RowCheck = check_rl_row,
 ) -> Splits:
     """The train and evaluation rows of ``dataset`` (a :class:`DatasetConfig`, its mapping, a path
-    string, a ``datasets.Dataset`` or ``DatasetDict``) and the optional ``eval_dataset`` (Python API).
+    string or ``os.PathLike``, a ``datasets.Dataset`` or ``DatasetDict``) and the optional
+    ``eval_dataset`` (Python API).
 
     ``required``: alternatives of column sets the rows must have (``(("prompt",),)`` for RL;
-    ``(("prompt", "completion"), ("messages",))`` for SFT). Rows of the evaluation split whose
-    prompt is also a training prompt are dropped from the training rows (and counted in a log line),
-    so the two never share a row.
+    ``(("prompt", "completion"), ("messages",))`` for SFT); ``check_row(row, where)``: what one
+    row must be (raises ValueError), run on the first rows now and on every other when first read.
+    Rows of the evaluation split whose prompt is also a training prompt are dropped from the
+    training rows (and counted in a log line), so the two never share a row.
     """
     import datasets
 
+    given_eval = (
+        None
+        if eval_dataset is None
+        else CheckedRows(eval_dataset, "`eval_dataset` (the given Dataset)", check_row)
+    )
     if isinstance(dataset, datasets.Dataset):
-        train, held, source = dataset, eval_dataset, "the given Dataset"
+        source = "the given Dataset"
+        train, held = CheckedRows(dataset, f"`{arg}` ({source})", check_row), given_eval
     elif isinstance(dataset, datasets.DatasetDict):
         config = DatasetConfig(
             path="<DatasetDict>",
@@ -148,27 +263,22 @@ def open_splits(
             if eval_dataset is not None
             else ("test" if "test" in dataset else None),
         )
-        train, held, source = (
-            _split(dict(dataset), config, arg),
-            eval_dataset,
-            "the given DatasetDict",
-        )
-        if held is None and config.eval_split is not None:
-            held = dataset[config.eval_split]
+        source = "the given DatasetDict"
+        train, held = _loaded_splits(dict(dataset), config, f"`{arg}` ({source})", arg, check_row)
+        held = given_eval if given_eval is not None else held
     else:
         config = _as_config(dataset, arg)
-        splits = load_dataset_splits(config, arg)
-        train, source = _split(splits, config, arg), repr(config.path)
-        held = (
-            eval_dataset
-            if eval_dataset is not None
-            else (splits[config.eval_split] if config.eval_split else None)
-        )
+        named = arg if isinstance(dataset, (str, os.PathLike)) else f"{arg}.path"
+        _refuse_empty_files(config, arg, named, _needed(required))
+        splits = load_dataset_splits(config, arg, named)
+        source = repr(config.path)
+        train, held = _loaded_splits(splits, config, f"`{named}` {source}", arg, check_row)
+        held = given_eval if given_eval is not None else held
         if config.eval_size:
             train, held = _hold_out(train, config.eval_size, arg)
-    for split, rows in (("training", train), ("evaluation", held)):
+    for rows in (train, held):
         if rows is not None:
-            _check_rows(rows, f"{arg} {source}, {split} split", required)
+            _check_rows(rows, required)
     if held is not None:
         train = _without_shared(train, held, source)
     return Splits(train, held, source)
@@ -177,8 +287,8 @@ def open_splits(
 def _as_config(dataset: Any, arg: str) -> DatasetConfig:
     from earl_lightning.groups import coerce
 
-    if isinstance(dataset, str):
-        return DatasetConfig(path=dataset)
+    if isinstance(dataset, (str, os.PathLike)):
+        return DatasetConfig(path=os.fspath(dataset))
     if dataset is None:
         raise ValueError(f"`{arg}` is required: a path, a hub id, or a datasets.Dataset")
     if not isinstance(dataset, (DatasetConfig, dict)):
@@ -189,7 +299,11 @@ def _as_config(dataset: Any, arg: str) -> DatasetConfig:
     return coerce(DatasetConfig, dataset, arg)
 
 
-def _split(splits: dict[str, Any], config: DatasetConfig, arg: str) -> Any:
+def _loaded_splits(
+    splits: dict[str, Any], config: DatasetConfig, source: str, arg: str, check_row: RowCheck
+) -> tuple[CheckedRows, CheckedRows | None]:
+    """The training split and the evaluation split (None without ``eval_split``), named in
+    messages by ``source`` and, when there are several, by their split names."""
     for name in filter(None, (config.train_split, config.eval_split)):
         if name not in splits:
             which = "train_split" if name == config.train_split else "eval_split"
@@ -197,10 +311,15 @@ def _split(splits: dict[str, Any], config: DatasetConfig, arg: str) -> Any:
                 f"`{arg}.{which}` {name!r} is not a split of {config.path!r}; its splits: "
                 f"{sorted(splits)}"
             )
-    return splits[config.train_split]
+
+    def rows(name: str) -> CheckedRows:
+        where = source if len(splits) == 1 else f"{source}, split {name!r}"
+        return CheckedRows(splits[name], where, check_row)
+
+    return rows(config.train_split), rows(config.eval_split) if config.eval_split else None
 
 
-def _hold_out(train: Any, size: int | float, arg: str) -> tuple[Any, Any]:
+def _hold_out(train: CheckedRows, size: int | float, arg: str) -> tuple[CheckedRows, CheckedRows]:
     n = len(train)
     k = int(round(size * n)) if isinstance(size, float) else size
     if k >= n:
@@ -212,22 +331,21 @@ def _hold_out(train: Any, size: int | float, arg: str) -> tuple[Any, Any]:
     return train.select(np.sort(order[k:])), train.select(np.sort(order[:k]))
 
 
-def _check_rows(rows: Any, where: str, required: Sequence[Sequence[str]]) -> None:
+def _needed(required: Sequence[Sequence[str]]) -> str:
+    return " or ".join("`" + "` + `".join(option) + "`" for option in required)
+
+
+def _check_rows(rows: CheckedRows, required: Sequence[Sequence[str]]) -> None:
+    need = _needed(required)
     if len(rows) == 0:
-        raise ValueError(f"`{where}` is empty: it has no rows")
+        raise ValueError(f"{rows.label} has no rows: it needs at least one, with {need}")
     cols = set(rows.column_names)
     if not any(set(option) <= cols for option in required):
-        need = " or ".join("`" + "` + `".join(option) + "`" for option in required)
         raise ValueError(
-            f"`{where}` has no {need} column; its columns: {sorted(cols)}. Rename a column with "
+            f"{rows.label} has no {need} column; its columns: {sorted(cols)}. Rename a column with "
             f"Dataset.rename_column, or map the rows into that form"
         )
-    head = rows.select(range(min(len(rows), _CHECKED_ROWS)))
-    for i, row in enumerate(head):
-        if "prompt" in row:
-            check_prompt(row["prompt"], f"{where}, row {i}")
-        elif "messages" in row:
-            check_messages(row["messages"], f"{where}, row {i}: `messages`")
+    rows.check_first(_CHECKED_ROWS)
 
 
 def prompt_key(prompt: Any) -> str:
@@ -235,14 +353,14 @@ def prompt_key(prompt: Any) -> str:
     return hashlib.sha1(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _without_shared(train: Any, held: Any, source: str) -> Any:
+def _without_shared(train: CheckedRows, held: CheckedRows, source: str) -> CheckedRows:
     column = (
         "prompt" if "prompt" in held.column_names and "prompt" in train.column_names else "messages"
     )
     if column not in held.column_names or column not in train.column_names:
         return train
-    held_keys = {prompt_key(p) for p in held[column]}
-    keep = [i for i, p in enumerate(train[column]) if prompt_key(p) not in held_keys]
+    held_keys = {prompt_key(p) for p in held.dataset[column]}
+    keep = [i for i, p in enumerate(train.dataset[column]) if prompt_key(p) not in held_keys]
     if len(keep) == len(train):
         return train
     if not keep:
@@ -288,6 +406,8 @@ def describe(value: Any) -> Any:
 
     if value is None or isinstance(value, (str, int, float, bool, list, dict)):
         return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     if isinstance(value, DatasetConfig):
         return asdict(value)
     if isinstance(value, (datasets.Dataset, datasets.DatasetDict)):

@@ -12,6 +12,8 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from earl_lightning.errors import EarlError
+
 Messages = list[dict[str, Any]]
 PromptForm = Literal["standard", "conversational"]
 ROLES = ("system", "user", "assistant", "tool")
@@ -56,6 +58,38 @@ def check_prompt(value: Any, where: str) -> PromptForm:
     if form == "conversational":
         check_messages(value, f"{where}: `prompt`")
     return form
+
+
+def check_rl_row(row: Mapping[str, Any], where: str) -> None:
+    """An RL row: a ``prompt`` in either form (every other column is the task's own)."""
+    check_prompt(row.get("prompt"), where)
+
+
+def check_sft_row(row: Mapping[str, Any], where: str) -> None:
+    """An SFT row in one of TRL's forms: ``prompt`` + ``completion``, both strings or both lists
+    of messages; or ``messages`` with at least one assistant message (what is trained on)."""
+    if "prompt" in row and "completion" in row:
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return
+        if isinstance(prompt, str) or isinstance(completion, str):
+            raise ValueError(
+                f"{where}: `prompt` and `completion` must both be strings (standard form) or both "
+                f"lists of messages (conversational form), got {type(prompt).__name__} and "
+                f"{type(completion).__name__}"
+            )
+        check_messages(prompt, f"{where}: `prompt`")
+        check_messages(completion, f"{where}: `completion`")
+        return
+    messages = check_messages(row.get("messages"), f"{where}: `messages`")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: `messages` has no assistant message: nothing to train on")
+
+
+class BadRowError(EarlError, ValueError):
+    """A dataset row the task cannot use (a null prompt, an unknown role), found when the row is
+    first read. Also a ValueError: found while the `earl` command builds its classes it is bad
+    input (exit 2); found later in the run an EarlError (exit 1); one line either way."""
 
 
 def first_messages(prompt: Any, system_prompt: str | None, appended: str | None = None) -> Messages:

@@ -199,11 +199,38 @@ def _accumulate(
         plan = prefix_plan(models.policy, micro[i], cfg.share_prefix) if mine else None
         # a padding rank abstains
         shared = cfg.share_prefix and reduce.all(plan is not None or not mine)
+        if not mine and not micro and i == 0:
+            # a rank without rows of its own (all skipped, or fewer rows than ranks) runs its first
+            # pass on a masked-out stand-in row: its statistics then have the names the other
+            # ranks' have, whose sums are all-reduced below, name by name
+            loss, stats = micro_batch_loss(models, _stand_in(mini), cfg, denom)
+            stats[SHARED_TOKENS] = 0.0
+            _add_stats(totals, stats)
+            backward((loss + zero_loss(models.policy, models.value_head)) if shared else loss)
+            continue
         if not mine:
             backward(zero_loss(models.policy, models.value_head, passes=2 if shared else 1))
             continue
         loss, stats = micro_batch_loss(models, micro[i], cfg, denom, plan if shared else None)
         stats[SHARED_TOKENS] = float(plan.saved_tokens) if shared else 0.0
         backward(loss)
-        for k, v in stats.items():
-            totals[k] = max(totals.get(k, 0.0), v) if k == MISMATCH else totals.get(k, 0.0) + v
+        _add_stats(totals, stats)
+
+
+def _add_stats(totals: dict[str, float], stats: dict[str, float]) -> None:
+    for k, v in stats.items():
+        totals[k] = max(totals.get(k, 0.0), v) if k == MISMATCH else totals.get(k, 0.0) + v
+
+
+def _stand_in(batch: ExperienceBatch) -> ExperienceBatch:
+    """One row of one token with ``batch``'s fields, all zero (its action mask too): a forward
+    and backward through every parameter that adds nothing to the loss."""
+
+    def zero(t: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.long if name == "input_ids" else t.dtype, device=t.device)
+
+    return ExperienceBatch(
+        torch.tensor([0, 1], device=batch.cu_seqlens.device),
+        {k: zero(v, k) for k, v in batch.tokens.items()},
+        {k: zero(v, k) for k, v in batch.seqs.items()},
+    )

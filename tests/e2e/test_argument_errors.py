@@ -89,6 +89,19 @@ def test_a_value_of_the_wrong_type_is_two_lines():
             "`--model.dtype`: 'float8' is not one of 'float32', 'bfloat16', 'float16'",
         ),
         (["--model.peft", "3"], "`--model.peft`: '3' is not a LoraSettings or null"),
+        # a key inside a group typed as a dataclass: the key itself, and the group's keys
+        (
+            ["--model.peft.rr", "8"],
+            "`--model.peft.rr` (given '8') is not an option; did you mean `--model.peft.r`? "
+            "`--model.peft` takes r, kwargs, dropout, target_modules, alpha",
+        ),
+        (["--model.peft.r", "x"], "`--model.peft.r`: 'x' is not an int"),
+        (
+            ["--data.dataset.eval_sise", "3"],
+            "`--data.dataset.eval_sise` (given '3') is not an option; did you mean "
+            "`--data.dataset.eval_size` or `--data.dataset.eval_split`? `--data.dataset` takes "
+            "eval_size, eval_split, train_split, data_files, name, path",
+        ),
     ],
 )
 def test_misspelt_keys_and_wrong_values_in_process(capsys, argv, line):
@@ -107,6 +120,19 @@ def test_an_unknown_key_in_a_config_file(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
         "earl: error: `--model.optim.lrr` (in a --config file) is not an option; did you mean `--model.optim.lr`?",
+        HINT,
+    ]
+
+
+def test_an_unknown_key_of_a_group_in_a_config_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  peft:\n    rr: 8\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(RECIPE), "--config", str(bad)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "earl: error: `--model.peft.rr` is not an option; did you mean `--model.peft.r`? "
+        "`--model.peft` takes r, kwargs, dropout, target_modules, alpha",
         HINT,
     ]
 

@@ -20,7 +20,7 @@ from earl_lightning.models import load_model, resolve_model_path
 from earl_lightning.models.lora import LoraSettings, apply_lora
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_export import token_logprobs
-from tests.e2e.test_file_errors import fit, last_ckpt, recipe_saving_last_every_step
+from tests.e2e.test_file_errors import error_line, fit, last_ckpt, recipe_saving_last_every_step
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 LORA = ("--model.peft.r", "4", "--model.peft.alpha", "8", "--model.algorithm.kl.coef", "0.1")
@@ -209,6 +209,20 @@ def test_lora_on_two_processes_under_earl_strategy(tmp_path):
             "1.5",
             "`--model.peft.dropout` must be a number in [0, 1), got 1.5",
         ),
+        # found in the model's architecture (built on the meta device) before anything runs
+        (
+            "--model.peft.target_modules",
+            "[nope]",
+            "`--model.peft.target_modules` ['nope'] matches no module of Qwen2ForCausalLM; its "
+            "linear layers are named down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj "
+            "(a list of these, a regular expression over module paths, or 'all-linear')",
+        ),
+        (
+            "--model.peft.target_modules",
+            "[embed_tokens]",
+            "`--model.peft.target_modules` ['embed_tokens'] selects 'model.embed_tokens' "
+            "(Embedding); LoRA here covers linear layers only",
+        ),
     ],
 )
 def test_a_bad_lora_setting_is_one_line_from_the_command(capsys, flag, value, line):
@@ -218,3 +232,26 @@ def test_a_bad_lora_setting_is_one_line_from_the_command(capsys, flag, value, li
         capsys, fit(RECIPES / "connect4_grpo.yaml", Path("unused"), 1, flag, value)
     )
     assert code == 2 and error_line(err) == f"earl: error: {line}"
+
+
+def test_lora_with_a_tensor_parallel_layout_is_one_line_before_any_process_starts(tmp_path):
+    """The refusal `setup` makes on every rank (a traceback each) is made while the run is built,
+    in the one process there is then: one line, exit 2."""
+    earl = Path(sys.executable).with_name("earl")
+    proc = subprocess.run(
+        [
+            str(earl),
+            *fit(RECIPES / "connect4_grpo_layouts.yaml", tmp_path / "run", 1, *SMALL, *LORA),
+        ],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert error_line(proc.stderr) == (
+        "earl: error: `--trainer.strategy.layouts.rollout` has tp=2, but the model carries LoRA "
+        "adapters (--model.peft), which EarlStrategy does not shard with tensor parallel; use tp=1 "
+        "layouts (data parallel, FSDP) or full fine-tuning"
+    )
+    assert "[rank" not in proc.stderr and not (tmp_path / "run").exists()

@@ -60,12 +60,7 @@ def test_rows_are_the_ids_the_server_sampled(server, tok):
     plugin.chat.seen.clear()
     backend = HFBackend(model, tok)
     episodes = play(
-        server,
-        tok,
-        plugin.chat,
-        rows,
-        backend,
-        sampling=SamplingConfig(max_new_tokens=12, seed=7),
+        server, tok, plugin.chat, rows, backend, sampling=SamplingConfig(max_new_tokens=12, seed=7)
     )
     for ep, row in zip(episodes, rows):
         r1, r2, r3 = plugin.chat.seen[row["prompt"]]
@@ -313,7 +308,8 @@ def test_a_call_past_the_limits_is_refused_and_the_episode_is_truncated(server, 
         max_turns=2,
         max_context_tokens=200,
     )
-    assert ep.error is None and ep.truncated and ep.reward == 1.0 and ep.num_turns == 2
+    assert ep.error is None and ep.reward == 1.0 and ep.num_turns == 2
+    assert not ep.truncated, "the agent handled the refusals and returned its reward"
 
 
 def test_a_call_after_the_episode_ended_is_refused(server, tok):
@@ -414,3 +410,50 @@ def test_the_same_model_samples_the_same_episodes_through_the_endpoint(server):
         assert a.token_ids == n.token_ids and a.action_mask == n.action_mask
         assert a.logprobs == pytest.approx(n.logprobs, abs=1e-5)
         assert a.reward == n.reward
+
+
+def test_what_the_model_or_the_agent_sends_cannot_end_the_rollout(server, tok):
+    """A call nested a thousand levels deep in the model's output comes back as text; a 10 MB
+    message is refused before it is tokenized; the episode goes on."""
+    deep = (
+        "<tool_call>" + '{"name": "add", "arguments": ' + "[" * 1000 + "]" * 1000 + "}</tool_call>"
+    )
+    answers = []
+
+    async def agent(client, row):
+        huge = [{"role": "user", "content": "x" * 10_000_000}]
+        try:
+            await client.chat.completions.create(model="m", messages=huge)
+        except openai.BadRequestError as err:
+            answers.append(err.code)
+        r = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], tools=[ADD]
+        )
+        answers.append((r.choices[0].message.content, r.choices[0].message.tool_calls))
+        return 1.0
+
+    (ep,) = play(
+        server,
+        tok,
+        agent,
+        [{"prompt": "p"}],
+        scripted(tok, [deep]),
+        max_context_tokens=8192,
+        sampling=SamplingConfig(max_new_tokens=4096, seed=0),
+    )
+    assert ep.error is None and ep.reward == 1.0 and not ep.truncated, "the agent went on"
+    assert answers[0] == "context_length_exceeded"
+    assert answers[1] == (deep, None), "an unreadable call is the response's text"
+
+
+def test_an_agent_that_gives_up_on_a_refused_call_ends_truncated_not_failed(server, tok):
+    async def gives_up(client, row):
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}]
+        )
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "again"}]
+        )
+
+    (ep,) = play(server, tok, gives_up, [{"prompt": "p"}], scripted(tok, ["ok"]), max_turns=1)
+    assert ep.error is None and ep.truncated and not ep.done and ep.num_turns == 1

@@ -75,8 +75,10 @@ def test_unknown_setting_and_a_target_that_matches_nothing():
         AgenticRLModule(peft={"rank": 4})
     with pytest.raises(
         ValueError,
-        match=r"`--model.peft.target_modules` \['qkv'\] matches no module of "
-        r"Qwen2ForCausalLM; e.g. 'all-linear'",
+        match=r"^`--model.peft.target_modules` \['qkv'\] matches no module of "
+        r"Qwen2ForCausalLM; its linear layers are named down_proj, gate_proj, k_proj, o_proj, "
+        r"q_proj, up_proj, v_proj \(a list of these, a regular expression over module paths, or "
+        r"'all-linear'\)$",
     ):
         apply_lora(load_model("earl-tiny"), LoraSettings(target_modules=["qkv"]))
     with pytest.raises(

@@ -26,7 +26,7 @@ from earl_lightning.rollout.chat import ChatDeltas, NotAppendOnly
 from earl_lightning.rollout.endpoint.protocol import ApiError, ChatRequest, Sampled, bad
 from earl_lightning.rollout.turns import assistant_text
 from earl_lightning.rollout.types import Episode, EpisodeSpec
-from earl_lightning.tasks.tool_parsers import ToolParser
+from earl_lightning.tasks.tool_parsers import ToolParser, read_calls
 
 # backend request keys: a row has its own (its KV cache, its sampling stream); row 0's key is the
 # episode id, as the native rollout's, so the same model samples the same tokens on both paths
@@ -41,6 +41,9 @@ def episode_of(key: int) -> int:
     return key % ROW_KEY_STRIDE
 
 
+# no tokenizer writes more characters per token on average: a request longer than this many
+# characters per context token is refused before it is rendered or tokenized
+MAX_CHARS_PER_TOKEN = 32
 # where each built-in parser's calls begin: the text before is the response's content
 _CALL_MARKS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
 
@@ -48,11 +51,13 @@ _CALL_MARKS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
 @dataclass
 class CallLimits:
     """What bounds an episode's calls: how many (the recipe's ``max_turns``), the longest context
-    a call may reach (``max_context_tokens``), and the longest completion (``max_new_tokens``)."""
+    a call may reach (``max_context_tokens``), the longest completion (``max_new_tokens``), and
+    the longest arguments a tool call read from the model may have (None: no cap)."""
 
     max_calls: int
     max_context_tokens: int
     max_new_tokens: int
+    max_argument_chars: int | None = None
 
 
 @dataclass
@@ -86,7 +91,7 @@ class EpisodeCalls:
         self.rows: list[Row] = []
         self.calls = 0
         self.tool_calls = 0
-        self.truncated = False  # a call was refused for the turn or context limit
+        self.refused = False  # a call was refused for the turn or context limit
         self.finished = False
         self._own: dict[str, str] = {}  # the model's text of each response, by call id and content
         self._chats: dict[str, ChatDeltas] = {}
@@ -101,17 +106,18 @@ class EpisodeCalls:
                 409, "this episode has ended; its key takes no more calls", code="episode_ended"
             )
         if self.calls >= self.limits.max_calls:
-            self.truncated = True
+            self.refused = True
             raise bad(
                 f"this episode reached its {self.limits.max_calls} model calls "
                 "(`--model.rollout.max_turns`)",
                 code="max_turns_exceeded",
             )
+        self._check_size(request)
         row, new, ids = self._extended(request) or self._new_row(request)
         budget = min(request.max_tokens or self.limits.max_new_tokens, self.limits.max_new_tokens)
         need = len(row.token_ids) + len(ids) + budget
         if need > self.limits.max_context_tokens:
-            self.truncated = True
+            self.refused = True
             raise bad(
                 f"This model's maximum context length is {self.limits.max_context_tokens} tokens. "
                 f"However, you requested {need} tokens ({need - budget} in the messages, "
@@ -128,6 +134,22 @@ class EpisodeCalls:
         self._transcript = list(request.messages)
         self.calls += 1
         return GenRequest(row.key, list(row.token_ids), request.messages[-1]["content"]), budget
+
+    def _check_size(self, request: ChatRequest) -> None:
+        """A request far longer than any context is refused before its text is tokenized."""
+        chars = sum(len(m["content"]) for m in request.messages) + len(
+            json.dumps(request.tools or [])
+        )
+        limit = self.limits.max_context_tokens * MAX_CHARS_PER_TOKEN
+        if chars > limit:
+            self.refused = True
+            raise bad(
+                f"This model's maximum context length is {self.limits.max_context_tokens} tokens; "
+                f"the messages hold {chars:,} characters, more than any tokenizer fits in it "
+                f"({limit:,}). Please reduce the length of the messages.",
+                "messages",
+                "context_length_exceeded",
+            )
 
     def _extended(self, request: ChatRequest) -> tuple[Row, list[dict], list[int]] | None:
         """The current row, the call's new messages and their tokens, when the call continues
@@ -203,10 +225,8 @@ class EpisodeCalls:
         tools = self.rows[-1].chat.tools
         if self.parser is None or not tools or tool_choice == "none":
             return text, []
-        try:
-            parsed = self.parser(text)
-        except Exception:  # noqa: BLE001 - a parser failure leaves the text as the content
-            return text, []
+        # never raises; a call the model wrote badly stays in the text, unread
+        parsed = read_calls(self.parser, text, self.limits.max_argument_chars)
         if not parsed.calls:
             return text, []
         calls = [
@@ -221,9 +241,12 @@ class EpisodeCalls:
         content = text[:at].strip() if at >= 0 else ""
         return content or None, calls
 
-    def to_episode(self, reward: float | None, info: dict[str, Any], error: str | None) -> Episode:
+    def to_episode(
+        self, reward: float | None, info: dict[str, Any], error: str | None, truncated: bool
+    ) -> Episode:
         """The episode: its rows' tokens one after another (``row_starts`` marks each row after
-        the first), the whole transcript as the agent last saw it, and its reward."""
+        the first), the whole transcript as the agent last saw it, and its reward; ``truncated``:
+        it ended on a call refused at a limit."""
         ids, mask, lps, starts, row_starts = [], [], [], [], []
         for k, row in enumerate(self.rows):
             if k:
@@ -237,8 +260,8 @@ class EpisodeCalls:
             logprobs=lps,
             reward=0.0 if error is not None or reward is None else reward,
             num_turns=len(starts),
-            done=error is None and not self.truncated,
-            truncated=self.truncated,
+            done=error is None and not truncated,
+            truncated=truncated,
             invalid_action=bool(info.get("invalid_action", False)),
             outcome=info.get("outcome") if isinstance(info.get("outcome"), str) else None,
             error=error,

@@ -11,8 +11,9 @@ call into its episode (:class:`~earl_lightning.rollout.endpoint.record.EpisodeCa
 Faults end one episode, never the rollout: an agent that raises, returns what is not a reward, or
 spends more than ``env_timeout_s`` of its own time between two calls (its tools, its code; the
 time it waits on the endpoint does not count) fails its episode as an environment fault would
-(``error``, counted against ``max_failed_share``). A call refused for the turn or context limit
-ends the episode as ``truncated`` instead, whatever the agent then does.
+(``error``, counted against ``max_failed_share``). An agent that fails after a call was refused
+for the turn or context limit ends its episode as ``truncated`` instead (cut, not broken); one
+that handles the refusal and returns its reward ends it as any other.
 """
 
 from __future__ import annotations
@@ -300,11 +301,12 @@ def agent_rollout(
     env_timeout_s: float | None = None,
     batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
     scored_elsewhere: bool = False,
+    max_argument_chars: int | None = None,
 ) -> list[Episode]:
     """Play every spec's row with ``agent`` through ``server`` (see the module); episodes in spec
     order. Generation happens on this thread; the agents run on the server's event loop.
     ``scored_elsewhere``: reward functions score the episodes, so an agent may return None."""
-    limits = CallLimits(max_turns, max_context_tokens, sampling.max_new_tokens)
+    limits = CallLimits(max_turns, max_context_tokens, sampling.max_new_tokens, max_argument_chars)
     session = Session(server, specs, tokenizer, parser, limits, sampling)
     server.handler = session.handle
     agents = asyncio.run_coroutine_threadsafe(
@@ -363,10 +365,10 @@ def _episode(session: Session, key: str, scored_elsewhere: bool) -> Episode:
             "reward, or name reward functions that score the transcript"
         )
     calls = session.calls[key]
-    error = result.error
-    if error is not None and calls.truncated:
-        error = None  # refused at a limit: the episode was cut, not broken
+    error, truncated = result.error, False
+    if error is not None and calls.refused:
+        error, truncated = None, True  # it ended on a call refused at a limit: cut, not broken
     if error is None and not calls.rows:
         error = "the agent made no call to the model"
     reward = None if math.isnan(result.reward) else result.reward
-    return calls.to_episode(reward, result.info or {}, error)
+    return calls.to_episode(reward, result.info or {}, error, truncated)
