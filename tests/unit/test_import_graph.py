@@ -22,6 +22,8 @@ TIERS = {
     "tasks": 1,
     "models": 1,
     "checkpoints": 1,
+    "checkpoint_loaders": 1,
+    "checkpoint_urls": 1,
     "rollout": 2,
     "data": 2,
     "parallel": 2,
