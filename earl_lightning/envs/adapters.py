@@ -28,7 +28,7 @@ import sys
 import typing
 from typing import Any
 
-from earl_lightning.envs.base import StepResult
+from earl_lightning.envs.types import StepResult
 
 
 def adapt_env(env: Any, arg: str, name: str) -> Any:

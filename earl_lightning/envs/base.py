@@ -9,18 +9,21 @@ any part of the package is imported.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from earl_lightning.envs.types import StepResult
 from earl_lightning.registry import Registry
 
-
-@dataclass
-class StepResult:
-    observation: str
-    reward: float
-    done: bool
-    info: dict[str, Any] = field(default_factory=dict)
+__all__ = [
+    "ENVS",
+    "Env",
+    "StepResult",
+    "ToolEnv",
+    "check_env_name",
+    "env_names",
+    "make_env",
+    "register_env",
+]
 
 
 @runtime_checkable
