@@ -27,6 +27,7 @@ from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.seeding import run_seed
+from earl_lightning.tasks.agents import Agent, check_agent_columns, describe_agent, resolve_agent
 from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
 from earl_lightning.tasks.tools import Tool, resolve_tools
@@ -175,6 +176,12 @@ class EpisodeDataModule(L.LightningDataModule):
             ``{schema, fn}`` dicts; every turn's prompt renders them (``apply_chat_template(...,
             tools=...)``), and ``--model.rollout.tool_parser`` reads the model's calls. An
             environment may offer its own (``ToolEnv.tools()``).
+        agent: a user's agent, by import path (``my_package.agents.solve``) or (Python) as a
+            callable: ``async def agent(client, row, **columns)`` (or a plain def, run on a thread),
+            run once per episode with an OpenAI client whose ``base_url`` is the rollout's
+            endpoint (one API key per episode). It returns the reward, ``{"reward", "info"}``, or
+            None (``reward_funcs`` score the transcript). Plays ``dataset`` rows; no ``env`` or
+            ``tools`` beside it (the agent runs its own). See docs/agents.md.
     """
 
     def __init__(
@@ -195,8 +202,10 @@ class EpisodeDataModule(L.LightningDataModule):
         reward_funcs: list[str | Callable[..., Any]] | None = None,
         reward_weights: list[float] | None = None,
         tools: list[str | Callable[..., Any] | dict[str, Any]] | None = None,
+        agent: str | Callable[..., Any] | None = None,
     ):
         super().__init__()
+        _check_agent_task(agent, env, dataset, tools)
         if env is None and dataset is None:
             env = "connect_four"
         if env is not None:
@@ -225,11 +234,16 @@ class EpisodeDataModule(L.LightningDataModule):
             self.eval_episodes = 0  # no evaluation rows: nothing to evaluate on
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
         self.tools: list[Tool] = resolve_tools(tools)
-        _check_task(self.splits, env, self.reward_funcs)
+        self.agent: Agent | None = None if agent is None else resolve_agent(agent)
+        if self.agent is None:
+            _check_task(self.splits, env, self.reward_funcs)
+        elif self.splits is not None:
+            check_columns(self.reward_funcs, self.splits.columns())
+            check_agent_columns(self.agent, self.splits.columns())
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
         self.save_hyperparameters(
-            ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs", "tools"]
+            ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs", "tools", "agent"]
         )
         self.hparams.update(
             dispatch=to_dict(dispatch),
@@ -237,6 +251,7 @@ class EpisodeDataModule(L.LightningDataModule):
             eval_dataset=describe(eval_dataset),
             reward_funcs=[describe(f) for f in reward_funcs or []],
             tools=[t.name for t in self.tools],
+            agent=describe_agent(agent),
         )
 
     def first_spec(self) -> EpisodeSpec:
@@ -274,6 +289,27 @@ class EpisodeDataModule(L.LightningDataModule):
             return EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes)
         rows = self.splits.eval if self.splits.eval is not None else self.splits.train.select([])
         return EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes, rows=rows)
+
+
+def _check_agent_task(agent: Any, env: str | None, dataset: Any, tools: Any) -> None:
+    """An agent plays dataset rows on its own: no environment or task tools beside it."""
+    if agent is None:
+        return
+    if dataset is None:
+        raise ValueError(
+            "`--data.agent` plays the rows of a dataset, and `--data.dataset` is null: name the "
+            "rows the agent starts from (each row is handed to it as `row`)"
+        )
+    if env is not None:
+        raise ValueError(
+            f"`--data.agent` and `--data.env` {env!r} are both set: an agent runs its own "
+            "environment (wrap a gymnasium or verifiers env in the agent, or drop `--data.agent`)"
+        )
+    if tools:
+        raise ValueError(
+            "`--data.agent` and `--data.tools` are both set: an agent sends its tools with each "
+            "request and runs them itself; drop `--data.tools`"
+        )
 
 
 def _check_task(splits: Splits | None, env: str | None, funcs: list[RewardFunction]) -> None:

@@ -22,7 +22,8 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
     its prompt can be far longer than any trained sequence, and carried along with a zero mask it
     would still cost the experience and train forwards their time and memory. It stays counted
     where the episodes are (``data/skipped_rows``, ``reward/mean``); a group's advantages are
-    those of its other members.
+    those of its other members. An agent's episode split into rows (``row_starts``) is one row
+    per part, ``turn_index`` the part's number, every part with the episode's reward.
 
     An episode whose turns saw the whole chat is one row; ``token_rewards`` holds each turn's
     reward on that turn's last generated token (see :func:`turn_token_rewards`), what the
@@ -51,11 +52,20 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
         else:
             n = len(ep.token_ids)
             mask = [0] * n if ep.error is not None else ep.action_mask
-            for end, r in zip([*ep.turn_starts[1:], n], _rewards_per_turn(ep)):
+            bounds = [0, *(ep.row_starts or []), n]
+            ends = [*ep.turn_starts[1:], n]
+            for start, end, r in zip(ep.turn_starts, ends, _rewards_per_turn(ep)):
                 turn_ends.append(total + end)
                 turn_values.append(r)
-                turn_rows_at.append(total)
-            per_row = [(ep.token_ids, mask, ep.logprobs, [0.0] * n)]
+                turn_rows_at.append(total + _row_of(bounds, start))
+            for end, value, row_start in _continuations(ep, mask, bounds, gamma):
+                turn_ends.append(total + end)
+                turn_values.append(value)
+                turn_rows_at.append(total + row_start)
+            per_row = [
+                (ep.token_ids[a:b], mask[a:b], ep.logprobs[a:b], [0.0] * (b - a))
+                for a, b in zip(bounds, bounds[1:])
+            ]
         for k, row in enumerate(per_row):
             for name, values in zip(fields, row):
                 flat[name].extend(values)
@@ -80,6 +90,30 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
     return ExperienceBatch(
         cu_seqlens_of(lengths), {name: torch.from_numpy(a) for name, a in arrays.items()}, seqs
     )
+
+
+def _row_of(bounds: list[int], position: int) -> int:
+    """The start of the row (``bounds``: row starts, then the end) that holds ``position``."""
+    return max(b for b in bounds[:-1] if b <= position)
+
+
+def _continuations(
+    ep: Episode, mask: list[int], bounds: list[int], gamma: float
+) -> list[tuple[int, float, int]]:
+    """An episode split into rows (``row_starts``: an agent rewrote its context): each row but the
+    last ends its own sequence, so its last generated token carries the return of the episode
+    from there (its reward discounted by ``gamma`` per generated token after it), as a history
+    window's turn rows do. (end, value, row start) per such row."""
+    if len(bounds) <= 2:
+        return []
+    total = sum(_rewards_per_turn(ep))
+    out = []
+    for a, b in zip(bounds[:-2], bounds[1:-1]):
+        last = next((i for i in range(b - 1, a - 1, -1) if mask[i]), None)
+        if last is not None:
+            after = sum(mask[last + 1 :])
+            out.append((last + 1, total * gamma**after, a))
+    return out
 
 
 def _place_turn_rewards(

@@ -41,8 +41,8 @@ from earl_lightning.modules.metrics import (
 )
 from earl_lightning.modules.rollout_setup import (
     check_first_observation,
-    loop_kwargs,
     make_backend,
+    play_share,
     reward_extras,
 )
 from earl_lightning.modules.views import (
@@ -53,7 +53,7 @@ from earl_lightning.modules.views import (
 )
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
-from earl_lightning.rollout.loop import rollout
+from earl_lightning.rollout.endpoint import EndpointServer
 from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
 from earl_lightning.seeding import run_seed
@@ -138,6 +138,7 @@ class AgenticRLModule(L.LightningModule):
         self.oom_recoveries = 0
         self.run_metrics = RunMetrics()
         self._backend = None
+        self._endpoint: EndpointServer | None = None  # started at the first agent rollout
         self._reward_outcomes: list = []  # the last scoring's outcomes on this rank (log_metric values)
 
     # ---- what the run is made of -------------------------------------------------------------
@@ -306,16 +307,22 @@ class AgenticRLModule(L.LightningModule):
             self.allowed_token_ids, greedy=greedy, seed=seed
         )
         dm = self.trainer.datamodule
-        tools = dm.tools if isinstance(dm, EpisodeDataModule) else []
-        # tensor-parallel peers generate in lock step: every turn waits for every call
-        kwargs = loop_kwargs(self.rollout_config, tools, continuous=ctx.layout.tp == 1)
+        task = dm if isinstance(dm, EpisodeDataModule) else None
+        if task is not None and task.agent is not None and self._endpoint is None:
+            self._endpoint = EndpointServer(self.hparams.model).start()
+        share = self._exchanger().rollout_share(specs, ctx.layout, self.global_rank)
         try:
-            episodes = rollout(
-                self._exchanger().rollout_share(specs, ctx.layout, self.global_rank),
+            episodes = play_share(
+                share,
                 self._backend,
                 self.tokenizer,
                 sampling,
-                **kwargs,
+                self.rollout_config,
+                ctx.layout,
+                tools=task.tools if task is not None else [],
+                agent=task.agent if task is not None else None,
+                endpoint=self._endpoint,
+                scored_elsewhere=bool(self._reward_funcs()),
             )
         finally:
             self._backend.release(None)
@@ -484,6 +491,11 @@ class AgenticRLModule(L.LightningModule):
                 values = self.run_metrics.compute_val(flags)
             for logger in self.loggers:
                 logger.log_metrics(values, step=0)
+
+    def teardown(self, stage: str) -> None:
+        if self._endpoint is not None:  # the agents' endpoint serves one fit (or validate)
+            self._endpoint.close()
+            self._endpoint = None
 
     # ---- checkpointing -------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

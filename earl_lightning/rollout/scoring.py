@@ -38,6 +38,8 @@ def is_raw(ep: Episode) -> bool:
 def transcript(ep: Episode, tokenizer: Any) -> tuple[Any, Any, list[int]]:
     """(prompt, completion, completion ids) of ``ep`` in TRL's form."""
     ids = list(ep.token_ids[ep.prompt_tokens :])
+    if ep.from_agent:
+        return _agent_transcript(ep, ids)
     if is_raw(ep):
         return ep.spec.row["prompt"], tokenizer.decode(ids, skip_special_tokens=True), ids
     first = next(
@@ -50,6 +52,20 @@ def transcript(ep: Episode, tokenizer: Any) -> tuple[Any, Any, list[int]]:
         _with_calls(ep.messages[first:], ep.turn_calls),
         ids,
     )
+
+
+def _agent_transcript(ep: Episode, ids: list[int]) -> tuple[Any, Any, list[int]]:
+    """An agent's episode: the row's prompt, and what followed the agent's first messages (the
+    conversation as it last sent it, and the last response); a string prompt gets the last
+    response's text, as TRL gives a standard-form completion."""
+    first = next(
+        (i for i, m in enumerate(ep.messages) if m["role"] == "assistant"), len(ep.messages)
+    )
+    prompt = (ep.spec.row or {}).get("prompt", [dict(m) for m in ep.messages[:first]])
+    if isinstance(prompt, str):
+        last = ep.messages[-1] if ep.messages and ep.messages[-1]["role"] == "assistant" else {}
+        return prompt, last.get("content") or "", ids
+    return prompt, [dict(m) for m in ep.messages[first:]], ids
 
 
 def _with_calls(messages: list[dict], turn_calls: list[list]) -> list[dict]:
@@ -105,7 +121,7 @@ def _apply(
     if failed is not None:
         _drop(ep, failed, "reward")
         return
-    if all(v is None for v in values) and ep.spec.env is None:
+    if all(v is None for v in values) and ep.spec.env is None and ep.agent_reward is None:
         _drop(
             ep, "no reward function returned a value for this row (each returned None)", "unscored"
         )

@@ -121,7 +121,7 @@ class LiveEpisode:
         assistant's text for the environment's ``step``, or None when the episode ends here (a row
         played without an environment is one turn: reward functions score it). The text is read
         by :func:`read_calls`: whatever the parser makes of it, the episode goes on."""
-        content, closing = _assistant_text(self.messages, out, self.chat, tokenizer, self.raw)
+        content, closing = assistant_text(self.messages, out, self.chat, tokenizer, self.raw)
         if self.turn_prompts is not None:
             self.turn_prompts.append(self.prompt())
         self.turn_starts.append(len(self.token_ids))
@@ -221,7 +221,7 @@ def window(messages: Messages, history_turns: int) -> Messages:
     return head + earlier[max(len(earlier) - 2 * history_turns, 0) :] + tail
 
 
-def _assistant_text(
+def assistant_text(
     messages: Messages, out: GenOutput, chat: ChatDeltas, tokenizer: Any, raw: bool = False
 ) -> tuple[str, str]:
     """The assistant message content and the mask-0 text that closes the turn (none for a

@@ -48,6 +48,11 @@ class Episode:
     never trained on). ``tool_calls``, ``tool_errors``, ``tool_seconds`` and ``tool_truncated``
     (results cut to the result budget) count the episode's tool use; ``turn_calls[k]`` are the
     calls turn ``k`` made (its assistant message in ``messages`` holds the text the model wrote).
+
+    An episode played by a user's agent (``from_agent``) is the calls it made to the endpoint:
+    ``messages`` is the conversation as the agent last sent it plus the last response (tool calls
+    as OpenAI ``tool_calls``), and ``row_starts`` (when the agent rewrote its context) splits the
+    tokens into the rows the trainer learns from, each its own sequence with the episode's reward.
     """
 
     spec: EpisodeSpec
@@ -75,6 +80,10 @@ class Episode:
     tool_truncated: int = 0
     # each turn's parsed tool calls (ToolCall)
     turn_calls: list[list[Any]] = field(default_factory=list)
+    # an agent's episode whose calls rewrote the context: where each row after the first starts
+    row_starts: list[int] | None = None
+    from_agent: bool = False  # played by a user's agent through the endpoint
+    agent_reward: float | None = None  # what the agent returned (None: reward functions score it)
 
     @property
     def num_generated(self) -> int:
