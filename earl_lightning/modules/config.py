@@ -146,9 +146,10 @@ class RolloutConfig:
         call_workers: threads running the env steps and tool calls of all live episodes at once
             (1: one at a time).
         call_isolation: ``thread``: environments and tools live in the trainer's process;
-            ``process``: each episode's environment and the task's tools in a worker process of
-            its own, killed when one of its calls runs past ``env_timeout_s`` (a call that holds
-            the GIL then ends with its process, and only its episode is lost).
+            ``process``: in a pool of ``min(call_workers, CPUs)`` worker processes, started once
+            per trainer process and reused, each episode pinned to one; a call past
+            ``env_timeout_s`` kills its worker (even one holding the GIL): only its episode is
+            lost, the others there are rebuilt in a fresh worker by replaying their calls.
         continuous_turns: an episode whose calls have returned is generated for at once, without
             waiting for the other episodes' calls (tensor-parallel rollouts always wait: their
             ranks must generate the same batches). Off by default: the batches then depend on
