@@ -162,23 +162,24 @@ def read_recipe(recipe: str, arg: str = "--recipe") -> Recipe:
 
 def parse_contexts(text: str, arg: str = "--contexts") -> list[int]:
     """``A:B`` (A, 2A, 4A, ... up to B, B included) or ``A,B,C`` (increasing) token counts >= 2."""
-    allowed = "A:B (doubling from A up to B) or a comma list such as 1024,4096,32768"
+    bad = ValueError(
+        f"`{arg}` must be A:B (doubling from A up to B) or a comma list such as 1024,4096,32768, "
+        f"of increasing lengths of at least 2 tokens; got {text!r}"
+    )
     try:
         if ":" in text:
             lo, hi = (int(x) for x in text.split(":"))
-            if hi < lo:
-                raise ValueError
             out = [lo]
             while lo >= 2 and out[-1] * 2 < hi:
                 out.append(out[-1] * 2)
             if hi > lo:
                 out.append(hi)
+            elif hi < lo:
+                raise bad
         else:
             out = [int(x) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"`{arg}` must be {allowed}, got {text!r}") from None
-    if not out or min(out) < 2 or any(b <= a for a, b in zip(out, out[1:])):
-        raise ValueError(
-            f"`{arg}` must be {allowed} of increasing lengths of at least 2 tokens, got {text!r}"
-        )
+        raise bad from None
+    if min(out) < 2 or any(b <= a for a, b in zip(out, out[1:])):
+        raise bad
     return out

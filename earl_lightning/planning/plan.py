@@ -244,6 +244,7 @@ def _row(
         "tp": layout.tp,
         "micro_batch_tokens": layout.micro_batch_tokens,
         "activation_checkpointing": layout.activation_checkpointing,
+        "peak_bytes": peak,
         "peak_gib": peak / 2**30,
         "fits": ok,
         "seconds": _seconds(selector, stage, layout, stats),
