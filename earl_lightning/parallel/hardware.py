@@ -113,6 +113,27 @@ def device_profile(name: str, arg: str = "device") -> DeviceProfile:
     return DeviceProfile.from_dict(json.loads(path.read_text()), f"device profile file {path}")
 
 
+# CUDA device names (torch.cuda.get_device_name) -> profile: the SXM parts the profiles describe
+_GPU_NAMES = (
+    (("H100",), "H100-80G"),
+    (("H800",), "H800-80G"),
+    (("H200",), "H200-141G"),
+    (("A100", "80GB"), "A100-80G"),
+    (("A100",), "A100-40G"),
+)
+
+
+def profile_for_gpu(device_name: str) -> str | None:
+    """The shipped profile of a CUDA device by its name (``NVIDIA H100 80GB HBM3`` -> H100-80G);
+    None for a device without one (a PCIe part's lower clocks and bandwidth are not described)."""
+    if "PCIe" in device_name:
+        return None
+    for parts, profile in _GPU_NAMES:
+        if all(p in device_name for p in parts):
+            return profile
+    return None
+
+
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` nodes of ``per_node`` devices each. Ranks are numbered node by node, so a group

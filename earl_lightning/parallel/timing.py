@@ -7,9 +7,9 @@ roofline per kernel family plus collectives and per-call overheads.
   pass that reads the TP shard's weights and every sequence's KV cache from memory. Every
   forward pays ``2 L + 2`` all-reduces of its activations inside the TP group. Before the stage
   the rollout replica is refreshed from the train copy (its TP shard over the network).
-- **Experience**: the no-grad forward of every micro-batch (twice with a reference model), the
-  log-softmax over the vocabulary at the scored positions, and the dispatcher's all-to-all that
-  brings the batch.
+- **Experience**: the no-grad forward of every micro-batch (the policy's, none when the update
+  is exactly on-policy; the reference model's with a KL term), the log-softmax over the
+  vocabulary at the scored positions, and the dispatcher's all-to-all that brings the batch.
 - **Train**: forward + backward (3x the forward's FLOPs, 4x with activation checkpointing) per
   micro-batch and PPO epoch; FSDP all-gathers the weights twice and reduce-scatters the
   gradients per micro-batch over the dp group, overlapped with compute by the device's
@@ -48,6 +48,10 @@ class TimeModel:
         turns: generation calls per episode in a rollout (the recipe's ``max_turns``).
         ppo_epochs: passes of the train stage over the batch.
         optimizer_steps: optimizer steps per train stage (epochs x mini-batches).
+        experience_forwards: the forwards of the experience stage: the policy's unless the update
+            is exactly on-policy (its old log-probs are then the train forward's own), plus the
+            reference model's with a KL term; default: the policy's and, when the memory model
+            holds one, the reference's.
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class TimeModel:
         turns: int = 1,
         ppo_epochs: int = 1,
         optimizer_steps: int = 1,
+        experience_forwards: int | None = None,
     ) -> None:
         if not isinstance(memory, MemoryModel):
             raise ValueError(f"`memory` must be a MemoryModel, got {type(memory).__name__}")
@@ -67,6 +72,12 @@ class TimeModel:
         self.turns = check_count("turns", turns)
         self.ppo_epochs = check_count("ppo_epochs", ppo_epochs)
         self.optimizer_steps = check_count("optimizer_steps", optimizer_steps)
+        default = 1 + int(memory.reference_model)
+        self.experience_forwards = check_count(
+            "experience_forwards",
+            default if experience_forwards is None else experience_forwards,
+            0,
+        )
         self.peak = self.device.flops(memory.dtype)
 
     # ---- public -----------------------------------------------------------------------------
@@ -228,7 +239,7 @@ class TimeModel:
         z, d = self.memory.sizes, self.device
         seqs, length = math.ceil(s["num_seqs"] / layout.dp), s["context_max"]
         _, n_mb = self.memory.micro_batches(layout, s)
-        models = 2 if self.memory.reference_model else 1
+        models = self.experience_forwards
         head = self._scored(s, seqs * length)
         compute = models * n_mb * self._forward(layout, seqs / n_mb, length, head / n_mb)
         logsoftmax = self._stream(models * head * z.vocab_size * 4 * 3)

@@ -104,6 +104,7 @@ class Recipe:
     ppo_epochs: int
     mini_batches: int
     scored_last_layer: bool
+    experience_forwards: int  # the policy's unless exactly on-policy, plus a KL reference's
 
 
 def read_recipe(recipe: str, arg: str = "--recipe") -> Recipe:
@@ -118,7 +119,7 @@ def read_recipe(recipe: str, arg: str = "--recipe") -> Recipe:
         RolloutConfig,
         check_combination,
     )
-    from earl_lightning.modules.views import workload_view
+    from earl_lightning.modules.views import exactly_on_policy, workload_view
 
     path = Path(recipe)
     if not path.is_file():
@@ -157,6 +158,7 @@ def read_recipe(recipe: str, arg: str = "--recipe") -> Recipe:
         optim.ppo_epochs,
         optim.mini_batches,
         optim.scored_last_layer,
+        int(not exactly_on_policy(rollout, algorithm, optim)) + int(algorithm.kl.coef > 0),
     )
 
 

@@ -105,6 +105,7 @@ def models_for(settings: PlanSettings) -> tuple[MemoryModel, TimeModel]:
         turns=r.max_turns,
         ppo_epochs=r.ppo_epochs,
         optimizer_steps=r.ppo_epochs * r.mini_batches,
+        experience_forwards=r.experience_forwards,
     )
     return memory, time
 
