@@ -15,11 +15,12 @@ glibc returning every block of 256 KiB or more to the OS when freed, so that RSS
 tensors; the largest rank's). Goal: peak memory within 10%, stage time within 25%.
 
 ``--fit`` measures the profile instead: the machine's rates by probes (a 1024^3 fp32 matmul, a
-256 MiB copy into another tensor, gloo all-reduces of 4 bytes and 64 MiB between 2 processes), then the efficiency
-factors and per-call overheads by a least-squares fit (of log time) on 1-process cells at 256
-and 1024 tokens, contexts the evaluation does not use; it writes CPU.json.
+256 MiB copy into another tensor, gloo all-reduces of 4 bytes and 64 MiB between 2 processes),
+then the efficiency factors and per-call overheads (a layer's launches, a generation step's, a
+collective's as the TP and FSDP code paths issue it) by a least-squares fit of log time on the
+same layouts at 256 and 1024 tokens, contexts the evaluation does not use; it writes CPU.json.
 
-    python benchmarks/plan_calibration.py --fit     # the CPU profile (~3 min on a quiet machine)
+    python benchmarks/plan_calibration.py --fit     # the CPU profile (~5 min on a quiet machine)
     python benchmarks/plan_calibration.py           # the error table (~5 min on a quiet machine)
     python benchmarks/plan_calibration.py --quick   # 128 / 256 tokens, 1 run per cell: a smoke run
 
@@ -73,6 +74,7 @@ FITTED = (
     "memory_efficiency",
     "layer_overhead_s",
     "step_overhead_s",
+    "intra_node_latency_s",  # a collective as the TP and FSDP code paths issue it (DTensor, hooks)
 )
 
 
@@ -268,20 +270,15 @@ def fit_profile(probe: dict, rows: list[dict], load: str) -> DeviceProfile:
     )
 
     def with_params(x) -> DeviceProfile:
-        v = np.exp(x)
-        return dataclasses.replace(
-            rates,
-            matmul_efficiency=min(1.0, v[0]),
-            attention_efficiency=min(1.0, v[1]),
-            memory_efficiency=min(1.0, v[2]),
-            layer_overhead_s=v[3],
-            step_overhead_s=v[4],
-        )
+        v = dict(zip(FITTED, np.exp(x)))
+        for k in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+            v[k] = min(1.0, v[k])
+        return dataclasses.replace(rates, **v, inter_node_latency_s=v["intra_node_latency_s"])
 
     def loss(x) -> float:
         return sum(math.log(1 + p["time_error"]) ** 2 for p in predict(rows, with_params(x)))
 
-    x0 = np.log([getattr(start, k) for k in FITTED])
+    x0 = np.log([getattr(rates, k) for k in FITTED])
     best = minimize(
         loss, x0, method="Nelder-Mead", options=dict(maxiter=400, xatol=1e-3, fatol=1e-6)
     )
@@ -293,13 +290,12 @@ def fit_profile(probe: dict, rows: list[dict], load: str) -> DeviceProfile:
         "memory_bandwidth": f"measured: copying a 256 MiB tensor into another, read + write, one thread ({how})",
         "intra_node_bandwidth": f"measured: gloo all_reduce of 64 MiB between 2 processes over loopback ({how})",
         "inter_node_bandwidth": "no second machine here: taken equal to the loopback figure",
-        "intra_node_latency_s": f"measured: gloo all_reduce of 4 bytes between 2 processes ({how})",
-        "inter_node_latency_s": "taken equal to the loopback figure",
+        "inter_node_latency_s": "taken equal to intra_node_latency_s (no second machine here)",
         "link_efficiency": "1: the bandwidth is the measured one",
         "comm_overlap": "0: gloo's collectives run on the cores that compute",
         **{
-            k: f"fitted: least squares of log stage time over {len(rows)} one-process cells at 256 and "
-            f"1024 tokens (plan_calibration_fit.csv; {how})"
+            k: f"fitted: least squares of log stage time over {len(rows)} cells on 1 and 2 processes at "
+            f"256 and 1024 tokens (plan_calibration_fit.csv; {how}); start: the probes"
             for k in FITTED
         },
     }
@@ -374,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.fit:
         probe = spawn(probe_worker, 2)
         print("probes: " + ", ".join(f"{k} {v:.4g}" for k, v in probe.items()))
-        rows = measure([64, 128] if args.quick else [256, 1024], mbts, repeats, worlds=(1,))
+        rows = measure([64, 128] if args.quick else [256, 1024], mbts, repeats)
         profile = fit_profile(probe, rows, f"{load0}-{_load()}")
         pred = predict(rows, profile)
         write_csv(out / "plan_calibration_fit.csv", pred)

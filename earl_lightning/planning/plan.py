@@ -120,12 +120,15 @@ def make_plan(settings: PlanSettings) -> PlanResult:
         train = Layout(dp, tp, settings.recipe.workload.micro_batch_tokens)
     else:
         train = _pick_train_placement(settings, placements)
-    result = PlanResult(settings, (train.dp, train.tp), 0.0, settings.cluster.device.memory_bytes)
     selector = _selector(settings, train)
-    result.usable_bytes = selector.usable_bytes
-    result.adaptive = _adaptive_rows(settings, selector)
-    result.static = _static_rows(settings, selector)
-    return result
+    return PlanResult(
+        settings,
+        (train.dp, train.tp),
+        selector.usable_bytes,
+        selector.budget_bytes,
+        adaptive=_adaptive_rows(settings, selector),
+        static=_static_rows(settings, selector),
+    )
 
 
 def _selector(settings: PlanSettings, train: Layout, *, all_train: bool = False) -> Selector:

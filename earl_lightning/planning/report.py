@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from earl_lightning.parallel.decision import gib
 from earl_lightning.parallel.layout import STAGES
 from earl_lightning.planning.plan import PlanResult
 
@@ -134,12 +135,12 @@ def format_tables(result: PlanResult) -> str:
         f"recipe {s.recipe.path}; train placement dp{result.train_placement[0]}xtp{result.train_placement[1]}; "
         f"usable {result.usable_bytes / 2**30:.1f} of {result.budget_bytes / 2**30:.1f} GiB per device",
         "",
-        f"{'context':>8} {'stage':10} {'layout (adaptive)':26} {'peak GiB':>9} {'seconds':>9}",
+        f"{'context':>8} {'stage':10} {'layout (adaptive)':26} {'peak':>10} {'seconds':>9}",
     ]
     for r in result.adaptive:
         flag = "" if r["fits"] else "  OUT OF MEMORY: no layout fits"
         lines.append(
-            f"{r['context']:>8} {r['stage']:10} {r['layout']:26} {r['peak_gib']:>9.1f} "
+            f"{r['context']:>8} {r['stage']:10} {r['layout']:26} {gib(r['peak_bytes']):>10} "
             f"{r['seconds']:>9.2f}{flag}"
         )
     lines += [
