@@ -113,7 +113,8 @@ class TimeModel:
             for stage, layouts in candidates.items():
                 work = max(work_tokens(stage, s), 1.0)
                 for lay in layouts:
-                    table.add(stage, ctx, n, lay, work / self.seconds(stage, lay, s))
+                    # a stage that does nothing (an on-policy experience on one rank) still ranks
+                    table.add(stage, ctx, n, lay, work / max(self.seconds(stage, lay, s), 1e-9))
         return table
 
     def sync_seconds(self, layout: Layout) -> float:
