@@ -5,10 +5,12 @@
     earl sft --config recipes/connect4_sft.yaml            # the warm start: a save_pretrained directory
     earl profile --config recipes/connect4_grpo.yaml --out profiles/connect4 --budget-s 300
     earl export --ckpt_path runs/connect4_grpo/.../last.ckpt --out my_model   # a save_pretrained directory
+    earl plan --model config.json --cluster 16x8xH100-80G --recipe recipes/connect4_ppo.yaml
 
 ``profile`` is not a LightningCLI subcommand: it measures the recipe's model per stage and layout
 (:mod:`earl_lightning.profiling.command`) for ``AdaptiveParallelism(profile=...)``. Nor is ``export``
-(:mod:`earl_lightning.export`): it rebuilds a checkpoint's model from the checkpoint alone.
+(:mod:`earl_lightning.export`): it rebuilds a checkpoint's model from the checkpoint alone; nor
+``plan`` (:mod:`earl_lightning.planning.command`): it predicts the selector's choices from a config.
 
 The omegaconf parser mode lets recipes interpolate (``${model.rollout.max_context_tokens}``).
 """
@@ -413,6 +415,11 @@ def main(args: list[str] | None = None) -> None:
         from earl_lightning.profiling.command import profile_command  # no Lightning CLI needed
 
         profile_command(argv[1:])
+        return
+    if argv[:1] == ["plan"]:
+        from earl_lightning.planning.command import plan_command  # config only: no Lightning CLI
+
+        plan_command(argv[1:])
         return
     if argv[:1] == ["export"]:
         from earl_lightning.export import (

@@ -35,6 +35,7 @@ TIERS = {
     "modules": 4,
     "sft": 4,
     "profiling": 4,
+    "planning": 4,
     "export": 4,
     "cli": 4,
     "checkpoints_io": 4,
