@@ -259,6 +259,9 @@ class AgenticRLModule(L.LightningModule):
             metrics = self._step_metrics(
                 runner, episodes, num_groups, exp, update, rollout_ctx, train_ctx
             )
+        for ctx in (exp_ctx, train_ctx):  # the micro-batch budget each forward stage ran with
+            budget = ctx.budget(self.optim_config.micro_batch_tokens)
+            metrics[f"stage/{ctx.name}/micro_batch_tokens"] = float(budget)
         self._log_step(metrics, episodes[:2], step)
 
     def _step_metrics(
