@@ -13,6 +13,7 @@ run would have seen.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -257,13 +258,21 @@ class EpisodeDataModule(L.LightningDataModule):
     def first_spec(self) -> EpisodeSpec:
         return self._stream(0).batch(0)[0]
 
-    def _stream(self, start: int) -> EpisodeStream:
+    def extra_batch(self, step: int, k: int) -> list[EpisodeSpec]:
+        """Draw ``k`` (1, 2, ...) of more groups for step ``step`` (dynamic sampling): step ``step``
+        of a stream of its own, seeded from ``(seed, k)``, so a pure function of ``(seed, step, k)``
+        whose rows and seeds differ from the step's own batch."""
+        check_count("k", k)
+        key = hashlib.sha256(f"earl-extra-draw:{self.seed}:{k}".encode()).digest()
+        return self._stream(0, seed=int.from_bytes(key[:8], "big") % (2**31 - 1)).batch(step)
+
+    def _stream(self, start: int, seed: int | None = None) -> EpisodeStream:
         return EpisodeStream(
             self.env,
             self.env_kwargs,
             self.batch_size,
             self.group_size,
-            self.seed,
+            self.seed if seed is None else seed,
             start,
             self.group_seeds,
             rows=self.splits.train if self.splits is not None else None,

@@ -24,6 +24,7 @@ from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.models.lora import LoraSettings, apply_lora, check_targets
+from earl_lightning.modules.algorithm_groups import check_draws
 from earl_lightning.modules.config import (
     A,
     AlgorithmConfig,
@@ -32,6 +33,7 @@ from earl_lightning.modules.config import (
     check_combination,
     check_module_args,
 )
+from earl_lightning.modules.dynamic_sampling import Draws, play_draws
 from earl_lightning.modules.metrics import (
     RunMetrics,
     batch_stats,
@@ -211,6 +213,7 @@ class AgenticRLModule(L.LightningModule):
             world_size,
             dm.exchanger.config.keep_groups,
         )
+        check_draws(self.algorithm_config.dynamic_sampling, dm.group_size)
 
     # ---- the RL iteration ----------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -219,17 +222,17 @@ class AgenticRLModule(L.LightningModule):
         batch moving between layouts by the exchanger."""
         step, specs = batch["step"], batch["specs"]
         runner, exchanger = self._runner(StageTimer()), self._exchanger()
+        num_groups = max(s.group_id for s in specs) + 1
         for attempt in runner.attempts("rollout", self._spec_stats(specs)):
             with attempt as rollout_ctx:
-                episodes = self._play(specs, rollout_ctx, self._sampling_seed(step, rollout_ctx))
+                draws = self._draw(step, specs, num_groups, rollout_ctx)
         with runner.outside("the env-failure check"):
             check_env_failures(
-                episodes, rollout_ctx.reduce, self.rollout_config.max_failed_share, step
+                draws.played, rollout_ctx.reduce, self.rollout_config.max_failed_share, step
             )
         played = episodes_to_experience(
-            episodes, gamma=self.algorithm_config.advantage.effective("gamma", 1.0)
+            draws.batch(), gamma=self.algorithm_config.advantage.effective("gamma", 1.0)
         )
-        num_groups = max(s.group_id for s in specs) + 1
 
         with runner.outside("the batch statistics"):
             stats = batch_stats(played, rollout_ctx.reduce)
@@ -257,24 +260,26 @@ class AgenticRLModule(L.LightningModule):
         self.rl_iteration, self.oom_recoveries = step + 1, self.oom_recoveries + runner.recoveries
         with runner.outside("the step's metric reductions"):
             metrics = self._step_metrics(
-                runner, episodes, num_groups, exp, update, rollout_ctx, train_ctx
+                runner, draws, num_groups, exp, update, rollout_ctx, train_ctx
             )
         for ctx in (exp_ctx, train_ctx):  # the micro-batch budget each forward stage ran with
             budget = ctx.budget(self.optim_config.micro_batch_tokens)
             metrics[f"stage/{ctx.name}/micro_batch_tokens"] = float(budget)
-        self._log_step(metrics, episodes[:2], step)
+        self._log_step(metrics, draws.first[:2], step)
 
     def _step_metrics(
         self,
         runner: StageRunner,
-        episodes: list,
+        draws: Draws,
         num_groups: int,
         exp: ExperienceBatch,
         update: dict[str, float],
         rollout_ctx: StageContext,
         train_ctx: StageContext,
     ) -> dict[str, float]:
-        """The step's logged metrics, each reduced over all ranks (every rank calls this)."""
+        """The step's logged metrics, each reduced over all ranks (every rank calls this); the
+        episodes' figures are those of the step's own batch (``draws.first``)."""
+        episodes = draws.first
         metrics = self.run_metrics.step(
             episodes, rollout_ctx.reduce.counts_here, exp, train_ctx.reduce.counts_here
         )
@@ -284,6 +289,8 @@ class AgenticRLModule(L.LightningModule):
             self._stages().pop_stage_metrics(),
             self._exchanger().pop_metrics(),
             self._backend.metrics(),
+            draws.metrics(),
+            self.algorithm_config.overlong.metrics(episodes, rollout_ctx.reduce),
         ):
             metrics.update(more)
         metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
@@ -298,6 +305,22 @@ class AgenticRLModule(L.LightningModule):
             {"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)}
         )
         return metrics
+
+    def _draw(self, step: int, specs: list, num_groups: int, ctx: StageContext) -> Draws:
+        """The step's episodes, scored and shaped (``algorithm.overlong``); with dynamic sampling,
+        further draws until the batch is full (:mod:`earl_lightning.modules.dynamic_sampling`)."""
+        dm, outcomes = self.trainer.datamodule, []
+
+        def play(draw: list, k: int) -> list:
+            episodes = self._play(draw, ctx, self._sampling_seed(step, ctx, k))
+            self.algorithm_config.overlong.apply(episodes)
+            outcomes.append(self._reward_outcomes)
+            return episodes
+
+        draws = Draws(num_groups, dm.group_size, self.algorithm_config.dynamic_sampling.max_draws)
+        play_draws(play, specs, lambda k: dm.extra_batch(step, k), draws, ctx.reduce.sum_moments)
+        self._reward_outcomes = outcomes[0]  # what the functions logged on the step's own batch
+        return draws
 
     def _play(self, specs: list, ctx: StageContext, seed: int, greedy: bool = False) -> list:
         """This rank's share of ``specs``, played with the stage's model (the backend is bound to it)."""
@@ -420,9 +443,11 @@ class AgenticRLModule(L.LightningModule):
     def _spec_stats(self, specs: list) -> dict[str, float]:
         return {"num_seqs": len(specs), "gen_len": self.rollout_config.sampling.max_new_tokens}
 
-    def _sampling_seed(self, step: int, ctx: StageContext) -> int:
+    def _sampling_seed(self, step: int, ctx: StageContext, draw: int = 0) -> int:
         dp_rank = ctx.layout.coords(self.global_rank)[0]
-        return (self.hparams.seed * 1_000_003 + step * 131 + dp_rank) % (2**31 - 1)
+        # draw k > 0: dynamic sampling's further draws of the step
+        seed = self.hparams.seed * 1_000_003 + step * 131 + dp_rank + draw * 7_919_777
+        return seed % (2**31 - 1)
 
     def _mismatch(self, exp: ExperienceBatch, ctx: StageContext, update: dict[str, float]) -> float:
         """Max |rollout - recomputed| log-prob over generated tokens of all ranks (on-policy: the
