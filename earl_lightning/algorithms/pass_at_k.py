@@ -22,13 +22,9 @@ def pass_at_k(n: Tensor, c: Tensor, k: int) -> Tensor:
         raise ValueError(f"`c` has shape {tuple(c.shape)}, expected {tuple(n.shape)} like `n`")
     if bool((c < 0).any() | (c > n).any() | (n < k).any()):
         raise ValueError(f"pass@{k} needs 0 <= c <= n and n >= {k} on every row")
-    wrong = n - c
-    # log C(n - c, k) - log C(n, k), where n - c >= k
-    log_none = (
-        torch.lgamma(wrong + 1)
-        - torch.lgamma((wrong - k).clamp(min=0) + 1)
-        - torch.lgamma(n + 1)
-        + torch.lgamma(n - k + 1)
-    )
-    none = torch.where(wrong >= k, torch.exp(log_none), torch.zeros_like(n))
+    # C(n - c, k) / C(n, k) = prod over i = n - c + 1 .. n of (1 - k / i): exactly 1 when c = 0, and
+    # 0 when n - c < k (the factor at i = k is 0)
+    none = torch.ones_like(n)
+    for j in range(int(c.max()) if c.numel() else 0):
+        none = torch.where(j < c, none * (1.0 - k / (n - j).clamp(min=1)), none)
     return 1.0 - none

@@ -47,6 +47,7 @@ from earl_lightning.modules.rollout_setup import (
     play_share,
     reward_extras,
 )
+from earl_lightning.modules.sampled_eval import SampledEvalMetrics
 from earl_lightning.modules.views import (
     exactly_on_policy,
     module_hparams,
@@ -57,7 +58,7 @@ from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.endpoint import EndpointServer
 from earl_lightning.rollout.scoring import score_episodes
-from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
+from earl_lightning.rollout.weight_sync import step_mismatch
 from earl_lightning.seeding import run_seed
 from earl_lightning.stages import (
     StageContext,
@@ -139,6 +140,7 @@ class AgenticRLModule(L.LightningModule):
         self.rl_iteration = 0
         self.oom_recoveries = 0
         self.run_metrics = RunMetrics()
+        self.sampled_eval = SampledEvalMetrics(0, 1.0)  # --data.eval_samples, set at setup
         self._backend = None
         self._endpoint: EndpointServer | None = None  # started at the first agent rollout
         self._reward_outcomes: list = []  # the last scoring's outcomes on this rank (log_metric values)
@@ -201,6 +203,8 @@ class AgenticRLModule(L.LightningModule):
             self.run_metrics.track_rewards([f.name for f in dm.reward_funcs])
         if isinstance(dm, EpisodeDataModule):
             self.check_data(dm, self.trainer.world_size)
+            if self.sampled_eval.samples != dm.eval_samples:
+                self.sampled_eval = SampledEvalMetrics(dm.eval_samples, dm.eval_pass_reward)
 
     def check_data(self, dm: EpisodeDataModule, world_size: int) -> None:
         """Settings of the model and the data that are valid alone but not together: a first prompt
@@ -293,7 +297,9 @@ class AgenticRLModule(L.LightningModule):
             self.algorithm_config.overlong.metrics(episodes, rollout_ctx.reduce),
         ):
             metrics.update(more)
-        metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
+        measured = update.pop("logprob/mismatch") if self._on_policy else None
+        warn = self.hparams.logprob_mismatch_warn
+        metrics["logprob/mismatch"] = step_mismatch(exp.tokens, train_ctx.reduce, measured, warn)
         names = [f.name for f in self._reward_funcs()]
         tools = self.rollout_config.tool_parser is not None
         metrics.update(
@@ -449,22 +455,6 @@ class AgenticRLModule(L.LightningModule):
         seed = self.hparams.seed * 1_000_003 + step * 131 + dp_rank + draw * 7_919_777
         return seed % (2**31 - 1)
 
-    def _mismatch(self, exp: ExperienceBatch, ctx: StageContext, update: dict[str, float]) -> float:
-        """Max |rollout - recomputed| log-prob over generated tokens of all ranks (on-policy: the
-        update measured it on its own forward); warns over the threshold."""
-        t = exp.tokens
-        value = (
-            update.pop("logprob/mismatch")
-            if self._on_policy
-            else float(
-                ctx.reduce.max(
-                    logprob_mismatch(t["rollout_logprobs"], t["old_logprobs"], t["action_mask"])
-                )
-            )
-        )
-        check_logprob_mismatch(value, self.hparams.logprob_mismatch_warn)
-        return value
-
     def _log_step(self, metrics: dict[str, float], sample_episodes: list, step: int) -> None:
         for name in ("reward/mean", "env/win_rate"):
             if name in metrics:
@@ -475,13 +465,20 @@ class AgenticRLModule(L.LightningModule):
             log_transcripts(self.loggers, sample_episodes, step)
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluate(self, specs: list) -> dict[str, bool]:
-        """Play ``specs`` greedily into the validation metrics; which optional rates they report."""
-        runner = self._runner(StageTimer())
+    def _evaluate(self, batch: dict[str, Any]) -> dict[str, bool]:
+        """Play the batch's ``specs`` greedily into the validation metrics and its ``sampled``
+        ones (``--data.eval_samples``) with the training's sampling into pass@k and mean@n;
+        which optional rates the greedy episodes report."""
+        specs, runner = batch["specs"], self._runner(StageTimer())
         for attempt in runner.attempts("rollout", self._spec_stats(specs)):
             with attempt as ctx:
                 episodes = self._play(specs, ctx, seed=0, greedy=True)
         self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
+        if batch["sampled"]:
+            for attempt in runner.attempts("rollout", self._spec_stats(batch["sampled"])):
+                with attempt as sampled_ctx:  # the module's seed: the same draws every evaluation
+                    sampled = self._play(batch["sampled"], sampled_ctx, seed=self.hparams.seed)
+            self.sampled_eval.update(sampled, sampled_ctx.reduce.counts_here)
         with runner.outside("the evaluation's metric reductions"):
             return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
 
@@ -489,12 +486,16 @@ class AgenticRLModule(L.LightningModule):
         # Lightning computes the logged metric objects after this hook; computing them here puts
         # their synchronization under the one-line lost-peer error (torchmetrics keeps the result).
         with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
-            for metric in self.run_metrics.val_objects({}).values():
+            for metric in [
+                *self.run_metrics.val_objects({}).values(),
+                *self.sampled_eval.objects().values(),
+            ]:
                 metric.compute()
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        flags = self._evaluate(batch["specs"])
-        for name, metric in self.run_metrics.val_objects(flags).items():
+        flags = self._evaluate(batch)
+        objects = {**self.run_metrics.val_objects(flags), **self.sampled_eval.objects()}
+        for name, metric in objects.items():
             self.log(
                 name,
                 metric,
@@ -514,9 +515,9 @@ class AgenticRLModule(L.LightningModule):
             and self.trainer.val_dataloaders is not None
             and self.trainer.limit_val_batches
         ):
-            flags = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
+            flags = self._evaluate(next(iter(dm.val_dataloader())))
             with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
-                values = self.run_metrics.compute_val(flags)
+                values = {**self.run_metrics.compute_val(flags), **self.sampled_eval.compute()}
             for logger in self.loggers:
                 logger.log_metrics(values, step=0)
 
