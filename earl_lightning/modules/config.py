@@ -22,6 +22,11 @@ from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, ge
 from earl_lightning.algorithms.estimators import AdvantageEstimator, get_advantage_estimator
 from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.groups import coerce
+from earl_lightning.modules.algorithm_groups import (
+    DynamicSamplingConfig,
+    OverlongConfig,
+    RolloutCorrectionConfig,
+)
 from earl_lightning.registry import bind_params, param_default
 from earl_lightning.rollout.backends.base import SamplingConfig, SamplingFields
 from earl_lightning.rollout.loop import check_history_turns
@@ -348,7 +353,8 @@ class ValueConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    """The RL algorithm: advantages, policy loss, KL, entropy bonus, value head.
+    """The RL algorithm: advantages, policy loss, KL, entropy bonus, value head, and the peers'
+    additions (rollout correction, truncated rows, overlong shaping, dynamic sampling).
 
     GRPO is ``advantage.name: grpo``; REINFORCE++ ``reinforce_pp``; PPO ``gae`` (with a value head).
 
@@ -358,6 +364,14 @@ class AlgorithmConfig:
         kl: KL to the reference model.
         entropy_coef: entropy bonus weight.
         value: the value head's loss.
+        rollout_correction: importance weights between the backend's sampled log-probs and the
+            trainer's (truncated or masked importance sampling).
+        mask_truncated: the rows of an episode cut by ``rollout.max_turns``,
+            ``rollout.max_context_tokens`` or (a row played without an environment)
+            ``rollout.sampling.max_new_tokens`` leave the loss; they still count in their group's
+            advantages (TRL's ``mask_truncated_completions``).
+        overlong: DAPO's soft overlong punishment of long episodes (training rewards only).
+        dynamic_sampling: DAPO's dynamic sampling: zero-spread groups dropped and more drawn.
     """
 
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -365,6 +379,10 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0
     value: ValueConfig = field(default_factory=ValueConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    mask_truncated: bool = False
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def __post_init__(self) -> None:
         _coerce_nested(self, f"{A}.algorithm")

@@ -138,7 +138,8 @@ class LiveEpisode:
             return parsed
         if self.spec.env is None:
             self.turn_rewards.append(0.0)
-            self.done = True
+            # a completion cut at max_new_tokens is a truncated episode (TRL's "truncated completion")
+            self.done, self.truncated = True, out.finish_reason == "length"
             return None
         return content
 
