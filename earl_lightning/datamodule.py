@@ -229,19 +229,9 @@ class EpisodeDataModule(L.LightningDataModule):
             env = "connect_four"
         if env is not None:
             check_env_name(env, "--data.env")
-        check_count("--data.batch_size", batch_size)
-        check_count("--data.group_size", group_size)
-        seed = run_seed(seed, "--data.seed")
-        if batch_size % group_size:
-            raise ValueError(
-                f"`--data.batch_size` ({batch_size}) must be a multiple of `--data.group_size` ({group_size}): "
-                f"each GRPO group of {group_size} episodes shares a seed; try batch_size="
-                f"{max(group_size, batch_size // group_size * group_size)}"
-            )
-        check_choice("--data.group_seeds", group_seeds, GROUP_SEEDS)
-        check_count("--data.eval_episodes", eval_episodes, 0)
-        check_count("--data.eval_samples", eval_samples, 0)
+        _check_batch(batch_size, group_size, group_seeds, eval_episodes, eval_samples)
         check_number("--data.eval_pass_reward", eval_pass_reward)
+        seed = run_seed(seed, "--data.seed")
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
         if env is not None:
@@ -257,11 +247,7 @@ class EpisodeDataModule(L.LightningDataModule):
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
         self.tools: list[Tool] = resolve_tools(tools)
         self.agent: Agent | None = None if agent is None else resolve_agent(agent)
-        if self.agent is None:
-            _check_task(self.splits, env, self.reward_funcs)
-        elif self.splits is not None:
-            check_columns(self.reward_funcs, self.splits.columns())
-            check_agent_columns(self.agent, self.splits.columns())
+        _check_task(self.splits, env, self.reward_funcs, self.agent)
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
         self.save_hyperparameters(
@@ -343,12 +329,35 @@ def _check_agent_task(agent: Any, env: str | None, dataset: Any, tools: Any) -> 
         )
 
 
-def _check_task(splits: Splits | None, env: str | None, funcs: list[RewardFunction]) -> None:
-    if splits is not None:
-        check_columns(funcs, splits.columns())
-        if env is None and not funcs:
-            raise ValueError(
-                "`--data.reward_funcs` is empty, and `--data.env` is null: rows played without an "
-                "environment get their rewards from reward functions only; name at least one "
-                "(e.g. trl.rewards.accuracy_reward)"
-            )
+def _check_batch(
+    batch_size: int, group_size: int, group_seeds: str, eval_episodes: int, eval_samples: int
+) -> None:
+    check_count("--data.batch_size", batch_size)
+    check_count("--data.group_size", group_size)
+    if batch_size % group_size:
+        raise ValueError(
+            f"`--data.batch_size` ({batch_size}) must be a multiple of `--data.group_size` ({group_size}): "
+            f"each GRPO group of {group_size} episodes shares a seed; try batch_size="
+            f"{max(group_size, batch_size // group_size * group_size)}"
+        )
+    check_choice("--data.group_seeds", group_seeds, GROUP_SEEDS)
+    check_count("--data.eval_episodes", eval_episodes, 0)
+    check_count("--data.eval_samples", eval_samples, 0)
+
+
+def _check_task(
+    splits: Splits | None, env: str | None, funcs: list[RewardFunction], agent: Agent | None
+) -> None:
+    """The dataset's columns feed the reward functions (and the agent's parameters), and a row
+    played without an environment or an agent needs a reward function to score it."""
+    if splits is None:
+        return
+    check_columns(funcs, splits.columns())
+    if agent is not None:
+        check_agent_columns(agent, splits.columns())
+    elif env is None and not funcs:
+        raise ValueError(
+            "`--data.reward_funcs` is empty, and `--data.env` is null: rows played without an "
+            "environment get their rewards from reward functions only; name at least one "
+            "(e.g. trl.rewards.accuracy_reward)"
+        )

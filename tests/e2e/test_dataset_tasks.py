@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import datasets
@@ -413,18 +412,17 @@ def test_tools_without_a_parser_are_one_line(data, tmp_path, capsys):
     ) in err and "Traceback" not in err
 
 
-def test_a_hung_reward_function_ends_the_run_in_one_line_within_seconds(data, tmp_path):
+def test_a_hung_reward_function_ends_the_run_in_one_line(data, tmp_path):
     """A reward function that sleeps 60 s under a 1 s limit: it is interrupted where it sleeps, in
     the evaluation before the first update and again at step 0, whose rows it then has not scored,
     and the run ends as a raising function ends it (every row unscored: ``max_failed_share`` 1),
-    in seconds, not hung."""
+    not hung."""
     from tests.distributed.launch import subprocess_env
 
     earl = Path(sys.executable).with_name("earl")
     args = _fit_args(data, tmp_path, "earl-tiny", 2, "--data.reward_funcs")
     args += ["[tests.plugins.rewards.sleepy]", "--data.reward_weights", "null"]
     args += ["--model.rollout.reward_timeout_s", "1"]
-    start = time.perf_counter()
     proc = subprocess.run(
         [str(earl), *args],
         env=subprocess_env(PYTHONPATH=str(ROOT)),
@@ -432,7 +430,8 @@ def test_a_hung_reward_function_ends_the_run_in_one_line_within_seconds(data, tm
         text=True,
         timeout=300,
     )
-    assert time.perf_counter() - start < 60, "the run waited for the sleeping function"
+    # Not timed here (a loaded machine makes start-up alone take a minute): a function left to
+    # sleep would return its scores after 60 s and the run would end well, not with this line.
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         "earl: error: reward function 'sleepy' did not return within 1 s "

@@ -288,7 +288,7 @@ class Sampled:
     finish_reason: str
     content: str | None
     tool_calls: list[dict[str, Any]]
-    tokens: list[str]
+    tokens: list[str]  # each sampled token's text (filled when log-probs were asked)
 
 
 def completion(

@@ -192,9 +192,12 @@ class EpisodeCalls:
         return {"role": "assistant", "content": text} if text is not None else m
 
     # ---- its result -----------------------------------------------------------------------------
-    def record(self, out: GenOutput, tool_choice: str, call_id: str) -> Sampled:
+    def record(
+        self, out: GenOutput, tool_choice: str, call_id: str, token_texts: bool = False
+    ) -> Sampled:
         """Append the sampled ids (mask 1, their log-probs) and the turn's closing text (mask 0)
-        to the current row; the response's content and tool calls (read by the recipe's parser)."""
+        to the current row; the response's content and tool calls (read by the recipe's parser),
+        and each token's text when ``token_texts`` (a call that asked for log-probs)."""
         row = self.rows[-1]
         text, closing = assistant_text(row.messages, out, row.chat, self.tokenizer)
         prompt = list(row.token_ids)
@@ -208,7 +211,7 @@ class EpisodeCalls:
         self._own[key] = text
         self.tool_calls += len(calls)
         self._transcript = [*self._transcript, _as_message(content, calls)]
-        tokens = [self.tokenizer.decode([t]) for t in out.token_ids]
+        tokens = [self.tokenizer.decode([t]) for t in out.token_ids] if token_texts else []
         return Sampled(
             prompt,
             list(out.token_ids),

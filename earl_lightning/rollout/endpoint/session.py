@@ -141,7 +141,7 @@ class Session:
                 self.queue.put(Job(gen, self._sampling(request, budget), future))
                 out: GenOutput = await future
                 call_id = f"{gen.key}-{episode.calls}"
-                sampled = episode.record(out, request.tool_choice, call_id)
+                sampled = episode.record(out, request.tool_choice, call_id, request.logprobs)
             finally:
                 self.busy_since[key] = time.monotonic()
         return completion(
