@@ -17,7 +17,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from earl_lightning.checks import check_choice, check_count
 from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.datamodule import EvalEpisodes
-from earl_lightning.envs.base import check_env_name, make_env
+from earl_lightning.envs.base import ToolEnv, check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
 from earl_lightning.modules.metrics import episode_counts
 from earl_lightning.modules.rollout_setup import loop_kwargs
@@ -26,10 +26,16 @@ from earl_lightning.rollout.demonstrations import play_demonstrations_with_targe
 from earl_lightning.rollout.transcripts import sft_row
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.seeding import run_seed
-from earl_lightning.tasks.datasets import DatasetConfig, Splits, describe, open_splits
+from earl_lightning.tasks.datasets import (
+    CheckedRows,
+    DatasetConfig,
+    Splits,
+    describe,
+    open_splits,
+)
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
-from earl_lightning.tasks.rows import check_sft_row
-from earl_lightning.tasks.tools import Tool, resolve_tools
+from earl_lightning.tasks.rows import BadRowError, check_sft_row
+from earl_lightning.tasks.tools import Tool, resolve_tools, tool_of
 
 SFT_FORMS = (("prompt", "completion"), ("messages",))
 
@@ -99,14 +105,24 @@ def training_rows(
 
 
 def dataset_training_rows(
-    rows: Any, tokenizer: Any, system_prompt: str | None, tools: list[dict[str, Any]] | None = None
+    rows: Any,
+    tokenizer: Any,
+    system_prompt: str | None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_parser: str | None = None,
 ) -> list[dict[str, Any]]:
     """The supervised rows of a dataset in TRL's SFT forms (see :func:`~earl_lightning.rollout.transcripts.sft_row`):
     ``input_ids`` and ``labels`` (the ids on the trained tokens, -100 elsewhere); ``tools``: the
-    schemas every row is rendered with."""
+    schemas every row is rendered with; ``tool_parser``: the rollout's, which reads each
+    structured tool call back from its text. A row that cannot be rendered so is one
+    :class:`BadRowError` line naming it."""
     chat, out = ChatDeltas(tokenizer, tools), []
     for i, row in enumerate(rows):
-        ids, mask = sft_row(row, chat, system_prompt, f"`--data.dataset` row {i}")
+        where = rows.where(i) if isinstance(rows, CheckedRows) else f"`--data.dataset` row {i}"
+        try:
+            ids, mask = sft_row(row, chat, system_prompt, where, tool_parser)
+        except ValueError as err:
+            raise BadRowError(str(err)) from None
         out.append(
             {"input_ids": ids, "soft": [], "labels": [t if m else -100 for t, m in zip(ids, mask)]}
         )
@@ -207,6 +223,32 @@ class DemonstrationDataModule(L.LightningDataModule):
         self.rows: list[dict[str, Any]] | None = None
         self.stats: dict[str, float] = {}
 
+    def row_tools(self) -> list[dict[str, Any]]:
+        """The schemas a dataset's rows are rendered with: ``tools``, then the environment's own
+        (a :class:`ToolEnv`), as the rollout renders an episode's."""
+        own = []
+        if self.env is not None:
+            env = make_env(self.env, "--data.env", **self.env_kwargs)
+            if isinstance(env, ToolEnv):
+                own = [tool_of(t, "the environment's tools") for t in env.tools()]
+        return [t.schema for t in [*self.tools, *own]]
+
+    def encode_rows(self, rows: Any, module: Any) -> list[dict[str, Any]]:
+        """``rows`` of the dataset as supervised rows, rendered with ``module``'s tokenizer and
+        rollout settings (:func:`dataset_training_rows`)."""
+        r = module.rollout_config
+        return dataset_training_rows(
+            rows, module.tokenizer, r.system_prompt, self.row_tools(), r.tool_parser
+        )
+
+    def check_rows(self, module: Any, n: int = 8) -> None:
+        """The first ``n`` training rows render as the rollout renders them (their tool calls read
+        back with the rollout's parser): a wrong parser or a tool no prompt offers fails before
+        any work, as one line."""
+        if self.splits is not None:
+            train = self.splits.train
+            self.encode_rows(train.select(range(min(n, len(train)))), module)
+
     def demonstration_specs(self) -> list[EpisodeSpec]:
         base = _DEMO_SEED_BASE + self.hparams.seed * self.hparams.num_episodes
         return [
@@ -239,12 +281,7 @@ class DemonstrationDataModule(L.LightningDataModule):
             return
         module = self.trainer.lightning_module
         if self.splits is not None:
-            self.rows = dataset_training_rows(
-                self.splits.train,
-                module.tokenizer,
-                module.rollout_config.system_prompt,
-                [t.schema for t in self.tools],
-            )
+            self.rows = self.encode_rows(self.splits.train, module)
             self.stats = {
                 "demo/rows": float(len(self.rows)),
                 "demo/assistant_tokens": float(
