@@ -26,13 +26,7 @@ from earl_lightning.rollout.demonstrations import play_demonstrations_with_targe
 from earl_lightning.rollout.transcripts import sft_row
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.seeding import run_seed
-from earl_lightning.tasks.datasets import (
-    CheckedRows,
-    DatasetConfig,
-    Splits,
-    describe,
-    open_splits,
-)
+from earl_lightning.tasks.datasets import CheckedRows, DatasetConfig, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
 from earl_lightning.tasks.rows import BadRowError, check_sft_row
 from earl_lightning.tasks.tools import Tool, resolve_tools, tool_of
@@ -249,6 +243,44 @@ class DemonstrationDataModule(L.LightningDataModule):
             train = self.splits.train
             self.encode_rows(train.select(range(min(n, len(train)))), module)
 
+    def check_val_interval(self, trainer: Any, module: Any) -> None:
+        """An integer ``val_check_interval`` longer than an epoch, with evaluations counted per
+        epoch (Lightning's default ``check_val_every_n_epoch: 1``), fails before any work, naming
+        both settings (Lightning's own check comes after the demonstrations are played). An
+        epoch's length is exact for a dataset; for demonstrations it is at most one row per
+        episode (per turn with ``history_turns``), and only an interval past that is refused
+        here."""
+        every = trainer.val_check_interval
+        if (
+            not isinstance(every, int)
+            or trainer.check_val_every_n_epoch is None
+            or not trainer.limit_val_batches
+        ):
+            return
+        batch, r, n = self.hparams.batch_size, module.rollout_config, self.hparams.num_episodes
+        if self.splits is not None:
+            rows, bound, what = (
+                len(self.splits.train),
+                "",
+                f"{len(self.splits.train)} training rows",
+            )
+        else:
+            per = 1 if r.history_turns is None else r.max_turns
+            rows, bound = n * per, "at most "
+            what = f"{n} demonstration episodes, " + (
+                f"up to {per} rows each" if per > 1 else "one row each"
+            )
+        steps = -(-rows // batch)
+        limit = trainer.limit_train_batches
+        steps = min(steps, limit) if isinstance(limit, int) else max(int(steps * limit), 1)
+        if every > steps:
+            raise ValueError(
+                f"`--trainer.val_check_interval` ({every}) is more steps than one epoch has "
+                f"({bound}{steps}: {what}, in batches of {batch}); set "
+                f"`--trainer.check_val_every_n_epoch null` to count steps across epochs, or a "
+                f"`val_check_interval` of at most {steps}"
+            )
+
     def demonstration_specs(self) -> list[EpisodeSpec]:
         base = _DEMO_SEED_BASE + self.hparams.seed * self.hparams.num_episodes
         return [
@@ -333,21 +365,48 @@ class DemonstrationDataModule(L.LightningDataModule):
         return DataLoader(self.eval_batches(), batch_size=1, collate_fn=_identity, num_workers=0)
 
     def eval_batches(self) -> EvalEpisodes:
-        """Held-out seeds 0..n-1, or the dataset's first ``eval_episodes`` evaluation rows, each as a
-        row to play from its prompt (:func:`eval_prompt_row`)."""
-        if self.splits is None:
+        """Held-out seeds 0..n-1 (also for a dataset without evaluation rows, when an environment
+        is set), or the dataset's first ``eval_episodes`` evaluation rows, each as a row to play
+        (:func:`eval_prompt_row`)."""
+        held = self.splits.eval if self.splits is not None else None
+        if held is None and self.env is not None:
             return EvalEpisodes(self.env, self.eval_env_kwargs, self.hparams.eval_episodes)
-        held = self.splits.eval
         n = min(self.hparams.eval_episodes, len(held)) if held is not None else 0
         rows = [eval_prompt_row(row) for row in held.select(range(n))] if n else []
         return EvalEpisodes(self.env, self.eval_env_kwargs, n, rows=rows)
 
+    def evaluation_note(self) -> str:
+        """What the held-out figures (``val/*`` greedy, ``val_sampled/*`` at temperature 1) measure,
+        in words, for ``warm_start.json``."""
+        batches, tools = self.eval_batches(), [t.name for t in self.tools]
+        n, funcs = batches.num_episodes, [f.name for f in self.reward_funcs]
+        if batches.rows is None:
+            return (
+                f"{n} episodes of the environment {self.env!r} on held-out seeds 0..{n - 1}, played "
+                f"by the model from the first observation"
+            )
+        start = (
+            "each played from its prompt"
+            if "prompt" in self.splits.eval.column_names
+            else "each played from its first user turn: the model plays the rest itself"
+        )
+        with_tools = f", calling the tools {tools}" if tools else ""
+        return (
+            f"the first {n} evaluation rows of {self.splits.source}, {start}{with_tools}"
+            f"{f' in the environment {self.env!r}' if self.env else ''}; scored by {funcs}"
+        )
+
 
 def eval_prompt_row(row: dict[str, Any]) -> dict[str, Any]:
     """An SFT row as a row to play: ``prompt`` kept (its ``completion`` becomes a column), or a
-    ``messages`` row's conversation before its last assistant message as the prompt."""
+    ``messages`` row's conversation up to its first user message as the prompt. The model plays
+    the rest itself (with the task's tools, as an RL run would), so none of the row's own
+    assistant turns or tool results is shown to it."""
     if "prompt" in row:
         return row
     messages = row["messages"]
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return {**row, "prompt": messages[:last]}
+    first = next(
+        (i + 1 for i, m in enumerate(messages) if m["role"] == "user"),
+        next(i for i, m in enumerate(messages) if m["role"] == "assistant"),
+    )
+    return {**row, "prompt": messages[:first]}

@@ -141,6 +141,9 @@ class WarmStartModule(L.LightningModule):
             sampling = replace(self.sampling, greedy=greedy, seed=self.hparams.seed)
             with eval_mode(self.policy), torch.no_grad():
                 episodes = rollout(specs, backend, self.tokenizer, sampling, **kwargs)
+            if kwargs["tools"] is not None and kwargs["tools"].tools:
+                for ep in episodes:  # a row's tools, not an environment's: count their use too
+                    ep.info.setdefault("tool_calls", ep.tool_calls)
             score_episodes(episodes, funcs, self.tokenizer)
             metrics.update_val(episodes, True)
             now = reported(episodes)
