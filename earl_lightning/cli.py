@@ -300,6 +300,16 @@ class SftCLI(EarlCLI):
             "--overwrite", action=ActionYesNo, default=False, help=SFT_ARGS["overwrite"]
         )
 
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        # what the model and the data decide together, before the demonstrations are played
+        try:
+            self.datamodule.check_rows(self.model)
+            self.datamodule.check_val_interval(self.trainer, self.model)
+        except ValueError as err:
+            say(f"earl: error: {err}")
+            raise SystemExit(2) from None
+
     def before_instantiate_classes(self) -> None:
         super().before_instantiate_classes()
         problem = output_dir_problem(

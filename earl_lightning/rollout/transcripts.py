@@ -112,7 +112,9 @@ def sft_row(
         head = first_messages(given, system_prompt)
         tail = check_messages(completion, f"{where}: `completion`")
         shift = len(given) - len(head)  # a system prompt put first moves the messages by one
-        played = rollout_form(chat, head + tail, tool_parser, f"{where}: `prompt` + `completion`", shift)
+        played = rollout_form(
+            chat, head + tail, tool_parser, f"{where}: `prompt` + `completion`", shift
+        )
         return conversation_row(chat, played, train_from=len(head))
     given = check_messages(row.get("messages"), f"{where}: `messages`")
     if not any(m["role"] == "assistant" for m in given):
