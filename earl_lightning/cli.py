@@ -15,6 +15,7 @@ The omegaconf parser mode lets recipes interpolate (``${model.rollout.max_contex
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -100,6 +102,9 @@ class EarlCLI(LightningCLI):
         # `--model.seed` / `--data.seed` unset: the run's seed, written into the config (what the
         # saved config.yaml and the checkpoints' hyperparameters then record)
         config = self.config[self.subcommand] if self.subcommand else self.config
+        dump = config.get("dump_episodes")
+        if dump and config.get("model") is not None and "transcripts" in config["model"]:
+            config["model"]["transcripts"]["dump"] = dump  # `--model.transcripts.dump`
         seed = config.get("seed_everything")
         if not is_int(seed):
             return
@@ -112,6 +117,12 @@ class EarlCLI(LightningCLI):
         # `earl fit` ends by writing the trained model as a save_pretrained directory
         # (`--export.dirpath`, `--export.enabled false`); validate and test write nothing.
         parser.add_lightning_class_args(ExportModel, "export")
+        parser.add_argument(
+            "--dump_episodes",
+            type=Optional[str],  # noqa: UP045 - a runtime type for jsonargparse
+            default=None,
+            help=DUMP_HELP,
+        )
 
     def _parse_ckpt_path(self) -> None:
         # Lightning reads a `--ckpt_path` file's hyperparameters here with a bare torch.load: a
@@ -275,6 +286,27 @@ class EarlCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
+# `earl --help`: LightningCLI lists its own subcommands (fit, validate, test, predict) only
+DESCRIPTION = """Agentic RL of LLMs (earl_lightning). Every subcommand:
+  earl fit       train with RL (GRPO, PPO, ...) on an environment or a dataset
+  earl validate  evaluate a model or a checkpoint
+  earl sft       the warm start: supervised fine-tuning on demonstrations or TRL rows
+  earl export    a checkpoint as a save_pretrained directory
+  earl profile   measure the recipe's model per stage and layout
+  earl presets   the offline models (earl-tiny, ...): sizes, tokenizers, directories
+Add --help after a subcommand for its options (test and predict are LightningCLI's own)."""
+
+
+class DescribedHelp(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help, with :data:`DESCRIPTION` kept as written (one subcommand a line)."""
+
+
+DUMP_HELP = (
+    "Append every episode of every step and evaluation to this file as one JSON line (the "
+    "row or env seed, the messages in TRL's form, rewards, tool calls, errors): "
+    "--model.transcripts.dump."
+)
+
 # ``earl sft``'s own top-level arguments: help text (also docs/configuration.md's rows)
 SFT_ARGS = {
     "output_dir": "Directory the warm-start model is saved to (save_pretrained, atomically, by rank 0); required.",
@@ -364,14 +396,29 @@ def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
         )
 
 
+def working_directory_importable() -> None:
+    """Import paths a recipe names (``my_rewards.format_reward``) are found in the working
+    directory, as under ``python -m``: the ``earl`` script's own directory is the one Python puts
+    on the path. Appended last, so an installed package of the same name still wins."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    working_directory_importable()
     install_warning_filters()  # again at each call: a caller's warnings.catch_warnings() may have reset them
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["profile"]:
         from earl_lightning.profiling.command import profile_command  # no Lightning CLI needed
 
         profile_command(argv[1:])
+        return
+    if argv[:1] == ["presets"]:
+        from earl_lightning.models.presets import presets_command  # no Lightning CLI needed
+
+        presets_command(argv[1:])
         return
     if argv[:1] == ["export"]:
         from earl_lightning.export import (
@@ -390,7 +437,13 @@ def main(args: list[str] | None = None) -> None:
         EarlCLI(
             AgenticRLModule,
             EpisodeDataModule,
-            parser_kwargs={"parser_mode": "omegaconf", "prog": "earl", "allow_abbrev": False},
+            parser_kwargs={
+                "parser_mode": "omegaconf",
+                "prog": "earl",
+                "allow_abbrev": False,
+                "description": DESCRIPTION,
+                "formatter_class": DescribedHelp,
+            },
             parser_class=ShortErrorParser,
             save_config_kwargs={"overwrite": True},
             args=args,

@@ -444,8 +444,8 @@ def check_dtype_and_seed(dtype: str, seed: int) -> None:
 
 
 def check_module_args(
-    dtype: str, seed: int, transcript_every_n_steps: int, logprob_mismatch_warn: float
+    dtype: str, seed: int, no_signal_steps: int, logprob_mismatch_warn: float
 ) -> None:
     check_dtype_and_seed(dtype, seed)
-    check_count(f"{A}.transcript_every_n_steps", transcript_every_n_steps, low=0)
+    check_count(f"{A}.no_signal_steps", no_signal_steps, low=0)
     check_number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, low=0, strict=True)

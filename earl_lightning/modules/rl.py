@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from earl_lightning.algorithms import get_kl_estimator
 from earl_lightning.data.episodes import episodes_to_experience
@@ -36,7 +37,7 @@ from earl_lightning.modules.metrics import (
     RunMetrics,
     batch_stats,
     episode_metrics,
-    log_transcripts,
+    log_at_global_step,
     reported,
 )
 from earl_lightning.modules.rollout_setup import (
@@ -45,6 +46,9 @@ from earl_lightning.modules.rollout_setup import (
     make_backend,
     reward_extras,
 )
+from earl_lightning.modules.signal import METRIC as NO_SIGNAL
+from earl_lightning.modules.signal import LearningSignal, NoLearningSignal
+from earl_lightning.modules.transcripts import EpisodeLog, TranscriptConfig, transcript_settings
 from earl_lightning.modules.views import (
     exactly_on_policy,
     module_hparams,
@@ -84,7 +88,12 @@ class AgenticRLModule(L.LightningModule):
         optim: AdamW, its schedule, epochs, mini-batches and the micro-batch token budget.
         seed: base seed of the sampling RNG (per step and data-parallel rank) and the value head;
             null (default): the run's seed (``seed_everything``).
-        transcript_every_n_steps: log episode transcripts to TensorBoard every N steps (0: never).
+        transcripts: which episode transcripts are logged to TensorBoard, how many and how often;
+            the first prompt as the model reads it; every episode as JSON lines (``dump``).
+        transcript_every_n_steps: deprecated: ``transcripts.every_n_steps``.
+        no_signal_steps: warn once when this many steps in a row had no learning signal (every
+            group's rewards equal, or a gradient norm of 0; ``train/steps_without_signal`` counts
+            them, and the progress bar shows them); 0: never.
         logprob_mismatch_warn: warn when rollout and recomputed log-probs differ by more than this.
         peft: train LoRA adapters (``peft``) instead of all weights: rank, alpha, dropout, target
             modules. The KL reference is then the same model with its adapters off (no second copy),
@@ -99,9 +108,11 @@ class AgenticRLModule(L.LightningModule):
         algorithm: AlgorithmConfig = AlgorithmConfig(),
         optim: OptimConfig = OptimConfig(),
         seed: int | None = None,
-        transcript_every_n_steps: int = 10,
+        transcripts: TranscriptConfig = TranscriptConfig(),
+        transcript_every_n_steps: int | None = None,
         logprob_mismatch_warn: float = 1e-3,
         peft: LoraSettings | None = None,
+        no_signal_steps: int = 10,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -110,7 +121,8 @@ class AgenticRLModule(L.LightningModule):
         self.optim_config = coerce(OptimConfig, optim, "--model.optim")
         check_combination(self.rollout_config, self.algorithm_config)
         seed = run_seed(seed, f"{A}.seed")
-        check_module_args(dtype, seed, transcript_every_n_steps, logprob_mismatch_warn)
+        self.transcripts = transcript_settings(transcripts, transcript_every_n_steps)
+        check_module_args(dtype, seed, no_signal_steps, logprob_mismatch_warn)
         self.peft_config = None if peft is None else coerce(LoraSettings, peft, "--model.peft")
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
         self.save_hyperparameters(
@@ -122,8 +134,9 @@ class AgenticRLModule(L.LightningModule):
                     self.algorithm_config,
                     self.optim_config,
                     seed,
-                    transcript_every_n_steps,
+                    self.transcripts,
                     logprob_mismatch_warn,
+                    no_signal_steps,
                 ),
                 "peft": None if peft is None else to_dict(self.peft_config),
             }
@@ -139,6 +152,8 @@ class AgenticRLModule(L.LightningModule):
         self.run_metrics = RunMetrics()
         self._backend = None
         self._reward_outcomes: list = []  # the last scoring's outcomes on this rank (log_metric values)
+        self.signal = LearningSignal(no_signal_steps)
+        self.episode_log = EpisodeLog(self.transcripts, seed)
 
     # ---- what the run is made of -------------------------------------------------------------
     @property
@@ -171,7 +186,11 @@ class AgenticRLModule(L.LightningModule):
         self.policy.config.use_cache = False
         self.policy.train()
         if algo.kl.coef and self.peft_config is None:
+            # frozen; every forward of it runs in eval mode (fill_logprobs' eval_mode), so between
+            # them it rests in train mode like the policy: no module of the run is in eval mode
+            # when training starts (Lightning warns of any that is)
             self.ref_policy = load_model(hp.model, hp.dtype, "--model.model").requires_grad_(False)
+            self.ref_policy.train()
         if algo.needs_values:
             torch.manual_seed(hp.seed)
             self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1)
@@ -258,7 +277,7 @@ class AgenticRLModule(L.LightningModule):
             metrics = self._step_metrics(
                 runner, episodes, num_groups, exp, update, rollout_ctx, train_ctx
             )
-        self._log_step(metrics, episodes[:2], step)
+        self._log_step(metrics, episodes, step, rollout_ctx.reduce.counts_here)
 
     def _step_metrics(
         self,
@@ -426,14 +445,27 @@ class AgenticRLModule(L.LightningModule):
         check_logprob_mismatch(value, self.hparams.logprob_mismatch_warn)
         return value
 
-    def _log_step(self, metrics: dict[str, float], sample_episodes: list, step: int) -> None:
+    def _log_step(
+        self, metrics: dict[str, float], episodes: list, step: int, counted: bool
+    ) -> None:
         for name in ("reward/mean", "env/win_rate"):
             if name in metrics:
                 self.log(name, metrics.pop(name), prog_bar=True, on_step=True, rank_zero_only=True)
+        warning = self.signal.update(metrics["reward/zero_std_groups"], metrics["grad_norm"])
+        if warning is not None:
+            rank_zero_warn(warning, category=NoLearningSignal)
+        self.log(NO_SIGNAL, float(self.signal.streak), on_step=True, rank_zero_only=True)
+        if (
+            self.signal.warned
+        ):  # in the progress bar from the warning on (0 once the signal is back)
+            self.log("no_signal_steps", float(self.signal.streak), prog_bar=True, logger=False)
         self.log_dict(metrics, on_step=True, rank_zero_only=True)
-        every = self.hparams.transcript_every_n_steps
-        if every and step % every == 0 and self.global_rank == 0:
-            log_transcripts(self.loggers, sample_episodes, step)
+        self._show_episodes(episodes, step, "train", counted)
+
+    def _show_episodes(self, episodes: list, step: int, phase: str, counted: bool) -> None:
+        self.episode_log.show(
+            episodes, step, phase, self.loggers, self.tokenizer, self.global_rank, counted
+        )
 
     # ---- evaluation ----------------------------------------------------------------------------
     def _evaluate(self, specs: list) -> dict[str, bool]:
@@ -443,6 +475,8 @@ class AgenticRLModule(L.LightningModule):
             with attempt as ctx:
                 episodes = self._play(specs, ctx, seed=0, greedy=True)
         self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
+        phase = "sanity" if self.trainer.sanity_checking else "val"
+        self._show_episodes(episodes, self.global_step, phase, ctx.reduce.counts_here)
         with runner.outside("the evaluation's metric reductions"):
             return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
 
@@ -464,6 +498,7 @@ class AgenticRLModule(L.LightningModule):
                 on_epoch=True,
                 batch_size=1,
             )
+        log_at_global_step(self)
 
     def on_train_start(self) -> None:
         # The first evaluation, before any update: the learning curve's baseline at step 0.

@@ -131,11 +131,14 @@ class DemonstrationDataModule(L.LightningDataModule):
     ``history_turns``, else one per episode); the labels are the input ids on the assistant
     tokens and -100 elsewhere, batched by TRL's ``DataCollatorForLanguageModeling``. With a
     ``dataset``, its ``prompt``/``completion`` or ``messages`` rows are rendered by the chat
-    template as the rollout renders them, and evaluation plays the held-out rows (``prompt``:
-    the conversation before the last assistant message), scored by ``reward_funcs``.
+    template as the rollout renders them (an assistant message's structured ``tool_calls`` as the
+    text the model writes for them), and evaluation plays the held-out rows (a ``messages`` row
+    from its first user turn: the model plays the rest), scored by ``reward_funcs``.
 
     Args:
-        env: registered environment name or import path (as ``earl fit``'s ``--data.env``).
+        env: registered environment name or import path (as ``earl fit``'s ``--data.env``). With
+            a ``dataset``: its tools (a ``ToolEnv``'s) are rendered with the rows, and a dataset
+            without evaluation rows is evaluated on its held-out seeds.
         env_kwargs: keyword arguments of the environment.
         policy: the demonstration policy: ``random_legal``, ``centre_first``,
             ``imperfect_calculator``, or the import path of a callable ``observation -> action``
@@ -154,10 +157,14 @@ class DemonstrationDataModule(L.LightningDataModule):
             one noisy draw; ``sampled``: on the actions played only (plain SFT on the transcripts).
         dataset: train on a dataset instead of a policy's demonstrations (``policy`` and
             ``num_episodes`` are then unused): as ``earl fit``'s ``--data.dataset``, with rows in
-            TRL's SFT forms, ``prompt`` + ``completion`` or ``messages``; every row once per epoch.
+            TRL's SFT forms, ``prompt`` + ``completion`` or ``messages`` (an assistant message
+            may carry ``tool_calls`` in TRL's form: they are trained on as the text the chat
+            template writes for them, read back by ``--model.rollout.tool_parser``); every row
+            once per epoch.
         eval_dataset: (Python) the evaluation rows, a ``datasets.Dataset``.
         reward_funcs: with a ``dataset``, what scores the evaluation (as ``earl fit``'s
-            ``--data.reward_funcs``): the held-out rows are played from their prompt.
+            ``--data.reward_funcs``): the held-out rows are played from their prompt, a
+            ``messages`` row from its first user turn.
         reward_weights: one weight per reward function (null: 1.0 each).
         tools: tools the model may call, as ``earl fit``'s ``--data.tools``: the demonstrations and
             a dataset's rows are rendered with them (``apply_chat_template(..., tools=...)``).

@@ -15,7 +15,7 @@ from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
 from earl_lightning.modules.config import A, RolloutConfig, check_dtype_and_seed
-from earl_lightning.modules.metrics import FLAGS, RunMetrics, reported
+from earl_lightning.modules.metrics import FLAGS, RunMetrics, log_at_global_step, reported
 from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
@@ -164,6 +164,7 @@ class WarmStartModule(L.LightningModule):
                     on_epoch=True,
                     batch_size=1,
                 )
+        log_at_global_step(self)
 
     def on_validation_epoch_end(self) -> None:
         self.evaluated_at_step = self.global_step
