@@ -407,7 +407,8 @@ def working_directory_importable() -> None:
 
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    working_directory_importable()
+    if args is None:  # the `earl` script (a Python caller keeps its own path)
+        working_directory_importable()
     install_warning_filters()  # again at each call: a caller's warnings.catch_warnings() may have reset them
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["profile"]:

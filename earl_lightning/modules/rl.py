@@ -10,6 +10,7 @@ registries named in the typed configuration (:mod:`earl_lightning.modules.config
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -21,6 +22,7 @@ from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.dispatch.exchange import Exchanger
+from earl_lightning.export import gather_state_dict, write_pretrained
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer
@@ -515,6 +517,16 @@ class AgenticRLModule(L.LightningModule):
                 values = self.run_metrics.compute_val(flags)
             for logger in self.loggers:
                 logger.log_metrics(values, step=0)
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """The policy and its tokenizer (with the chat template) as a ``save_pretrained``
+        directory that transformers, vLLM and ``--model.model`` load: TRL's
+        ``trainer.save_model``. Sharded weights are gathered (under several processes every
+        process calls it), LoRA adapters merged; process 0 writes, atomically."""
+        state = gather_state_dict(self.policy, keep=self.global_rank == 0)
+        if self.global_rank == 0:
+            write_pretrained(self.policy, self.tokenizer, directory, state)
+        return Path(directory)
 
     # ---- checkpointing -------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
