@@ -24,7 +24,7 @@ def loop_kwargs(
     use = tools
     if not isinstance(tools, ToolUse):
         use = (
-            ToolUse(get_tool_parser(rollout.tool_parser), tuple(tools or ()))
+            ToolUse(get_tool_parser(rollout.tool_parser), tuple(tools or ()), rollout.tool_schema)
             if rollout.tool_parser
             else None
         )

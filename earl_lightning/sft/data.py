@@ -29,7 +29,7 @@ from earl_lightning.seeding import run_seed
 from earl_lightning.tasks.datasets import CheckedRows, DatasetConfig, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
 from earl_lightning.tasks.rows import BadRowError, check_sft_row
-from earl_lightning.tasks.tools import Tool, resolve_tools, tool_of
+from earl_lightning.tasks.tools import Tool, resolve_tools, shown_schema, tool_of
 
 SFT_FORMS = (("prompt", "completion"), ("messages",))
 
@@ -224,22 +224,23 @@ class DemonstrationDataModule(L.LightningDataModule):
         self.rows: list[dict[str, Any]] | None = None
         self.stats: dict[str, float] = {}
 
-    def row_tools(self) -> list[dict[str, Any]]:
+    def row_tools(self, form: str = "full") -> list[dict[str, Any]]:
         """The schemas a dataset's rows are rendered with: ``tools``, then the environment's own
-        (a :class:`ToolEnv`), as the rollout renders an episode's."""
+        (a :class:`ToolEnv`), in ``form`` (``--model.rollout.tool_schema``), as the rollout
+        renders an episode's."""
         own = []
         if self.env is not None:
             env = make_env(self.env, "--data.env", **self.env_kwargs)
             if isinstance(env, ToolEnv):
                 own = [tool_of(t, "the environment's tools") for t in env.tools()]
-        return [t.schema for t in [*self.tools, *own]]
+        return [shown_schema(t.schema, form) for t in [*self.tools, *own]]
 
     def encode_rows(self, rows: Any, module: Any) -> list[dict[str, Any]]:
         """``rows`` of the dataset as supervised rows, rendered with ``module``'s tokenizer and
         rollout settings (:func:`dataset_training_rows`)."""
         r = module.rollout_config
         return dataset_training_rows(
-            rows, module.tokenizer, r.system_prompt, self.row_tools(), r.tool_parser
+            rows, module.tokenizer, r.system_prompt, self.row_tools(r.tool_schema), r.tool_parser
         )
 
     def check_rows(self, module: Any, n: int = 8) -> None:

@@ -149,3 +149,26 @@ def test_the_presets_listed_sizes_are_the_models(name):
     assert row["parameters"] == sum(p.numel() for p in model.parameters())
     assert row["layers"] == model.config.num_hidden_layers
     assert row["tokenizer"].endswith(f"{model.config.vocab_size} ids")
+
+
+def test_a_compact_schema_costs_fewer_tokens_and_keeps_what_a_call_needs(tok):
+    def played(form: str):
+        spec = EpisodeSpec("calculator", seed=3, group_id=0, episode_id=0)
+        (ep,) = rollout(
+            [spec],
+            PolicyBackend({0: Says(CALL % "2+2", "4")}, tok),
+            tok,
+            SamplingConfig(max_new_tokens=96),
+            max_turns=4,
+            max_context_tokens=4096,
+            tools=ToolUse(hermes, (), form),
+        )
+        return ep
+
+    full, compact = played("full"), played("compact")
+    assert compact.prompt_tokens < full.prompt_tokens - 30
+    shown = tok.decode(compact.token_ids[: compact.prompt_tokens])
+    assert '"name": "calculate"' in shown and '"required": ["expression"]' in shown
+    assert "Evaluate an arithmetic expression exactly." in shown, "the tool's own description stays"
+    assert "parentheses" not in shown and '"return"' not in shown
+    assert compact.tool_calls == 1 and compact.tool_errors == 0, "the call still works"
