@@ -74,7 +74,9 @@ def rows(played: list, tokenizer: Any) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="the demonstrator's recipe")
-    parser.add_argument("--out", type=Path, default=ROOT / "data" / "calculator")
+    parser.add_argument(
+        "--out", type=Path, default=Path("data/calculator"), help="where train.jsonl goes"
+    )
     parser.add_argument("--episodes", type=int, default=None, help="default: the recipe's")
     args = parser.parse_args()
     played, tokenizer = demonstrations(args.recipe, args.episodes)

@@ -219,3 +219,42 @@ def test_a_row_whose_calls_the_parser_cannot_read_is_one_line_before_any_work(tm
         "template writes its tool_calls as '<tool_call>"
     ), line
     assert "which the `--model.rollout.tool_parser` 'llama3_json' parser reads as []" in line
+
+
+def test_the_calculator_rows_recipe_runs_on_the_scripts_rows(tmp_path):
+    """scripts/make_calculator_rows.py then recipes/calculator_sft_rows.yaml, as its header says
+    (a few rows and one step): the environment's tool renders the rows, its seeds evaluate."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_calculator_rows.py"), "--episodes", "16"],
+        cwd=tmp_path,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        check=True,
+        capture_output=True,
+    )
+    proc = earl(
+        [
+            "sft",
+            "--config",
+            str(ROOT / "recipes" / "calculator_sft_rows.yaml"),
+            "--trainer.max_steps",
+            "1",
+            "--data.batch_size",
+            "8",
+            "--data.eval_episodes",
+            "2",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--output_dir",
+            str(tmp_path / "model"),
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "model" / "warm_start.json").read_text())
+    assert record["demonstrations"]["demo/rows"] == 16
+    assert record["evaluation_measures"].startswith(
+        "2 episodes of the environment 'calculator' on held-out seeds 0..1"
+    )
+    assert "val/tool_use_rate" in record["evaluation"]
