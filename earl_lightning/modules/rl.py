@@ -453,16 +453,19 @@ class AgenticRLModule(L.LightningModule):
         for name in ("reward/mean", "env/win_rate"):
             if name in metrics:
                 self.log(name, metrics.pop(name), prog_bar=True, on_step=True, rank_zero_only=True)
-        warning = self.signal.update(metrics["reward/zero_std_groups"], metrics["grad_norm"])
+        self._log_signal(metrics["reward/zero_std_groups"], metrics["grad_norm"])
+        self.log_dict(metrics, on_step=True, rank_zero_only=True)
+        self._show_episodes(episodes, step, "train", counted)
+
+    def _log_signal(self, zero_std_groups: float, grad_norm: float) -> None:
+        """The learning-signal check: its count in TensorBoard every step, in the progress bar
+        from its one warning on (0 again once the signal is back)."""
+        warning = self.signal.update(zero_std_groups, grad_norm)
         if warning is not None:
             rank_zero_warn(warning, category=NoLearningSignal)
         self.log(NO_SIGNAL, float(self.signal.streak), on_step=True, rank_zero_only=True)
-        if (
-            self.signal.warned
-        ):  # in the progress bar from the warning on (0 once the signal is back)
+        if self.signal.warned:
             self.log("no_signal_steps", float(self.signal.streak), prog_bar=True, logger=False)
-        self.log_dict(metrics, on_step=True, rank_zero_only=True)
-        self._show_episodes(episodes, step, "train", counted)
 
     def _show_episodes(self, episodes: list, step: int, phase: str, counted: bool) -> None:
         self.episode_log.show(
