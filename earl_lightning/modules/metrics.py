@@ -226,8 +226,17 @@ def log_at_global_step(module: Any) -> None:
     """Log the evaluation being run at the module's ``global_step`` (the optimizer steps done,
     what the progress bar counts), from ``validation_step``: Lightning logs an evaluation inside
     the training loop at the step before (its count is raised after the evaluation), so an
-    evaluation after 15 steps would be drawn at 14. A logged ``step`` is the x-axis it uses."""
-    module.log("step", float(module.global_step), on_step=False, on_epoch=True, batch_size=1)
+    evaluation after 15 steps would be drawn at 14. A logged ``step`` is the x-axis it uses (the
+    same on every rank: synchronized, as Lightning asks of an epoch-level value, by a maximum)."""
+    module.log(
+        "step",
+        float(module.global_step),
+        on_step=False,
+        on_epoch=True,
+        batch_size=1,
+        sync_dist=True,
+        reduce_fx="max",
+    )
 
 
 def _applicable(values: dict[str, float], flags: dict[str, bool]) -> dict[str, float]:
