@@ -42,15 +42,23 @@ def trl_messages(episode: Any, tokenizer: Any) -> list[dict[str, Any]]:
     return out
 
 
-def demonstrations(recipe: Path, episodes: int | None) -> tuple[list, Any]:
-    """The recipe's demonstration episodes (its policy, seeds and rollout settings) and the
-    tokenizer they were played with."""
+def demonstrations(
+    recipe: Path, episodes: int | None, shown_no_tool_share: float | None = None
+) -> tuple[list, Any]:
+    """The recipe's demonstration episodes (its policy, seeds and rollout settings; the share
+    of answers shown without the tool overridden when given) and the tokenizer they were played
+    with."""
     from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
 
     cfg = yaml.safe_load(recipe.read_text())
     data = dict(cfg["data"], seed=cfg.get("seed_everything", 0))
     if episodes is not None:
         data["num_episodes"] = episodes
+    if shown_no_tool_share is not None:
+        data["policy_kwargs"] = {
+            **data["policy_kwargs"],
+            "shown_no_tool_share": shown_no_tool_share,
+        }
     module = WarmStartModule(model=cfg["model"]["model"], rollout=cfg["model"]["rollout"])
     dm = DemonstrationDataModule(**data)
     played, _ = dm.play(module)
@@ -78,8 +86,15 @@ def main() -> None:
         "--out", type=Path, default=Path("data/calculator"), help="where train.jsonl goes"
     )
     parser.add_argument("--episodes", type=int, default=None, help="default: the recipe's")
+    parser.add_argument(
+        "--shown-no-tool-share",
+        type=float,
+        default=None,
+        help="the share of rows that answer without the tool (default: the recipe's, 0.1; its "
+        "policy's own mix is 0.75)",
+    )
     args = parser.parse_args()
-    played, tokenizer = demonstrations(args.recipe, args.episodes)
+    played, tokenizer = demonstrations(args.recipe, args.episodes, args.shown_no_tool_share)
     out = rows(played, tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "train.jsonl"
