@@ -126,12 +126,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the steps with the rollout and the update wrapped in :class:`StageProfiler`; returns each
     profiled call's wall and operator seconds per stage, and the load around the run."""
     import earl_lightning.modules.rl as rl
+    import earl_lightning.rollout.loop as loop
 
+    # the RL step plays through rollout_setup.play_share, which reads loop.rollout at each call
     wrapped = {
-        "rollout": StageProfiler(rl.rollout, args.warmup),
+        "rollout": StageProfiler(loop.rollout, args.warmup),
         "train": StageProfiler(rl.ppo_update, args.warmup),
     }
-    rl.rollout, rl.ppo_update = wrapped["rollout"], wrapped["train"]
+    loop.rollout, rl.ppo_update = wrapped["rollout"], wrapped["train"]
     load = [os.getloadavg()[0]]
     spec = RunSpec(
         side="earl",

@@ -6,135 +6,26 @@ from __future__ import annotations
 
 import errno
 import os
-import pickle
 import shutil
-import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Union
 
 import torch
 
+from earl_lightning.checkpoint_loaders import load_file, read_dcp_metadata
+from earl_lightning.checkpoint_urls import is_url
 from earl_lightning.errors import CheckpointError, DiskFullError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def checkpoint_unreadable(path: PathLike, err: BaseException, arg: str = "") -> CheckpointError:
-    """The error for a checkpoint file ``torch.load`` failed on (``err``): truncated or corrupt."""
-    where = f"`{arg}`: checkpoint {str(path)!r}" if arg else f"checkpoint {str(path)!r}"
-    path = Path(path)
-    if not path.exists():
-        return CheckpointError(f"{where} does not exist")
-    if path.is_file() and not zipfile.is_zipfile(path):
-        return CheckpointError(
-            f"{where} is truncated or not a checkpoint file ({path.stat().st_size:,} bytes, no "
-            "end-of-archive record): its save or copy was interrupted? Use an earlier checkpoint"
-        )
-    return CheckpointError(
-        f"{where} is corrupt or not a checkpoint: torch.load failed with {_reason(err)}. "
-        "Use an earlier checkpoint"
-    )
-
-
-def _reason(err: BaseException) -> str:
-    """``err`` in one line; of torch's weights-only unpickling error, the part that says what failed."""
-    text = str(err)
-    if "WeightsUnpickler error:" in text:
-        text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
-    line = " ".join(text.split())
-    if len(line) > 200:
-        line = line[:200] + "..."
-    return f"{type(err).__name__}: {line}" if line else type(err).__name__
-
-
-def read_checkpoint_shapes(
-    path: PathLike, weights_only: bool | None = None
-) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of a single-file checkpoint's ``state_dict``, read without loading its tensors."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-        return {
-            k: tuple(v.shape)
-            for k, v in checkpoint.get("state_dict", {}).items()
-            if hasattr(v, "shape")
-        }
-    except MemoryError:
-        raise
-    except Exception as err:  # noqa: BLE001 - any failure to read the file is the file's
-        raise checkpoint_unreadable(path, err) from None
-
-
-# What a DCP checkpoint's `.metadata` pickle may name: torch's own metadata classes, the sizes,
-# dtypes and layouts of tensors, and the path it was saved to. Anything else (os.system, eval, a
-# class of the user's) is a file that was not written by a save, and unpickling it would run code.
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
-_METADATA_NAMES = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("pathlib", "Path"),
-    ("pathlib._local", "PosixPath"),
-}
-
-
-class _RefusedType(pickle.UnpicklingError):
-    """A ``.metadata`` pickle names a type a checkpoint's metadata does not hold."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        found = super().find_class(module, name) if _metadata_type(module, name) else None
-        foreign = module in _METADATA_MODULES and (
-            not isinstance(found, type) or found.__module__ != module
-        )
-        if found is None or foreign:  # only the metadata module's own classes, not what it imports
-            raise _RefusedType(f"{module}.{name}")
-        return found
-
-
-def _metadata_type(module: str, name: str) -> bool:
-    if (module, name) in _METADATA_NAMES:
-        return True
-    if module in _METADATA_MODULES:
-        return not name.startswith("__")
-    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-
-
-def read_dcp_metadata(path: PathLike) -> Any:
-    """The ``Metadata`` of the DCP checkpoint directory ``path``, unpickled with only the types a
-    checkpoint's ``.metadata`` holds. Called before torch (``dcp.load``, ``FileSystemReader``) reads
-    the file with a plain unpickler: a planted file is refused, not run."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    where = f"checkpoint {str(path)!r}"
-    try:
-        with open(Path(path) / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except _RefusedType as err:
-        raise CheckpointError(
-            f"{where}: its .metadata holds {err}, a type a checkpoint does not (the file was not "
-            "written by a save); refused without running it"
-        ) from None
-    except Exception as err:  # noqa: BLE001 - any other failure to read the file is the file's
-        raise CheckpointError(
-            f"{where}: its .metadata cannot be read ({_reason(err)}); "
-            "the file is truncated or corrupt. Use an earlier checkpoint"
-        ) from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(
-            f"{where}: its .metadata holds a {type(metadata).__name__}, not a checkpoint's "
-            "metadata; refused"
-        )
-    return metadata
+def read_checkpoint_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a single-file checkpoint's ``state_dict``, read as data only
+    (:func:`load_file`) without loading its tensors."""
+    checkpoint = load_file(path)
+    state = checkpoint.get("state_dict", {}) if isinstance(checkpoint, Mapping) else {}
+    return {k: tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")}
 
 
 def read_dcp_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
@@ -154,6 +45,11 @@ def read_dcp_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
     for info in (metadata.storage_data or {}).values():
         needs[info.relative_path] = max(needs.get(info.relative_path, 0), info.offset + info.length)
     for name, need in sorted(needs.items()):
+        if Path(name).name != name or name.startswith("."):
+            raise CheckpointError(
+                f"{where}: its .metadata names the shard {name!r}, not a file of its directory "
+                "(the file was not written by a save); refused"
+            )
         size = (path / name).stat().st_size if (path / name).is_file() else None
         if size is None or size < need:
             have = "is missing" if size is None else f"has {size:,} bytes"
@@ -302,18 +198,62 @@ def write_dir_atomically(dst: PathLike, write: Callable[[Path], None]) -> Path:
     return dst
 
 
-def output_dir_problem(output_dir: PathLike, overwrite: bool, arg: str) -> str | None:
+def output_dir_problem(
+    output_dir: PathLike, overwrite: bool, arg: str, flag: str = "--overwrite"
+) -> str | None:
     """Why the directory ``output_dir`` (given as ``arg``) cannot be written (None: it can): it is
-    a file, or it holds something and ``overwrite`` is off. Checked before any work."""
+    a file, or it holds something and ``overwrite`` (the option ``flag``) is off. Checked before
+    any work."""
     path = Path(output_dir)
     if path.exists() and not path.is_dir():
-        return f"`{arg}` {str(output_dir)!r} is a file; it must be a directory (new, empty, or with --overwrite)"
+        return f"`{arg}` {str(output_dir)!r} is a file; it must be a directory (new, empty, or with {flag})"
     if path.is_dir() and next(path.iterdir(), None) is not None and not overwrite:
         return (
-            f"`{arg}` {str(output_dir)!r} exists and is not empty; pass --overwrite to replace it, or "
+            f"`{arg}` {str(output_dir)!r} exists and is not empty; pass {flag} to replace it, or "
             f"choose another directory"
         )
     return None
+
+
+def overlap_problem(
+    output_dir: PathLike, arg: str, kept: Iterable[tuple[PathLike | None, str]]
+) -> str | None:
+    """Why writing the directory ``output_dir`` (given as ``arg``), which replaces it whole, would
+    delete what the command must keep (None: it would not): it is one of ``kept`` (a path and what
+    it is, e.g. "the checkpoint read (`--ckpt_path` 'x')") or holds one. Paths are compared
+    resolved (symbolic links followed); URLs and unset paths are skipped."""
+    out = _resolved(output_dir)
+    for path, what in kept:
+        other = _resolved(path)
+        if out is not None and other is not None and (out == other or out in other.parents):
+            relation = "is" if out == other else "contains"
+            return (
+                f"`{arg}` {str(output_dir)!r} {relation} {what}; writing it replaces the whole "
+                "directory: choose another"
+            )
+    return None
+
+
+def inside_problem(path: PathLike, arg: str, checkpoint: PathLike | None, what: str) -> str | None:
+    """Why ``path`` (given as ``arg``), a directory a command writes into, may not be where it is:
+    it is, or lies inside, the distributed (DCP) checkpoint directory ``checkpoint`` the command
+    reads (``what``), which is the checkpoint whole (a save replaces it). None: it may be."""
+    inner, outer = _resolved(path), _resolved(checkpoint) if is_dcp_dir(checkpoint) else None
+    if inner is None or outer is None or (inner != outer and outer not in inner.parents):
+        return None
+    relation = "is" if inner == outer else "is inside"
+    return f"`{arg}` {str(path)!r} {relation} {what}: choose a directory outside it"
+
+
+def is_dcp_dir(path: PathLike | None) -> bool:
+    """``path`` is a distributed (DCP) checkpoint directory (its ``.metadata`` or shards are there)."""
+    if path is None or is_url(path) or not Path(path).is_dir():
+        return False
+    return (Path(path) / ".metadata").is_file() or any(Path(path).glob("*.distcp"))
+
+
+def _resolved(path: PathLike | None) -> Path | None:
+    return None if path is None or is_url(path) else Path(path).expanduser().resolve()
 
 
 def remove_path(path: PathLike) -> None:
@@ -377,12 +317,7 @@ def disk_full_error(err: BaseException, what: str) -> DiskFullError | None:
 
 
 def check_before_load(
-    path: Path,
-    *,
-    one_process: bool,
-    expected: Mapping[str, tuple[int, ...]],
-    strict: bool,
-    weights_only: bool | None = None,
+    path: Path, *, one_process: bool, expected: Mapping[str, tuple[int, ...]], strict: bool
 ) -> None:
     """Before anything is loaded: the checkpoint at ``path`` is readable, of the right kind for the
     number of processes, and its parameters fit the model (``expected`` shapes)."""
@@ -392,5 +327,5 @@ def check_before_load(
             f"{dcp_writers(path)} processes; one process reads single-file checkpoints only: "
             "load it with --trainer.devices 2 or more and --trainer.strategy earl"
         )
-    found = read_dcp_shapes(path) if path.is_dir() else read_checkpoint_shapes(path, weights_only)
+    found = read_dcp_shapes(path) if path.is_dir() else read_checkpoint_shapes(path)
     check_checkpoint_matches(path, found, expected, strict)

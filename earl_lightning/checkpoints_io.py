@@ -21,12 +21,17 @@ called after a load.
 It also reads such a directory into a run under another strategy (``auto``, one process or DDP):
 the shards are gathered into whole tensors (:func:`load_dcp_whole`), so a multi-process run's
 checkpoint resumes, or is evaluated, on one process.
+
+Every load here reads data only (:mod:`~earl_lightning.checkpoint_loaders`): files with
+``weights_only=True``, a DCP directory's ``.metadata`` and its shards' non-tensor entries through
+unpicklers that know only what a save writes; a URL is downloaded and read as a file. None of it
+leans on Lightning's or torch's defaults (Lightning loads a URL with ``weights_only=False``, DCP's
+default planner every non-tensor entry).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,9 +41,11 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import Strategy
 
+from earl_lightning.checkpoint_loaders import load_dcp, load_file, load_trainer_state
+from earl_lightning.checkpoint_urls import is_url, local_checkpoint
 from earl_lightning.checkpoints import (
     check_before_load,
-    checkpoint_unreadable,
+    check_checkpoint_matches,
     disk_full_error,
     read_dcp_shapes,
     remove_path,
@@ -49,14 +56,22 @@ from earl_lightning.errors import CheckpointError
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose local saves are atomic (temporary file, fsync, rename), and which
-    also loads a distributed (DCP) checkpoint directory, whole, into a run that reads single files.
-    Remote paths (``s3://...``) go through Lightning's own save, a transaction of their filesystem."""
+    """``TorchCheckpointIO`` whose local saves are atomic (temporary file, fsync, rename), and whose
+    loads read data only: a file with ``weights_only=True`` asked for explicitly, a distributed (DCP)
+    checkpoint directory whole (:func:`load_dcp_whole`), a URL downloaded first
+    (:func:`~earl_lightning.checkpoint_urls.local_checkpoint`), never Lightning's own load of it.
+    Given the ``module`` it loads into, a checkpoint of another model is one CheckpointError line
+    (its parameters' shapes are checked before they are loaded into it).
+    Remote saves (``s3://...``) go through Lightning's own, a transaction of their filesystem."""
+
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.module = module
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
     ) -> None:
-        if storage_options is not None or "://" in str(path):
+        if storage_options is not None or is_url(path):
             # raises for storage_options
             return super().save_checkpoint(checkpoint, path, storage_options)
         path = Path(path)
@@ -74,31 +89,38 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if "://" not in str(path) and Path(path).is_dir():
-            return load_dcp_whole(Path(path))
-        return super().load_checkpoint(path, weights_only=weights_only)
+        with local_checkpoint(path) as local:
+            if local.is_dir():
+                self._check(local, read_dcp_shapes(local))
+                return load_dcp_whole(local)
+            checkpoint = load_file(local, mmap=False)
+            if not isinstance(checkpoint, dict):
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r} is not a Lightning checkpoint: it holds a "
+                    f"{type(checkpoint).__name__}"
+                )
+            state = checkpoint.get("state_dict") or {}
+            self._check(path, {k: tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")})
+            return checkpoint
+
+    def _check(self, path: _PATH, found: dict[str, tuple[int, ...]]) -> None:
+        if self.module is not None:
+            expected = {k: tuple(v.shape) for k, v in self.module.state_dict().items()}
+            check_checkpoint_matches(
+                path, found, expected, strict=getattr(self.module, "strict_loading", True)
+            )
 
 
 def load_dcp_whole(path: Path) -> dict[str, Any]:
     """The DCP directory ``path`` (Lightning's ModelParallelStrategy layout: ``state_dict`` and
     ``optimizer_<i>`` in the shards, the rest in ``meta.pt``) as the checkpoint a single-file
-    strategy loads: whole tensors, each optimizer's state keyed by parameter index again. Its
-    ``.metadata`` is checked first (:func:`read_dcp_shapes`: only a checkpoint's types, every shard whole)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+    strategy loads: whole tensors, each optimizer's state keyed by parameter index again. Checked
+    first (:func:`read_dcp_shapes`: only a checkpoint's types, every shard whole), and read as data
+    only (:func:`load_dcp`: no entry of a shard is unpickled as code)."""
     read_dcp_shapes(path)
-    checkpoint = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+    checkpoint = load_trainer_state(path)
     tensors: dict[str, Any] = {}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        _load_state_dict(
-            tensors,
-            storage_reader=FileSystemReader(path),
-            planner=_EmptyStateDictLoadPlanner(),
-            no_dist=True,
-        )
+    load_dcp(tensors, path, whole=True)
     checkpoint["state_dict"] = tensors.pop("state_dict")
     count = sum(1 for key in tensors if key.startswith("optimizer_"))
     checkpoint["optimizer_states"] = [by_index(tensors[f"optimizer_{i}"]) for i in range(count)]
@@ -122,10 +144,12 @@ def by_index(optimizer: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def with_atomic_checkpoint_io(plugins: Any, strategy: Any) -> list[Any] | None:
-    """The Trainer's ``plugins`` with an :class:`AtomicCheckpointIO` added, unless the recipe chose
-    its own writer (a ``CheckpointIO`` plugin, or a strategy instance built with one): then None,
-    and the recipe's stands."""
+def with_atomic_checkpoint_io(
+    plugins: Any, strategy: Any, module: torch.nn.Module | None = None
+) -> list[Any] | None:
+    """The Trainer's ``plugins`` with an :class:`AtomicCheckpointIO` (loading into ``module``)
+    added, unless the recipe chose its own writer (a ``CheckpointIO`` plugin, or a strategy
+    instance built with one): then None, and the recipe's stands."""
     listed = (
         []
         if plugins is None
@@ -137,7 +161,7 @@ def with_atomic_checkpoint_io(plugins: Any, strategy: Any) -> list[Any] | None:
         return None
     if isinstance(strategy, Strategy) and strategy._checkpoint_io is not None:
         return None
-    return [*listed, AtomicCheckpointIO()]
+    return [*listed, AtomicCheckpointIO(module)]
 
 
 class DcpCheckpoints:
@@ -147,32 +171,60 @@ class DcpCheckpoints:
         """DCP load; a checkpoint saved under another train layout is resharded by DCP itself.
 
         The checkpoint is checked before anything is loaded: a truncated or corrupt file or shard,
-        or parameters that do not fit this model, end the run with one CheckpointError line."""
-        from torch.distributed.checkpoint.api import CheckpointException
+        or parameters that do not fit this model, end the run with one CheckpointError line. It
+        is read as data only, whatever ``weights_only`` says: files with ``weights_only=True``,
+        the shards' non-tensor entries through :func:`load_dcp`; a URL is downloaded first."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        path = Path(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
-        # a local file or directory (fsspec URLs go to Lightning as they are)
-        if "://" not in str(checkpoint_path):
+        # rank 0's path, as Lightning loads, unless this rank cannot see it (each rank's own
+        # download of a URL, on another node)
+        common = self.broadcast(str(checkpoint_path))
+        own = Path(checkpoint_path).exists() and not Path(common).exists()
+        chosen = checkpoint_path if own else common
+        with local_checkpoint(chosen) as path:
             state = module.state_dict() if self._plain else get_model_state_dict(module)
             check_before_load(
                 path,
                 one_process=self._plain,
-                weights_only=weights_only,
                 strict=module.strict_loading,
                 expected={k: tuple(v.shape) for k, v in state.items()},
             )
-        try:
             if self._plain:
-                out = Strategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
+                out = Strategy.load_checkpoint(self, path, weights_only=True)
+            elif path.is_dir():
+                out = self._load_sharded(path)
             else:
-                out = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        except CheckpointException as err:  # DCP gathers every rank's failure: name the first
-            exc = err.failures[min(err.failures)][0]
-            raise checkpoint_unreadable(path, exc) from None
+                out = super().load_checkpoint(path, weights_only=True)
         self.mark_weights_updated(all_models=True)
         return out
+
+    def _load_sharded(self, path: Path) -> dict[str, Any]:
+        """Lightning's ModelParallelStrategy load of a DCP directory, its reads data only
+        (:func:`load_dcp`; Lightning's runs DCP's default planner, which unpickles a shard's
+        non-tensor entries as code): the model, then each optimizer, then ``meta.pt``."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        model = self.model
+        state = {"state_dict": get_model_state_dict(model)}
+        load_dcp(state, path)
+        model.load_state_dict(state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{i}"
+            state = {key: get_optimizer_state_dict(model, optimizer)}
+            load_dcp(state, path)
+            set_optimizer_state_dict(
+                model,
+                optimizer,
+                optim_state_dict=state[key],
+                options=StateDictOptions(cpu_offload=True),
+            )
+        return load_trainer_state(path)
 
     # With one process nothing is sharded (the models hold plain tensors, no DTensors), and DCP's
     # loader insists on a distributed model: checkpoints are then the ordinary single-file kind.

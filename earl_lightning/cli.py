@@ -5,10 +5,12 @@
     earl sft --config recipes/connect4_sft.yaml            # the warm start: a save_pretrained directory
     earl profile --config recipes/connect4_grpo.yaml --out profiles/connect4 --budget-s 300
     earl export --ckpt_path runs/connect4_grpo/.../last.ckpt --out my_model   # a save_pretrained directory
+    earl plan --model config.json --cluster 16x8xH100-80G --recipe recipes/connect4_ppo.yaml
 
 ``profile`` is not a LightningCLI subcommand: it measures the recipe's model per stage and layout
 (:mod:`earl_lightning.profiling.command`) for ``AdaptiveParallelism(profile=...)``. Nor is ``export``
-(:mod:`earl_lightning.export`): it rebuilds a checkpoint's model from the checkpoint alone.
+(:mod:`earl_lightning.export`): it rebuilds a checkpoint's model from the checkpoint alone; nor
+``plan`` (:mod:`earl_lightning.planning.command`): it predicts the selector's choices from a config.
 
 The omegaconf parser mode lets recipes interpolate (``${model.rollout.max_context_tokens}``).
 """
@@ -22,7 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import Trainer
@@ -34,11 +36,13 @@ from lightning.pytorch.cli import LightningCLI
 import earl_lightning.strategies  # noqa: F401,E402
 from earl_lightning import checkpoints
 from earl_lightning.callbacks import ExportModel, StepProgressBar
-from earl_lightning.checkpoints import checkpoint_unreadable, disk_full_error
+from earl_lightning.checkpoint_urls import download_checkpoint, is_url
+from earl_lightning.checkpoints import disk_full_error
 from earl_lightning.checkpoints_io import AtomicCheckpointIO, with_atomic_checkpoint_io
 from earl_lightning.checks import is_int
 from earl_lightning.cli_errors import ShortErrorParser
 from earl_lightning.cli_resume import (
+    check_readable,
     dcp_problem,
     dcp_whole_line,
     differences,
@@ -91,6 +95,18 @@ def group_error(message: str) -> str:
     return message
 
 
+def refuse(problem: str) -> NoReturn:
+    """A bad argument found before anything is built: one line, exit 2."""
+    say(f"earl: error: {problem}")
+    raise SystemExit(2)
+
+
+def is_keyword(path: Any) -> bool:
+    """One of Lightning's ``--ckpt_path`` keywords (``last`` is resolved here, the others by Lightning)."""
+    text = str(path).lower()
+    return text in ("best", "last", "hpc") or text.startswith("registry")
+
+
 class EarlCLI(LightningCLI):
     """``earl fit`` / ``validate``: LightningCLI whose ``--seed_everything`` is 0 unless given (a run
     is reproducible by default), and that one seed drives every part whose own seed is unset."""
@@ -125,37 +141,44 @@ class EarlCLI(LightningCLI):
         )
 
     def _parse_ckpt_path(self) -> None:
-        # Lightning reads a `--ckpt_path` file's hyperparameters here with a bare torch.load: a
-        # truncated or corrupt file is a bad argument, reported in one line before anything is built.
-        path = (
-            self.config[self.config.subcommand].get("ckpt_path")
-            if self.config.get("subcommand")
-            else None
-        )
-        keyword = str(path).lower() in ("best", "last", "hpc") or str(path).lower().startswith(
-            "registry"
-        )
-        if path and not keyword and "://" not in str(path) and not Path(path).exists():
-            say(f"earl: error: `--ckpt_path`: checkpoint {str(path)!r} does not exist")
-            raise SystemExit(2)
-        if path and not keyword and (Path(path) / ".metadata").is_file():
-            try:  # a DCP directory: its pickled .metadata is checked before anything unpickles it
-                checkpoints.read_dcp_metadata(path)
-            except EarlError as err:
-                say(f"earl: error: `--ckpt_path`: {err}")
-                raise SystemExit(2) from None
-        # Not LightningCLI's: it merges the checkpoint's hyperparameters into the config, so a model
-        # or import path saved in a checkpoint would run unasked. The file is only checked readable
-        # here; the config wins, and a difference is one line (`_check_resume`).
+        # Lightning reads a `--ckpt_path` file's hyperparameters here with a bare torch.load, and
+        # loads a URL with weights_only=False. Here a URL is downloaded first, and the file (or a
+        # DCP directory's pickled .metadata) is checked readable as data only: a planted, truncated
+        # or corrupt file is a bad argument, one line before anything is built. Not LightningCLI's
+        # merge of the checkpoint's hyperparameters into the config either (a model or import path
+        # saved in a checkpoint would run unasked): the config wins, a difference is one line
+        # (`_check_resume`).
+        self._downloaded: Path | None = None
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else {}
+        if config.get("weights_only") is False:
+            refuse(
+                "`--weights_only` false: earl reads a checkpoint as data and tensors only "
+                "(weights_only), never unpickling code it holds; leave it unset"
+            )
+        path = config.get("ckpt_path")
+        if not path or is_keyword(path):
+            return
+        if is_url(path):
+            try:
+                self._downloaded = download_checkpoint(str(path), "--ckpt_path")
+            except EarlError as err:  # it names the URL
+                refuse(str(err))
         try:
-            if path and not keyword and "://" not in str(path):
-                saved_hparams(path)
-        except Exception as err:  # noqa: BLE001 - the torch.load of the file is all that can fail here
-            say(f"earl: error: {checkpoint_unreadable(path, err, arg='--ckpt_path')}")
-            raise SystemExit(2) from None
+            check_readable(self._downloaded or path)
+        except EarlError as err:
+            arg = (
+                f"`--ckpt_path` {str(path)!r} (downloaded)" if self._downloaded else "`--ckpt_path`"
+            )
+            refuse(f"{arg}: {err}")
 
     def _run_subcommand(self, subcommand: str) -> None:
+        kwargs = self.config_init[subcommand]
+        if self._downloaded is not None:  # the config keeps the URL; the run reads the copy
+            kwargs["ckpt_path"] = str(self._downloaded)
+        kwargs["weights_only"] = True  # (a recipe's own CheckpointIO: Lightning's load)
         self._resolve_last_checkpoint(subcommand)
+        self._check_outputs(subcommand)
         self._check_resume(subcommand)
         # A full disk under any strategy and any writer (checkpoints, TensorBoard, config.yaml) is
         # one line naming where the run writes; EarlStrategy names the checkpoint itself.
@@ -169,7 +192,7 @@ class EarlCLI(LightningCLI):
         """``--ckpt_path last``: the newest ``last*.ckpt`` in any directory this run's checkpoint
         callbacks write to (every logger version: Lightning looks only in this launch's, a new
         one, so a relaunched run would silently start over); nothing else under the root is a
-        candidate. A DCP directory's ``.metadata`` is checked before anything unpickles it."""
+        candidate. What is read of it first is checked readable as data only (:func:`check_readable`)."""
         kwargs = self.config_init.get(subcommand, {})
         if str(kwargs.get("ckpt_path")) != "last":
             return
@@ -180,8 +203,8 @@ class EarlCLI(LightningCLI):
                 f"earl: the save that replaced {str(found.parent / found.name[1:-4])!r} was interrupted; resuming "
                 f"from the previous checkpoint, {str(found)!r}"
             )
-        if found is not None and found.is_dir():
-            checkpoints.read_dcp_metadata(found)
+        if found is not None:
+            check_readable(found)  # planted, truncated or corrupt: one line (exit 1)
         if found is None and self.trainer.is_global_zero:
             say(
                 f"earl: no checkpoint named last*.ckpt under {str(self.trainer.default_root_dir)!r}: "
@@ -195,7 +218,7 @@ class EarlCLI(LightningCLI):
         checkpoint saved them are one line (the config's are used)."""
         config, trainer = self.config[subcommand], self.trainer
         path = self.config_init[subcommand].get("ckpt_path")
-        if not path or "://" in str(path) or not Path(path).exists():
+        if not path or not Path(path).exists():
             return
         strategy = trainer.strategy
         if Path(path).is_dir() and not isinstance(strategy, EarlStrategy):
@@ -226,6 +249,29 @@ class EarlCLI(LightningCLI):
         line = differences_line(path, found)
         if line is not None and trainer.is_global_zero:
             say(line)
+
+    def _check_outputs(self, subcommand: str) -> None:
+        """Before anything runs: the root is a directory, not inside the checkpoint read (a save
+        may replace that), and an ExportModel's ``--export.dirpath`` can be written without
+        deleting what the run keeps (:meth:`ExportModel.problem`). One line, exit 2."""
+        trainer, ckpt = self.trainer, self.config_init[subcommand].get("ckpt_path")
+        root = trainer.default_root_dir
+        arg = "--trainer.default_root_dir"
+        problem = (
+            f"`{arg}` {str(root)!r} is a file; it must be a directory (the run's logs and checkpoints)"
+            if Path(root).is_file()
+            else None
+        )
+        if problem is None:
+            read = f"the checkpoint the run reads (`--ckpt_path` {str(ckpt)!r})"
+            problem = checkpoints.inside_problem(root, arg, ckpt, read)
+        for callback in trainer.callbacks if subcommand == "fit" else []:
+            if problem is None and isinstance(callback, ExportModel):
+                problem = callback.problem(trainer, ckpt)
+        if problem is not None:
+            if trainer.is_global_zero:
+                say(f"earl: error: {problem}")
+            raise SystemExit(2)
 
     def _checkpoint_dirs(self) -> list[Path]:
         """Where the trainer's checkpoint callbacks write, in every logger version (Lightning's
@@ -280,7 +326,9 @@ class EarlCLI(LightningCLI):
         if strategy is not config.get("strategy", "auto"):
             kwargs.setdefault("strategy", strategy)
         # Checkpoints are written atomically under every strategy (Lightning's own writer is not).
-        plugins = with_atomic_checkpoint_io(config.get("plugins"), config.get("strategy"))
+        plugins = with_atomic_checkpoint_io(
+            config.get("plugins"), config.get("strategy"), self.model
+        )
         if plugins is not None:
             kwargs.setdefault("plugins", plugins)
         return super().instantiate_trainer(**kwargs)
@@ -332,31 +380,31 @@ class SftCLI(EarlCLI):
             "--overwrite", action=ActionYesNo, default=False, help=SFT_ARGS["overwrite"]
         )
 
+    def before_instantiate_classes(self) -> None:
+        from earl_lightning.sft.save import output_dir_problem
+
+        super().before_instantiate_classes()
+        config = self.config
+        problem = output_dir_problem(
+            config.get("output_dir"),
+            bool(config.get("overwrite")),
+            config["trainer"].get("default_root_dir"),
+            config["model"].get("model"),
+        )
+        if problem is not None:
+            refuse(problem)
+
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
-        # what the model and the data decide together, before the demonstrations are played
+        # what the model and the data decide together, before the demonstrations are played: the
+        # rollout settings with the data's tools and env (as check_data in fit), the first rows,
+        # the evaluation interval against the epoch
         try:
+            self.datamodule.check_rollout(self.model.rollout_config)
             self.datamodule.check_rows(self.model)
             self.datamodule.check_val_interval(self.trainer, self.model)
         except ValueError as err:
-            say(f"earl: error: {err}")
-            raise SystemExit(2) from None
-
-    def before_instantiate_classes(self) -> None:
-        super().before_instantiate_classes()
-        problem = output_dir_problem(
-            self.config.get("output_dir"), bool(self.config.get("overwrite"))
-        )
-        if problem is not None:
-            say(f"earl: error: {problem}")
-            raise SystemExit(2)
-
-
-def output_dir_problem(output_dir: str | None, overwrite: bool) -> str | None:
-    """Why ``--output_dir`` cannot take the warm start (None: it can). Checked before any work."""
-    if not output_dir:
-        return "`--output_dir` is required: the directory the warm-start model is saved to"
-    return checkpoints.output_dir_problem(output_dir, overwrite, "--output_dir")
+            refuse(str(err))
 
 
 def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
@@ -420,6 +468,11 @@ def main(args: list[str] | None = None) -> None:
         from earl_lightning.models.presets import presets_command  # no Lightning CLI needed
 
         presets_command(argv[1:])
+        return
+    if argv[:1] == ["plan"]:
+        from earl_lightning.planning.command import plan_command  # config only: no Lightning CLI
+
+        plan_command(argv[1:])
         return
     if argv[:1] == ["export"]:
         from earl_lightning.export import (

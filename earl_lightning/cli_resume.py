@@ -8,6 +8,9 @@
 - A distributed (DCP) checkpoint directory given to a run under another strategy (``auto``) is
   loaded whole (:class:`~earl_lightning.checkpoints_io.AtomicCheckpointIO`), said in one line;
   under a recipe's own CheckpointIO it is refused in one line saying what to do instead.
+- What the command reads of a checkpoint before the run (its settings; a DCP directory's
+  ``.metadata``) is read as data only, and a file that cannot be is one line (:func:`check_readable`),
+  whether named on the command line or found by ``last``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from typing import Any
 
 import torch
 
-from earl_lightning.checkpoints import dcp_writers
+from earl_lightning.checkpoint_loaders import checkpoint_unreadable
+from earl_lightning.checkpoints import dcp_writers, read_dcp_metadata
+from earl_lightning.errors import CheckpointError
 
 SHOWN = 4  # differences named in the line; the rest are counted
 
@@ -37,6 +42,22 @@ def saved_hparams(path: str | Path) -> dict[str, dict[str, Any]]:
         group: dict(state[key]) if isinstance(state.get(key), Mapping) else {}
         for group, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters"))
     }
+
+
+def check_readable(path: str | Path) -> None:
+    """The checkpoint at ``path`` exists and what is read of it before the run reads as data only:
+    a DCP directory's ``.metadata`` (restricted to a checkpoint's types) and the saved settings of
+    a file or of a directory's ``meta.pt`` (``weights_only``); else one CheckpointError line naming
+    the file (a planted, truncated or corrupt one)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if (path / ".metadata").is_file():
+        read_dcp_metadata(path)
+    try:
+        saved_hparams(path)
+    except Exception as err:  # noqa: BLE001 - the torch.load of the file is all that can fail here
+        raise checkpoint_unreadable(path, err) from None
 
 
 def differences(

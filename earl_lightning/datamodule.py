@@ -13,6 +13,7 @@ run would have seen.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,13 @@ import datasets
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 
-from earl_lightning.checks import check_choice, check_count
+from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.dispatch.exchange import DispatchConfig, Exchanger
 from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.seeding import run_seed
+from earl_lightning.tasks.agents import Agent, check_agent_columns, describe_agent, resolve_agent
 from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
 from earl_lightning.tasks.tools import Tool, resolve_tools
@@ -109,27 +111,37 @@ class EpisodeStream(IterableDataset):
 
 class EvalEpisodes(IterableDataset):
     """One batch of fixed evaluation seeds (0..n-1: the agent's seat alternates with the seed), or
-    of the first ``n`` evaluation rows, each played once."""
+    of the first ``n`` evaluation rows, each played once (``specs``, greedily) and, with
+    ``samples``, that many times more (``sampled``: row ``i``'s samples are group ``i``)."""
 
-    def __init__(self, env: str | None, env_kwargs: dict, num_episodes: int, rows: Any = None):
-        self.env, self.env_kwargs, self.rows = env, dict(env_kwargs), rows
+    def __init__(
+        self,
+        env: str | None,
+        env_kwargs: dict,
+        num_episodes: int,
+        rows: Any = None,
+        samples: int = 0,
+    ):
+        self.env, self.env_kwargs, self.rows, self.samples = env, dict(env_kwargs), rows, samples
         self.num_episodes = num_episodes if rows is None else min(num_episodes, len(rows))
 
+    def _spec(self, i: int, episode_id: int) -> EpisodeSpec:
+        return EpisodeSpec(
+            env=self.env,
+            seed=i,
+            group_id=i,
+            episode_id=episode_id,
+            env_kwargs=self.env_kwargs,
+            row=self.rows[i] if self.rows is not None else None,
+            row_index=i if self.rows is not None else -1,
+        )
+
     def __iter__(self):
+        n, k = self.num_episodes, self.samples
         yield {
             "step": -1,
-            "specs": [
-                EpisodeSpec(
-                    env=self.env,
-                    seed=i,
-                    group_id=i,
-                    episode_id=i,
-                    env_kwargs=self.env_kwargs,
-                    row=self.rows[i] if self.rows is not None else None,
-                    row_index=i if self.rows is not None else -1,
-                )
-                for i in range(self.num_episodes)
-            ],
+            "specs": [self._spec(i, i) for i in range(n)],
+            "sampled": [self._spec(i, i * k + j) for i in range(n) for j in range(k)],
         }
 
 
@@ -157,6 +169,12 @@ class EpisodeDataModule(L.LightningDataModule):
         seed: base seed of the training episodes; null (default): the run's seed (``seed_everything``).
         eval_episodes: fixed evaluation seeds played greedily by ``validation_step`` (0 disables).
         eval_env_kwargs: overrides of ``env_kwargs`` for evaluation (e.g. another opponent).
+        eval_samples: besides the greedy play, each evaluation row (or seed) is played this many
+            times with the training's sampling: ``val/pass@k`` (k = 1, 2, 4, ... and this;
+            Chen et al.'s unbiased estimator) and ``val/mean@<n>`` (the samples' mean reward);
+            0 (default): greedy only.
+        eval_pass_reward: a sampled evaluation episode passes (for ``val/pass@k``) when its
+            reward is at least this (1.0: an accuracy reward's right answer, a game's win).
         dispatch: how experience moves between stage layouts (the exchanger's options).
         dataset: the rows to train on: a path or hub id, its settings (``{path, name, data_files,
             train_split, eval_split, eval_size}``), or (Python) a ``datasets.Dataset`` or
@@ -175,6 +193,12 @@ class EpisodeDataModule(L.LightningDataModule):
             ``{schema, fn}`` dicts; every turn's prompt renders them (``apply_chat_template(...,
             tools=...)``), and ``--model.rollout.tool_parser`` reads the model's calls. An
             environment may offer its own (``ToolEnv.tools()``).
+        agent: a user's agent, by import path (``my_package.agents.solve``) or (Python) as a
+            callable: ``async def agent(client, row, **columns)`` (or a plain def, run on a thread),
+            run once per episode with an OpenAI client whose ``base_url`` is the rollout's
+            endpoint (one API key per episode). It returns the reward, ``{"reward", "info"}``, or
+            None (``reward_funcs`` score the transcript). Plays ``dataset`` rows; no ``env`` or
+            ``tools`` beside it (the agent runs its own). See docs/agents.md.
     """
 
     def __init__(
@@ -195,29 +219,26 @@ class EpisodeDataModule(L.LightningDataModule):
         reward_funcs: list[str | Callable[..., Any]] | None = None,
         reward_weights: list[float] | None = None,
         tools: list[str | Callable[..., Any] | dict[str, Any]] | None = None,
+        agent: str | Callable[..., Any] | None = None,
+        eval_samples: int = 0,
+        eval_pass_reward: float = 1.0,
     ):
         super().__init__()
+        _check_agent_task(agent, env, dataset, tools)
         if env is None and dataset is None:
             env = "connect_four"
         if env is not None:
             check_env_name(env, "--data.env")
-        check_count("--data.batch_size", batch_size)
-        check_count("--data.group_size", group_size)
+        _check_batch(batch_size, group_size, group_seeds, eval_episodes, eval_samples)
+        check_number("--data.eval_pass_reward", eval_pass_reward)
         seed = run_seed(seed, "--data.seed")
-        if batch_size % group_size:
-            raise ValueError(
-                f"`--data.batch_size` ({batch_size}) must be a multiple of `--data.group_size` ({group_size}): "
-                f"each GRPO group of {group_size} episodes shares a seed; try batch_size="
-                f"{max(group_size, batch_size // group_size * group_size)}"
-            )
-        check_choice("--data.group_seeds", group_seeds, GROUP_SEEDS)
-        check_count("--data.eval_episodes", eval_episodes, 0)
         self.env, self.env_kwargs = env, dict(env_kwargs or {})
         self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
         if env is not None:
             make_env(env, "--data.env", **self.env_kwargs)  # bad env kwargs fail now, not at step 1
         self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
         self.eval_episodes, self.group_seeds = eval_episodes, group_seeds
+        self.eval_samples, self.eval_pass_reward = eval_samples, eval_pass_reward
         self.splits: Splits | None = (
             open_splits(dataset, eval_dataset) if dataset is not None else None
         )
@@ -225,11 +246,12 @@ class EpisodeDataModule(L.LightningDataModule):
             self.eval_episodes = 0  # no evaluation rows: nothing to evaluate on
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
         self.tools: list[Tool] = resolve_tools(tools)
-        _check_task(self.splits, env, self.reward_funcs)
+        self.agent: Agent | None = None if agent is None else resolve_agent(agent)
+        _check_task(self.splits, env, self.reward_funcs, self.agent)
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
         self.save_hyperparameters(
-            ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs", "tools"]
+            ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs", "tools", "agent"]
         )
         self.hparams.update(
             dispatch=to_dict(dispatch),
@@ -237,18 +259,27 @@ class EpisodeDataModule(L.LightningDataModule):
             eval_dataset=describe(eval_dataset),
             reward_funcs=[describe(f) for f in reward_funcs or []],
             tools=[t.name for t in self.tools],
+            agent=describe_agent(agent),
         )
 
     def first_spec(self) -> EpisodeSpec:
         return self._stream(0).batch(0)[0]
 
-    def _stream(self, start: int) -> EpisodeStream:
+    def extra_batch(self, step: int, k: int) -> list[EpisodeSpec]:
+        """Draw ``k`` (1, 2, ...) of more groups for step ``step`` (dynamic sampling): step ``step``
+        of a stream of its own, seeded from ``(seed, k)``, so a pure function of ``(seed, step, k)``
+        whose rows and seeds differ from the step's own batch."""
+        check_count("k", k)
+        key = hashlib.sha256(f"earl-extra-draw:{self.seed}:{k}".encode()).digest()
+        return self._stream(0, seed=int.from_bytes(key[:8], "big") % (2**31 - 1)).batch(step)
+
+    def _stream(self, start: int, seed: int | None = None) -> EpisodeStream:
         return EpisodeStream(
             self.env,
             self.env_kwargs,
             self.batch_size,
             self.group_size,
-            self.seed,
+            self.seed if seed is None else seed,
             start,
             self.group_seeds,
             rows=self.splits.train if self.splits is not None else None,
@@ -270,18 +301,63 @@ class EpisodeDataModule(L.LightningDataModule):
 
     def eval_batches(self) -> EvalEpisodes:
         """The evaluation episodes: seeds 0..n-1, or the first ``eval_episodes`` evaluation rows."""
+        args = (self.env, self.eval_env_kwargs, self.eval_episodes)
         if self.splits is None:
-            return EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes)
+            return EvalEpisodes(*args, samples=self.eval_samples)
         rows = self.splits.eval if self.splits.eval is not None else self.splits.train.select([])
-        return EvalEpisodes(self.env, self.eval_env_kwargs, self.eval_episodes, rows=rows)
+        return EvalEpisodes(*args, rows=rows, samples=self.eval_samples)
 
 
-def _check_task(splits: Splits | None, env: str | None, funcs: list[RewardFunction]) -> None:
-    if splits is not None:
-        check_columns(funcs, splits.columns())
-        if env is None and not funcs:
-            raise ValueError(
-                "`--data.reward_funcs` is empty, and `--data.env` is null: rows played without an "
-                "environment get their rewards from reward functions only; name at least one "
-                "(e.g. trl.rewards.accuracy_reward)"
-            )
+def _check_agent_task(agent: Any, env: str | None, dataset: Any, tools: Any) -> None:
+    """An agent plays dataset rows on its own: no environment or task tools beside it."""
+    if agent is None:
+        return
+    if dataset is None:
+        raise ValueError(
+            "`--data.agent` plays the rows of a dataset, and `--data.dataset` is null: name the "
+            "rows the agent starts from (each row is handed to it as `row`)"
+        )
+    if env is not None:
+        raise ValueError(
+            f"`--data.agent` and `--data.env` {env!r} are both set: an agent runs its own "
+            "environment (wrap a gymnasium or verifiers env in the agent, or drop `--data.agent`)"
+        )
+    if tools:
+        raise ValueError(
+            "`--data.agent` and `--data.tools` are both set: an agent sends its tools with each "
+            "request and runs them itself; drop `--data.tools`"
+        )
+
+
+def _check_batch(
+    batch_size: int, group_size: int, group_seeds: str, eval_episodes: int, eval_samples: int
+) -> None:
+    check_count("--data.batch_size", batch_size)
+    check_count("--data.group_size", group_size)
+    if batch_size % group_size:
+        raise ValueError(
+            f"`--data.batch_size` ({batch_size}) must be a multiple of `--data.group_size` ({group_size}): "
+            f"each GRPO group of {group_size} episodes shares a seed; try batch_size="
+            f"{max(group_size, batch_size // group_size * group_size)}"
+        )
+    check_choice("--data.group_seeds", group_seeds, GROUP_SEEDS)
+    check_count("--data.eval_episodes", eval_episodes, 0)
+    check_count("--data.eval_samples", eval_samples, 0)
+
+
+def _check_task(
+    splits: Splits | None, env: str | None, funcs: list[RewardFunction], agent: Agent | None
+) -> None:
+    """The dataset's columns feed the reward functions (and the agent's parameters), and a row
+    played without an environment or an agent needs a reward function to score it."""
+    if splits is None:
+        return
+    check_columns(funcs, splits.columns())
+    if agent is not None:
+        check_agent_columns(agent, splits.columns())
+    elif env is None and not funcs:
+        raise ValueError(
+            "`--data.reward_funcs` is empty, and `--data.env` is null: rows played without an "
+            "environment get their rewards from reward functions only; name at least one "
+            "(e.g. trl.rewards.accuracy_reward)"
+        )

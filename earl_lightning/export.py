@@ -22,17 +22,20 @@ import argparse
 import contextlib
 import copy
 import sys
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from earl_lightning.checkpoint_loaders import checkpoint_unreadable, load_dcp
+from earl_lightning.checkpoint_urls import local_checkpoint
 from earl_lightning.checkpoints import (
     check_checkpoint_matches,
-    checkpoint_unreadable,
+    inside_problem,
+    is_dcp_dir,
     output_dir_problem,
+    overlap_problem,
     read_dcp_shapes,
     write_dir_atomically,
 )
@@ -133,7 +136,7 @@ def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ..
     if not path.exists():
         raise CheckpointError(f"{_where(path)} does not exist")
     if path.is_dir():
-        if not (path / ".metadata").is_file() and not any(path.glob("*.distcp")):
+        if not is_dcp_dir(path):
             raise CheckpointError(
                 f"{_where(path)} is a directory but not a distributed (DCP) checkpoint (no "
                 ".metadata, no *.distcp shards); give a .ckpt file or a DCP checkpoint directory"
@@ -178,26 +181,32 @@ def _policy_only(entries: Mapping[str, Any]) -> dict[str, Any]:
 
 def _load_dcp_policy(path: Path, model: torch.nn.Module) -> None:
     """The policy's tensors of the DCP directory ``path``, read in this one process into ``model``
-    (DCP reassembles each whole tensor from the shards the processes wrote)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
+    (DCP reassembles each whole tensor from the shards the processes wrote), as data only
+    (:func:`load_dcp`: a shard's non-tensor entry is never unpickled as code)."""
     # DCP flattens nested keys with "."; the checkpoint also holds the optimizer and the value
     # head, which the export leaves behind (a partial load).
     wanted = {"state_dict": {POLICY_PREFIX + k: v for k, v in model.state_dict().items()}}
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(
-            wanted, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True)
-        )
+    try:
+        with torch.no_grad():
+            load_dcp(wanted, path, partial=True)
+    except CheckpointError as err:
+        raise CheckpointError(f"`--ckpt_path`: {err}") from None
 
 
-def rebuild_policy(path: Path, model_name: str | None = None) -> tuple[Any, Any]:
+def rebuild_policy(
+    path: Path, model_name: str | None = None, out: str | None = None
+) -> tuple[Any, Any]:
     """(model, tokenizer) of the checkpoint at ``path``: the model it was trained from (or
-    ``model_name``), with the checkpoint's policy weights, checked to be that model's."""
+    ``model_name``), with the checkpoint's policy weights, checked to be that model's. ``out``,
+    the directory to be written, may not be or hold the model directory read."""
     hparams, shapes, weights = read_checkpoint(path)
     name = model_name or hparams["model"]
     arg = "--model" if model_name else f"--ckpt_path's model ({path.name}: hyper_parameters.model)"
+    problem = out and overlap_problem(
+        out, "--out", [(name if Path(name).exists() else None, f"the model read (`{arg}`)")]
+    )
+    if problem:
+        raise ValueError(problem)
     model = load_model(name, hparams.get("dtype", "float32"), arg)
     if hparams.get("peft") is not None:  # the adapters' weights are in the checkpoint too
         apply_lora(
@@ -219,15 +228,22 @@ def rebuild_policy(path: Path, model_name: str | None = None) -> tuple[Any, Any]
 def export_checkpoint(
     ckpt_path: str, out: str, overwrite: bool = False, model: str | None = None
 ) -> Path:
-    """``earl export``: the checkpoint's policy as a ``save_pretrained`` directory at ``out``."""
-    problem = output_dir_problem(out, overwrite, "--out")
+    """``earl export``: the checkpoint's policy as a ``save_pretrained`` directory at ``out``.
+    ``out`` is checked first: not a file, empty unless ``overwrite``, and never the checkpoint read
+    nor a directory holding it (or inside it), which writing ``out`` would delete."""
+    read = f"the checkpoint read (`--ckpt_path` {ckpt_path!r})"
+    problem = (
+        output_dir_problem(out, overwrite, "--out")
+        or overlap_problem(out, "--out", [(ckpt_path, read)])
+        or inside_problem(out, "--out", ckpt_path, read)
+    )
     if problem is not None:
         raise ValueError(problem)
-    path = Path(ckpt_path)
-    policy, tokenizer = rebuild_policy(path, model)
+    with local_checkpoint(ckpt_path) as path:
+        policy, tokenizer = rebuild_policy(path, model, out)
     written = write_pretrained(policy, tokenizer, out, gather_state_dict(policy, keep=True))
     print(
-        f"earl: exported the policy of {str(path)!r} to {str(written)!r}; load it with "
+        f"earl: exported the policy of {ckpt_path!r} to {str(written)!r}; load it with "
         f"AutoModelForCausalLM.from_pretrained({str(written)!r}) or vllm.LLM({str(written)!r})"
     )
     return written
@@ -260,10 +276,14 @@ def export_command(argv: list[str]) -> None:
 EXPORT_ARGS: dict[str, dict[str, Any]] = {
     "ckpt_path": {
         "required": True,
-        "help": "A checkpoint of `earl fit` (or `earl sft`): a Lightning .ckpt file, "
-        "or the distributed (DCP) checkpoint directory EarlStrategy writes.",
+        "help": "A checkpoint of `earl fit` (or `earl sft`): a Lightning .ckpt file (a path, or a URL: "
+        "downloaded, then read like a file), or the distributed (DCP) checkpoint directory EarlStrategy writes.",
     },
-    "out": {"required": True, "help": "The directory to write (new or empty, unless --overwrite)."},
+    "out": {
+        "required": True,
+        "help": "The directory to write (new or empty, unless --overwrite); never the checkpoint or "
+        "the model read, nor a directory that holds them.",
+    },
     "overwrite": {"action": "store_true", "help": "Replace --out when it exists and is not empty."},
     "model": {
         "default": None,

@@ -8,7 +8,12 @@ sharded DCP checkpoints) on 2 gloo processes under ``torchrun --max-restarts 3 .
 last``, a checkpoint every ``--every`` steps. Injected:
 
 - environment faults, seeded (``scripts/chaos_plugins.FlakyEnv``): 3% of episodes raise in a
-  ``step``, 1% hang in one (6 s, past the run's ``env_timeout_s`` of 2 s);
+  ``step``, 1% hang in one (6 s, past the run's ``env_timeout_s`` of 2 s); the environments run
+  under ``call_isolation: process``, so a hung call kills its worker process and the episodes that
+  shared it are rebuilt in a fresh one;
+- a reward function that hangs (``chaos_plugins.hangs_on_some_rows``, weight 0): on about 1 row
+  in 40 it never returns, and ``reward_timeout_s`` (2 s) interrupts it: that row and the rows
+  after it fail as unscored;
 - rank 1 SIGKILLed at the start of step ``--kill-step``;
 - rank 1 SIGSTOPped (alive and silent) at the start of step ``--stop-step``; rank 0's collective
   times out after ``collective_timeout_s`` and it stops with one line, torchrun then ends the round;
@@ -16,7 +21,8 @@ last``, a checkpoint every ``--every`` steps. Injected:
   otherwise this fault is left out and the report says so) before the save of step
   ``--disk-step + 1``; the next round frees the space at set-up.
 
-The reference is the same run with the same environment faults and nothing else, one round. The
+The reference is the same run with the same environment and reward faults and nothing else, one
+round. The
 chaos run's final parameters must equal the reference's bit for bit, and so must every per-step
 metric. Writes ``--csv`` (``docs/experiments/results/chaos.csv``; one row: what was injected, restarts, error lines, wall
 times, time lost) and prints it; exit status 1 when the runs differ or a run did not finish.
@@ -38,8 +44,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "recipes" / "connect4_grpo_layouts.yaml"
-ENV_TIMEOUT_S, HANG_S, COLLECTIVE_TIMEOUT_S = 2.0, 6.0, 30
-COMPARED = ("reward/mean", "loss/policy", "grad_norm", "env/errors")
+ENV_TIMEOUT_S, HANG_S, COLLECTIVE_TIMEOUT_S, REWARD_TIMEOUT_S = 2.0, 6.0, 30, 2.0
+COMPARED = ("reward/mean", "loss/policy", "grad_norm", "env/errors", "rewards/errors")
 
 
 def overrides(run: Path, args: argparse.Namespace, chaos: bool) -> Path:
@@ -98,13 +104,21 @@ def overrides(run: Path, args: argparse.Namespace, chaos: bool) -> Path:
                     "callbacks": callbacks,
                     "strategy": {"init_args": {"collective_timeout_s": COLLECTIVE_TIMEOUT_S}},
                 },
-                "model": {"rollout": {"env_timeout_s": ENV_TIMEOUT_S}},
+                "model": {
+                    "rollout": {
+                        "env_timeout_s": ENV_TIMEOUT_S,
+                        "call_isolation": "process",
+                        "reward_timeout_s": REWARD_TIMEOUT_S,
+                    }
+                },
                 "data": {
                     "env": "chaos_plugins.FlakyEnv",
                     "eval_env_kwargs": None,
                     "batch_size": 8,
                     "group_size": 4,
                     "eval_episodes": 0,
+                    "reward_funcs": ["chaos_plugins.hangs_on_some_rows"],
+                    "reward_weights": [0.0],
                     "env_kwargs": {
                         "inner": "connect_four",
                         "inner_kwargs": inner,
@@ -170,8 +184,9 @@ def final_state(run: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[int,
     return params, scalars
 
 
-def differences(ref: Path, chaos: Path, steps: int) -> tuple[list[str], float]:
-    """What differs between the two runs, and the env faults the chaos run counted (``env/errors``)."""
+def differences(ref: Path, chaos: Path, steps: int) -> tuple[list[str], tuple[float, float]]:
+    """What differs between the two runs, and the faults the chaos run counted (``env/errors``,
+    ``rewards/errors``)."""
     pa, sa = final_state(ref)
     pb, sb = final_state(chaos)
     found = [f"parameters differ: {k}" for k in pa if k not in pb or not torch.equal(pa[k], pb[k])]
@@ -180,7 +195,10 @@ def differences(ref: Path, chaos: Path, steps: int) -> tuple[list[str], float]:
             found.append(
                 f"metric {tag} differs ({len(sa.get(tag, {}))} vs {len(sb.get(tag, {}))} steps)"
             )
-    return found, sum(sb.get("env/errors", {}).values())
+    return found, (
+        sum(sb.get("env/errors", {}).values()),
+        sum(sb.get("rewards/errors", {}).values()),
+    )
 
 
 def mount_tmpfs(path: Path, mib: int) -> bool:
@@ -224,10 +242,10 @@ def main() -> None:
     try:
         ref_code, ref_s, _ = launch(ref_dir, args, chaos=False)
         code, chaos_s, log = launch(chaos_dir, args, chaos=True)
-        found, env_errors = (
+        found, (env_errors, reward_errors) = (
             differences(ref_dir, chaos_dir, args.steps)
             if code == 0 == ref_code
-            else (["a run did not finish"], float("nan"))
+            else (["a run did not finish"], (float("nan"), float("nan")))
         )
     finally:
         if args.disk:
@@ -244,6 +262,7 @@ def main() -> None:
         "stop_step": args.stop_step,
         "disk_step": args.disk_step if args.disk else "not injected (needs root for a tmpfs)",
         "env_faults_counted": env_errors,
+        "reward_rows_failed": reward_errors,
         "restarts": len(re.findall(r"failed \(exitcode", log)),
         "resumed_from_checkpoint": len(re.findall(r"Restored all states from the checkpoint", log)),
         "error_lines": " | ".join(errors),

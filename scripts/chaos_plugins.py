@@ -1,7 +1,8 @@
 """The faults ``scripts/chaos.py`` puts into a real run, reached by import path with ``scripts/`` on
-``PYTHONPATH``: an environment that fails and hangs at seeded random points, and callbacks that
-stop a rank (SIGSTOP) and fill the disk before a save, each once (a marker file records that it
-happened, so the restarted round goes through). The rank kill is ``tests.plugins.faults.KillRank``.
+``PYTHONPATH``: an environment that fails and hangs at seeded random points, a reward function
+that hangs on seeded rows, and callbacks that stop a rank (SIGSTOP) and fill the disk before a
+save, each once (a marker file records that it happened, so the restarted round goes through).
+The rank kill is ``tests.plugins.faults.KillRank``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,30 @@ class FlakyEnv:
         if self.fault == "hang" and turn == self.fault_turn:
             time.sleep(self.hang_s)
         return self.env.step(action)
+
+
+_batch_first: tuple[int, ...] | None = None  # the first row of the last batch scored
+
+
+def hangs_on_some_rows(
+    prompts: list, completions: list, completion_ids: list[list[int]], **kwargs
+) -> list[float]:
+    """A reward function (weight 0 in the chaos run: it scores nothing, it only fails) that hangs on
+    rows drawn from their completion's tokens (about 1 in 40), never on a batch's first row (so a
+    step always keeps some scored rows and the run goes on): a batch holding one raises, so the
+    rows are scored one by one, and on that row alone it sleeps for ever, past the run's
+    ``reward_timeout_s``. The rows scored before it keep their scores; it and the rows after it fail
+    as unscored (``rewards/errors``), the same rows in every run."""
+    global _batch_first
+    keys = [tuple(ids) for ids in completion_ids]
+    poisoned = [random.Random(hash(k) ^ _SALT).random() < 0.025 for k in keys]
+    if len(keys) > 1:
+        _batch_first = keys[0]
+        if any(poisoned[1:]):
+            raise RuntimeError("chaos: a poisoned row in the batch")
+    elif poisoned[0] and keys[0] != _batch_first:
+        time.sleep(3600)
+    return [0.0] * len(keys)
 
 
 def _once(marker: str) -> bool:

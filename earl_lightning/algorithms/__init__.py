@@ -1,4 +1,5 @@
-"""Pure RL math: advantages, policy/value losses, aggregation, KL estimators, log-probs.
+"""Pure RL math: advantages, policy/value losses, aggregation, KL estimators, log-probs, the
+rollout correction's importance weights, length shaping, and the pass@k estimator.
 
 Tensors in, tensors out; no torch.distributed, Lightning or logging. Variants are registered by
 name; the ``get_*`` lookups raise a ValueError listing the valid names, for config-time checks.
@@ -20,6 +21,13 @@ from earl_lightning.algorithms.aggregation import (
     aggregate,
     get_loss_aggregation,
     local_counts,
+)
+from earl_lightning.algorithms.correction import (
+    IS_LEVELS,
+    IS_MODES,
+    RolloutCorrection,
+    register_is_level,
+    register_is_mode,
 )
 from earl_lightning.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
@@ -56,11 +64,15 @@ from earl_lightning.algorithms.losses import (
     value_loss,
 )
 from earl_lightning.algorithms.moments import Moments, grouped_moments, moments
+from earl_lightning.algorithms.pass_at_k import pass_at_k
 from earl_lightning.algorithms.registry import Registry
+from earl_lightning.algorithms.shaping import overlong_penalty
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "GRPO_SCALES",
+    "IS_LEVELS",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "POLICY_LOSSES",
@@ -70,6 +82,7 @@ __all__ = [
     "Moments",
     "PolicyLossStats",
     "Registry",
+    "RolloutCorrection",
     "aggregate",
     "anchor_state_advantages",
     "check_clip_args",
@@ -93,8 +106,12 @@ __all__ = [
     "logprobs_from_logits",
     "moments",
     "outcome_to_token_rewards",
+    "overlong_penalty",
+    "pass_at_k",
     "ppo_clip_loss",
     "register_advantage_estimator",
+    "register_is_level",
+    "register_is_mode",
     "register_policy_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",

@@ -25,6 +25,7 @@ from earl_lightning.callbacks.adaptive_setup import (
     candidate_layouts,
     check_arguments,
     checkpointing_choices,
+    memory_model_of,
     optimizer_name,
     policy_of,
     profile_at_fit_start,
@@ -33,11 +34,9 @@ from earl_lightning.callbacks.adaptive_setup import (
 )
 from earl_lightning.parallel.decision import Decision, bucket_of
 from earl_lightning.parallel.layout import Layout
-from earl_lightning.parallel.memory import MemoryModel
 from earl_lightning.parallel.selector import Selector
 from earl_lightning.parallel.throughput import ProfileTable, layout_key
 from earl_lightning.stages import StageOOMHandler
-from earl_lightning.train.scored import MAX_SCORED_SHARE
 
 # The decisions `history` keeps (three a step: rollout, experience, train): the last hundred steps'.
 HISTORY_DECISIONS = 300
@@ -143,16 +142,12 @@ class AdaptiveParallelism(StageOOMHandler):
         """Build the memory model and the selector and register them with the strategy."""
         strategy = trainer.strategy
         model, work = policy_of(pl_module, strategy), workload_of(pl_module)
-        memory = MemoryModel(
+        memory = memory_model_of(
             model.config,
             str(next(model.parameters()).dtype),
             optimizer_name(trainer),
-            rollout_backend=work.backend,
-            reference_model=work.reference_model,
-            reuse_kv=getattr(work, "reuse_kv", True),
-            scored_share_limit=MAX_SCORED_SHARE
-            if getattr(work, "scored_last_layer", False)
-            else None,
+            work,
+            resident_train_state=strategy.root_device.type == "cuda",
         )
         self._default_context = float(work.max_context_tokens)
         per_stage = stage_candidates(

@@ -19,6 +19,7 @@ from earl_lightning.checks import check_number, is_int
 from earl_lightning.parallel.layout import STAGES, Layout
 from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel, Workload
 from earl_lightning.parallel.throughput import ProfileTable, layout_key
+from earl_lightning.train.scored import MAX_SCORED_SHARE
 
 GIB = 2**30
 
@@ -110,6 +111,26 @@ def policy_of(pl_module: L.LightningModule, strategy: Any) -> torch.nn.Module:
     raise ValueError(
         f"AdaptiveParallelism sizes layouts from the module's HF model; none of the strategy's "
         f"`model_attrs` {list(strategy.model_attrs)} holds one on {type(pl_module).__name__}"
+    )
+
+
+def memory_model_of(
+    config: Any, dtype: str, optimizer: str, work: Workload, *, resident_train_state: bool
+) -> MemoryModel:
+    """The memory model a run's layouts are sized with, from the policy's config and the module's
+    declared workload: the one ``AdaptiveParallelism`` builds and ``earl plan`` reads.
+    ``resident_train_state``: the train copy's shards and optimizer state stay on the device
+    during rollout and experience (on a GPU they do; on a CPU everything is host memory and a
+    stage's budget is what it adds)."""
+    return MemoryModel(
+        config,
+        dtype,
+        optimizer,
+        rollout_backend=work.backend,
+        reference_model=work.reference_model,
+        reuse_kv=getattr(work, "reuse_kv", True),
+        scored_share_limit=MAX_SCORED_SHARE if getattr(work, "scored_last_layer", False) else None,
+        resident_train_state=resident_train_state,
     )
 
 

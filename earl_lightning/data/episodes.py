@@ -17,7 +17,13 @@ from earl_lightning.rollout.types import Episode
 
 def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> ExperienceBatch:
     """Pack episodes (no padding). Failed episodes (env exception) keep their tokens but get an
-    all-zero action mask: they are counted in the metrics and contribute nothing to the loss.
+    all-zero action mask: they are counted in the metrics and contribute nothing to the loss. A
+    dataset row skipped as too long for the context (``error_kind == "row"``) makes no row at all:
+    its prompt can be far longer than any trained sequence, and carried along with a zero mask it
+    would still cost the experience and train forwards their time and memory. It stays counted
+    where the episodes are (``data/skipped_rows``, ``reward/mean``); a group's advantages are
+    those of its other members. An agent's episode split into rows (``row_starts``) is one row
+    per part, ``turn_index`` the part's number, every part with the episode's reward.
 
     An episode whose turns saw the whole chat is one row; ``token_rewards`` holds each turn's
     reward on that turn's last generated token (see :func:`turn_token_rewards`), what the
@@ -33,22 +39,16 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
     lengths: list[int] = []
     total = 0  # tokens so far: where the next row starts in the flat batch
     rows: list[tuple[Episode, int]] = []
-    turn_ends: list[
-        int
-    ] = []  # whole-episode rows: each turn's end in the flat batch, its reward, its row's start
-    turn_values: list[float] = []
-    turn_rows_at: list[int] = []
+    # whole-episode rows: each turn's end in the flat batch, its reward, its row's start
+    placed: list[tuple[int, float, int]] = []
     for ep in episodes:
+        if ep.error_kind == "row":
+            continue
         if ep.turn_prompts and len(ep.turn_prompts) == len(ep.turn_starts):
             per_row = _turn_rows(ep, gamma)
         else:
-            n = len(ep.token_ids)
-            mask = [0] * n if ep.error is not None else ep.action_mask
-            for end, r in zip([*ep.turn_starts[1:], n], _rewards_per_turn(ep)):
-                turn_ends.append(total + end)
-                turn_values.append(r)
-                turn_rows_at.append(total)
-            per_row = [(ep.token_ids, mask, ep.logprobs, [0.0] * n)]
+            per_row, rewards = _episode_rows(ep, gamma)
+            placed += [(total + end, value, total + start) for end, value, start in rewards]
         for k, row in enumerate(per_row):
             for name, values in zip(fields, row):
                 flat[name].extend(values)
@@ -59,9 +59,8 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
         name: np.array(flat[name], dtype=np.int64 if name == "input_ids" else np.float32)
         for name in fields
     }
-    _place_turn_rewards(
-        arrays["token_rewards"], arrays["action_mask"], turn_ends, turn_values, turn_rows_at
-    )
+    ends, values, starts = (list(x) for x in zip(*placed)) if placed else ([], [], [])
+    _place_turn_rewards(arrays["token_rewards"], arrays["action_mask"], ends, values, starts)
     seqs = {
         "rewards": torch.tensor([ep.reward for ep, _ in rows], dtype=torch.float32),
         "group_ids": torch.tensor([ep.spec.group_id for ep, _ in rows], dtype=torch.long),
@@ -73,6 +72,52 @@ def episodes_to_experience(episodes: list[Episode], *, gamma: float = 1.0) -> Ex
     return ExperienceBatch(
         cu_seqlens_of(lengths), {name: torch.from_numpy(a) for name, a in arrays.items()}, seqs
     )
+
+
+def _episode_rows(
+    ep: Episode, gamma: float
+) -> tuple[list[tuple[list, list, list, list]], list[tuple[int, float, int]]]:
+    """An episode that saw its whole chat: its rows (one, or one per part of an agent's episode
+    split at ``row_starts``; a failed episode's mask all zero), and the rewards to place, as (end
+    of the turn, reward, start of its row) relative to the episode's first token."""
+    n = len(ep.token_ids)
+    mask = [0] * n if ep.error is not None else ep.action_mask
+    bounds = [0, *(ep.row_starts or []), n]
+    ends = [*ep.turn_starts[1:], n]
+    placed = [
+        (end, r, _row_of(bounds, start))
+        for start, end, r in zip(ep.turn_starts, ends, _rewards_per_turn(ep))
+    ]
+    placed += _continuations(ep, mask, bounds, gamma)
+    rows = [
+        (ep.token_ids[a:b], mask[a:b], ep.logprobs[a:b], [0.0] * (b - a))
+        for a, b in zip(bounds, bounds[1:])
+    ]
+    return rows, placed
+
+
+def _row_of(bounds: list[int], position: int) -> int:
+    """The start of the row (``bounds``: row starts, then the end) that holds ``position``."""
+    return max(b for b in bounds[:-1] if b <= position)
+
+
+def _continuations(
+    ep: Episode, mask: list[int], bounds: list[int], gamma: float
+) -> list[tuple[int, float, int]]:
+    """An episode split into rows (``row_starts``: an agent rewrote its context): each row but the
+    last ends its own sequence, so its last generated token carries the return of the episode
+    from there (its reward discounted by ``gamma`` per generated token after it), as a history
+    window's turn rows do. (end, value, row start) per such row."""
+    if len(bounds) <= 2:
+        return []
+    total = sum(_rewards_per_turn(ep))
+    out = []
+    for a, b in zip(bounds[:-2], bounds[1:-1]):
+        last = next((i for i in range(b - 1, a - 1, -1) if mask[i]), None)
+        if last is not None:
+            after = sum(mask[last + 1 :])
+            out.append((last + 1, total * gamma**after, a))
+    return out
 
 
 def _place_turn_rewards(

@@ -1,6 +1,7 @@
 """The environment protocol and the registry that builds environments by name or import path.
 
-This module imports nothing from ``earl_lightning.envs``: the built-in envs import it to register
+This module imports nothing from ``earl_lightning.envs`` at import time (the adapters are imported
+when an environment is built): the built-in envs import it to register
 themselves, and ``earl_lightning/envs/__init__.py`` imports them, so they are registered whenever
 any part of the package is imported.
 """
@@ -8,18 +9,21 @@ any part of the package is imported.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from earl_lightning.envs.types import StepResult
 from earl_lightning.registry import Registry
 
-
-@dataclass
-class StepResult:
-    observation: str
-    reward: float
-    done: bool
-    info: dict[str, Any] = field(default_factory=dict)
+__all__ = [
+    "ENVS",
+    "Env",
+    "StepResult",
+    "ToolEnv",
+    "check_env_name",
+    "env_names",
+    "make_env",
+    "register_env",
+]
 
 
 @runtime_checkable
@@ -82,9 +86,13 @@ def env_names() -> list[str]:
 
 def make_env(name: str, arg: str = "env", **kwargs: Any) -> Env:
     """Build the environment registered as ``name``, or the Env class / factory at the import path
-    ``name`` (``my_package.envs.GuessGame``), with ``kwargs``. ``arg`` is the config argument the
-    name came from; every error names it."""
-    env = _factory(name, arg)(**kwargs)
+    ``name`` (``my_package.envs.GuessGame``), with ``kwargs``; a gymnasium or OpenEnv environment
+    is wrapped by its adapter (:mod:`earl_lightning.envs.adapters`). ``arg`` is the config
+    argument the name came from; every error names it."""
+    from earl_lightning.envs.adapters import adapt_env
+
+    # a gymnasium or OpenEnv environment enters through its adapter
+    env = adapt_env(_factory(name, arg)(**kwargs), arg, name)
     if not isinstance(env, Env):
         raise ValueError(
             f"`{arg}` {name!r} built a {type(env).__name__}, which does not implement the Env "

@@ -22,6 +22,11 @@ from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, ge
 from earl_lightning.algorithms.estimators import AdvantageEstimator, get_advantage_estimator
 from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.groups import coerce
+from earl_lightning.modules.algorithm_groups import (
+    DynamicSamplingConfig,
+    OverlongConfig,
+    RolloutCorrectionConfig,
+)
 from earl_lightning.registry import bind_params, param_default
 from earl_lightning.rollout.backends.base import SamplingConfig, SamplingFields
 from earl_lightning.rollout.loop import check_history_turns
@@ -134,12 +139,27 @@ class RolloutConfig:
             description, parameters' names, types and which are required stay). A template that
             renders whole schemas costs fewer tokens then (the calculator's prompt with
             ``earl-tiny-bpe-4l``: 154 tokens instead of 199); the warm start must use the same.
+        max_tool_argument_chars: a tool call whose arguments, written as JSON, are longer than this
+            (in characters) is not run: the model reads an error message instead; null: no cap.
+            (Arguments nested deeper than 32 levels, or that are not plain JSON data, are refused
+            the same way whatever this is.)
+        max_tool_result_chars: each tool result (and error message) is cut to this many characters
+            before it is tokenized, and ``[... truncated N characters]`` added, so the model knows
+            (``tools/truncated`` counts them); null: whole results.
+        reward_timeout_s: a reward function still running this long after it was handed a batch
+            of rows loses the rows it has not scored, as if it had raised (``rewards/errors``);
+            where it was is logged once. A plain function stays on the main thread (math-verify's
+            own alarms need it) and is interrupted there, in a sleep, a wait or a Python loop (not
+            inside C code that never returns); off the main thread it runs on a daemon thread of
+            its own and is abandoned, then not called again until that call returns. An ``async``
+            one is cancelled. null: no limit.
         call_workers: threads running the env steps and tool calls of all live episodes at once
             (1: one at a time).
         call_isolation: ``thread``: environments and tools live in the trainer's process;
-            ``process``: each episode's environment and the task's tools in a worker process of
-            its own, killed when one of its calls runs past ``env_timeout_s`` (a call that holds
-            the GIL then ends with its process, and only its episode is lost).
+            ``process``: in a pool of ``min(call_workers, CPUs)`` worker processes, started once
+            per trainer process and reused, each episode pinned to one; a call past
+            ``env_timeout_s`` kills its worker (even one holding the GIL): only its episode is
+            lost, the others there are rebuilt in a fresh worker by replaying their calls.
         continuous_turns: an episode whose calls have returned is generated for at once, without
             waiting for the other episodes' calls (tensor-parallel rollouts always wait: their
             ranks must generate the same batches). Off by default: the batches then depend on
@@ -160,6 +180,9 @@ class RolloutConfig:
     max_failed_share: float = 1.0
     tool_parser: str | None = None
     tool_schema: Literal["full", "compact"] = "full"
+    max_tool_argument_chars: int | None = 32768
+    max_tool_result_chars: int | None = 32768
+    reward_timeout_s: float | None = 300.0
     call_workers: int = 64
     call_isolation: Literal["thread", "process"] = "thread"
     continuous_turns: bool = False
@@ -184,6 +207,11 @@ class RolloutConfig:
         check_count(f"{arg}.max_context_tokens", self.max_context_tokens)
         check_history_turns(self.history_turns, f"{arg}.history_turns")
         check_number(f"{arg}.env_timeout_s", self.env_timeout_s, low=0, strict=True, optional=True)
+        for name in ("max_tool_argument_chars", "max_tool_result_chars"):
+            check_count(f"{arg}.{name}", getattr(self, name), optional=True)
+        check_number(
+            f"{arg}.reward_timeout_s", self.reward_timeout_s, low=0, strict=True, optional=True
+        )
         check_count(f"{arg}.call_workers", self.call_workers)
         check_choice(f"{arg}.call_isolation", self.call_isolation, ("thread", "process"))
         check_choice(f"{arg}.tool_schema", self.tool_schema, ("full", "compact"))
@@ -332,7 +360,8 @@ class ValueConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    """The RL algorithm: advantages, policy loss, KL, entropy bonus, value head.
+    """The RL algorithm: advantages, policy loss, KL, entropy bonus, value head, and the peers'
+    additions (rollout correction, truncated rows, overlong shaping, dynamic sampling).
 
     GRPO is ``advantage.name: grpo``; REINFORCE++ ``reinforce_pp``; PPO ``gae`` (with a value head).
 
@@ -342,6 +371,14 @@ class AlgorithmConfig:
         kl: KL to the reference model.
         entropy_coef: entropy bonus weight.
         value: the value head's loss.
+        rollout_correction: importance weights between the backend's sampled log-probs and the
+            trainer's (truncated or masked importance sampling).
+        mask_truncated: the rows of an episode cut by ``rollout.max_turns``,
+            ``rollout.max_context_tokens`` or (a row played without an environment)
+            ``rollout.sampling.max_new_tokens`` leave the loss; they still count in their group's
+            advantages (TRL's ``mask_truncated_completions``).
+        overlong: DAPO's soft overlong punishment of long episodes (training rewards only).
+        dynamic_sampling: DAPO's dynamic sampling: zero-spread groups dropped and more drawn.
     """
 
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -349,6 +386,10 @@ class AlgorithmConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     entropy_coef: float = 0.0
     value: ValueConfig = field(default_factory=ValueConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    mask_truncated: bool = False
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def __post_init__(self) -> None:
         _coerce_nested(self, f"{A}.algorithm")

@@ -277,16 +277,23 @@ def reward_metrics(
 
 def tool_metrics(episodes: Sequence[Any], reduce: Any) -> dict[str, float]:
     """``tools/calls``, ``tools/errors`` (unknown tool, bad arguments, a failure or time-out, a call
-    that could not be read) and ``tools/seconds`` (spent in calls, summed) of the step, over every
-    rank (TP peers once). Every rank must call it (one all-reduce)."""
-    calls, errors, seconds = reduce.sum_floats(
+    that could not be read), ``tools/seconds`` (spent in calls, summed) and ``tools/truncated``
+    (results cut to ``rollout.max_tool_result_chars``) of the step, over every rank (TP peers
+    once). Every rank must call it (one all-reduce)."""
+    calls, errors, seconds, truncated = reduce.sum_floats(
         [
             float(sum(ep.tool_calls for ep in episodes)),
             float(sum(ep.tool_errors for ep in episodes)),
             math.fsum(ep.tool_seconds for ep in episodes),
+            float(sum(ep.tool_truncated for ep in episodes)),
         ]
     )
-    return {"tools/calls": calls, "tools/errors": errors, "tools/seconds": seconds}
+    return {
+        "tools/calls": calls,
+        "tools/errors": errors,
+        "tools/seconds": seconds,
+        "tools/truncated": truncated,
+    }
 
 
 def logged_by_reward_funcs(outcomes: Sequence[Any], names: Sequence[str]) -> dict[str, float]:

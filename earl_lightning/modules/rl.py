@@ -27,6 +27,7 @@ from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.models.lora import LoraSettings, apply_lora, check_targets
+from earl_lightning.modules.algorithm_groups import check_draws
 from earl_lightning.modules.config import (
     A,
     AlgorithmConfig,
@@ -35,6 +36,7 @@ from earl_lightning.modules.config import (
     check_combination,
     check_module_args,
 )
+from earl_lightning.modules.dynamic_sampling import Draws, play_draws
 from earl_lightning.modules.metrics import (
     RunMetrics,
     batch_stats,
@@ -44,10 +46,11 @@ from earl_lightning.modules.metrics import (
 )
 from earl_lightning.modules.rollout_setup import (
     check_first_observation,
-    loop_kwargs,
     make_backend,
+    play_share,
     reward_extras,
 )
+from earl_lightning.modules.sampled_eval import SampledEvalMetrics
 from earl_lightning.modules.signal import METRIC as NO_SIGNAL
 from earl_lightning.modules.signal import LearningSignal, NoLearningSignal
 from earl_lightning.modules.transcripts import EpisodeLog, TranscriptConfig, transcript_settings
@@ -59,9 +62,9 @@ from earl_lightning.modules.views import (
 )
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
-from earl_lightning.rollout.loop import rollout
+from earl_lightning.rollout.endpoint import EndpointServer
 from earl_lightning.rollout.scoring import score_episodes
-from earl_lightning.rollout.weight_sync import check_logprob_mismatch, logprob_mismatch
+from earl_lightning.rollout.weight_sync import step_mismatch
 from earl_lightning.seeding import run_seed
 from earl_lightning.stages import (
     StageContext,
@@ -152,7 +155,9 @@ class AgenticRLModule(L.LightningModule):
         self.rl_iteration = 0
         self.oom_recoveries = 0
         self.run_metrics = RunMetrics()
+        self.sampled_eval = SampledEvalMetrics(0, 1.0)  # --data.eval_samples, set at setup
         self._backend = None
+        self._endpoint: EndpointServer | None = None  # started at the first agent rollout
         self._reward_outcomes: list = []  # the last scoring's outcomes on this rank (log_metric values)
         self.signal = LearningSignal(no_signal_steps)
         self.episode_log = EpisodeLog(self.transcripts, seed)
@@ -219,6 +224,8 @@ class AgenticRLModule(L.LightningModule):
             self.run_metrics.track_rewards([f.name for f in dm.reward_funcs])
         if isinstance(dm, EpisodeDataModule):
             self.check_data(dm, self.trainer.world_size)
+            if self.sampled_eval.samples != dm.eval_samples:
+                self.sampled_eval = SampledEvalMetrics(dm.eval_samples, dm.eval_pass_reward)
 
     def check_data(self, dm: EpisodeDataModule, world_size: int) -> None:
         """Settings of the model and the data that are valid alone but not together: a first prompt
@@ -231,6 +238,7 @@ class AgenticRLModule(L.LightningModule):
             world_size,
             dm.exchanger.config.keep_groups,
         )
+        check_draws(self.algorithm_config.dynamic_sampling, dm.group_size)
 
     # ---- the RL iteration ----------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -239,17 +247,17 @@ class AgenticRLModule(L.LightningModule):
         batch moving between layouts by the exchanger."""
         step, specs = batch["step"], batch["specs"]
         runner, exchanger = self._runner(StageTimer()), self._exchanger()
+        num_groups = max(s.group_id for s in specs) + 1
         for attempt in runner.attempts("rollout", self._spec_stats(specs)):
             with attempt as rollout_ctx:
-                episodes = self._play(specs, rollout_ctx, self._sampling_seed(step, rollout_ctx))
+                draws = self._draw(step, specs, num_groups, rollout_ctx)
         with runner.outside("the env-failure check"):
             check_env_failures(
-                episodes, rollout_ctx.reduce, self.rollout_config.max_failed_share, step
+                draws.played, rollout_ctx.reduce, self.rollout_config.max_failed_share, step
             )
         played = episodes_to_experience(
-            episodes, gamma=self.algorithm_config.advantage.effective("gamma", 1.0)
+            draws.batch(), gamma=self.algorithm_config.advantage.effective("gamma", 1.0)
         )
-        num_groups = max(s.group_id for s in specs) + 1
 
         with runner.outside("the batch statistics"):
             stats = batch_stats(played, rollout_ctx.reduce)
@@ -277,21 +285,26 @@ class AgenticRLModule(L.LightningModule):
         self.rl_iteration, self.oom_recoveries = step + 1, self.oom_recoveries + runner.recoveries
         with runner.outside("the step's metric reductions"):
             metrics = self._step_metrics(
-                runner, episodes, num_groups, exp, update, rollout_ctx, train_ctx
+                runner, draws, num_groups, exp, update, rollout_ctx, train_ctx
             )
-        self._log_step(metrics, episodes, step, rollout_ctx.reduce.counts_here)
+        for ctx in (exp_ctx, train_ctx):  # the micro-batch budget each forward stage ran with
+            budget = ctx.budget(self.optim_config.micro_batch_tokens)
+            metrics[f"stage/{ctx.name}/micro_batch_tokens"] = float(budget)
+        self._log_step(metrics, draws.first, step, rollout_ctx.reduce.counts_here)
 
     def _step_metrics(
         self,
         runner: StageRunner,
-        episodes: list,
+        draws: Draws,
         num_groups: int,
         exp: ExperienceBatch,
         update: dict[str, float],
         rollout_ctx: StageContext,
         train_ctx: StageContext,
     ) -> dict[str, float]:
-        """The step's logged metrics, each reduced over all ranks (every rank calls this)."""
+        """The step's logged metrics, each reduced over all ranks (every rank calls this); the
+        episodes' figures are those of the step's own batch (``draws.first``)."""
+        episodes = draws.first
         metrics = self.run_metrics.step(
             episodes, rollout_ctx.reduce.counts_here, exp, train_ctx.reduce.counts_here
         )
@@ -301,9 +314,13 @@ class AgenticRLModule(L.LightningModule):
             self._stages().pop_stage_metrics(),
             self._exchanger().pop_metrics(),
             self._backend.metrics(),
+            draws.metrics(),
+            self.algorithm_config.overlong.metrics(episodes, rollout_ctx.reduce),
         ):
             metrics.update(more)
-        metrics["logprob/mismatch"] = self._mismatch(exp, train_ctx, update)
+        measured = update.pop("logprob/mismatch") if self._on_policy else None
+        warn = self.hparams.logprob_mismatch_warn
+        metrics["logprob/mismatch"] = step_mismatch(exp.tokens, train_ctx.reduce, measured, warn)
         names = [f.name for f in self._reward_funcs()]
         tools = self.rollout_config.tool_parser is not None
         metrics.update(
@@ -316,6 +333,22 @@ class AgenticRLModule(L.LightningModule):
         )
         return metrics
 
+    def _draw(self, step: int, specs: list, num_groups: int, ctx: StageContext) -> Draws:
+        """The step's episodes, scored and shaped (``algorithm.overlong``); with dynamic sampling,
+        further draws until the batch is full (:mod:`earl_lightning.modules.dynamic_sampling`)."""
+        dm, outcomes = self.trainer.datamodule, []
+
+        def play(draw: list, k: int) -> list:
+            episodes = self._play(draw, ctx, self._sampling_seed(step, ctx, k))
+            self.algorithm_config.overlong.apply(episodes)
+            outcomes.append(self._reward_outcomes)
+            return episodes
+
+        draws = Draws(num_groups, dm.group_size, self.algorithm_config.dynamic_sampling.max_draws)
+        play_draws(play, specs, lambda k: dm.extra_batch(step, k), draws, ctx.reduce.sum_moments)
+        self._reward_outcomes = outcomes[0]  # what the functions logged on the step's own batch
+        return draws
+
     def _play(self, specs: list, ctx: StageContext, seed: int, greedy: bool = False) -> list:
         """This rank's share of ``specs``, played with the stage's model (the backend is bound to it)."""
         if self._backend is None:
@@ -327,21 +360,31 @@ class AgenticRLModule(L.LightningModule):
             self.allowed_token_ids, greedy=greedy, seed=seed
         )
         dm = self.trainer.datamodule
-        tools = dm.tools if isinstance(dm, EpisodeDataModule) else []
-        # tensor-parallel peers generate in lock step: every turn waits for every call
-        kwargs = loop_kwargs(self.rollout_config, tools, continuous=ctx.layout.tp == 1)
+        task = dm if isinstance(dm, EpisodeDataModule) else None
+        if task is not None and task.agent is not None and self._endpoint is None:
+            self._endpoint = EndpointServer(self.hparams.model).start()
+        share = self._exchanger().rollout_share(specs, ctx.layout, self.global_rank)
         try:
-            episodes = rollout(
-                self._exchanger().rollout_share(specs, ctx.layout, self.global_rank),
+            episodes = play_share(
+                share,
                 self._backend,
                 self.tokenizer,
                 sampling,
-                **kwargs,
+                self.rollout_config,
+                ctx.layout,
+                tools=task.tools if task is not None else [],
+                agent=task.agent if task is not None else None,
+                endpoint=self._endpoint,
+                scored_elsewhere=bool(self._reward_funcs()),
             )
         finally:
             self._backend.release(None)
         self._reward_outcomes = score_episodes(
-            episodes, self._reward_funcs(), self.tokenizer, reward_extras(self.trainer)
+            episodes,
+            self._reward_funcs(),
+            self.tokenizer,
+            reward_extras(self.trainer),
+            self.rollout_config.reward_timeout_s,
         )
         return episodes
 
@@ -427,25 +470,11 @@ class AgenticRLModule(L.LightningModule):
     def _spec_stats(self, specs: list) -> dict[str, float]:
         return {"num_seqs": len(specs), "gen_len": self.rollout_config.sampling.max_new_tokens}
 
-    def _sampling_seed(self, step: int, ctx: StageContext) -> int:
+    def _sampling_seed(self, step: int, ctx: StageContext, draw: int = 0) -> int:
         dp_rank = ctx.layout.coords(self.global_rank)[0]
-        return (self.hparams.seed * 1_000_003 + step * 131 + dp_rank) % (2**31 - 1)
-
-    def _mismatch(self, exp: ExperienceBatch, ctx: StageContext, update: dict[str, float]) -> float:
-        """Max |rollout - recomputed| log-prob over generated tokens of all ranks (on-policy: the
-        update measured it on its own forward); warns over the threshold."""
-        t = exp.tokens
-        value = (
-            update.pop("logprob/mismatch")
-            if self._on_policy
-            else float(
-                ctx.reduce.max(
-                    logprob_mismatch(t["rollout_logprobs"], t["old_logprobs"], t["action_mask"])
-                )
-            )
-        )
-        check_logprob_mismatch(value, self.hparams.logprob_mismatch_warn)
-        return value
+        # draw k > 0: dynamic sampling's further draws of the step
+        seed = self.hparams.seed * 1_000_003 + step * 131 + dp_rank + draw * 7_919_777
+        return seed % (2**31 - 1)
 
     def _log_step(
         self, metrics: dict[str, float], episodes: list, step: int, counted: bool
@@ -473,13 +502,20 @@ class AgenticRLModule(L.LightningModule):
         )
 
     # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluate(self, specs: list) -> dict[str, bool]:
-        """Play ``specs`` greedily into the validation metrics; which optional rates they report."""
-        runner = self._runner(StageTimer())
+    def _evaluate(self, batch: dict[str, Any]) -> dict[str, bool]:
+        """Play the batch's ``specs`` greedily into the validation metrics and its ``sampled``
+        ones (``--data.eval_samples``) with the training's sampling into pass@k and mean@n;
+        which optional rates the greedy episodes report."""
+        specs, runner = batch["specs"], self._runner(StageTimer())
         for attempt in runner.attempts("rollout", self._spec_stats(specs)):
             with attempt as ctx:
                 episodes = self._play(specs, ctx, seed=0, greedy=True)
         self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
+        if batch["sampled"]:
+            for attempt in runner.attempts("rollout", self._spec_stats(batch["sampled"])):
+                with attempt as sampled_ctx:  # the module's seed: the same draws every evaluation
+                    sampled = self._play(batch["sampled"], sampled_ctx, seed=self.hparams.seed)
+            self.sampled_eval.update(sampled, sampled_ctx.reduce.counts_here)
         phase = "sanity" if self.trainer.sanity_checking else "val"
         self._show_episodes(episodes, self.global_step, phase, ctx.reduce.counts_here)
         with runner.outside("the evaluation's metric reductions"):
@@ -489,12 +525,16 @@ class AgenticRLModule(L.LightningModule):
         # Lightning computes the logged metric objects after this hook; computing them here puts
         # their synchronization under the one-line lost-peer error (torchmetrics keeps the result).
         with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
-            for metric in self.run_metrics.val_objects({}).values():
+            for metric in [
+                *self.run_metrics.val_objects({}).values(),
+                *self.sampled_eval.objects().values(),
+            ]:
                 metric.compute()
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        flags = self._evaluate(batch["specs"])
-        for name, metric in self.run_metrics.val_objects(flags).items():
+        flags = self._evaluate(batch)
+        objects = {**self.run_metrics.val_objects(flags), **self.sampled_eval.objects()}
+        for name, metric in objects.items():
             self.log(
                 name,
                 metric,
@@ -515,9 +555,9 @@ class AgenticRLModule(L.LightningModule):
             and self.trainer.val_dataloaders is not None
             and self.trainer.limit_val_batches
         ):
-            flags = self._evaluate(next(iter(dm.val_dataloader()))["specs"])
+            flags = self._evaluate(next(iter(dm.val_dataloader())))
             with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
-                values = self.run_metrics.compute_val(flags)
+                values = {**self.run_metrics.compute_val(flags), **self.sampled_eval.compute()}
             for logger in self.loggers:
                 logger.log_metrics(values, step=0)
 
@@ -530,6 +570,11 @@ class AgenticRLModule(L.LightningModule):
         if self.global_rank == 0:
             write_pretrained(self.policy, self.tokenizer, directory, state)
         return Path(directory)
+
+    def teardown(self, stage: str) -> None:
+        if self._endpoint is not None:  # the agents' endpoint serves one fit (or validate)
+            self._endpoint.close()
+            self._endpoint = None
 
     # ---- checkpointing -------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

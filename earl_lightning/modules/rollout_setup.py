@@ -24,7 +24,13 @@ def loop_kwargs(
     use = tools
     if not isinstance(tools, ToolUse):
         use = (
-            ToolUse(get_tool_parser(rollout.tool_parser), tuple(tools or ()), rollout.tool_schema)
+            ToolUse(
+                get_tool_parser(rollout.tool_parser),
+                tuple(tools or ()),
+                rollout.tool_schema,
+                rollout.max_tool_argument_chars,
+                rollout.max_tool_result_chars,
+            )
             if rollout.tool_parser
             else None
         )
@@ -38,6 +44,57 @@ def loop_kwargs(
         call_isolation=rollout.call_isolation,
         tools=use,
         continuous=continuous and rollout.continuous_turns,
+    )
+
+
+def play_share(
+    specs: list[Any],
+    backend: Any,
+    tokenizer: Any,
+    sampling: Any,
+    rollout: RolloutConfig,
+    layout: Any,
+    *,
+    tools: Any,
+    agent: Any,
+    endpoint: Any,
+    scored_elsewhere: bool,
+) -> list[Any]:
+    """This rank's episodes played: by the user's ``agent`` through the ``endpoint``, or by the
+    rollout loop (an environment, tools, or a row's single turn)."""
+    from earl_lightning.rollout.endpoint import agent_rollout
+    from earl_lightning.rollout.loop import rollout as play
+
+    if agent is not None:
+        kw = agent_kwargs(rollout, endpoint, layout, scored_elsewhere)
+        return agent_rollout(specs, backend, tokenizer, sampling, agent=agent, **kw)
+    # tensor-parallel peers generate in lock step: every turn waits for every call
+    kwargs = loop_kwargs(rollout, tools, continuous=layout.tp == 1)
+    return play(specs, backend, tokenizer, sampling, **kwargs)
+
+
+def agent_kwargs(
+    rollout: RolloutConfig, server: Any, layout: Any, scored_elsewhere: bool
+) -> dict[str, Any]:
+    """The keyword arguments of :func:`~earl_lightning.rollout.endpoint.session.agent_rollout`
+    these settings give: the endpoint ``server`` this rank's agents call, the parser that reads
+    calls in the model's format, the turn and context limits, the agents' own time limit."""
+    from earl_lightning.tasks.tool_parsers import get_tool_parser
+
+    if layout.tp > 1:
+        raise ValueError(
+            f"`--data.agent`: the rollout layout {layout} has tp={layout.tp}; agents run on "
+            "data-parallel rollout layouts (tp 1: each rank's endpoint serves its own episodes). "
+            "Give the rollout stage a layout with tp 1"
+        )
+    return dict(
+        server=server,
+        parser=get_tool_parser(rollout.tool_parser) if rollout.tool_parser else None,
+        max_turns=rollout.max_turns,
+        max_context_tokens=rollout.max_context_tokens,
+        env_timeout_s=rollout.env_timeout_s,
+        scored_elsewhere=scored_elsewhere,
+        max_argument_chars=rollout.max_tool_argument_chars,
     )
 
 

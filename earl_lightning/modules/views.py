@@ -54,6 +54,8 @@ def update_view(
         on_policy=exactly_on_policy(rollout, algorithm, optim),
         share_prefix=optim.share_prefix,
         scored_last_layer=optim.scored_last_layer,
+        correction=algorithm.rollout_correction.spec,
+        mask_truncated=algorithm.mask_truncated,
     )
 
 
@@ -102,7 +104,8 @@ def exactly_on_policy(
     """Whether the old log-probs may be the training forward's own (``optim.on_policy_shortcut``):
     one optimizer step per batch (the weights the rollout sampled with are the ones the loss sees),
     log-probs that the trainer computes itself (a vLLM engine's may differ by float noise), and
-    nothing else needs the experience forward before the update (values, a KL penalty in the reward)."""
+    nothing else needs the experience forward before the update (values, a KL penalty in the reward,
+    the rollout correction's weights)."""
     return (
         optim.on_policy_shortcut
         and optim.ppo_epochs == 1
@@ -110,6 +113,7 @@ def exactly_on_policy(
         and rollout.backend == "hf"
         and not algorithm.needs_values
         and not (algorithm.kl.coef and algorithm.kl.in_reward)
+        and algorithm.rollout_correction.level is None
     )
 
 

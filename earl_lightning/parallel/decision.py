@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from earl_lightning.parallel.layout import Layout
+from earl_lightning.parallel.layout import SIZING_MICRO_BATCH_TOKENS, Layout
 from earl_lightning.parallel.memory import check_stats
 
 
@@ -129,7 +129,7 @@ def _ckpt_of(key: str) -> bool:
 
 def _mbt_of(key: str) -> int:
     m = re.search(r"-mbt(\d+)", key)
-    return int(m[1]) if m else Layout().micro_batch_tokens
+    return int(m[1]) if m else SIZING_MICRO_BATCH_TOKENS
 
 
 def _rate(r: CandidateReport) -> str:

@@ -18,18 +18,37 @@ from typing import Any, Protocol, Union, runtime_checkable
 from earl_lightning.checks import check_count
 
 STAGES = ("rollout", "experience", "train")
+# The micro-batch budget the memory model and the profile tables assume for a layout that names
+# none (Layout's default before such a layout took the module's); AdaptiveParallelism's candidates
+# always name theirs.
+SIZING_MICRO_BATCH_TOKENS = 4096
 
 
 @dataclass(frozen=True)
 class Layout:
+    """A stage's placement and knobs.
+
+    ``micro_batch_tokens``: the padded-token budget of one forward/backward under this layout;
+    None (default): the module's own (``optim.micro_batch_tokens``), so a fixed layout that does
+    not name one never caps the recipe's (the memory model sizes it at :attr:`sizing_tokens`).
+    ``activation_checkpointing``: recompute the decoder blocks in the backward.
+    """
+
     dp: int = 1
     tp: int = 1
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int | None = None
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "micro_batch_tokens"):
+        for name in ("dp", "tp"):
             check_count(f"Layout.{name}", getattr(self, name))
+        check_count("Layout.micro_batch_tokens", self.micro_batch_tokens, optional=True)
+
+    @property
+    def sizing_tokens(self) -> int:
+        """The micro-batch budget this layout's memory and throughput are sized with: its own,
+        else :data:`SIZING_MICRO_BATCH_TOKENS`."""
+        return self.micro_batch_tokens or SIZING_MICRO_BATCH_TOKENS
 
     @property
     def world_size(self) -> int:

@@ -225,8 +225,9 @@ class MemoryModel:
         s = check_stats(stats)
         seqs = math.ceil(s["num_seqs"] / layout.dp)
         width = math.ceil(s["context_max"])
-        tokens = min(seqs * width, max(width, layout.micro_batch_tokens))
-        per_mb = max(1, layout.micro_batch_tokens // width)
+        budget = layout.sizing_tokens
+        tokens = min(seqs * width, max(width, budget))
+        per_mb = max(1, budget // width)
         return tokens, math.ceil(seqs / per_mb)
 
     # ---- stages -------------------------------------------------------------------------
@@ -302,7 +303,7 @@ class MemoryModel:
             total = weights + kv + transient + logits + self.overhead_bytes + resident
         else:
             kv = int(seqs * (s["context_mean"] + s["gen_len"]) * kv_tok)
-            chunk = min(seqs * s["context_max"], layout.micro_batch_tokens)
+            chunk = min(seqs * s["context_max"], layout.sizing_tokens)
             transient = int(chunk * z.inference_per_token(tp) * b)
             total = weights + kv + transient + logits + self.overhead_bytes + resident
         return MemoryEstimate(

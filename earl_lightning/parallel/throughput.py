@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from earl_lightning.checks import check_count, check_number
-from earl_lightning.parallel.layout import STAGES, Layout, check_stage
+from earl_lightning.parallel.layout import SIZING_MICRO_BATCH_TOKENS, STAGES, Layout, check_stage
 
 SCHEMA_VERSION = 1
 _LAYOUT_KEY = re.compile(r"^dp(\d+)xtp(\d+)(-mbt\d+)?(-ckpt)?$")
-_DEFAULT_LAYOUT = Layout()
 
 
 class ProfileError(ValueError):
@@ -39,10 +38,11 @@ class ProfileError(ValueError):
 
 
 def layout_key(layout: Layout) -> str:
-    """``dp2xtp1``; knobs that differ from Layout's defaults are appended (``-mbt8192``, ``-ckpt``)."""
+    """``dp2xtp1``; a sized micro-batch budget other than ``SIZING_MICRO_BATCH_TOKENS`` (4096) and
+    checkpointing are appended (``-mbt8192``, ``-ckpt``)."""
     key = layout.name
-    if layout.micro_batch_tokens != _DEFAULT_LAYOUT.micro_batch_tokens:
-        key += f"-mbt{layout.micro_batch_tokens}"
+    if layout.sizing_tokens != SIZING_MICRO_BATCH_TOKENS:
+        key += f"-mbt{layout.sizing_tokens}"
     if layout.activation_checkpointing:
         key += "-ckpt"
     return key
@@ -355,8 +355,8 @@ def _nearest_variant(layout: Layout, keys: set[str]) -> str | None:
             layout.activation_checkpointing,
         ):
             continue
-        mbt = int(m[3][4:]) if m[3] else _DEFAULT_LAYOUT.micro_batch_tokens
-        d = abs(math.log(mbt) - math.log(layout.micro_batch_tokens))
+        mbt = int(m[3][4:]) if m[3] else SIZING_MICRO_BATCH_TOKENS
+        d = abs(math.log(mbt) - math.log(layout.sizing_tokens))
         if d < best_d:
             best, best_d = key, d
     return best

@@ -223,7 +223,7 @@ class StageProfiler:
                     batch,
                     name="old_logprobs",
                     temperature=1.0,
-                    micro_batch_tokens=layout.micro_batch_tokens,
+                    micro_batch_tokens=layout.sizing_tokens,
                     scored=self.scored,
                 )
             work = float(n * context)
@@ -250,7 +250,7 @@ class StageProfiler:
         # FSDP / TP need every rank in every forward: pad the micro-batch count with zero-loss
         # passes, as the trainer's update does.
         batch = _synthetic_batch(max(n, 1), context, vocab, gen).to(self.device)
-        micro = batch.split_by_tokens(layout.micro_batch_tokens) if n else []
+        micro = batch.split_by_tokens(layout.sizing_tokens) if n else []
         for i in range(Reducer().agree_count(len(micro))):
             if i >= len(micro):
                 zero_loss(model).backward()

@@ -1,30 +1,31 @@
-"""Multi-turn rollout: the loop (:func:`rollout`), its types, and the generation backends."""
+"""Multi-turn rollout: the loop (:func:`rollout`), its types, and the generation backends.
 
-from earl_lightning.rollout.backends.base import (
-    GenerationBackend,
-    GenOutput,
-    GenRequest,
-    SamplingConfig,
-)
-from earl_lightning.rollout.loop import rollout
-from earl_lightning.rollout.types import Episode, EpisodeSpec
+The names below are imported on first use, so that importing one light module of this package
+(``earl_lightning.rollout.process_worker``, the entry of a worker process) imports neither the
+loop nor torch."""
 
-__all__ = [
-    "Episode",
-    "EpisodeSpec",
-    "GenerationBackend",
-    "GenOutput",
-    "GenRequest",
-    "HFBackend",
-    "SamplingConfig",
-    "rollout",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "GenerationBackend": "earl_lightning.rollout.backends.base",
+    "GenOutput": "earl_lightning.rollout.backends.base",
+    "GenRequest": "earl_lightning.rollout.backends.base",
+    "SamplingConfig": "earl_lightning.rollout.backends.base",
+    "HFBackend": "earl_lightning.rollout.backends.hf",
+    "rollout": "earl_lightning.rollout.loop",
+    "Episode": "earl_lightning.rollout.types",
+    "EpisodeSpec": "earl_lightning.rollout.types",
+}
+
+__all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
-    # Lazy, so that the rollout types import without transformers.
-    if name == "HFBackend":
-        from earl_lightning.rollout.backends.hf import HFBackend
-
-        return HFBackend
-    raise AttributeError(name)
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'earl_lightning.rollout' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

@@ -3,8 +3,12 @@ that run submitted calls, each bounded by a time limit measured from when a work
 
 Python cannot stop a thread: a call that does not return in time is abandoned (marked
 ``timed_out``, the stack it is stuck in kept), its worker retires once the call returns, and a
-fresh worker takes its place at once; a call with an ``on_abandon`` hook (a call into a process of
-its own) is ended by it. :class:`Pending` groups the calls of one episode until they are done.
+fresh worker takes its place at once; a call with an ``on_abandon`` hook (a call into a worker
+process) is ended by it. :class:`Pending` groups the calls of one episode until they are done.
+
+A call's clock starts when a worker takes it, or, for a ``clocked`` call, when the call itself says
+so (:func:`start_clock`): a call into a worker process first waits for that process (busy with
+another episode's call, or starting), and that wait is not the call's time.
 """
 
 from __future__ import annotations
@@ -17,6 +21,20 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
+
+# the job the current worker thread runs, and its pool's condition (for start_clock)
+_current = threading.local()
+
+
+def start_clock() -> None:
+    """Start (or restart) the time limit of the ``clocked`` call this thread runs: the call is about
+    to do what its limit bounds. Outside a pool's worker, nothing."""
+    job, cond = getattr(_current, "job", None), getattr(_current, "cond", None)
+    if job is None or cond is None:
+        return
+    with cond:
+        job.started = time.monotonic()
+        cond.notify_all()  # a waiter recomputes when the next time limit falls
 
 
 class Pending:
@@ -34,12 +52,17 @@ class Pending:
 
 
 class CallJob:
-    """One submitted call: its future, when a worker started it, and that worker."""
+    """One submitted call: its future, when its clock started, and the worker running it."""
 
     def __init__(
-        self, fn: Callable[..., Any], args: tuple, on_abandon: Callable[[], Any] | None = None
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        on_abandon: Callable[[], Any] | None = None,
+        clocked: bool = False,
     ) -> None:
         self.fn, self.args, self.future, self.on_abandon = fn, args, Future(), on_abandon
+        self.clocked = clocked
         self.started: float | None = None
         self.thread: threading.Thread | None = None
         self.timed_out, self.stack = False, ""
@@ -60,9 +83,15 @@ class CallPool:
         self._busy = 0  # workers running a job (not retired)
 
     def submit(
-        self, fn: Callable[..., Any], *args: Any, on_abandon: Callable[[], Any] | None = None
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        on_abandon: Callable[[], Any] | None = None,
+        clocked: bool = False,
     ) -> CallJob:
-        job = CallJob(fn, args, on_abandon)
+        """Run ``fn(*args)`` on a worker; ``clocked``: its time limit starts at :func:`start_clock`,
+        not when a worker takes it."""
+        job = CallJob(fn, args, on_abandon, clocked)
         with self._done:
             self._queued += 1
             if self._busy + self._queued > self._live and self._live < self.workers:
@@ -132,14 +161,18 @@ class CallPool:
         me = threading.current_thread()
         while (job := self._jobs.get()) is not None:
             with self._done:
-                job.thread, job.started = me, time.monotonic()
+                job.thread = me
+                if not job.clocked:
+                    job.started = time.monotonic()
                 self._queued -= 1
                 self._busy += 1
                 self._done.notify_all()
+            _current.job, _current.cond = job, self._done
             try:
                 job.future.set_result(job.fn(*job.args))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting rollout
                 job.future.set_exception(exc)
+            _current.job = None
             with self._done:
                 if me.ident in self._retired:
                     self._done.notify_all()

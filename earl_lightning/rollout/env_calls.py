@@ -24,7 +24,9 @@ the stuck daemon thread runs on until the call returns (or the process exits) an
 An environment that shares state with others (TextArena swaps the global ``random`` state around
 each call) guards that state itself; the results of a step do not depend on which calls finished
 first. With ``workers=1`` the calls run one at a time in the loop's order. The pool of workers and
-its time limit are :mod:`earl_lightning.rollout.call_pool`.
+its time limit are :mod:`earl_lightning.rollout.call_pool`. Under ``process`` isolation
+(:mod:`earl_lightning.rollout.process_env`) a call's clock starts when its request reaches its
+worker process, and a call past the limit is ended by killing that process.
 """
 
 from __future__ import annotations
@@ -104,14 +106,18 @@ class EnvCalls:
     Args:
         timeout_s: the longest a call may run (None: no limit).
         workers: threads running calls at the same time (1: one at a time, in order).
-        isolation: ``thread``: environments live in this process; ``process``: each in a worker
-            process of its own (:class:`~earl_lightning.rollout.process_env.ProcessEnv`), killed when
-            one of its calls (its tools' included) runs past ``timeout_s``: a call that holds the
-            GIL ends with its process, and only its episode is lost.
+        isolation: ``thread``: environments live in this process; ``process``: in the pool of
+            worker processes (:mod:`~earl_lightning.rollout.process_env`: ``processes`` of them,
+            started once per trainer process), each episode pinned to one; a worker
+            whose call (its tools' included) runs past ``timeout_s`` is killed and replaced: a call
+            that holds the GIL ends with it, and only its episode is lost (the others that lived
+            there are rebuilt in the fresh worker by replaying their calls).
         task_tools: the task's own tools; under ``process`` isolation each episode's run in its
-            environment's process (or one of their own), see :meth:`tools_for`.
+            environment's worker, see :meth:`tools_for`.
         log_faults: log the first fault of each kind with its traceback (False: a caller that
             reports the fault itself, e.g. the set-up checks' one line).
+        processes: the worker processes of ``process`` isolation (None: ``min(workers, CPUs)``,
+            :func:`~earl_lightning.rollout.process_pool.pool_size`).
     """
 
     def __init__(
@@ -121,28 +127,41 @@ class EnvCalls:
         isolation: str = "thread",
         task_tools: Sequence[Tool] = (),
         log_faults: bool = True,
+        processes: int | None = None,
     ) -> None:
         check_number("env_timeout_s", timeout_s, low=0, strict=True, optional=True)
         check_count("call_workers", workers)
         check_choice("call_isolation", isolation, ("thread", "process"))
+        check_count("call_processes", processes, optional=True)
         self.timeout_s, self.isolation, self.task_tools = timeout_s, isolation, tuple(task_tools)
         self.log_faults = log_faults
+        self._workers = None  # the worker processes (``process`` isolation)
         if isolation == "process":
-            from earl_lightning.rollout.process_env import check_picklable, start_servers
+            from earl_lightning.rollout.process_env import check_picklable, pool_size, worker_pool
 
             check_picklable(self.task_tools)
-            start_servers()
+            # started (once per trainer process) before any call is timed
+            self._workers = worker_pool(processes or pool_size(workers))
         self._pool = CallPool(workers)
-        self._processes: list[Any] = []  # the ProcessEnvs of this rollout, ended by close()
+        self._processes: list[Any] = []  # the ProcessEnvs of this rollout, forgotten by close()
         self._hosts: dict[Any, Any] = {}  # episode id -> the ProcessEnv its task tools run in
         self._lock = threading.Lock()
 
     def close(self) -> None:
+        """End the rollout's calls: a call still running is abandoned (in a worker process: killed),
+        and the workers forget this rollout's environments (they live on for the next one)."""
         self._pool.close()
+        for env in self._processes:  # first: a call still running holds its worker
+            env.stop()
         for env in self._processes:
-            env.kill()
+            env.close()
         self._processes.clear()
         self._hosts.clear()
+        if self._workers is not None:
+            from earl_lightning.rollout.process_env import release_pool
+
+            release_pool(self._workers)
+            self._workers = None
 
     # ---- calls in flight: submit now, collect when done ---------------------------------------
     def submit_start(self, spec: EpisodeSpec) -> Pending:
@@ -152,9 +171,17 @@ class EnvCalls:
             # an unknown name or a bad import path is a config error: it raises
             check_env_name(spec.env)
         if self.isolation == "process" and (spec.env is not None or self.task_tools):
+            from earl_lightning.rollout.process_env import check_env_sendable
+
+            if spec.env is not None:
+                check_env_sendable(spec.env, "env")
             holder: list[Any] = []
             job = self._pool.submit(
-                self._start_process, spec, holder, on_abandon=lambda: [e.kill() for e in holder]
+                self._start_process,
+                spec,
+                holder,
+                on_abandon=lambda: [e.kill() for e in holder],
+                clocked=True,
             )
         else:
             job = self._pool.submit(self._start, spec)
@@ -168,15 +195,17 @@ class EnvCalls:
 
     def submit_step(self, spec: EpisodeSpec, env: Env, action: str) -> Pending:
         """``env.step(action)``, checked; the result a :class:`StepResult` or an :class:`EnvFault`."""
-        job = self._pool.submit(self._step, env, action, on_abandon=_killer(env))
+        kill = _killer(env)
+        job = self._pool.submit(self._step, env, action, on_abandon=kill, clocked=kill is not None)
         return Pending([job], lambda jobs: self._outcome(jobs[0], spec, "step"))
 
     def submit_tools(self, tools: ToolSet, calls: Sequence[ToolCall]) -> Pending:
         """Every call of one turn; the result their :class:`ToolResult` list (a call that fails or
         does not return in time is an error result: the model reads its message)."""
+        kills = [_killer(tools.owner(call)) for call in calls]
         jobs = [
-            self._pool.submit(tools.call, call, on_abandon=_killer(tools.owner(call)))
-            for call in calls
+            self._pool.submit(tools.call, call, on_abandon=kill, clocked=kill is not None)
+            for call, kill in zip(calls, kills)
         ]
         return Pending(jobs, lambda done: [self._tool_result(j, c) for j, c in zip(done, calls)])
 
@@ -228,15 +257,16 @@ class EnvCalls:
     def _start_process(self, spec: EpisodeSpec, holder: list[Any]) -> tuple[Env | None, str | None]:
         from earl_lightning.rollout.process_env import ProcessEnv
 
-        try:
-            env = ProcessEnv(spec.env, spec.env_kwargs, self.task_tools)
-        except Exception as exc:  # noqa: BLE001 - building it failed in its process
-            raise _Failed.raised("make_env", exc) from exc
+        env = ProcessEnv(self._workers, spec.env, spec.env_kwargs, self.task_tools)
         holder.append(env)
         with self._lock:
             self._processes.append(env)
             if self.task_tools:
                 self._hosts[spec.episode_id] = env
+        try:
+            env.open()
+        except Exception as exc:  # noqa: BLE001 - building it failed in its worker
+            raise _Failed.raised("make_env", exc) from exc
         return self._start(spec, env)
 
     @staticmethod
@@ -283,7 +313,7 @@ class EnvCalls:
     def _outcome(self, job: CallJob, spec: EpisodeSpec, name: str) -> Any:
         if job.timed_out:
             fate = (
-                "its process is killed"
+                "its worker process is killed"
                 if job.on_abandon is not None
                 else "the env is abandoned (the call keeps running in a daemon thread)"
             )

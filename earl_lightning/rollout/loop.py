@@ -46,12 +46,16 @@ from earl_lightning.tasks.tools import Tool, ToolSet, shown_schema, tool_of
 
 @dataclass(frozen=True)
 class ToolUse:
-    """Tools in a rollout: the task's tools (an environment may add its own: :class:`ToolEnv`) and
-    the parser that reads calls in the model's format."""
+    """Tools in a rollout: the task's tools (an environment may add its own: :class:`ToolEnv`), the
+    parser that reads calls in the model's format, the longest arguments a call may have (as JSON
+    text; a longer call is an error message) and the characters of a tool result kept before it
+    is tokenized (None: no cap)."""
 
     parser: ToolParser
     tools: tuple[Tool, ...] = ()
     schema: str = "full"  # how the prompt renders the tools' schemas (tasks/tools.py: shown_schema)
+    max_argument_chars: int | None = None
+    max_result_chars: int | None = None
 
 
 def rollout(
@@ -98,7 +102,13 @@ def rollout(
         states = start_episodes(specs, calls, tokenizer, system_prompt, history_turns, tools)
         for st in states:
             _check_first_fit(st, sampling.max_new_tokens, max_context_tokens)
-        limits = TurnLimits(max_turns, max_context_tokens - sampling.max_new_tokens, history_turns)
+        limits = TurnLimits(
+            max_turns,
+            max_context_tokens - sampling.max_new_tokens,
+            history_turns,
+            tools.max_argument_chars if tools is not None else None,
+            tools.max_result_chars if tools is not None else None,
+        )
         play = _play_continuous if continuous else _play_lockstep
         parser = tools.parser if tools is not None else None
         play(states, backend, sampling, calls, tokenizer, limits, parser)
@@ -125,7 +135,7 @@ def _play_lockstep(
     while live := [st for st in states if not st.finished]:
         outputs = backend.generate([_request(st) for st in live], sampling)
         pending = [
-            (st, _submit(st, st.record(out, tokenizer, parser), calls))
+            (st, _submit(st, st.record(out, tokenizer, parser, limits), calls))
             for st, out in zip(live, outputs)
         ]
         calls.wait([p for _, (p, _) in pending if p is not None])
@@ -151,7 +161,7 @@ def _play_continuous(
         if ready:
             outputs = backend.generate([_request(st) for st in ready], sampling)
             for st, out in zip(ready, outputs):
-                pending, action = _submit(st, st.record(out, tokenizer, parser), calls)
+                pending, action = _submit(st, st.record(out, tokenizer, parser, limits), calls)
                 if pending is None:
                     _apply(st, None, action, limits)
                 else:

@@ -1,194 +1,241 @@
-"""An environment in a worker process of its own, so that a call that never returns, even one that
-holds the GIL (a long big-integer computation), can be ended by killing the process.
+"""Episodes' environments and tools in the pool of worker processes
+(:mod:`~earl_lightning.rollout.process_pool`; ``--model.rollout.call_isolation process``), so that a
+call that never returns, even one that holds the GIL (a long big-integer computation), can be ended
+by killing its process.
 
-:class:`ProcessEnv` builds the environment in a fresh process (``forkserver``: not a fork of the
-trainer, which holds threads and a model) and forwards ``reset``, ``step`` and the environment's
-tools to it over a pipe; the rollout kills it when a call runs past ``env_timeout_s``
-(``--model.rollout.call_isolation process``). The task's own tools (``--data.tools``) live in the
-same process, or, for an episode without an environment, in a process of their own. Only the
-environment's name, its keyword arguments, the task's tool functions (by reference: module-level
-functions), the calls' arguments and their results cross the pipe, so they must pickle (YAML
-settings, import paths and :class:`StepResult` do).
+Each episode is a :class:`ProcessEnv` pinned to one slot of the pool for its life (the slot with
+the fewest episodes, in turn): its environment object lives in that slot's worker, which runs one
+request at a time, and its tool calls (the environment's own and the task's) go there too. A call's
+time limit starts when its request is sent (:func:`~earl_lightning.rollout.call_pool.start_clock`),
+not while it waits for the worker. A call that runs past ``env_timeout_s`` is ended by killing the
+worker (:meth:`ProcessEnv.kill`); the slot starts a fresh one when next needed.
+
+The other episodes whose environments lived in the killed (or crashed) worker are not lost: each
+keeps the log of the calls its environment answered (``reset``, ``step``, its own tools) with the
+answers, and before its next call rebuilds the environment in the fresh worker by replaying them;
+an answer that differs from the logged one (an environment that is not a function of its seed and
+calls) fails that episode with :class:`EnvMoved`. The task's own tools are module-level functions
+whose state, if any, is shared as under thread isolation: their calls are not replayed.
+
+What crosses the pipe must pickle: the environment's name, its keyword arguments and its factory
+(by reference), the task's tool functions (by reference: module-level functions of an importable
+module, not ``__main__``), the calls' arguments and their results.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import itertools
 import pickle
+import pickletools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from earl_lightning.envs.base import StepResult
+from earl_lightning.envs.base import ENVS, StepResult
+from earl_lightning.rollout.call_pool import start_clock
+from earl_lightning.rollout.process_pool import (
+    WorkerLost,
+    WorkerPool,
+    _Worker,
+    pool_size,
+    release_pool,
+    shutdown_workers,
+    worker_pool,
+)
 from earl_lightning.tasks.tools import Tool
 
-_CONTEXT = None
-_CONTEXT_LOCK = threading.Lock()
+__all__ = [
+    "EnvMoved",
+    "ProcessEnv",
+    "RemoteError",
+    "WorkerLost",
+    "check_env_sendable",
+    "check_picklable",
+    "pool_size",
+    "release_pool",
+    "remote_owner",
+    "shutdown_workers",
+    "worker_pool",
+]
 
-
-def _context():
-    """The ``forkserver`` context, its server started (once per trainer process): it imports the
-    project once, and each environment process then starts from it in milliseconds."""
-    global _CONTEXT
-    with _CONTEXT_LOCK:
-        if _CONTEXT is None:
-            from multiprocessing import forkserver
-
-            ctx = mp.get_context("forkserver")
-            # "__main__" too: the server imports the trainer's main module once (the `earl` command's
-            # imports take seconds); a child then finds it loaded instead of importing it again.
-            ctx.set_forkserver_preload(
-                ["__main__", "earl_lightning.envs", "earl_lightning.rollout.process_env"]
-            )
-            forkserver.ensure_running()
-            # returns once the server has imported them
-            ready = ctx.Process(target=_ready, daemon=True)
-            ready.start()
-            ready.join()
-            _CONTEXT = ctx
-        return _CONTEXT
-
-
-def _ready() -> None:  # pragma: no cover - runs in the child
-    pass
-
-
-def start_servers() -> None:
-    """Start the process that forks environment processes, before any call is timed."""
-    _context()
+_keys = itertools.count()
 
 
 class RemoteError(Exception):
-    """An exception the environment raised in its process (its type and message kept)."""
+    """An exception the environment or tool raised in its worker (its type and message kept)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
 
 
+class EnvMoved(RuntimeError):
+    """An environment could not be rebuilt, by replaying its calls, in a fresh worker."""
+
+
 def check_picklable(tools: Sequence[Tool], arg: str = "--data.tools") -> None:
     """Raise ValueError, naming the tool, when a task tool's function cannot be sent to a worker
-    process (a lambda, a closure, a bound method of an object that does not pickle)."""
+    process (a lambda, a closure, a bound method of an object that does not pickle, a function of
+    the main script, which a worker does not import)."""
     for tool in tools:
-        try:
-            pickle.dumps(tool.fn)
-        except Exception as exc:  # noqa: BLE001 - pickle raises several types
+        problem = _unsendable(tool.fn)
+        if problem is not None:
             raise ValueError(
                 f"`{arg}` tool {tool.name!r} cannot run in a worker process (`call_isolation: "
-                f"process`): its function does not pickle ({type(exc).__name__}: {exc}); define it at "
-                f"module level, or use `call_isolation: thread`"
-            ) from None
+                f"process`): its function {problem}; define it at module level in an importable "
+                f"module, or use `call_isolation: thread`"
+            )
+
+
+def check_env_sendable(name: str, arg: str = "--data.env") -> None:
+    """Raise ValueError when the environment ``name`` cannot be built in a worker process."""
+    problem = _unsendable(ENVS.get(name, arg))
+    if problem is not None:
+        raise ValueError(
+            f"`{arg}` {name!r} cannot be built in a worker process (`call_isolation: process`): its "
+            f"class or factory {problem}; define it in an importable module, or use "
+            f"`call_isolation: thread`"
+        )
+
+
+def _unsendable(obj: Any) -> str | None:
+    """Why ``obj`` cannot reach a worker process by pickle (None: it can)."""
+    try:
+        data = pickle.dumps(obj, protocol=2)  # protocol 2 names each global as "module name"
+    except Exception as exc:  # noqa: BLE001 - pickle raises several types
+        return f"does not pickle ({type(exc).__name__}: {exc})"
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "GLOBAL" and str(arg).startswith("__main__ "):
+            return f"is defined in the main script ({str(arg).split(' ')[1]} in __main__)"
+    return None
 
 
 class ProcessEnv:
-    """An environment (``name``; None: none) and the task's ``tools`` living in a process of their
-    own; the same calls as the environment itself, and :meth:`hosted` for the task's tools.
+    """An episode's environment (``name``; None: none) living in a worker process of ``pool``, and
+    the task's ``tools`` run there; the same calls as the environment itself, and :meth:`hosted` for
+    the task's tools. :meth:`open` builds it (once, before any other call).
 
-    Raises :class:`RemoteError` for an exception inside the environment, and ``EOFError`` once the
-    process is gone (killed, or dead)."""
+    Raises :class:`RemoteError` for an exception inside the environment, :class:`WorkerLost` when
+    the worker ends during a call, and :class:`EnvMoved` when the environment cannot be rebuilt in
+    a fresh worker."""
 
     def __init__(
-        self, name: str | None, kwargs: dict[str, Any], tools: Sequence[Tool] = ()
+        self, pool: WorkerPool, name: str | None, kwargs: dict[str, Any], tools: Sequence[Tool] = ()
     ) -> None:
-        ctx = _context()
-        self._conn, child = ctx.Pipe()
-        task = {t.name: t.fn for t in tools}
-        self._proc = ctx.Process(
-            target=_serve,
-            args=(child, name, kwargs, task),
-            daemon=True,
-            name=f"earl-env-{name or 'tools'}",
-        )
-        self._proc.start()
-        child.close()
-        self._lock = threading.Lock()
-        self._hosted = [Tool(t.schema, _Remote(self, t.name)) for t in tools]
-        self._tools: list[Tool] = (
-            []
-            if name is None
-            else [
-                Tool(schema, _Remote(self, schema["function"]["name"]))
-                for schema in self._call("__tools__")
-            ]
-        )
+        self.name, self.kwargs, self.key = name, dict(kwargs), next(_keys)
+        self._slot = pool.assign()
+        self._lock = threading.Lock()  # one call at a time per environment, as in-process
+        self._built_on: _Worker | None = None
+        self._log: list[tuple[str, bytes, bytes]] = []  # (op, payload, answer) to replay
+        self._in_flight: _Worker | None = None
+        self._closed = False
+        self._hosted = [Tool(t.schema, _Remote(self, t.name, t.fn)) for t in tools]
+        self._tools: list[Tool] = []
+
+    def open(self) -> None:
+        if self.name is None:
+            return
+        factory = ENVS.get(self.name, "env")
+        schemas = self._call("make", (self.name, self.kwargs, factory))
+        self._tools = [Tool(s, _Remote(self, s["function"]["name"])) for s in schemas]
 
     def hosted(self) -> list[Tool]:
-        """The task's tools, each call run in this process."""
+        """The task's tools, each call run in this environment's worker."""
         return list(self._hosted)
 
     def reset(self, seed: int, **columns: Any) -> Any:
         """The environment's reset, given the columns its own signature takes."""
-        return self._call("reset", seed, **columns)
+        return self._call("reset", (seed, columns))
 
     def step(self, action: str) -> StepResult:
-        return self._call("step", action)
+        return self._call("step", (action,))
 
     def tools(self) -> list[Tool]:
         return list(self._tools)
 
     def kill(self) -> None:
-        """End the process now (a call still running in it ends with it)."""
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._conn.close()
+        """End the worker running this environment's call now (the call ends with it)."""
+        worker = self._in_flight
+        if worker is not None:
+            worker.kill()
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:  # one call at a time per environment, as in-process
-            self._conn.send((method, args, kwargs))
-            status, value = self._conn.recv()
+    def stop(self) -> None:
+        """No call starts from now on, and one still running is ended (the rollout is over)."""
+        self._closed = True
+        self.kill()
+
+    def close(self) -> None:
+        """:meth:`stop`, and forget the environment (its worker lives on for other episodes)."""
+        self.stop()
+        with self._slot.lock:
+            if self._built_on is not None and self._built_on is self._slot.worker:
+                self._built_on.drop(self.key)
+            self._log.clear()
+        self._slot.pool.unassign(self._slot)
+
+    def _call(self, op: str, args: tuple) -> Any:
+        payload = pickle.dumps(args)
+        with self._lock, self._slot.lock:
+            worker = self._slot.current()
+            # a task tool needs no environment: it is rebuilt before its next own call
+            if op not in ("make", "call") and self._built_on is not worker:
+                self._rebuild(worker)
+            answer = self._send(worker, op, payload)
+            status, value = pickle.loads(answer)
+            if op == "make" and status == "ok":
+                self._built_on = worker
+            elif op in ("reset", "step", "tool"):
+                self._log.append((op, payload, answer))
         if status == "raised":
             raise RemoteError(*value)
         return value
 
+    def _send(self, worker: _Worker, op: str, payload: bytes) -> bytes:
+        """One request, its time limit running from now (:func:`start_clock`)."""
+        self._in_flight = worker
+        try:
+            if self._closed:  # after kill()'s look at _in_flight, or seen by it
+                raise WorkerLost("the rollout is over")
+            start_clock()
+            return worker.request(op, self.key, payload)
+        finally:
+            self._in_flight = None
+
+    def _rebuild(self, worker: _Worker) -> None:
+        """Build the environment in ``worker`` (its last one ended) and replay its calls."""
+        if self._built_on is None:
+            raise EnvMoved("the environment was never built (open() first)")
+        factory = ENVS.get(self.name, "env")
+        made = self._send(worker, "make", pickle.dumps((self.name, self.kwargs, factory)))
+        if pickle.loads(made)[0] != "ok":
+            raise EnvMoved(f"rebuilding it in a fresh worker process failed: {_said(made)}")
+        for i, (op, payload, answer) in enumerate(self._log):
+            again = self._send(worker, op, payload)
+            if again != answer:
+                raise EnvMoved(
+                    f"its worker process ended (another call there ran past the time limit, or "
+                    f"crashed), and replaying its calls ({len(self._log)}) in a fresh one gave another "
+                    f"answer to call {i + 1} ({op}): {_said(again)} instead of {_said(answer)}; an "
+                    f"environment is moved only when it is a function of its seed and calls"
+                )
+        self._built_on = worker
+
+
+def _said(answer: bytes) -> str:
+    status, value = pickle.loads(answer)
+    return f"{value!r:.80}" if status == "ok" else f"raised {': '.join(value)[:80]}"
+
 
 class _Remote:
-    """A tool of the remote environment: calling it runs the method in the process."""
+    """A tool running in the worker of ``env``: its own (``fn`` None) or the task's (``fn``)."""
 
-    def __init__(self, env: ProcessEnv, name: str) -> None:
-        self.env, self.__name__ = env, name
+    def __init__(self, env: ProcessEnv, name: str, fn: Callable[..., Any] | None = None) -> None:
+        self.env, self.__name__, self.fn = env, name, fn
 
     def __call__(self, **arguments: Any) -> Any:
-        return self.env._call(self.__name__, **arguments)
-
-
-def _serve(  # pragma: no cover - runs in the child
-    conn: Any, name: str | None, kwargs: dict[str, Any], task: dict[str, Any]
-) -> None:
-    from earl_lightning.envs.base import ToolEnv, make_env
-    from earl_lightning.tasks.rows import reset_kwargs
-    from earl_lightning.tasks.tools import tool_of
-
-    env, tools, failed = None, {}, None
-    try:
-        if name is not None:
-            env = make_env(name, **kwargs)
-            if isinstance(env, ToolEnv):
-                tools = {t.name: t.fn for t in (tool_of(x, "tools") for x in env.tools())}
-    except Exception as exc:  # noqa: BLE001 - reported to the parent as the first call's failure
-        failed = exc
-    own = list(tools)
-    tools = {**task, **tools}
-    while True:
-        try:
-            method, args, kw = conn.recv()
-        except EOFError:
-            return
-        try:
-            if failed is not None:
-                raise failed
-            if method == "__tools__":
-                value = [tool_of(tools[n], "tools").schema for n in own]
-            elif method == "reset":  # the row's columns its reset takes (they all crossed the pipe)
-                value = env.reset(*args, **reset_kwargs(env.reset, kw))
-            elif method == "step":
-                value = env.step(*args)
-            else:
-                value = tools[method](*args, **kw)
-            conn.send(("ok", value))
-        except Exception as exc:  # noqa: BLE001 - the environment's own failure, sent back
-            conn.send(
-                ("raised", (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc)[:500]))
-            )
+        if self.fn is None:
+            return self.env._call("tool", (self.__name__, arguments))
+        return self.env._call("call", (self.fn, arguments))
 
 
 def remote_owner(fn: Any) -> ProcessEnv | None:

@@ -9,7 +9,7 @@ environment step, or nothing when the episode is over); :meth:`LiveEpisode.apply
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from earl_lightning.envs.base import Env, StepResult
@@ -17,18 +17,21 @@ from earl_lightning.rollout.backends.base import GenOutput
 from earl_lightning.rollout.chat import ChatDeltas, Messages, NotAppendOnly
 from earl_lightning.rollout.env_calls import EnvFault
 from earl_lightning.rollout.types import Episode, EpisodeSpec
-from earl_lightning.tasks.tool_parsers import ParsedTurn, ToolParser
+from earl_lightning.tasks.tool_parsers import ParsedTurn, ToolParser, read_calls
 from earl_lightning.tasks.tools import ToolCall, ToolResult, ToolSet, ToolStats
 
 
 @dataclass
 class TurnLimits:
     """What bounds a turn: the episode's turns, the longest context a next turn may start from,
-    the history window (None: the whole chat)."""
+    the history window (None: the whole chat), the longest arguments a tool call may have (as JSON
+    text) and the characters of a tool result that are kept (None: no cap)."""
 
     max_turns: int
     budget: int
     history_turns: int | None = None
+    max_argument_chars: int | None = None
+    max_result_chars: int | None = None
 
 
 @dataclass
@@ -106,17 +109,19 @@ class LiveEpisode:
             tool_calls=self.tool_stats.calls,
             tool_errors=self.tool_stats.errors,
             tool_seconds=self.tool_stats.seconds,
+            tool_truncated=self.tool_stats.truncated,
             turn_calls=self.tool_stats.per_turn,
         )
 
     # ---- one turn --------------------------------------------------------------------------
     def record(
-        self, out: GenOutput, tokenizer: Any, parser: ToolParser | None
+        self, out: GenOutput, tokenizer: Any, parser: ToolParser | None, limits: TurnLimits
     ) -> ParsedTurn | str | None:
         """Append the generated turn; return its tool calls (a :class:`ParsedTurn` that called), the
         assistant's text for the environment's ``step``, or None when the episode ends here (a row
-        played without an environment is one turn: reward functions score it)."""
-        content, closing = _assistant_text(self.messages, out, self.chat, tokenizer, self.raw)
+        played without an environment is one turn: reward functions score it). The text is read
+        by :func:`read_calls`: whatever the parser makes of it, the episode goes on."""
+        content, closing = assistant_text(self.messages, out, self.chat, tokenizer, self.raw)
         if self.turn_prompts is not None:
             self.turn_prompts.append(self.prompt())
         self.turn_starts.append(len(self.token_ids))
@@ -124,7 +129,7 @@ class LiveEpisode:
         self.append(self.chat.encode(closing), 0)
         self.messages.append({"role": "assistant", "content": content})
         parsed = (
-            parser(content)
+            read_calls(parser, content, limits.max_argument_chars)
             if parser is not None and self.tools is not None and not self.raw
             else None
         )
@@ -133,7 +138,8 @@ class LiveEpisode:
             return parsed
         if self.spec.env is None:
             self.turn_rewards.append(0.0)
-            self.done = True
+            # a completion cut at max_new_tokens is a truncated episode (TRL's "truncated completion")
+            self.done, self.truncated = True, out.finish_reason == "length"
             return None
         return content
 
@@ -141,11 +147,13 @@ class LiveEpisode:
         self, parsed: ParsedTurn, results: list[ToolResult], limits: TurnLimits
     ) -> None:
         """The turn's tool results (and an error message for each call that could not be read) as
-        ``tool`` messages; the episode goes on."""
+        ``tool`` messages, each cut to ``limits.max_result_chars`` before anything is tokenized (the
+        model reads how much was cut); the episode goes on."""
         unread = [ToolResult("unparsed", f"Error: {why}", True, 0.0) for why in parsed.errors]
-        self.tool_stats.add([*results, *unread])
+        answers = [cut_result(r, limits.max_result_chars) for r in [*results, *unread]]
+        self.tool_stats.add(answers)
         self.turn_rewards.append(0.0)
-        self._continue([r.as_message() for r in [*results, *unread]], limits)
+        self._continue([r.as_message() for r in answers], limits)
 
     def apply_step(self, result: StepResult | EnvFault, limits: TurnLimits) -> None:
         """The environment's answer to the turn: reward, outcome, and the next observation."""
@@ -194,6 +202,16 @@ class LiveEpisode:
         self.append(delta, 0)
 
 
+def cut_result(result: ToolResult, max_chars: int | None) -> ToolResult:
+    """``result`` with its text cut to ``max_chars`` characters and the cut said at its end
+    (``[... truncated N characters]``), marked ``truncated``; as it is when it fits."""
+    if max_chars is None or len(result.content) <= max_chars:
+        return result
+    cut = len(result.content) - max_chars
+    text = f"{result.content[:max_chars]}\n[... truncated {cut} characters]"
+    return replace(result, content=text, truncated=True)
+
+
 def window(messages: Messages, history_turns: int) -> Messages:
     """[system] + the last ``history_turns`` exchanges + the messages after the last assistant turn
     (the observation, or a turn's tool results)."""
@@ -204,7 +222,7 @@ def window(messages: Messages, history_turns: int) -> Messages:
     return head + earlier[max(len(earlier) - 2 * history_turns, 0) :] + tail
 
 
-def _assistant_text(
+def assistant_text(
     messages: Messages, out: GenOutput, chat: ChatDeltas, tokenizer: Any, raw: bool = False
 ) -> tuple[str, str]:
     """The assistant message content and the mask-0 text that closes the turn (none for a

@@ -42,10 +42,17 @@ class Episode:
 
     ``prompt_tokens`` is the length of the first prompt (what the reward functions' completion ids
     follow); ``rewards`` holds each reward function's value (None: not applicable, or not scored);
-    ``error_kind`` says where ``error`` arose: ``env`` (an environment call) or ``reward`` (a
-    reward function; the environment's own part of the episode went fine). ``tool_calls``,
-    ``tool_errors`` and ``tool_seconds`` count the episode's tool use; ``turn_calls[k]`` are the
+    ``error_kind`` says where ``error`` arose: ``env`` (an environment call), ``reward`` (a
+    reward function; the environment's own part of the episode went fine), ``unscored`` (no
+    reward function scored the row) or ``row`` (a dataset row too long for the context: skipped,
+    never trained on). ``tool_calls``, ``tool_errors``, ``tool_seconds`` and ``tool_truncated``
+    (results cut to the result budget) count the episode's tool use; ``turn_calls[k]`` are the
     calls turn ``k`` made (its assistant message in ``messages`` holds the text the model wrote).
+
+    An episode played by a user's agent (``from_agent``) is the calls it made to the endpoint:
+    ``messages`` is the conversation as the agent last sent it plus the last response (tool calls
+    as OpenAI ``tool_calls``), and ``row_starts`` (when the agent rewrote its context) splits the
+    tokens into the rows the trainer learns from, each its own sequence with the episode's reward.
     """
 
     spec: EpisodeSpec
@@ -70,8 +77,13 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_seconds: float = 0.0
+    tool_truncated: int = 0
     # each turn's parsed tool calls (ToolCall)
     turn_calls: list[list[Any]] = field(default_factory=list)
+    # an agent's episode whose calls rewrote the context: where each row after the first starts
+    row_starts: list[int] | None = None
+    from_agent: bool = False  # played by a user's agent through the endpoint
+    agent_reward: float | None = None  # what the agent returned (None: reward functions score it)
 
     @property
     def num_generated(self) -> int:

@@ -147,6 +147,23 @@ def logprob_mismatch(
     return diff.max() if diff.numel() else torch.zeros((), dtype=torch.float32)
 
 
+def step_mismatch(
+    tokens: dict[str, torch.Tensor], reduce: Any, measured: float | None, threshold: float
+) -> float:
+    """An RL step's ``logprob/mismatch``: the max |rollout - recomputed| log-prob over the generated
+    tokens of every rank, from the batch's ``tokens`` (``rollout_logprobs``, ``old_logprobs``,
+    ``action_mask``, each [N]) and ``reduce`` (the stage's Reducer, a collective), or the value
+    an on-policy update ``measured`` on its own forward (already global); warns over
+    ``threshold``."""
+    if measured is None:
+        local = logprob_mismatch(
+            tokens["rollout_logprobs"], tokens["old_logprobs"], tokens["action_mask"]
+        )
+        measured = float(reduce.max(local))
+    check_logprob_mismatch(measured, threshold)
+    return measured
+
+
 def check_logprob_mismatch(
     value: float | torch.Tensor,
     threshold: float = DEFAULT_MISMATCH_THRESHOLD,

@@ -19,10 +19,12 @@ from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.datamodule import EvalEpisodes
 from earl_lightning.envs.base import ToolEnv, check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
+from earl_lightning.modules.config import RolloutConfig
 from earl_lightning.modules.metrics import episode_counts
 from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.rollout.chat import ChatDeltas
 from earl_lightning.rollout.demonstrations import play_demonstrations_with_targets
+from earl_lightning.rollout.process_env import check_env_sendable, check_picklable
 from earl_lightning.rollout.transcripts import sft_row
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.seeding import run_seed
@@ -288,6 +290,16 @@ class DemonstrationDataModule(L.LightningDataModule):
                 f"`--trainer.check_val_every_n_epoch null` to count steps across epochs, or a "
                 f"`val_check_interval` of at most {steps}"
             )
+
+    def check_rollout(self, rollout: RolloutConfig) -> None:
+        """Settings of the model's rollout and of this data that are valid alone but not together
+        (the `earl sft` command checks them before anything runs, as `earl fit` does its own): under
+        ``call_isolation: process`` the tools and the environment must reach a worker process.
+        Without this check the first rollout (the demonstrations, in ``setup``) found it mid-run."""
+        if rollout.call_isolation == "process":
+            check_picklable(self.tools)
+            if self.env is not None:
+                check_env_sendable(self.env)
 
     def demonstration_specs(self) -> list[EpisodeSpec]:
         base = _DEMO_SEED_BASE + self.hparams.seed * self.hparams.num_episodes

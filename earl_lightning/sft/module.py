@@ -144,7 +144,7 @@ class WarmStartModule(L.LightningModule):
             if kwargs["tools"] is not None and kwargs["tools"].tools:
                 for ep in episodes:  # a row's tools, not an environment's: count their use too
                     ep.info.setdefault("tool_calls", ep.tool_calls)
-            score_episodes(episodes, funcs, self.tokenizer)
+            score_episodes(episodes, funcs, self.tokenizer, timeout_s=r.reward_timeout_s)
             metrics.update_val(episodes, True)
             now = reported(episodes)
             flags = {k: v or now[k] for k, v in flags.items()}

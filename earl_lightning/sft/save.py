@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from earl_lightning import checkpoints
 from earl_lightning.checkpoints import write_dir_atomically
 
 WARM_START_FILE = "warm_start.json"
@@ -62,3 +64,27 @@ def save_warm_start(
 def read_warm_start(directory: str) -> dict[str, Any]:
     """The ``warm_start.json`` of a saved warm start."""
     return json.loads((Path(directory) / WARM_START_FILE).read_text())
+
+
+def output_dir_problem(
+    output_dir: str | None, overwrite: bool, root: str | None = None, model: str | None = None
+) -> str | None:
+    """Why ``--output_dir`` cannot take the warm start (None: it can): unset, a file, not empty
+    without ``overwrite``, or the directory of the run's logs (``root``, the working directory
+    when unset) or of the model it reads (``model``), or one holding them: the save replaces
+    the whole directory. Also a ``--trainer.default_root_dir`` that is a file. Checked before any work."""
+    if not output_dir:
+        return "`--output_dir` is required: the directory the warm-start model is saved to"
+    root = os.getcwd() if root is None else root
+    if Path(root).is_file():
+        return f"`--trainer.default_root_dir` {root!r} is a file; it must be a directory (the run's logs)"
+    kept = [
+        (root, f"the run's root (`--trainer.default_root_dir` {str(root)!r})"),
+        (
+            model if model and Path(model).exists() else None,
+            f"the model read (`--model.model` {model!r})",
+        ),
+    ]
+    return checkpoints.output_dir_problem(
+        output_dir, overwrite, "--output_dir"
+    ) or checkpoints.overlap_problem(output_dir, "--output_dir", kept)

@@ -81,8 +81,9 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         train_layout: the layout the optimizer's copy lives in: a Layout, a dict of its fields, or
             ``"auto"`` (``layouts["train"]`` when given, else dp = world size, tp = 1).
         layouts: fixed layouts per stage (``{"rollout": {"dp": 1, "tp": 2}}``; missing stages use the
-            train layout), or a list of candidate layouts for a selector, or ``"auto"`` (every dp x tp
-            factorization of the world size whose tp divides the attention and KV heads).
+            train layout; one without ``micro_batch_tokens`` runs at the module's budget, one with it
+            at the smaller of the two), or a list of candidate layouts for a selector, or ``"auto"``
+            (every dp x tp factorization of the world size whose tp divides the attention and KV heads).
         memory_budget_gb: memory per device the selector may plan with (None: unknown).
         process_group_backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU); None picks from the device.
         model_attrs: the LightningModule attributes holding the models to shard.

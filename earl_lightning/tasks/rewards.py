@@ -13,22 +13,40 @@ thread (``math_verify`` times itself out with ``signal.alarm``, which only the m
 use). A function that raises is called again row by row, so that only the rows it cannot score
 are lost; a function that returns the wrong number of values, or a value that is not a number,
 loses the whole batch. Pure Python: no torch, no trainer.
+
+Time limit (``timeout_s``). A plain function keeps running on the main thread, where
+``math_verify`` needs it: at its limit a watchdog interrupts it there
+(:mod:`earl_lightning.tasks.deadline`: in a sleep, a wait, a Python loop; not inside C code that
+never returns to the interpreter, whose place is then logged). Off the main thread (or without
+real-time signals) it runs on a daemon thread of its own instead, waited for at most
+``timeout_s``; still running then, it is abandoned, and not called again while that call runs (its
+rows fail at once), so a function that hangs for ever holds one thread, not one per step. An
+``async`` one is cancelled on the event loop at its limit. Either way a function past its limit
+loses the rows it has not scored, as if it had raised, and the first time its stack is logged.
+Without a limit the plain functions run on the caller's thread, as they always did.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import numbers
+import sys
 import threading
+import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from earl_lightning.checks import is_real
 from earl_lightning.registry import import_object
+from earl_lightning.tasks.deadline import CallTimeout, call_with_limit, can_interrupt
 from earl_lightning.tasks.rows import accepted_kwargs
+
+log = logging.getLogger("earl_lightning.tasks")
 
 # What a reward function is handed besides the rows' columns (TRL's names).
 CORE_ARGS = ("prompts", "completions", "completion_ids")
@@ -176,64 +194,89 @@ def call_reward_funcs(
     completion_ids: list[list[int]],
     columns: Mapping[str, list[Any]],
     extras: Mapping[str, Any] | None = None,
+    timeout_s: float | None = None,
 ) -> list[RewardOutcome]:
     """Every function of ``funcs`` on the same ``n`` rows: one :class:`RewardOutcome` each, in order.
     ``columns``: the rows' other columns, a list of ``n`` values each; ``extras``: TRL's extras
-    (``trainer_state``, ...); ``log_metric`` and ``log_extra`` are provided here, per function.
+    (``trainer_state``, ...); ``log_metric`` and ``log_extra`` are provided here, per function;
+    ``timeout_s``: each function's time limit on the batch (None: none; see the module docstring).
 
     Each ``async`` function is driven from a helper thread that waits on its coroutines, which all
-    run on one event loop, so they interleave; the plain functions run meanwhile on this thread."""
-    n = len(prompts)
-    outcomes = [RewardOutcome([None] * n, [None] * n) for _ in funcs]
-    calls = [
-        _Call(f, o, prompts, completions, completion_ids, columns, extras or {})
-        for f, o in zip(funcs, outcomes)
-    ]
-    waiting = [
-        threading.Thread(target=c.run, name=f"earl-reward-{c.func.name}", daemon=True)
-        for c in calls
-        if c.func.is_async
-    ]
-    for t in waiting:
-        t.start()
+    run on one event loop, so they interleave; the plain functions run meanwhile, one after
+    another, on this thread (on a thread of their own when a limit cannot interrupt them here)."""
+    calls = [_Call(f, prompts, completions, completion_ids, columns, extras or {}) for f in funcs]
+    waiting = [c for c in calls if c.func.is_async and c.start(timeout_s)]
     for c in calls:
-        if not c.func.is_async:
+        if c.func.is_async:
+            continue
+        if timeout_s is None:
             c.run()
-    for t in waiting:
-        t.join()
-    return outcomes
+        elif can_interrupt():
+            c.run_interrupted(timeout_s)
+        elif c.start(timeout_s):
+            c.wait()
+    for c in waiting:
+        c.wait()
+    return [c.outcome() for c in calls]
+
+
+# The reward functions (by id) whose call was abandoned at its time limit and may still run: the
+# thread it runs on, and the limit it ran past.
+_abandoned: dict[int, tuple[threading.Thread, float]] = {}
+_abandoned_lock = threading.Lock()
+_logged_hangs: set[str] = set()  # the functions whose hang was logged (by name)
+
+
+def _still_running(func: RewardFunction) -> float | None:
+    """The limit an earlier call of ``func`` ran past, while that call still runs (else None)."""
+    with _abandoned_lock:
+        thread, limit = _abandoned.get(id(func.fn), (None, 0.0))
+        if thread is not None and not thread.is_alive():
+            del _abandoned[id(func.fn)]
+            thread = None
+        return limit if thread is not None else None
 
 
 class _Call:
-    """One function's call on the batch, and its row-by-row retry when the batch call raises."""
+    """One function's call on the batch, and its row-by-row retry when the batch call raises; with
+    a time limit, on a thread of its own, abandoned past the limit (:meth:`wait`)."""
 
     def __init__(
         self,
         func: RewardFunction,
-        out: RewardOutcome,
         prompts: list[Any],
         completions: list[Any],
         completion_ids: list[list[int]],
         columns: Mapping[str, list[Any]],
         extras: Mapping[str, Any],
     ):
-        self.func, self.out = func, out
+        n = len(prompts)
+        self.func, self.out, self.settled = func, RewardOutcome([None] * n, [None] * n), [False] * n
         self.rows = dict(
             prompts=prompts, completions=completions, completion_ids=completion_ids, **columns
         )
         self.extras = {**extras, "log_metric": self._log_metric, "log_extra": self._log_extra}
+        # what the caller's thread reads while this call may still write
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.future: Any = None  # an async function's coroutine in flight
+        self.abandoned: RewardOutcome | None = None  # what the caller kept at the time limit
+        self.deadline, self.timeout_s = 0.0, 0.0
 
     def _log_metric(self, name: str, value: float) -> None:
-        self.out.metrics.setdefault(str(name), []).append(float(value))
+        with self.lock:
+            self.out.metrics.setdefault(str(name), []).append(float(value))
 
     def _log_extra(self, column: str, values: list[Any]) -> None:
-        self.out.extra[str(column)] = list(values)
+        with self.lock:
+            self.out.extra[str(column)] = list(values)
 
     def _call(self, rows: slice) -> Any:
         given = {k: v[rows] for k, v in self.rows.items()}
         result = self.func.fn(**accepted_kwargs(self.func.fn, {**given, **self.extras}))
         if self.func.is_async:
-            return asyncio.run_coroutine_threadsafe(result, event_loop()).result()
+            self.future = asyncio.run_coroutine_threadsafe(result, event_loop())
+            return self.future.result()
         return result
 
     def run(self) -> None:
@@ -244,12 +287,98 @@ class _Call:
             self._fail(range(n), str(err))
         except Exception:  # noqa: BLE001 - the user's function: find the rows it cannot score
             for i in range(n):
+                if self.abandoned is not None:
+                    return  # past its limit: the caller has failed the rest
                 try:
                     self._take(slice(i, i + 1), self._call(slice(i, i + 1)))
                 except RewardFunctionError as err:
                     self._fail([i], str(err))
                 except Exception as err:  # noqa: BLE001
                     self._fail([i], _raised(err))
+
+    def run_interrupted(self, timeout_s: float) -> None:
+        """:meth:`run` on this (the main) thread, interrupted at ``timeout_s``: the rows it has not
+        scored by then fail."""
+        self.timeout_s = timeout_s
+        try:
+            call_with_limit(self.run, timeout_s, self._log_late)
+        except CallTimeout:
+            with self.lock:
+                late = [i for i, done in enumerate(self.settled) if not done]
+            self._fail(late, self._late())
+
+    def _late(self) -> str:
+        return f"did not return within {self.timeout_s:g} s (`--model.rollout.reward_timeout_s`)"
+
+    def start(self, timeout_s: float | None) -> bool:
+        """Run on a daemon thread of its own (limited to ``timeout_s`` when given); False, with
+        every row failed, when an abandoned call of this function still runs."""
+        limit = _still_running(self.func)
+        if limit is not None:
+            self._fail(
+                range(len(self.settled)),
+                f"is still running its call on an earlier batch, abandoned after {limit:g} s; "
+                f"its rows are not scored until that call returns",
+            )
+            return False
+        self.timeout_s = timeout_s
+        self.thread = threading.Thread(
+            target=self.run, name=f"earl-reward-{self.func.name}", daemon=True
+        )
+        self.deadline = time.monotonic() + (timeout_s or 0.0)
+        self.thread.start()
+        return True
+
+    def wait(self) -> None:
+        """Until the call returns or, with a limit, its deadline: then the rows it has not scored
+        fail, an ``async`` call is cancelled, and the thread is left to finish on its own."""
+        if self.timeout_s is None:
+            self.thread.join()
+            return
+        self.thread.join(max(self.deadline - time.monotonic(), 0.0))
+        if not self.thread.is_alive():
+            return
+        with self.lock:
+            late = [i for i, done in enumerate(self.settled) if not done]
+            if not late:
+                return  # it returned just now
+            kept = RewardOutcome(
+                list(self.out.values),
+                list(self.out.errors),
+                {k: list(v) for k, v in self.out.metrics.items()},
+                dict(self.out.extra),
+            )
+            self.abandoned = kept
+        for i in late:
+            kept.values[i] = None
+            kept.errors[i] = self._why(self._late())
+        frame = sys._current_frames().get(self.thread.ident)
+        # a cancelled coroutine ends its driver thread at once; a blocked one (or a plain function)
+        # stays abandoned
+        if self.future is not None and self.future.cancel():
+            self.thread.join(1.0)
+        if self.thread.is_alive():
+            with _abandoned_lock:
+                _abandoned[id(self.func.fn)] = (self.thread, self.timeout_s)
+        self._log_late(frame)
+
+    def outcome(self) -> RewardOutcome:
+        return self.abandoned if self.abandoned is not None else self.out
+
+    def _log_late(self, frame: Any) -> None:
+        """The first time this function runs past its limit: where it is (``frame``)."""
+        with _abandoned_lock:
+            if self.func.name in _logged_hangs:
+                return
+            _logged_hangs.add(self.func.name)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(not known)\n"
+        log.warning(
+            "reward function %r did not return within %g s: the rows it has not scored are lost "
+            "[logged once per function]; where it was:\n%s",
+            self.func.name,
+            self.timeout_s,
+            stack,
+        )
 
     def _take(self, rows: slice, values: Any) -> None:
         n = rows.stop - rows.start
@@ -281,12 +410,19 @@ class _Call:
                     f"returned {v!r:.40} ({type(v).__name__}) among its values; each must be a "
                     f"finite number, or None where it does not apply"
                 )
-        self.out.values[rows] = checked
+        with self.lock:
+            self.out.values[rows] = checked
+            self.settled[rows] = [True] * n
 
     def _fail(self, rows: Any, why: str) -> None:
-        for i in rows:
-            self.out.values[i] = None
-            self.out.errors[i] = f"reward function {self.func.name!r} {why}"
+        with self.lock:
+            for i in rows:
+                self.out.values[i] = None
+                self.out.errors[i] = self._why(why)
+                self.settled[i] = True
+
+    def _why(self, why: str) -> str:
+        return f"reward function {self.func.name!r} {why}"
 
 
 def _raised(err: BaseException) -> str:

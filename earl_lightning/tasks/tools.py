@@ -45,12 +45,14 @@ class ToolCall:
 
 @dataclass
 class ToolResult:
-    """What a call returned (the ``tool`` message's content), whether it failed, and its seconds."""
+    """What a call returned (the ``tool`` message's content), whether it failed, its seconds, and
+    whether the content was cut to the result budget (``rollout.max_tool_result_chars``)."""
 
     name: str
     content: str
     error: bool
     seconds: float
+    truncated: bool = False
 
     def as_message(self) -> dict[str, Any]:
         return {"role": "tool", "name": self.name, "content": self.content}
@@ -211,7 +213,16 @@ class ToolSet:
             return self._result(
                 call, f"Error: {call.name!r} raised {type(err).__name__}: {str(err)[:300]}", start
             )
-        return ToolResult(call.name, _as_text(value), False, time.perf_counter() - start)
+        try:
+            text = _as_text(value)
+        except Exception as err:  # noqa: BLE001 - nested past the stack, a number past the digit limit
+            return self._result(
+                call,
+                f"Error: {call.name!r} returned a value of type {type(value).__name__} that cannot be "
+                f"written as text ({type(err).__name__})",
+                start,
+            )
+        return ToolResult(call.name, text, False, time.perf_counter() - start)
 
     @staticmethod
     def _result(call: ToolCall, text: str, start: float) -> ToolResult:
@@ -251,14 +262,17 @@ def _as_text(value: Any) -> str:
 
 @dataclass
 class ToolStats:
-    """An episode's tool use: calls made, calls that failed, seconds spent in them."""
+    """An episode's tool use: calls made, calls that failed, seconds spent in them, results cut to
+    the result budget."""
 
     calls: int = 0
     errors: int = 0
     seconds: float = 0.0
+    truncated: int = 0
     per_turn: list[list[ToolCall]] = field(default_factory=list)  # the calls each turn made
 
     def add(self, results: Sequence[ToolResult]) -> None:
         self.calls += len(results)
         self.errors += sum(r.error for r in results)
         self.seconds += sum(r.seconds for r in results)
+        self.truncated += sum(r.truncated for r in results)

@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from earl_lightning.algorithms import aggregate, kl_divergence, value_loss
+from earl_lightning.algorithms.correction import RolloutCorrection
 from earl_lightning.algorithms.losses import PolicyLossFn, loss_stat_means
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.parallel.collectives import Reducer, clip_gradients
 from earl_lightning.train.forward import forward_micro_batch, zero_loss
+from earl_lightning.train.loss_weights import MAXED, SUMMED, add_loss_weights, correction_metrics
 from earl_lightning.train.prefix import PrefixPlan, prefix_plan
 
 
@@ -52,6 +54,10 @@ class UpdateConfig:
     share_prefix: bool
     # the last layer only where an action token is scored (train.scored)
     scored_last_layer: bool
+    # importance weights of the rollout's sampled log-probs (algorithms.correction); None: off
+    correction: RolloutCorrection | None
+    # the rows of episodes cut by a limit leave the loss (train.loss_weights)
+    mask_truncated: bool
 
 
 @dataclass
@@ -98,10 +104,11 @@ def micro_batch_loss(
         plan=plan,
         scored=cfg.scored_last_layer,
     )
-    mask = mb.padded("action_mask", 0.0)  # [B, T]
+    mask = mb.padded("loss_mask", 0.0)  # [B, T]: the tokens that count (train.loss_weights)
     logp = mb.pad(res["logprobs"], 0.0)  # [B, T]
     old = logp.detach() if cfg.on_policy else mb.padded("old_logprobs", 0.0)  # [B, T]
     tok_loss, pstats = cfg.loss_fn(logp, old, mb.padded("advantages", 0.0), mask, **cfg.loss_params)
+    tok_loss = tok_loss * mb.padded("is_weights", 0.0)  # the rollout correction's weights
     agg = dict(num_tokens=denom["tokens"], num_seqs=denom["seqs"], norm_constant=cfg.norm_constant)
     loss = aggregate(tok_loss, mask, cfg.aggregation, **agg)
     ent = mb.pad(res["entropy"], 0.0)  # [B, T]
@@ -114,9 +121,10 @@ def micro_batch_loss(
     stats.update({f"policy/{k}": float(v) * share for k, v in loss_stat_means(pstats).items()})
     # the rollout's log-probs vs the weights it sampled with
     if cfg.on_policy and "rollout_logprobs" in mb.tokens:
+        generated = mb.padded("action_mask", 0.0)  # [B, T]: every generated token, kept or not
         stats[MISMATCH] = (
-            float(((mb.padded("rollout_logprobs", 0.0) - old).abs() * mask).max())
-            if mask.numel()
+            float(((mb.padded("rollout_logprobs", 0.0) - old).abs() * generated).max())
+            if generated.numel()
             else 0.0
         )
     if cfg.entropy_coef:
@@ -153,6 +161,9 @@ def ppo_update(
     others step the wrapped ``optimizer.optimizer``. ``scheduler`` (or None) steps after each
     optimizer step. ``backward``: ``LightningModule.manual_backward`` (precision plugins).
     Returns the step's metrics, summed over ranks (TP replicas once)."""
+    batch, weighing = add_loss_weights(
+        batch, cfg.correction, cfg.mask_truncated, cfg.micro_batch_tokens
+    )
     totals: dict[str, float] = {}
     grad_norms = []
     for _epoch in range(cfg.ppo_epochs):
@@ -172,6 +183,7 @@ def ppo_update(
     }
     if cfg.on_policy:
         out[MISMATCH] = float(reduce.max(torch.tensor([mismatch], dtype=torch.float64))[0])
+    out.update(_weight_metrics(weighing, cfg, reduce))
     out["grad_norm"] = float(sum(grad_norms) / max(1, len(grad_norms)))
     out["lr"] = float(optimizer.param_groups[0]["lr"])
     return out
@@ -186,7 +198,7 @@ def _accumulate(
     totals: dict[str, float],
 ) -> None:
     """Forward/backward every micro-batch of one mini-batch, gradients accumulating."""
-    mask_tok = mini.tokens["action_mask"]
+    mask_tok = mini.tokens["loss_mask"]
     seqs_with_actions = float((mini.pad(mask_tok, 0.0).sum(-1) > 0).sum()) if mini.num_seqs else 0.0
     tokens, seqs = reduce.sum_floats([float(mask_tok.sum()), seqs_with_actions])
     denom = {"tokens": max(tokens, 1.0), "seqs": max(seqs, 1.0)}
@@ -199,11 +211,51 @@ def _accumulate(
         plan = prefix_plan(models.policy, micro[i], cfg.share_prefix) if mine else None
         # a padding rank abstains
         shared = cfg.share_prefix and reduce.all(plan is not None or not mine)
+        if not mine and not micro and i == 0:
+            # a rank without rows of its own (all skipped, or fewer rows than ranks) runs its first
+            # pass on a masked-out stand-in row: its statistics then have the names the other
+            # ranks' have, whose sums are all-reduced below, name by name
+            loss, stats = micro_batch_loss(models, _stand_in(mini), cfg, denom)
+            stats[SHARED_TOKENS] = 0.0
+            _add_stats(totals, stats)
+            backward((loss + zero_loss(models.policy, models.value_head)) if shared else loss)
+            continue
         if not mine:
             backward(zero_loss(models.policy, models.value_head, passes=2 if shared else 1))
             continue
         loss, stats = micro_batch_loss(models, micro[i], cfg, denom, plan if shared else None)
         stats[SHARED_TOKENS] = float(plan.saved_tokens) if shared else 0.0
         backward(loss)
-        for k, v in stats.items():
-            totals[k] = max(totals.get(k, 0.0), v) if k == MISMATCH else totals.get(k, 0.0) + v
+        _add_stats(totals, stats)
+
+
+def _weight_metrics(
+    local: dict[str, float], cfg: UpdateConfig, reduce: Reducer
+) -> dict[str, float]:
+    """The rollout correction's and the truncated rows' figures over every rank (a collective when
+    either is on, so every rank calls it)."""
+    if cfg.correction is None and not cfg.mask_truncated:
+        return {}
+    totals = dict(zip(SUMMED, reduce.sum_floats([local[k] for k in SUMMED])))
+    top = reduce.max(torch.tensor([local[k] for k in MAXED], dtype=torch.float64))
+    totals.update(zip(MAXED, top.tolist()))
+    return correction_metrics(totals, cfg.correction is not None, cfg.mask_truncated)
+
+
+def _add_stats(totals: dict[str, float], stats: dict[str, float]) -> None:
+    for k, v in stats.items():
+        totals[k] = max(totals.get(k, 0.0), v) if k == MISMATCH else totals.get(k, 0.0) + v
+
+
+def _stand_in(batch: ExperienceBatch) -> ExperienceBatch:
+    """One row of one token with ``batch``'s fields, all zero (its action mask too): a forward
+    and backward through every parameter that adds nothing to the loss."""
+
+    def zero(t: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.long if name == "input_ids" else t.dtype, device=t.device)
+
+    return ExperienceBatch(
+        torch.tensor([0, 1], device=batch.cu_seqlens.device),
+        {k: zero(v, k) for k, v in batch.tokens.items()},
+        {k: zero(v, k) for k, v in batch.seqs.items()},
+    )

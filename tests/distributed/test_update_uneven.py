@@ -90,7 +90,13 @@ def value_head() -> torch.nn.Linear:
 
 
 def _worker(
-    rank: int, world: int, path: str, with_value: bool = False, cfg: UpdateConfig = CFG, tp: int = 1
+    rank: int,
+    world: int,
+    path: str,
+    with_value: bool = False,
+    cfg: UpdateConfig = CFG,
+    tp: int = 1,
+    owner: int | None = None,
 ):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
@@ -101,7 +107,8 @@ def _worker(
         model, mesh=init_device_mesh("cpu", (2, tp), mesh_dim_names=("dp", "tp")), layout=layout
     )
     dp_rank, _ = layout.coords(dist.get_rank())  # the ranks of one TP group hold the same rows
-    mine = [i for i, (r, _) in enumerate(LENGTHS) if r == dp_rank]
+    # ``owner``: the dp rank that holds every row (the other holds none)
+    mine = [i for i, (r, _) in enumerate(LENGTHS) if (r if owner is None else owner) == dp_rank]
     models = Models(model, value_head() if with_value else None)
     out = update(models, batch(mine), cfg, Reducer(layout))
     full = _params(models)  # a collective: every rank gathers
@@ -153,6 +160,26 @@ def test_value_head_and_gradient_clipping_under_fsdp_match_one_process(tp):
     got, norm = run_distributed(_worker, 2 * tp, path, True, cfg, tp, timeout=240)[0]
     assert norm == pytest.approx(out["grad_norm"], rel=1e-4)
     assert {"value_head.weight", "value_head.bias"} <= set(got)
+    for name, value in expected.items():
+        torch.testing.assert_close(
+            torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name
+        )
+
+
+def test_a_rank_without_rows_takes_part_and_the_update_matches_one_process():
+    """Every row on dp rank 0, none on rank 1 (a rank whose rows were all skipped as too long
+    for the context): rank 1 runs zero-loss passes in step with rank 0's micro-batches, and the
+    update equals the one-process update over the same rows."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.test_invariance_layouts import tiny_path
+
+    path = tiny_path()
+    assert batch([]).num_seqs == 0
+    ref = Models(AutoModelForCausalLM.from_pretrained(path))
+    update(ref, batch(list(range(len(LENGTHS)))), CFG, Reducer())
+    expected = _params(ref)
+    got = run_distributed(_worker, 2, path, False, CFG, 1, 0, timeout=120)[0][0]
     for name, value in expected.items():
         torch.testing.assert_close(
             torch.from_numpy(got[name]), value, rtol=1e-4, atol=1e-6, msg=name

@@ -380,7 +380,13 @@ def test_a_dataset_task_with_tools_from_the_command_line(data, tmp_path):
             "1024",
         )
     )
-    for tag in ("tools/calls", "tools/errors", "tools/seconds", "rewards/accuracy_reward/mean"):
+    for tag in (
+        "tools/calls",
+        "tools/errors",
+        "tools/seconds",
+        "tools/truncated",
+        "rewards/accuracy_reward/mean",
+    ):
         assert scalars(tmp_path, tag), f"{tag} not logged"
 
 
@@ -404,3 +410,34 @@ def test_tools_without_a_parser_are_one_line(data, tmp_path, capsys):
         "earl: error: `--data.tools` names tools ['add'], and `--model.rollout.tool_parser` is null: set the "
         "parser of the model's tool-call format"
     ) in err and "Traceback" not in err
+
+
+def test_a_hung_reward_function_ends_the_run_in_one_line(data, tmp_path):
+    """A reward function that sleeps 60 s under a 1 s limit: it is interrupted where it sleeps, in
+    the evaluation before the first update and again at step 0, whose rows it then has not scored,
+    and the run ends as a raising function ends it (every row unscored: ``max_failed_share`` 1),
+    not hung."""
+    from tests.distributed.launch import subprocess_env
+
+    earl = Path(sys.executable).with_name("earl")
+    args = _fit_args(data, tmp_path, "earl-tiny", 2, "--data.reward_funcs")
+    args += ["[tests.plugins.rewards.sleepy]", "--data.reward_weights", "null"]
+    args += ["--model.rollout.reward_timeout_s", "1"]
+    proc = subprocess.run(
+        [str(earl), *args],
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    # Not timed here (a loaded machine makes start-up alone take a minute): a function left to
+    # sleep would return its scores after 60 s and the run would end well, not with this line.
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "earl: error: reward function 'sleepy' did not return within 1 s "
+        "(`--model.rollout.reward_timeout_s`) (8 of 8 episodes of RL step 0 could not be scored "
+        "(`--model.rollout.max_failed_share` 1)). Fix the reward function, or raise "
+        "max_failed_share to train on the rows it scores"
+    )
+    assert "Traceback" not in proc.stderr
+    assert "where it was:" in proc.stderr and "in sleepy" in proc.stderr, "the hang is logged"

@@ -1,7 +1,8 @@
 """``tests/gpu/acceptance.sh --dry-run`` on CPU: the GPU acceptance script only runs in the rare
 session that is lent a GPU, so its plumbing is checked here on every commit (earl-tiny, 2 steps;
-the hf and vLLM fits with their memory tables, and the OOM recovery). Its ``vs_trl`` part is
-``benchmarks/vs_trl.py --quick``, smoke-run by ``tests/e2e/test_vs_trl.py``."""
+the hf and vLLM fits with their memory tables and `earl plan`'s error tables, and the OOM
+recovery). Its ``vs_trl`` part is ``benchmarks/vs_trl.py --quick``, smoke-run by
+``tests/e2e/test_vs_trl.py``."""
 
 from __future__ import annotations
 
@@ -61,6 +62,10 @@ def test_dry_run_parts_pass_and_write_their_figures(tmp_path):
         assert len(steps) == 2
         assert all(abs(float(r["logprob/mismatch"])) < 1e-3 for r in steps), steps
         assert read(tmp_path / f"memory_{backend}.csv")
+        # earl plan's time model (the CPU profile here) against every stage after the warm-up step
+        plan = read(tmp_path / f"plan_errors_{backend}.csv")
+        assert sorted(r["stage"] for r in plan) == ["experience", "rollout", "train"], plan
+        assert all(float(r["predicted_s"]) >= 0 and float(r["measured_s"]) > 0 for r in plan)
     # the big micro-batch fails, the stage reruns under the next layout
     oom = read(tmp_path / "oom.csv")
     first_step = [r for r in oom if r["step"] == oom[0]["step"]]

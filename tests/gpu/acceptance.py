@@ -10,7 +10,9 @@ checks the plumbing on a machine without a GPU (fp32, no memory figures, an emul
 
 Every stage runs inside :class:`MeasuredStrategy` (``EarlStrategy`` that records the stage's
 layout, its stats and ``torch.cuda.max_memory_allocated``), so each stage's peak is compared with
-the memory model's prediction for the same layout and the same step's statistics.
+the memory model's prediction for the same layout and the same step's statistics, and each stage's
+seconds with ``earl plan``'s time model on the GPU's device profile (``plan_errors_<backend>.csv``;
+the CPU profile in the dry run).
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ import lightning as L
 import torch
 
 from earl_lightning.callbacks import AdaptiveParallelism
+from earl_lightning.callbacks.adaptive_setup import memory_model_of
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.models import make_tiny_model, resolve_model_path
 from earl_lightning.modules import AgenticRLModule
+from earl_lightning.modules.views import exactly_on_policy
+from earl_lightning.parallel.hardware import Cluster, device_profile, profile_for_gpu
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.memory import MemoryModel
 from earl_lightning.parallel.throughput import layout_key
+from earl_lightning.parallel.timing import TimeModel
 from earl_lightning.strategies import EarlStrategy
 
 SHAPE_05B = {
@@ -119,15 +125,31 @@ class MeasuredStrategy(EarlStrategy):
 
 
 def memory_model(module: AgenticRLModule) -> MemoryModel:
-    """The memory model AdaptiveParallelism would build for this module."""
-    work = module.workload
-    return MemoryModel(
+    """The memory model AdaptiveParallelism (and ``earl plan``) builds for this module."""
+    return memory_model_of(
         module.policy.config,
         str(next(module.policy.parameters()).dtype),
         "adamw",
-        rollout_backend=work.backend,
-        reference_model=work.reference_model,
-        reuse_kv=work.reuse_kv,
+        module.workload,
+        resident_train_state=next(module.policy.parameters()).is_cuda,
+    )
+
+
+def time_model(module: AgenticRLModule) -> TimeModel | None:
+    """``earl plan``'s time model on this device's profile (None: no profile describes it)."""
+    cuda = next(module.policy.parameters()).is_cuda
+    name = profile_for_gpu(torch.cuda.get_device_name()) if cuda else "CPU"
+    if name is None:
+        print(f"plan: no device profile for {torch.cuda.get_device_name()}: times not predicted")
+        return None
+    r, a, o = module.rollout_config, module.algorithm_config, module.optim_config
+    return TimeModel(
+        memory_model(module),
+        Cluster(1, 1, device_profile(name)),
+        turns=r.max_turns,
+        ppo_epochs=o.ppo_epochs,
+        optimizer_steps=o.ppo_epochs * o.mini_batches,
+        experience_forwards=int(not exactly_on_policy(r, a, o)) + int(a.kl.coef > 0),
     )
 
 
@@ -239,6 +261,40 @@ def memory_rows(module: AgenticRLModule, records: list[dict]) -> list[dict]:
     return rows
 
 
+def plan_rows(module: AgenticRLModule, records: list[dict], steps: list[dict]) -> list[dict]:
+    """``earl plan``'s predictions against this run, per stage of every step after the first
+    (which pays for warm-up): the stage's seconds and peak memory, each with its error. A stage
+    is predicted from its step's final contexts (the experience stage's statistics)."""
+    model = time_model(module)
+    memory = {(m["step"], m["stage"]): m for m in memory_rows(module, records)}
+    ctx = {r["step"]: r["stats"] for r in records if r["stage"] == "experience" and r["ok"]}
+    gen = module.rollout_config.sampling.max_new_tokens
+    rows = []
+    for r in records:
+        step, stage = r["step"], r["stage"]
+        if step == 0 or not r["ok"] or step not in ctx or step >= len(steps):
+            continue
+        measured = steps[step][f"stage/{stage}/seconds"]
+        predicted = (
+            model.seconds(stage, r["layout"], {**ctx[step], "gen_len": gen}) if model else math.nan
+        )
+        mem = memory.get((step, stage), {})
+        rows.append(
+            {
+                "step": step,
+                "stage": stage,
+                "layout": layout_key(r["layout"]),
+                "measured_s": measured,
+                "predicted_s": predicted,
+                "time_error_pct": 100 * (predicted / measured - 1) if measured else math.nan,
+                "measured_peak_mib": mem.get("measured_peak_mib", math.nan),
+                "predicted_mib": mem.get("predicted_mib", math.nan),
+                "memory_error_pct": mem.get("error_pct", math.nan),
+            }
+        )
+    return rows
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         raise RuntimeError(f"nothing to write to {path}")
@@ -260,6 +316,15 @@ def fit(args: argparse.Namespace) -> None:
         args.out / f"fit_{args.backend}.csv", [{"backend": args.backend, **r} for r in log.rows]
     )
     write_csv(args.out / f"memory_{args.backend}.csv", memory_rows(module, strategy.records))
+    plan = plan_rows(module, strategy.records, log.rows)
+    write_csv(args.out / f"plan_errors_{args.backend}.csv", plan)
+    for s in STAGE_KEYS:
+        errs = sorted(abs(r["time_error_pct"]) for r in plan if r["stage"] == s)
+        mems = sorted(abs(r["memory_error_pct"]) for r in plan if r["stage"] == s)
+        print(
+            f"{args.backend} plan {s}: |time error| median {errs[len(errs) // 2]:.0f}%, "
+            f"|memory error| median {mems[len(mems) // 2]:.0f}%"
+        )
     timed = log.rows[1:] or log.rows  # the first step pays for CUDA / engine warm-up
     for s in STAGE_KEYS:
         tps = sorted(r[f"stage/{s}/tokens_per_s"] for r in timed)

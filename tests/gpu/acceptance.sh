@@ -5,6 +5,9 @@
 #   fit_hf.csv, fit_vllm.csv      per RL step: stage seconds and tokens/s (rollout, experience, train),
 #                                 logprob/mismatch after the weight sync, reward, tokens generated
 #   memory_hf.csv, memory_vllm.csv  per stage: torch.cuda.max_memory_allocated vs the memory model
+#   plan_errors_hf.csv, plan_errors_vllm.csv  per stage of every step after the first: `earl plan`'s
+#                                 predicted seconds (the time model on this GPU's device profile) and
+#                                 peak memory against the measured ones, with their errors
 #   oom.csv                       the train stage under a memory cap: a real torch.OutOfMemoryError
 #                                 with the big micro-batch, recovered by AdaptiveParallelism
 #   vs_trl.csv, vs_trl_runs.csv   benchmarks/vs_trl.py --quick on the GPU

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 
 from earl_lightning.envs.base import StepResult
 
 _INT = re.compile(r"-?\d+")
 NOT_CALLABLE = 3
+WAKE = threading.Event()  # ends the hung functions' sleep early (a test's clean-up)
 
 
 def _text(completion) -> str:
@@ -41,6 +43,38 @@ def only_odd_rows(completions, answer, **kwargs):
 
 def broken(completions, **kwargs):
     raise ValueError("this reward function is broken")
+
+
+def sleepy(completions, **kwargs):
+    """Hangs: sleeps 60 s (unless a test wakes it), then scores every row 1.0."""
+    WAKE.wait(60)
+    return [1.0] * len(completions)
+
+
+async def asleep(completions, **kwargs):
+    """An async reward that hangs: awaits 60 s, then scores every row 1.0."""
+    await asyncio.sleep(60)
+    return [1.0] * len(completions)
+
+
+def stalls_on_second_row(completions, **kwargs):
+    """Raises on a batch (so it is called row by row), scores the first row, hangs on the second."""
+    if len(completions) > 1:
+        raise ValueError("one row at a time")
+    if completions[0] == STALL_ON:
+        WAKE.wait(60)
+    return [1.0]
+
+
+STALL_ON = "5"
+
+
+def verified(completions, answer, **kwargs):
+    """math-verify's parse and verify with their own default time-outs (signal.alarm: the main
+    thread only)."""
+    from math_verify import parse, verify
+
+    return [float(verify(parse(str(a)), parse(_text(c)))) for c, a in zip(completions, answer)]
 
 
 def wrong_length(completions, **kwargs):

@@ -131,3 +131,49 @@ class Sleepy:
         time.sleep(0.05 * (self.seed % 3))
         self.turn += 1
         return StepResult("Again.", 0.0, self.turn >= self.turns, {})
+
+
+def flood(size: int) -> str:
+    """A result of ``size`` characters (a tool that answers with far too much text).
+
+    Args:
+        size: how many characters.
+    """
+    return "x" * size
+
+
+def raising_parser(text: str):
+    """A user's tool-call parser with a bug: it raises on every turn that mentions a call."""
+    from earl_lightning.tasks.tool_parsers import ParsedTurn
+
+    if "call" in text:
+        raise RuntimeError("this parser is broken")
+    return ParsedTurn()
+
+
+def untyped_parser(text: str):
+    """A user's tool-call parser that returns a dict instead of a ParsedTurn for a call."""
+    from earl_lightning.tasks.tool_parsers import ParsedTurn
+
+    return {"calls": [text]} if "call" in text else ParsedTurn()
+
+
+def bignum(digits: int) -> int:
+    """A number of ``digits`` + 1 digits (past Python's int-to-text limit of 4,300).
+
+    Args:
+        digits: its power of ten.
+    """
+    return 10**digits
+
+
+def deep(levels: int) -> list:
+    """Lists nested ``levels`` deep (past Python's stack when written as JSON).
+
+    Args:
+        levels: how deep.
+    """
+    out: list = []
+    for _ in range(levels):
+        out = [out]
+    return out

@@ -117,3 +117,30 @@ def test_vllm_backend_without_vllm_names_the_extra(monkeypatch):
         ImportError, match=r"`--model.rollout.backend vllm` needs vLLM.*earl_lightning\[vllm"
     ):
         AgenticRLModule(rollout={"backend": "vllm"})
+
+
+@pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        (
+            "max_tool_argument_chars",
+            0,
+            r"^`--model.rollout.max_tool_argument_chars` must be a positive integer or null",
+        ),
+        (
+            "max_tool_result_chars",
+            "lots",
+            r"^`--model.rollout.max_tool_result_chars` must be a positive integer or null, got 'lots'",
+        ),
+        (
+            "reward_timeout_s",
+            0,
+            r"^`--model.rollout.reward_timeout_s` must be a positive number or null, got 0$",
+        ),
+    ],
+)
+def test_the_limits_on_what_a_model_and_its_tools_bring_are_checked(setting, value, message):
+    from earl_lightning.modules import RolloutConfig
+
+    with pytest.raises(ValueError, match=message):
+        RolloutConfig(**{setting: value})

@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from earl_lightning.callbacks import ExportModel
 from earl_lightning.checkpoints import write_dir_atomically
+from earl_lightning.errors import EarlError
 from earl_lightning.export import gather_state_dict
 from earl_lightning.models import load_model
 
@@ -102,3 +103,36 @@ def test_export_directory_and_switch(tmp_path):
         match=r"ExportModel needs a module with `policy` and `tokenizer` .*; object has not",
     ):
         ExportModel().on_fit_end(trainer, object())
+
+
+def test_export_dirpath_is_checked_when_the_fit_starts(tmp_path):
+    """Outside `earl fit` too (a Trainer built by hand): the callback's own check at setup."""
+    root, logs = tmp_path / "run", tmp_path / "logs"
+    checkpoints = ModelCheckpoint(dirpath=str(root / "checkpoints"))
+    trainer = SimpleNamespace(
+        default_root_dir=str(root),
+        loggers=[SimpleNamespace(save_dir=str(logs))],
+        checkpoint_callbacks=[checkpoints],
+        ckpt_path=str(tmp_path / "old" / "last.ckpt"),
+    )
+    for dirpath in (root / "hf_model", logs / "version_0" / "hf_model", tmp_path / "new"):
+        ExportModel(dirpath=str(dirpath)).setup(trainer, object(), "fit")
+    cases = {
+        logs: f"is the run's logs ('{logs}')",
+        tmp_path
+        / "old": f"contains the checkpoint the run reads ('{tmp_path / 'old' / 'last.ckpt'}')",
+        root: f"is the run's root (`--trainer.default_root_dir` '{root}')",
+    }
+    for dirpath, what in cases.items():
+        with pytest.raises(EarlError) as err:
+            ExportModel(dirpath=str(dirpath), overwrite=True).setup(trainer, object(), "fit")
+        assert str(err.value) == (
+            f"`--export.dirpath` '{dirpath}' {what}; writing it replaces the whole directory: "
+            "choose another"
+        )
+    link = tmp_path / "link"
+    link.symlink_to(root / "checkpoints", target_is_directory=True)
+    with pytest.raises(EarlError, match=r"'.*link' is the run's checkpoints \("):
+        ExportModel(dirpath=str(link), overwrite=True).setup(trainer, object(), "fit")
+    ExportModel(dirpath=str(root)).setup(trainer, object(), "validate")  # a fit's only
+    ExportModel(dirpath=str(root), enabled=False).setup(trainer, object(), "fit")

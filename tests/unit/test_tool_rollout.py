@@ -243,7 +243,7 @@ def test_a_call_that_holds_the_gil_ends_only_its_episode_in_process_isolation(to
     assert elapsed < 30.0
     assert episodes[0].error == (
         "env 'tests.plugins.tools.HoldsTheGil' (seed 0): step() did not return within "
-        "env_timeout_s=2s; its process is killed"
+        "env_timeout_s=2s; its worker process is killed"
     )
     assert [ep.reward for ep in episodes[1:]] == [1.0, 1.0] and all(
         ep.error is None for ep in episodes[1:]

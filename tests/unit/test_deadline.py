@@ -1,0 +1,50 @@
+"""A call on the main thread interrupted at its time limit, where it waits (earl_lightning/tasks/
+deadline.py): what a hung reward function gets instead of the whole run hanging."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from earl_lightning.tasks.deadline import CallTimeout, call_with_limit, can_interrupt
+
+pytestmark = pytest.mark.skipif(not can_interrupt(), reason="needs the main thread and Linux")
+
+
+def test_a_sleeping_call_is_interrupted_where_it_sleeps_and_its_place_reported():
+    where = []
+
+    def sleeps():
+        time.sleep(60)
+
+    start = time.perf_counter()
+    with pytest.raises(CallTimeout, match="did not return within 0.5 s"):
+        call_with_limit(sleeps, 0.5, lambda frame: where.append(frame.f_code.co_name))
+    assert time.perf_counter() - start < 3 and where == ["sleeps"]
+
+
+def test_a_call_that_swallows_the_interrupt_is_interrupted_again():
+    swallowed = []
+
+    def stubborn():
+        try:
+            threading.Event().wait(60)
+        except BaseException as err:  # noqa: BLE001 - what a careless function does
+            swallowed.append(err)
+        time.sleep(60)
+
+    start = time.perf_counter()
+    with pytest.raises(CallTimeout):
+        call_with_limit(stubborn, 0.5)
+    assert time.perf_counter() - start < 5 and len(swallowed) == 1
+
+
+def test_a_call_in_time_returns_and_a_late_signal_interrupts_nothing():
+    assert call_with_limit(lambda: 7, 5.0) == 7
+    # a signal after the call (the watchdog's last one, delivered late): the handler stays
+    # installed, so it neither ends the process (the default action) nor interrupts what follows
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGRTMIN)
+    assert call_with_limit(lambda: time.sleep(0.3) or 8, 5.0) == 8
