@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -341,6 +340,7 @@ DESCRIPTION = """Agentic RL of LLMs (earl_lightning). Every subcommand:
   earl sft       the warm start: supervised fine-tuning on demonstrations or TRL rows
   earl export    a checkpoint as a save_pretrained directory
   earl profile   measure the recipe's model per stage and layout
+  earl plan      the layouts a model and cluster would run, without either (the time model)
   earl presets   the offline models (earl-tiny, ...): sizes, tokenizers, directories
 Add --help after a subcommand for its options (test and predict are LightningCLI's own)."""
 
@@ -354,94 +354,6 @@ DUMP_HELP = (
     "row or env seed, the messages in TRL's form, rewards, tool calls, errors): "
     "--model.transcripts.dump."
 )
-
-# ``earl sft``'s own top-level arguments: help text (also docs/configuration.md's rows)
-SFT_ARGS = {
-    "output_dir": "Directory the warm-start model is saved to (save_pretrained, atomically, by rank 0); required.",
-    "overwrite": "Replace --output_dir when it exists and is not empty.",
-}
-
-
-class SftCLI(EarlCLI):
-    """``earl sft``: the warm start. No subcommand: it fits, then saves the model and tokenizer to
-    ``--output_dir`` (and ``warm_start.json``: the held-out evaluation and the demonstrations'
-    figures), which ``earl fit --model.model <dir>`` loads."""
-
-    def add_arguments_to_parser(self, parser) -> None:
-        from jsonargparse import ActionYesNo
-
-        parser.add_argument(
-            "--output_dir",
-            type=Optional[str],  # noqa: UP045 - a runtime type for jsonargparse
-            default=None,
-            help=SFT_ARGS["output_dir"],
-        )
-        parser.add_argument(
-            "--overwrite", action=ActionYesNo, default=False, help=SFT_ARGS["overwrite"]
-        )
-
-    def before_instantiate_classes(self) -> None:
-        from earl_lightning.sft.save import output_dir_problem
-
-        super().before_instantiate_classes()
-        config = self.config
-        problem = output_dir_problem(
-            config.get("output_dir"),
-            bool(config.get("overwrite")),
-            config["trainer"].get("default_root_dir"),
-            config["model"].get("model"),
-        )
-        if problem is not None:
-            refuse(problem)
-
-    def instantiate_classes(self) -> None:
-        super().instantiate_classes()
-        # what the model and the data decide together, before the demonstrations are played: the
-        # rollout settings with the data's tools and env (as check_data in fit), the first rows,
-        # the evaluation interval against the epoch
-        try:
-            self.datamodule.check_rollout(self.model.rollout_config)
-            self.datamodule.check_rows(self.model)
-            self.datamodule.check_val_interval(self.trainer, self.model)
-        except ValueError as err:
-            refuse(str(err))
-
-
-def sft(args: list[str] | None, command_line: list[str] | None = None) -> None:
-    """``earl sft``. ``command_line``: the process's own ``sys.argv`` (with ``sft``), put back once
-    the arguments are parsed: Lightning's launcher starts the other ranks by re-running it."""
-    from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
-    from earl_lightning.sft.save import save_warm_start
-
-    cli = SftCLI(
-        WarmStartModule,
-        DemonstrationDataModule,
-        run=False,
-        args=args,
-        parser_class=ShortErrorParser,
-        parser_kwargs={"parser_mode": "omegaconf", "prog": "earl sft", "allow_abbrev": False},
-        save_config_kwargs={"overwrite": True},
-    )
-    if command_line is not None:
-        sys.argv = command_line
-    start = time.monotonic()
-    with disk_full_as_one_line(
-        lambda: f"the warm start's outputs under {cli.config['output_dir']!r}"
-    ):
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-        if (
-            cli.model.evaluated_at_step != cli.trainer.global_step
-            and cli.datamodule.hparams.eval_episodes
-        ):
-            # the saved model's figures
-            cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
-        save_warm_start(
-            cli.trainer,
-            cli.model,
-            cli.datamodule,
-            cli.config["output_dir"],
-            time.monotonic() - start,
-        )
 
 
 def working_directory_importable() -> None:
@@ -486,6 +398,8 @@ def main(args: list[str] | None = None) -> None:
             command_line = list(sys.argv)
             if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
                 sys.argv = [sys.argv[0], *argv[1:]]
+            from earl_lightning.sft_cli import sft
+
             sft(None if args is None else argv[1:], command_line if args is None else None)
             return
         EarlCLI(

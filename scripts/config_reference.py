@@ -242,8 +242,8 @@ def export_rows() -> list[str]:
 
 def sft_rows() -> list[str]:
     """``earl sft``'s table: its own arguments, then its ``model:`` and ``data:`` groups."""
-    from earl_lightning.cli import SFT_ARGS
     from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
+    from earl_lightning.sft_cli import SFT_ARGS
 
     rows = [
         SFT_HEADER,

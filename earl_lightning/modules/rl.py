@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 
 from earl_lightning.algorithms import get_kl_estimator
 from earl_lightning.data.episodes import episodes_to_experience
@@ -37,13 +36,8 @@ from earl_lightning.modules.config import (
     check_module_args,
 )
 from earl_lightning.modules.dynamic_sampling import Draws, play_draws
-from earl_lightning.modules.metrics import (
-    RunMetrics,
-    batch_stats,
-    episode_metrics,
-    log_at_global_step,
-    reported,
-)
+from earl_lightning.modules.evaluation import EvaluationHooks
+from earl_lightning.modules.metrics import RunMetrics, batch_stats
 from earl_lightning.modules.rollout_setup import (
     check_first_observation,
     make_backend,
@@ -51,8 +45,8 @@ from earl_lightning.modules.rollout_setup import (
     reward_extras,
 )
 from earl_lightning.modules.sampled_eval import SampledEvalMetrics
-from earl_lightning.modules.signal import METRIC as NO_SIGNAL
-from earl_lightning.modules.signal import LearningSignal, NoLearningSignal
+from earl_lightning.modules.signal import LearningSignal
+from earl_lightning.modules.step_logging import StepLogging
 from earl_lightning.modules.transcripts import EpisodeLog, TranscriptConfig, transcript_settings
 from earl_lightning.modules.views import (
     exactly_on_policy,
@@ -64,7 +58,6 @@ from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.endpoint import EndpointServer
 from earl_lightning.rollout.scoring import score_episodes
-from earl_lightning.rollout.weight_sync import step_mismatch
 from earl_lightning.seeding import run_seed
 from earl_lightning.stages import (
     StageContext,
@@ -82,7 +75,7 @@ from earl_lightning.train.scored import can_score_last_layer
 from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 
 
-class AgenticRLModule(L.LightningModule):
+class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
     """Multi-turn agentic RL of a causal LM.
 
     Args:
@@ -292,47 +285,6 @@ class AgenticRLModule(L.LightningModule):
             metrics[f"stage/{ctx.name}/micro_batch_tokens"] = float(budget)
         self._log_step(metrics, draws.first, step, rollout_ctx.reduce.counts_here)
 
-    def _step_metrics(
-        self,
-        runner: StageRunner,
-        draws: Draws,
-        num_groups: int,
-        exp: ExperienceBatch,
-        update: dict[str, float],
-        rollout_ctx: StageContext,
-        train_ctx: StageContext,
-    ) -> dict[str, float]:
-        """The step's logged metrics, each reduced over all ranks (every rank calls this); the
-        episodes' figures are those of the step's own batch (``draws.first``)."""
-        episodes = draws.first
-        metrics = self.run_metrics.step(
-            episodes, rollout_ctx.reduce.counts_here, exp, train_ctx.reduce.counts_here
-        )
-        for more in (
-            runner.timer.metrics(metrics["tokens/generated"], metrics["tokens/total"]),
-            update,
-            self._stages().pop_stage_metrics(),
-            self._exchanger().pop_metrics(),
-            self._backend.metrics(),
-            draws.metrics(),
-            self.algorithm_config.overlong.metrics(episodes, rollout_ctx.reduce),
-        ):
-            metrics.update(more)
-        measured = update.pop("logprob/mismatch") if self._on_policy else None
-        warn = self.hparams.logprob_mismatch_warn
-        metrics["logprob/mismatch"] = step_mismatch(exp.tokens, train_ctx.reduce, measured, warn)
-        names = [f.name for f in self._reward_funcs()]
-        tools = self.rollout_config.tool_parser is not None
-        metrics.update(
-            episode_metrics(
-                episodes, num_groups, rollout_ctx.reduce, names, self._reward_outcomes, tools
-            )
-        )
-        metrics.update(
-            {"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)}
-        )
-        return metrics
-
     def _draw(self, step: int, specs: list, num_groups: int, ctx: StageContext) -> Draws:
         """The step's episodes, scored and shaped (``algorithm.overlong``); with dynamic sampling,
         further draws until the batch is full (:mod:`earl_lightning.modules.dynamic_sampling`)."""
@@ -475,91 +427,6 @@ class AgenticRLModule(L.LightningModule):
         # draw k > 0: dynamic sampling's further draws of the step
         seed = self.hparams.seed * 1_000_003 + step * 131 + dp_rank + draw * 7_919_777
         return seed % (2**31 - 1)
-
-    def _log_step(
-        self, metrics: dict[str, float], episodes: list, step: int, counted: bool
-    ) -> None:
-        for name in ("reward/mean", "env/win_rate"):
-            if name in metrics:
-                self.log(name, metrics.pop(name), prog_bar=True, on_step=True, rank_zero_only=True)
-        self._log_signal(metrics["reward/zero_std_groups"], metrics["grad_norm"])
-        self.log_dict(metrics, on_step=True, rank_zero_only=True)
-        self._show_episodes(episodes, step, "train", counted)
-
-    def _log_signal(self, zero_std_groups: float, grad_norm: float) -> None:
-        """The learning-signal check: its count in TensorBoard every step, in the progress bar
-        from its one warning on (0 again once the signal is back)."""
-        warning = self.signal.update(zero_std_groups, grad_norm)
-        if warning is not None:
-            rank_zero_warn(warning, category=NoLearningSignal)
-        self.log(NO_SIGNAL, float(self.signal.streak), on_step=True, rank_zero_only=True)
-        if self.signal.warned:
-            self.log("no_signal_steps", float(self.signal.streak), prog_bar=True, logger=False)
-
-    def _show_episodes(self, episodes: list, step: int, phase: str, counted: bool) -> None:
-        self.episode_log.show(
-            episodes, step, phase, self.loggers, self.tokenizer, self.global_rank, counted
-        )
-
-    # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluate(self, batch: dict[str, Any]) -> dict[str, bool]:
-        """Play the batch's ``specs`` greedily into the validation metrics and its ``sampled``
-        ones (``--data.eval_samples``) with the training's sampling into pass@k and mean@n;
-        which optional rates the greedy episodes report."""
-        specs, runner = batch["specs"], self._runner(StageTimer())
-        for attempt in runner.attempts("rollout", self._spec_stats(specs)):
-            with attempt as ctx:
-                episodes = self._play(specs, ctx, seed=0, greedy=True)
-        self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
-        if batch["sampled"]:
-            for attempt in runner.attempts("rollout", self._spec_stats(batch["sampled"])):
-                with attempt as sampled_ctx:  # the module's seed: the same draws every evaluation
-                    sampled = self._play(batch["sampled"], sampled_ctx, seed=self.hparams.seed)
-            self.sampled_eval.update(sampled, sampled_ctx.reduce.counts_here)
-        phase = "sanity" if self.trainer.sanity_checking else "val"
-        self._show_episodes(episodes, self.global_step, phase, ctx.reduce.counts_here)
-        with runner.outside("the evaluation's metric reductions"):
-            return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
-
-    def on_validation_epoch_end(self) -> None:
-        # Lightning computes the logged metric objects after this hook; computing them here puts
-        # their synchronization under the one-line lost-peer error (torchmetrics keeps the result).
-        with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
-            for metric in [
-                *self.run_metrics.val_objects({}).values(),
-                *self.sampled_eval.objects().values(),
-            ]:
-                metric.compute()
-
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        flags = self._evaluate(batch)
-        objects = {**self.run_metrics.val_objects(flags), **self.sampled_eval.objects()}
-        for name, metric in objects.items():
-            self.log(
-                name,
-                metric,
-                prog_bar=name == "val/win_rate",
-                on_step=False,
-                on_epoch=True,
-                batch_size=1,
-            )
-        log_at_global_step(self)
-
-    def on_train_start(self) -> None:
-        # The first evaluation, before any update: the learning curve's baseline at step 0.
-        dm = self.trainer.datamodule
-        if (
-            self.global_step == 0
-            and isinstance(dm, EpisodeDataModule)
-            and dm.eval_episodes
-            and self.trainer.val_dataloaders is not None
-            and self.trainer.limit_val_batches
-        ):
-            flags = self._evaluate(next(iter(dm.val_dataloader())))
-            with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
-                values = {**self.run_metrics.compute_val(flags), **self.sampled_eval.compute()}
-            for logger in self.loggers:
-                logger.log_metrics(values, step=0)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """The policy and its tokenizer (with the chat template) as a ``save_pretrained``
