@@ -188,7 +188,7 @@ NAME` builds one and prints its `save_pretrained` directory, which any tool load
 
 def fit_rows() -> list[str]:
     """``earl fit``'s arguments outside the groups."""
-    from earl_lightning.cli import DUMP_HELP
+    from earl_lightning.fit_cli import DUMP_HELP
 
     return [FIT_HEADER, f"| `--dump_episodes` | `null` | {DUMP_HELP} |"]
 

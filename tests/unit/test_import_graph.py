@@ -38,6 +38,7 @@ TIERS = {
     "planning": 4,
     "export": 4,
     "cli": 4,
+    "fit_cli": 4,
     "sft_cli": 4,
     "checkpoints_io": 4,
     "cli_errors": 4,
