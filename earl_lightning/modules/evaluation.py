@@ -7,15 +7,22 @@ A mixin of the module (as Lightning's own hooks are).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
 
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.modules.metrics import log_at_global_step, reported
 from earl_lightning.stages import StageTimer
 from earl_lightning.strategies.faults import trainer_lost_peer
 
+if TYPE_CHECKING:  # the class this mixin's hooks override, for type checkers' @override checks
+    from lightning.pytorch import LightningModule as _Hooked
+else:
+    _Hooked = object
 
-class EvaluationHooks:
+
+class EvaluationHooks(_Hooked):
     """validation_step, its epoch end and on_train_start's first evaluation."""
 
     def _evaluate(self, batch: dict[str, Any]) -> dict[str, bool]:
@@ -37,6 +44,7 @@ class EvaluationHooks:
         with runner.outside("the evaluation's metric reductions"):
             return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
 
+    @override
     def on_validation_epoch_end(self) -> None:
         # Lightning computes the logged metric objects after this hook; computing them here puts
         # their synchronization under the one-line lost-peer error (torchmetrics keeps the result).
@@ -47,6 +55,7 @@ class EvaluationHooks:
             ]:
                 metric.compute()
 
+    @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         flags = self._evaluate(batch)
         objects = {**self.run_metrics.val_objects(flags), **self.sampled_eval.objects()}
@@ -61,6 +70,7 @@ class EvaluationHooks:
             )
         log_at_global_step(self)
 
+    @override
     def on_train_start(self) -> None:
         # The first evaluation, before any update: the learning curve's baseline at step 0.
         dm = self.trainer.datamodule

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from earl_lightning.algorithms import get_kl_estimator
 from earl_lightning.data.episodes import episodes_to_experience
@@ -176,6 +177,7 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
             scored_last_layer=scored,
         )
 
+    @override
     def configure_model(self) -> None:
         if self.policy is not None:
             return
@@ -197,6 +199,7 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optim_config
         opt = torch.optim.AdamW(
@@ -210,6 +213,7 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: cfg.lr_factor(step, total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    @override
     def setup(self, stage: str) -> None:
         apply_host_memory()  # freed activations are kept for the next step (earl_lightning/host_memory.py)
         dm = self.trainer.datamodule
@@ -234,6 +238,7 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
         check_draws(self.algorithm_config.dynamic_sampling, dm.group_size)
 
     # ---- the RL iteration ----------------------------------------------------------------------
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """One RL iteration: rollout, experience, train, each under the layout its strategy
         picks (:mod:`earl_lightning.stages`; a stage that ran out of memory is tried again), the
@@ -438,15 +443,18 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
             write_pretrained(self.policy, self.tokenizer, directory, state)
         return Path(directory)
 
+    @override
     def teardown(self, stage: str) -> None:
         if self._endpoint is not None:  # the agents' endpoint serves one fit (or validate)
             self._endpoint.close()
             self._endpoint = None
 
     # ---- checkpointing -------------------------------------------------------------------------
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["earl"] = {"rl_iteration": self.rl_iteration}
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.rl_iteration = checkpoint.get("earl", {}).get("rl_iteration", 0)
         self.configure_model()

@@ -13,6 +13,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+from typing_extensions import override
 
 from earl_lightning.checks import check_choice, check_count
 from earl_lightning.data.episodes import supervised_rows
@@ -328,6 +329,7 @@ class DemonstrationDataModule(L.LightningDataModule):
             targets += tgt
         return episodes, targets
 
+    @override
     def setup(self, stage: str) -> None:
         if self.rows is not None or stage not in ("fit", None):
             return
@@ -365,6 +367,7 @@ class DemonstrationDataModule(L.LightningDataModule):
                 f"{len(episodes)} episodes (every one failed in the environment)"
             )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         world = self.trainer.world_size if self.trainer is not None else 1
         if self.hparams.batch_size % world:
@@ -381,6 +384,7 @@ class DemonstrationDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.hparams.seed),
         )
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.eval_batches(), batch_size=1, collate_fn=_identity, num_workers=0)
 
