@@ -146,7 +146,7 @@ def trial(
     torch.set_num_threads(threads)
     module = AgenticRLModule(
         model=model,
-        transcript_every_n_steps=0,
+        transcripts={"every_n_steps": 0},
         peft=LORA if side == "lora" else None,
         rollout={
             "max_turns": 21,

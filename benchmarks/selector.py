@@ -183,7 +183,7 @@ def make_module():
         model="earl-tiny",
         rollout=dict(max_turns=8, max_context_tokens=7168, sampling=dict(max_new_tokens=1)),
         optim=dict(micro_batch_tokens=BIG, lr=1e-4, ppo_epochs=2),
-        transcript_every_n_steps=0,
+        transcripts={"every_n_steps": 0},
         seed=0,
     )
 

@@ -116,7 +116,7 @@ def run_earl(spec: LearnSpec) -> Clock:
     module = AgenticRLModule(
         model=spec.model,
         seed=spec.seed,
-        transcript_every_n_steps=0,
+        transcripts={"every_n_steps": 0},
         rollout={
             "max_turns": 1,
             "max_context_tokens": 512,

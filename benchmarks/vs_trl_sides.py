@@ -130,7 +130,7 @@ def run_earl(spec: RunSpec) -> dict:
         model="earl-tiny",
         dtype="float32",
         seed=spec.seed,
-        transcript_every_n_steps=0,
+        transcripts={"every_n_steps": 0},
         rollout={
             "backend": "hf",
             "share_prompts": spec.share_prompts,

@@ -21,6 +21,7 @@ from typing import Any
 import datasets
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
 
 from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.dispatch.exchange import DispatchConfig, Exchanger
@@ -285,17 +286,20 @@ class EpisodeDataModule(L.LightningDataModule):
             rows=self.splits.train if self.splits is not None else None,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         # One RL iteration is one optimizer step of the trainer: a resumed run has its global step
         # restored before this is called, and continues the stream there.
         start = self.trainer.global_step if self.trainer is not None else 0
         return DataLoader(self._stream(start), batch_size=1, collate_fn=_identity, num_workers=0)
 
+    @override
     def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
         """A batch is a step number and episode specs, plain Python with no tensor: nothing to move.
         (Lightning's default walks it and deep-copies every spec, a few milliseconds a step.)"""
         return batch
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.eval_batches(), batch_size=1, collate_fn=_identity, num_workers=0)
 

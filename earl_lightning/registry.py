@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -91,8 +93,18 @@ def import_object(path: str, arg: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - any failure while importing the user's module is reported as such
+        hint = ""
+        if isinstance(err, ModuleNotFoundError) and module_name.startswith(str(err.name)):
+            here = os.getcwd()
+            hint = (
+                f" (not in the working directory {here!r}, the installed packages or PYTHONPATH)"
+                if here in sys.path or "" in sys.path
+                else f" (the working directory {here!r} is not on Python's path: add the module's "
+                f"directory to PYTHONPATH)"
+            )
         raise ValueError(
-            f"`{arg}` {path!r}: cannot import module {module_name!r}: {type(err).__name__}: {err}"
+            f"`{arg}` {path!r}: cannot import module {module_name!r}: {type(err).__name__}: "
+            f"{err}{hint}"
         ) from err
     try:
         return getattr(module, attr)

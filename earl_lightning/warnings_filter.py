@@ -1,4 +1,5 @@
-"""Silence the few warnings a library raises from its own internals that no earl_lightning code can avoid.
+"""The package's warnings: the few a library raises from its own internals that no earl_lightning
+code can avoid (silenced), and the deprecation of a moved module (raised once, at its import).
 
 Each filter matches one warning by its exact message prefix, its category and the module that emits
 it, so the same text raised from anywhere else (earl_lightning included) still shows, and so does any
@@ -7,7 +8,9 @@ other warning of that module. Anything the project itself causes is fixed at its
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 import warnings
 
 # (message prefix, category, emitting module), each with why it cannot be fixed at the cause.
@@ -37,3 +40,21 @@ def install_warning_filters() -> None:
         warnings.filterwarnings(
             "ignore", message=re.escape(prefix), category=category, module=re.escape(module) + r"\Z"
         )
+
+
+def moved_module(old: str, new: str, removed_in: str) -> None:
+    """Make the deprecated module ``old`` (the shim calling this, at its import) the module ``new``.
+
+    The shim replaces itself in ``sys.modules``, so ``from old import Name`` gets the very objects
+    of ``new`` (``isinstance`` checks and registries see one class), a run's saved config that names
+    ``old.Name`` as its ``class_path`` still loads, and the warning is raised once per process.
+    ``new`` is imported by name: a shim is an alias kept at the package's surface, not a dependency
+    of its layer, and nothing in the package imports one (tests/unit/test_deprecated_paths.py).
+    """
+    warnings.warn(
+        f"`{old}` moved to `{new}`; import from `{new}` (or the names from `earl_lightning`): "
+        f"the old path goes in {removed_in}",
+        DeprecationWarning,
+        stacklevel=3,  # the importing code: the import machinery's own frames are skipped
+    )
+    sys.modules[old] = importlib.import_module(new)

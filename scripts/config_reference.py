@@ -164,7 +164,43 @@ def render() -> str:
     ):
         parts.append(f"\n## {title}\n\n| setting | default | meaning |\n| --- | --- | --- |")
         parts += rows_of(prefix, signature_params(cls), arg_docs(cls), groups=signature_groups(cls))
-    return "\n".join(parts + export_rows() + sft_rows()) + "\n"
+    return "\n".join(parts + fit_rows() + export_rows() + sft_rows() + preset_rows()) + "\n"
+
+
+FIT_HEADER = """
+## `earl fit`'s own arguments
+
+| argument | default | meaning |
+| --- | --- | --- |"""
+
+PRESETS_HEADER = """
+## Offline presets (`--model.model earl-tiny...`)
+
+Small Qwen2-architecture models with random weights, built on first use (no download) and cached
+under `~/.cache/earl_lightning` (`EARL_CACHE_DIR`). `earl presets` prints this table; `earl presets
+NAME` builds one and prints its `save_pretrained` directory, which any tool loads
+(`AutoModelForCausalLM.from_pretrained(<dir>)`, `AutoTokenizer`, vLLM); in Python,
+`earl_lightning.models.make_tiny_model(NAME)` returns the same path.
+
+| preset | layers | hidden | heads | parameters | tokenizer | chat template | used by |
+| --- | --- | --- | --- | --- | --- | --- | --- |"""
+
+
+def fit_rows() -> list[str]:
+    """``earl fit``'s arguments outside the groups."""
+    from earl_lightning.fit_cli import DUMP_HELP
+
+    return [FIT_HEADER, f"| `--dump_episodes` | `null` | {DUMP_HELP} |"]
+
+
+def preset_rows() -> list[str]:
+    from earl_lightning.models.tiny import preset_table
+
+    return [PRESETS_HEADER] + [
+        f"| `{r['name']}` | {r['layers']} | {r['hidden']} | {r['heads']} | {r['parameters']:,} | "
+        f"{r['tokenizer']} | `{r['chat_template']}` | {r['use']} |"
+        for r in preset_table()
+    ]
 
 
 EXPORT_HEADER = """
@@ -206,8 +242,8 @@ def export_rows() -> list[str]:
 
 def sft_rows() -> list[str]:
     """``earl sft``'s table: its own arguments, then its ``model:`` and ``data:`` groups."""
-    from earl_lightning.cli import SFT_ARGS
     from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
+    from earl_lightning.sft_cli import SFT_ARGS
 
     rows = [
         SFT_HEADER,

@@ -1,6 +1,6 @@
 """Turn a run's TensorBoard scalars into a PNG learning curve (and a CSV of the same numbers).
 
-python scripts/plot_learning_curve.py runs/connect4_grpo/lightning_logs/version_0 --out docs/learning_curve.png
+python scripts/plot_learning_curve.py runs/connect4_grpo/lightning_logs/version_0 --out docs/experiments/results/learning_curve.png
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def plot(scalars: dict, out: Path, title: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("logdir", help="a TensorBoard run directory (lightning_logs/version_N)")
-    p.add_argument("--out", default="docs/learning_curve.png")
+    p.add_argument("--out", default="docs/experiments/results/learning_curve.png")
     p.add_argument(
         "--title", default=None, help="default: the run's algorithm and model (from hparams.yaml)"
     )

@@ -133,11 +133,11 @@ def read_curves(root: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(events[-1].parent), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    # Lightning logs an evaluation run after update k at step k - 1; the one before any update at 0.
+    # an evaluation after k updates is logged at step k (the one before any update at 0)
     wanted = [m for m in METRICS if m in tags] + sorted(
         t for t in tags if t.startswith(REWARD_FUNCTIONS)
     )
-    return {m: [(e.step + 1 if e.step else 0, e.value) for e in acc.Scalars(m)] for m in wanted}
+    return {m: [(e.step, e.value) for e in acc.Scalars(m)] for m in wanted}
 
 
 def write(records: list[dict], out: Path) -> None:

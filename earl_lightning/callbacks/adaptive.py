@@ -18,6 +18,7 @@ from typing import Any, Literal, Union
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
 from earl_lightning.callbacks.adaptive_setup import (
     GIB,
@@ -115,6 +116,7 @@ class AdaptiveParallelism(StageOOMHandler):
         self._default_context = 1.0
 
     # ---- Lightning hooks -------------------------------------------------------------------
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from earl_lightning.strategies import EarlStrategy
 
@@ -132,6 +134,7 @@ class AdaptiveParallelism(StageOOMHandler):
         if self.profile is not None:  # a corrupt or mismatched file fails before any model is built
             self.table = ProfileTable.load(self.profile, world_size=trainer.world_size)
 
+    @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Built here, not in setup(): the model exists after configure_model and the optimizer after
         # the strategy's setup, and both size the memory model.
@@ -190,6 +193,7 @@ class AdaptiveParallelism(StageOOMHandler):
         )
         return self.selector
 
+    @override
     def on_train_batch_end(
         self,
         trainer: L.Trainer,
@@ -245,6 +249,7 @@ class AdaptiveParallelism(StageOOMHandler):
         return bool(left)
 
     # ---- state -----------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
         if self.selector is None:
             return dict(self._pending_state or {})
@@ -254,6 +259,7 @@ class AdaptiveParallelism(StageOOMHandler):
             "last_context": self._last_context,
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return

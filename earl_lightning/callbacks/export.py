@@ -7,6 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
 
 from earl_lightning.checkpoints import inside_problem, output_dir_problem, overlap_problem
 from earl_lightning.errors import EarlError
@@ -78,6 +79,7 @@ class ExportModel(L.Callback):
             self.dirpath, DIRPATH, ckpt_path, read
         )
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # before any training (`earl fit` checks it before the fit, to say it in one line)
         problem = self.problem(trainer, trainer.ckpt_path) if stage == "fit" else None
@@ -92,6 +94,7 @@ class ExportModel(L.Callback):
             return Path(checkpoints.dirpath).parent / EXPORT_DIRNAME
         return Path(trainer.log_dir or trainer.default_root_dir) / EXPORT_DIRNAME
 
+    @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.enabled:
             return

@@ -17,19 +17,23 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
+from typing_extensions import override
 
 
 class StepProgressBar(TQDMProgressBar):
     """TQDM progress bar that counts optimizer steps (RL iterations) against ``trainer.max_steps``."""
 
+    @override
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         # Only what the module logged with prog_bar=True: `v_num` (the logger's version) is not progress.
         return dict(trainer.progress_bar_metrics)
 
     @property
+    @override
     def train_description(self) -> str:
         return "step" if self.trainer.max_steps > 0 else super().train_description
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
         super().on_train_start(trainer, *args)
         if trainer.max_steps > 0:
@@ -39,12 +43,14 @@ class StepProgressBar(TQDMProgressBar):
             bar.initial = bar.n = trainer.global_step
             bar.refresh()
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         # A step bar spans epochs (and a run resumed mid-epoch gets no epoch start): it is set up once,
         # in on_train_start.
         if trainer.max_steps <= 0:
             super().on_train_epoch_start(trainer, *args)
 
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -61,6 +67,7 @@ class StepProgressBar(TQDMProgressBar):
             bar.n = trainer.global_step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws the bar
 
+    @override
     def on_validation_batch_start(
         self,
         trainer: pl.Trainer,

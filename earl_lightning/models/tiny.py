@@ -93,6 +93,49 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# what each preset is for (`earl presets`, docs/configuration.md)
+PRESET_USES = {
+    "earl-tiny": "every recipe's default; the tests",
+    "earl-tiny-local": "the same, every layer windowed (Mistral-style sliding window of 128)",
+    "earl-tiny-4l": "the Connect Four, tic-tac-toe, Hex and addition warm starts",
+    "earl-tiny-think": "a chat template that drops earlier turns' reasoning (`<think>`), as Qwen3's",
+    "earl-tiny-bpe": "earl-tiny with a byte-level BPE tokenizer",
+    "earl-tiny-bpe-4l": "the tool tasks (calculator, inventory): a call is ~22 tokens, not ~84",
+    "earl-tiny-100m": "the reshard and memory-model benchmarks",
+}
+
+
+def preset_table() -> list[dict[str, Any]]:
+    """Every preset's shape, parameter count (Qwen2's, embeddings tied), tokenizer and chat
+    template, computed without building anything."""
+    from earl_lightning.models.bpe import TOOL_TOKENS, VOCAB_SIZE
+
+    rows = []
+    for name, spec in PRESETS.items():
+        kw = {**_TINY, **spec}
+        h, inter, layers = kw["hidden_size"], kw["intermediate_size"], kw["num_hidden_layers"]
+        heads, kv = kw["num_attention_heads"], kw["num_key_value_heads"]
+        bpe = kw.get("tokenizer") == "bpe"
+        vocab = VOCAB_SIZE + len(TOOL_TOKENS) if bpe else len(char_vocab())
+        vocab = (vocab + 7) // 8 * 8
+        kv_dim = kv * h // heads
+        # q, k, v with biases; o; the gated MLP; two norms
+        layer = (h * h + h) + 2 * (h * kv_dim + kv_dim) + h * h + 3 * h * inter + 2 * h
+        rows.append(
+            {
+                "name": name,
+                "layers": layers,
+                "hidden": h,
+                "heads": f"{heads} ({kv} kv)",
+                "parameters": vocab * h + layers * layer + h,
+                "tokenizer": f"byte-level BPE, {vocab} ids" if bpe else f"characters, {vocab} ids",
+                "chat_template": kw.get("chat_template", "chatml"),
+                "use": PRESET_USES.get(name, ""),
+            }
+        )
+    return rows
+
+
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable-unicode map (the one byte-level BPE tokenizers use)."""
     keep = [

@@ -1,4 +1,5 @@
-"""The algorithm group's settings for what peers add to the plain update: the rollout correction
+"""The algorithm group's settings: the policy loss, the KL to the reference, the value head's
+loss, and what peers add to the plain update: the rollout correction
 (truncated or masked importance sampling), DAPO's soft overlong punishment and its dynamic sampling.
 Each is a frozen dataclass checked on construction, errors naming the flag as written
 (``--model.algorithm.rollout_correction.high``); :class:`~earl_lightning.modules.config.AlgorithmConfig`
@@ -8,16 +9,106 @@ holds them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, get_policy_loss
 from earl_lightning.algorithms.correction import RolloutCorrection, get_is_level, get_is_mode
 from earl_lightning.algorithms.shaping import overlong_penalty
 from earl_lightning.checks import check_count, check_number
+from earl_lightning.registry import bind_params
 
 ARG = "--model.algorithm"
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The policy loss and how per-token losses become one scalar.
+
+    Args:
+        name: registered name (``ppo_clip``, ``gspo``) or import path of a function registered
+            with ``register_policy_loss``.
+        clip_low: the ratio is clipped below at ``1 - clip_low``; null: the loss's default.
+        clip_high: the ratio is clipped above at ``1 + clip_high``; null: the loss's default.
+        dual_clip: cap of a negative-advantage token's loss at ``-A * dual_clip`` (> 1; null: off).
+        aggregation: ``token_mean`` (DAPO), ``seq_mean_token_mean`` (GRPO) or
+            ``seq_mean_token_sum_norm`` (Dr. GRPO); also applied to the entropy and KL terms.
+        norm_constant: the constant of ``seq_mean_token_sum_norm`` (null: ``max_context_tokens``).
+        kwargs: further keyword parameters of a user's loss.
+    """
+
+    name: str = "ppo_clip"
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    aggregation: str = "token_mean"
+    norm_constant: float | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        arg = f"{ARG}.loss"
+        why = " (the ratio's lower bound is 1 - clip_low)"
+        below_one = dict(low=0, high=1, strict_high=True, optional=True)
+        check_number(f"{arg}.clip_low", self.clip_low, **below_one, unit=why)
+        check_number(f"{arg}.clip_high", self.clip_high, low=0, optional=True)
+        check_number(f"{arg}.dual_clip", self.dual_clip, low=1.0, strict=True, optional=True)
+        check_number(f"{arg}.norm_constant", self.norm_constant, low=0, strict=True, optional=True)
+        get_loss_aggregation(self.aggregation, f"{arg}.aggregation")
+        self.params  # noqa: B018 - resolves the loss and binds its parameters now, at config time
+
+    @property
+    def fn(self):
+        return get_policy_loss(self.name, f"{ARG}.loss.name")
+
+    @property
+    def params(self) -> dict[str, Any]:
+        given = {
+            "clip_low": self.clip_low,
+            "clip_high": self.clip_high,
+            "dual_clip": self.dual_clip,
+            **self.kwargs,
+        }
+        return bind_params(
+            self.fn, given, what=f"policy loss {self.name!r}", arg=f"{ARG}.loss", skip=4
+        )
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    """KL to a frozen reference model (a copy of the starting weights).
+
+    Args:
+        coef: weight of the KL (0 disables it and the reference model).
+        estimator: ``k1``, ``k2`` or ``k3`` (Schulman's estimators), or an import path.
+        in_reward: subtract the KL from the token rewards instead of adding it to the loss.
+    """
+
+    coef: float = 0.0
+    estimator: str = "k3"
+    in_reward: bool = False
+
+    def __post_init__(self) -> None:
+        check_number(f"{ARG}.kl.coef", self.coef, low=0)
+        get_kl_estimator(self.estimator, f"{ARG}.kl.estimator")
+
+
+@dataclass(frozen=True)
+class ValueConfig:
+    """The value head's loss (used when the estimator needs values, e.g. ``gae``).
+
+    Args:
+        coef: weight of the value loss ``0.5 * (V - G)^2``.
+        clip: PPO value clipping around the old values (null: plain squared error).
+    """
+
+    coef: float = 0.5
+    clip: float | None = 0.2
+
+    def __post_init__(self) -> None:
+        check_number(f"{ARG}.value.coef", self.coef, low=0)
+        check_number(f"{ARG}.value.clip", self.clip, low=0, optional=True)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The run's metrics as torchmetrics: episode outcomes, context lengths, generated tokens, and
-episode transcripts for TensorBoard; stage timings are :class:`~earl_lightning.stages.StageTimer`.
+"""The run's metrics as torchmetrics: episode outcomes, context lengths, generated tokens; stage
+timings are :class:`~earl_lightning.stages.StageTimer`, transcripts :mod:`~earl_lightning.modules.transcripts`.
 
 Every metric synchronizes its states across ranks (sums, maxima), so a multi-process run logs
 global values. Ranks of one tensor-parallel group play the same episodes: only TP rank 0 updates
@@ -222,6 +222,23 @@ class RunMetrics(nn.Module):
             yield key.replace("__", "/"), m
 
 
+def log_at_global_step(module: Any) -> None:
+    """Log the evaluation being run at the module's ``global_step`` (the optimizer steps done,
+    what the progress bar counts), from ``validation_step``: Lightning logs an evaluation inside
+    the training loop at the step before (its count is raised after the evaluation), so an
+    evaluation after 15 steps would be drawn at 14. A logged ``step`` is the x-axis it uses (the
+    same on every rank: synchronized, as Lightning asks of an epoch-level value, by a maximum)."""
+    module.log(
+        "step",
+        float(module.global_step),
+        on_step=False,
+        on_epoch=True,
+        batch_size=1,
+        sync_dist=True,
+        reduce_fx="max",
+    )
+
+
 def _applicable(values: dict[str, float], flags: dict[str, bool]) -> dict[str, float]:
     return {k: v for k, v in values.items() if flags.get(REPORTED_BY.get(k, ""), True)}
 
@@ -317,29 +334,6 @@ def zero_spread_share(episodes: Sequence[Any], num_groups: int, reduce: Any) -> 
     sized = group.count >= 2
     flat = sized & (group.var() <= 1e-12 * (1.0 + group.mean().abs()))
     return float(flat.sum()) / max(int(sized.sum()), 1)
-
-
-def format_transcript(ep: Any) -> str:
-    head = (
-        f"**env** {ep.spec.env} **seed** {ep.spec.seed} **reward** {ep.reward:+.2f} "
-        f"**outcome** {ep.outcome} **turns** {ep.num_turns} **invalid** {ep.invalid_action}"
-    )
-    body = "\n\n".join(
-        f"**{m['role']}**:\n\n    " + m["content"].replace("\n", "\n    ") for m in ep.messages
-    )
-    return head + "\n\n" + body
-
-
-def log_transcripts(loggers: Sequence[Any], episodes: Sequence[Any], step: int) -> None:
-    """Episode transcripts as TensorBoard text (loggers that are not TensorBoard's are skipped)."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    for logger in loggers:
-        if isinstance(logger, TensorBoardLogger):
-            for i, ep in enumerate(episodes):
-                logger.experiment.add_text(
-                    f"transcripts/episode_{i}", format_transcript(ep), global_step=step
-                )
 
 
 def episode_metrics(

@@ -10,16 +10,19 @@ registries named in the typed configuration (:mod:`earl_lightning.modules.config
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from earl_lightning.algorithms import get_kl_estimator
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.dispatch.exchange import Exchanger
+from earl_lightning.export import gather_state_dict, write_pretrained
 from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer
@@ -34,13 +37,8 @@ from earl_lightning.modules.config import (
     check_module_args,
 )
 from earl_lightning.modules.dynamic_sampling import Draws, play_draws
-from earl_lightning.modules.metrics import (
-    RunMetrics,
-    batch_stats,
-    episode_metrics,
-    log_transcripts,
-    reported,
-)
+from earl_lightning.modules.evaluation import EvaluationHooks
+from earl_lightning.modules.metrics import RunMetrics, batch_stats
 from earl_lightning.modules.rollout_setup import (
     check_first_observation,
     make_backend,
@@ -48,6 +46,9 @@ from earl_lightning.modules.rollout_setup import (
     reward_extras,
 )
 from earl_lightning.modules.sampled_eval import SampledEvalMetrics
+from earl_lightning.modules.signal import LearningSignal
+from earl_lightning.modules.step_logging import StepLogging
+from earl_lightning.modules.transcripts import EpisodeLog, TranscriptConfig, transcript_settings
 from earl_lightning.modules.views import (
     exactly_on_policy,
     module_hparams,
@@ -58,7 +59,6 @@ from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.endpoint import EndpointServer
 from earl_lightning.rollout.scoring import score_episodes
-from earl_lightning.rollout.weight_sync import step_mismatch
 from earl_lightning.seeding import run_seed
 from earl_lightning.stages import (
     StageContext,
@@ -76,7 +76,7 @@ from earl_lightning.train.scored import can_score_last_layer
 from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 
 
-class AgenticRLModule(L.LightningModule):
+class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
     """Multi-turn agentic RL of a causal LM.
 
     Args:
@@ -87,7 +87,12 @@ class AgenticRLModule(L.LightningModule):
         optim: AdamW, its schedule, epochs, mini-batches and the micro-batch token budget.
         seed: base seed of the sampling RNG (per step and data-parallel rank) and the value head;
             null (default): the run's seed (``seed_everything``).
-        transcript_every_n_steps: log episode transcripts to TensorBoard every N steps (0: never).
+        transcripts: which episode transcripts are logged to TensorBoard, how many and how often;
+            the first prompt as the model reads it; every episode as JSON lines (``dump``).
+        transcript_every_n_steps: deprecated: ``transcripts.every_n_steps``.
+        no_signal_steps: warn once when this many steps in a row had no learning signal (every
+            group's rewards equal, or a gradient norm of 0; ``train/steps_without_signal`` counts
+            them, and the progress bar shows them); 0: never.
         logprob_mismatch_warn: warn when rollout and recomputed log-probs differ by more than this.
         peft: train LoRA adapters (``peft``) instead of all weights: rank, alpha, dropout, target
             modules. The KL reference is then the same model with its adapters off (no second copy),
@@ -102,9 +107,11 @@ class AgenticRLModule(L.LightningModule):
         algorithm: AlgorithmConfig = AlgorithmConfig(),
         optim: OptimConfig = OptimConfig(),
         seed: int | None = None,
-        transcript_every_n_steps: int = 10,
+        transcripts: TranscriptConfig = TranscriptConfig(),
+        transcript_every_n_steps: int | None = None,
         logprob_mismatch_warn: float = 1e-3,
         peft: LoraSettings | None = None,
+        no_signal_steps: int = 10,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -113,7 +120,8 @@ class AgenticRLModule(L.LightningModule):
         self.optim_config = coerce(OptimConfig, optim, "--model.optim")
         check_combination(self.rollout_config, self.algorithm_config)
         seed = run_seed(seed, f"{A}.seed")
-        check_module_args(dtype, seed, transcript_every_n_steps, logprob_mismatch_warn)
+        self.transcripts = transcript_settings(transcripts, transcript_every_n_steps)
+        check_module_args(dtype, seed, no_signal_steps, logprob_mismatch_warn)
         self.peft_config = None if peft is None else coerce(LoraSettings, peft, "--model.peft")
         host_memory_mode()  # a bad EARL_HOST_MEMORY fails here, while the run is being built
         self.save_hyperparameters(
@@ -125,8 +133,9 @@ class AgenticRLModule(L.LightningModule):
                     self.algorithm_config,
                     self.optim_config,
                     seed,
-                    transcript_every_n_steps,
+                    self.transcripts,
                     logprob_mismatch_warn,
+                    no_signal_steps,
                 ),
                 "peft": None if peft is None else to_dict(self.peft_config),
             }
@@ -144,6 +153,8 @@ class AgenticRLModule(L.LightningModule):
         self._backend = None
         self._endpoint: EndpointServer | None = None  # started at the first agent rollout
         self._reward_outcomes: list = []  # the last scoring's outcomes on this rank (log_metric values)
+        self.signal = LearningSignal(no_signal_steps)
+        self.episode_log = EpisodeLog(self.transcripts, seed)
 
     # ---- what the run is made of -------------------------------------------------------------
     @property
@@ -166,6 +177,7 @@ class AgenticRLModule(L.LightningModule):
             scored_last_layer=scored,
         )
 
+    @override
     def configure_model(self) -> None:
         if self.policy is not None:
             return
@@ -176,13 +188,18 @@ class AgenticRLModule(L.LightningModule):
         self.policy.config.use_cache = False
         self.policy.train()
         if algo.kl.coef and self.peft_config is None:
+            # frozen; every forward of it runs in eval mode (fill_logprobs' eval_mode), so between
+            # them it rests in train mode like the policy: no module of the run is in eval mode
+            # when training starts (Lightning warns of any that is)
             self.ref_policy = load_model(hp.model, hp.dtype, "--model.model").requires_grad_(False)
+            self.ref_policy.train()
         if algo.needs_values:
             torch.manual_seed(hp.seed)
             self.value_head = torch.nn.Linear(self.policy.config.hidden_size, 1)
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         cfg = self.optim_config
         opt = torch.optim.AdamW(
@@ -196,6 +213,7 @@ class AgenticRLModule(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: cfg.lr_factor(step, total))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    @override
     def setup(self, stage: str) -> None:
         apply_host_memory()  # freed activations are kept for the next step (earl_lightning/host_memory.py)
         dm = self.trainer.datamodule
@@ -220,6 +238,7 @@ class AgenticRLModule(L.LightningModule):
         check_draws(self.algorithm_config.dynamic_sampling, dm.group_size)
 
     # ---- the RL iteration ----------------------------------------------------------------------
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """One RL iteration: rollout, experience, train, each under the layout its strategy
         picks (:mod:`earl_lightning.stages`; a stage that ran out of memory is tried again), the
@@ -269,48 +288,7 @@ class AgenticRLModule(L.LightningModule):
         for ctx in (exp_ctx, train_ctx):  # the micro-batch budget each forward stage ran with
             budget = ctx.budget(self.optim_config.micro_batch_tokens)
             metrics[f"stage/{ctx.name}/micro_batch_tokens"] = float(budget)
-        self._log_step(metrics, draws.first[:2], step)
-
-    def _step_metrics(
-        self,
-        runner: StageRunner,
-        draws: Draws,
-        num_groups: int,
-        exp: ExperienceBatch,
-        update: dict[str, float],
-        rollout_ctx: StageContext,
-        train_ctx: StageContext,
-    ) -> dict[str, float]:
-        """The step's logged metrics, each reduced over all ranks (every rank calls this); the
-        episodes' figures are those of the step's own batch (``draws.first``)."""
-        episodes = draws.first
-        metrics = self.run_metrics.step(
-            episodes, rollout_ctx.reduce.counts_here, exp, train_ctx.reduce.counts_here
-        )
-        for more in (
-            runner.timer.metrics(metrics["tokens/generated"], metrics["tokens/total"]),
-            update,
-            self._stages().pop_stage_metrics(),
-            self._exchanger().pop_metrics(),
-            self._backend.metrics(),
-            draws.metrics(),
-            self.algorithm_config.overlong.metrics(episodes, rollout_ctx.reduce),
-        ):
-            metrics.update(more)
-        measured = update.pop("logprob/mismatch") if self._on_policy else None
-        warn = self.hparams.logprob_mismatch_warn
-        metrics["logprob/mismatch"] = step_mismatch(exp.tokens, train_ctx.reduce, measured, warn)
-        names = [f.name for f in self._reward_funcs()]
-        tools = self.rollout_config.tool_parser is not None
-        metrics.update(
-            episode_metrics(
-                episodes, num_groups, rollout_ctx.reduce, names, self._reward_outcomes, tools
-            )
-        )
-        metrics.update(
-            {"rl/iteration": float(self.rl_iteration), "oom/recoveries": float(self.oom_recoveries)}
-        )
-        return metrics
+        self._log_step(metrics, draws.first, step, rollout_ctx.reduce.counts_here)
 
     def _draw(self, step: int, specs: list, num_groups: int, ctx: StageContext) -> Draws:
         """The step's episodes, scored and shaped (``algorithm.overlong``); with dynamic sampling,
@@ -455,81 +433,28 @@ class AgenticRLModule(L.LightningModule):
         seed = self.hparams.seed * 1_000_003 + step * 131 + dp_rank + draw * 7_919_777
         return seed % (2**31 - 1)
 
-    def _log_step(self, metrics: dict[str, float], sample_episodes: list, step: int) -> None:
-        for name in ("reward/mean", "env/win_rate"):
-            if name in metrics:
-                self.log(name, metrics.pop(name), prog_bar=True, on_step=True, rank_zero_only=True)
-        self.log_dict(metrics, on_step=True, rank_zero_only=True)
-        every = self.hparams.transcript_every_n_steps
-        if every and step % every == 0 and self.global_rank == 0:
-            log_transcripts(self.loggers, sample_episodes, step)
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """The policy and its tokenizer (with the chat template) as a ``save_pretrained``
+        directory that transformers, vLLM and ``--model.model`` load: TRL's
+        ``trainer.save_model``. Sharded weights are gathered (under several processes every
+        process calls it), LoRA adapters merged; process 0 writes, atomically."""
+        state = gather_state_dict(self.policy, keep=self.global_rank == 0)
+        if self.global_rank == 0:
+            write_pretrained(self.policy, self.tokenizer, directory, state)
+        return Path(directory)
 
-    # ---- evaluation ----------------------------------------------------------------------------
-    def _evaluate(self, batch: dict[str, Any]) -> dict[str, bool]:
-        """Play the batch's ``specs`` greedily into the validation metrics and its ``sampled``
-        ones (``--data.eval_samples``) with the training's sampling into pass@k and mean@n;
-        which optional rates the greedy episodes report."""
-        specs, runner = batch["specs"], self._runner(StageTimer())
-        for attempt in runner.attempts("rollout", self._spec_stats(specs)):
-            with attempt as ctx:
-                episodes = self._play(specs, ctx, seed=0, greedy=True)
-        self.run_metrics.update_val(episodes, ctx.reduce.counts_here)
-        if batch["sampled"]:
-            for attempt in runner.attempts("rollout", self._spec_stats(batch["sampled"])):
-                with attempt as sampled_ctx:  # the module's seed: the same draws every evaluation
-                    sampled = self._play(batch["sampled"], sampled_ctx, seed=self.hparams.seed)
-            self.sampled_eval.update(sampled, sampled_ctx.reduce.counts_here)
-        with runner.outside("the evaluation's metric reductions"):
-            return {flag: ctx.reduce.any(value) for flag, value in reported(episodes).items()}
-
-    def on_validation_epoch_end(self) -> None:
-        # Lightning computes the logged metric objects after this hook; computing them here puts
-        # their synchronization under the one-line lost-peer error (torchmetrics keeps the result).
-        with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
-            for metric in [
-                *self.run_metrics.val_objects({}).values(),
-                *self.sampled_eval.objects().values(),
-            ]:
-                metric.compute()
-
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        flags = self._evaluate(batch)
-        objects = {**self.run_metrics.val_objects(flags), **self.sampled_eval.objects()}
-        for name, metric in objects.items():
-            self.log(
-                name,
-                metric,
-                prog_bar=name == "val/win_rate",
-                on_step=False,
-                on_epoch=True,
-                batch_size=1,
-            )
-
-    def on_train_start(self) -> None:
-        # The first evaluation, before any update: the learning curve's baseline at step 0.
-        dm = self.trainer.datamodule
-        if (
-            self.global_step == 0
-            and isinstance(dm, EpisodeDataModule)
-            and dm.eval_episodes
-            and self.trainer.val_dataloaders is not None
-            and self.trainer.limit_val_batches
-        ):
-            flags = self._evaluate(next(iter(dm.val_dataloader())))
-            with trainer_lost_peer(self.trainer).during("the evaluation's metric reductions"):
-                values = {**self.run_metrics.compute_val(flags), **self.sampled_eval.compute()}
-            for logger in self.loggers:
-                logger.log_metrics(values, step=0)
-
+    @override
     def teardown(self, stage: str) -> None:
         if self._endpoint is not None:  # the agents' endpoint serves one fit (or validate)
             self._endpoint.close()
             self._endpoint = None
 
     # ---- checkpointing -------------------------------------------------------------------------
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["earl"] = {"rl_iteration": self.rl_iteration}
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.rl_iteration = checkpoint.get("earl", {}).get("rl_iteration", 0)
         self.configure_model()

@@ -27,6 +27,7 @@ def loop_kwargs(
             ToolUse(
                 get_tool_parser(rollout.tool_parser),
                 tuple(tools or ()),
+                rollout.tool_schema,
                 rollout.max_tool_argument_chars,
                 rollout.max_tool_result_chars,
             )

@@ -124,8 +124,9 @@ def module_hparams(
     algorithm: AlgorithmConfig,
     optim: OptimConfig,
     seed: int,
-    transcript_every_n_steps: int,
+    transcripts: Any,
     logprob_mismatch_warn: float,
+    no_signal_steps: int,
 ) -> dict[str, Any]:
     """The module's arguments as plain data: what checkpoints store and TensorBoard shows, and what
     ``load_from_checkpoint`` hands back to the constructor (which takes dicts for groups)."""
@@ -136,6 +137,7 @@ def module_hparams(
         "algorithm": to_dict(algorithm),
         "optim": to_dict(optim),
         "seed": seed,
-        "transcript_every_n_steps": transcript_every_n_steps,
+        "transcripts": to_dict(transcripts),
         "logprob_mismatch_warn": logprob_mismatch_warn,
+        "no_signal_steps": no_signal_steps,
     }

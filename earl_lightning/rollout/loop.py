@@ -41,7 +41,7 @@ from earl_lightning.rollout.turns import LiveEpisode, TurnLimits
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 from earl_lightning.tasks.rows import first_messages
 from earl_lightning.tasks.tool_parsers import ParsedTurn, ToolParser
-from earl_lightning.tasks.tools import Tool, ToolSet, tool_of
+from earl_lightning.tasks.tools import Tool, ToolSet, shown_schema, tool_of
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class ToolUse:
 
     parser: ToolParser
     tools: tuple[Tool, ...] = ()
+    schema: str = "full"  # how the prompt renders the tools' schemas (tasks/tools.py: shown_schema)
     max_argument_chars: int | None = None
     max_result_chars: int | None = None
 
@@ -250,7 +251,11 @@ def start_episodes(
             continue
         st.env, observation = started
         st.tools = _toolset(tools, st.env, calls.tools_for(spec))
-        schemas = st.tools.schemas if st.tools is not None else None
+        schemas = (
+            [shown_schema(s, tools.schema) for s in st.tools.schemas]
+            if st.tools is not None
+            else None
+        )
         key = tuple(s["function"]["name"] for s in schemas or ())
         st.chat = chats.setdefault(key, ChatDeltas(tokenizer, schemas))
         if spec.row is None:

@@ -6,15 +6,25 @@ template exactly as :func:`~earl_lightning.rollout.loop.rollout` builds an episo
 prompt with its generation prompt; each assistant message's content as the model would generate
 it, then its end-of-turn text; the messages between assistant turns as one delta), so a model
 warm-started on these rows sees at RL time the very sequences it was trained on.
+
+An assistant message with structured ``tool_calls`` (TRL's and Hugging Face's form: ``{"role":
+"assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": ...,
+"arguments": {...}}}]}``) is what the model writes for it: the text the template renders for the
+message after the generation prompt, which must read back as the same calls with the rollout's
+tool parser. That text is trained on, and from there on the message is kept as the rollout keeps a
+turn it played (``{"role": "assistant", "content": <text>}``).
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from earl_lightning.rollout.chat import ChatDeltas, Messages
+from earl_lightning.rollout.chat import ChatDeltas, Messages, NotAppendOnly
 from earl_lightning.rollout.loop import raw_prompt_ids
-from earl_lightning.tasks.rows import check_messages, first_messages
+from earl_lightning.tasks.rows import check_messages, check_tool_calls, first_messages
+from earl_lightning.tasks.tool_parsers import get_tool_parser
+
+PARSER_ARG = "--model.rollout.tool_parser"
 
 
 class LabelledRow(NamedTuple):
@@ -74,12 +84,18 @@ def conversation_row(chat: ChatDeltas, messages: Messages, train_from: int = 0) 
 
 
 def sft_row(
-    row: dict[str, Any], chat: ChatDeltas, system_prompt: str | None, where: str
+    row: dict[str, Any],
+    chat: ChatDeltas,
+    system_prompt: str | None,
+    where: str,
+    tool_parser: str | None = None,
 ) -> LabelledRow:
     """A supervised row in TRL's SFT forms: ``prompt`` + ``completion`` (the completion is
     labelled) or ``messages`` (every assistant message is labelled). A standard-form (string)
     prompt and completion are plain text, no chat template, the completion followed by eos (what
-    the RL rollout of a string prompt generates)."""
+    the RL rollout of a string prompt generates). ``tool_parser``: the rollout's parser (its
+    registered name or import path), which must read each structured tool call back from the
+    text the template writes for it."""
     if "prompt" in row and "completion" in row:
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
@@ -92,10 +108,82 @@ def sft_row(
                 f"{where}: `prompt` and `completion` must both be strings (standard form) or both lists "
                 f"of messages (conversational form)"
             )
-        head = first_messages(check_messages(prompt, f"{where}: `prompt`"), system_prompt)
+        given = check_messages(prompt, f"{where}: `prompt`")
+        head = first_messages(given, system_prompt)
         tail = check_messages(completion, f"{where}: `completion`")
-        return conversation_row(chat, head + tail, train_from=len(head))
-    messages = check_messages(row.get("messages"), f"{where}: `messages`")
-    if not any(m["role"] == "assistant" for m in messages):
+        shift = len(given) - len(head)  # a system prompt put first moves the messages by one
+        played = rollout_form(
+            chat, head + tail, tool_parser, f"{where}: `prompt` + `completion`", shift
+        )
+        return conversation_row(chat, played, train_from=len(head))
+    given = check_messages(row.get("messages"), f"{where}: `messages`")
+    if not any(m["role"] == "assistant" for m in given):
         raise ValueError(f"{where}: `messages` has no assistant message: nothing to train on")
-    return conversation_row(chat, first_messages(messages, system_prompt))
+    messages = first_messages(given, system_prompt)
+    shift = len(given) - len(messages)
+    return conversation_row(
+        chat, rollout_form(chat, messages, tool_parser, f"{where}: `messages`", shift)
+    )
+
+
+def rollout_form(
+    chat: ChatDeltas, messages: Messages, tool_parser: str | None, where: str, shift: int = 0
+) -> Messages:
+    """``messages`` as the rollout keeps a transcript it played: each assistant message with
+    structured ``tool_calls`` becomes ``{"role": "assistant", "content": <the text the model
+    writes for it>}`` (:func:`called_text`); ``shift`` turns an index here into the row's own."""
+    out: Messages = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            text = called_text(chat, out, m, tool_parser, f"{where}, message {i + shift}")
+            m = {"role": "assistant", "content": text}
+        out.append(m)
+    return out
+
+
+def called_text(
+    chat: ChatDeltas, before: Messages, message: dict[str, Any], tool_parser: str | None, where: str
+) -> str:
+    """The text a model writes for ``message`` (an assistant message with ``tool_calls``) after
+    ``before``: the template's render of it after the generation prompt, less the end-of-turn
+    text, checked to read back as the same calls with ``tool_parser``."""
+    calls = check_tool_calls(message["tool_calls"], where)
+    if tool_parser is None:
+        raise ValueError(
+            f"{where} calls {[name for name, _ in calls]}, and `{PARSER_ARG}` is null: set the "
+            f"parser of the model's tool-call format (hermes, llama3_json, mistral), the one the "
+            f"RL run reads the calls with"
+        )
+    offered = [t["function"]["name"] for t in chat.tools or ()]
+    unknown = sorted({name for name, _ in calls} - set(offered))
+    if unknown:
+        raise ValueError(
+            f"{where} calls {unknown}, which the prompt does not offer (its tools: {offered}): "
+            f"name the tools in `--data.tools` (or an environment that offers them), so that their "
+            f"schemas are rendered as the RL run renders them"
+        )
+    written = {
+        **message,
+        "content": message.get("content") or "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls
+        ],
+    }
+    prompt = chat.render(before, generation_prompt=True)
+    whole = chat.render([*before, written], generation_prompt=False)
+    end = chat.end_of_turn(before, "")
+    if not whole.startswith(prompt) or not whole.endswith(end):
+        raise NotAppendOnly(
+            f"{where}: the chat template does not render this message after the generation prompt "
+            f"and before its end-of-turn text {end!r}; the rollout could not reproduce it"
+        )
+    text = whole[len(prompt) : len(whole) - len(end)]
+    parsed = get_tool_parser(tool_parser, PARSER_ARG)(text)
+    read = [(c.name, c.arguments) for c in parsed.calls]
+    if parsed.errors or read != calls:
+        raise ValueError(
+            f"{where}: the chat template writes its tool_calls as {text!r:.160}, which the "
+            f"`{PARSER_ARG}` {tool_parser!r} parser reads as {read or parsed.errors}, not "
+            f"{calls}; set the parser of this template's tool-call format"
+        )
+    return text

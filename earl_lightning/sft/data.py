@@ -13,11 +13,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+from typing_extensions import override
 
 from earl_lightning.checks import check_choice, check_count
 from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.datamodule import EvalEpisodes
-from earl_lightning.envs.base import check_env_name, make_env
+from earl_lightning.envs.base import ToolEnv, check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
 from earl_lightning.modules.config import RolloutConfig
 from earl_lightning.modules.metrics import episode_counts
@@ -28,10 +29,10 @@ from earl_lightning.rollout.process_env import check_env_sendable, check_picklab
 from earl_lightning.rollout.transcripts import sft_row
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.seeding import run_seed
-from earl_lightning.tasks.datasets import DatasetConfig, Splits, describe, open_splits
+from earl_lightning.tasks.datasets import CheckedRows, DatasetConfig, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
-from earl_lightning.tasks.rows import check_sft_row
-from earl_lightning.tasks.tools import Tool, resolve_tools
+from earl_lightning.tasks.rows import BadRowError, check_sft_row
+from earl_lightning.tasks.tools import Tool, resolve_tools, shown_schema, tool_of
 
 SFT_FORMS = (("prompt", "completion"), ("messages",))
 
@@ -101,14 +102,24 @@ def training_rows(
 
 
 def dataset_training_rows(
-    rows: Any, tokenizer: Any, system_prompt: str | None, tools: list[dict[str, Any]] | None = None
+    rows: Any,
+    tokenizer: Any,
+    system_prompt: str | None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_parser: str | None = None,
 ) -> list[dict[str, Any]]:
     """The supervised rows of a dataset in TRL's SFT forms (see :func:`~earl_lightning.rollout.transcripts.sft_row`):
     ``input_ids`` and ``labels`` (the ids on the trained tokens, -100 elsewhere); ``tools``: the
-    schemas every row is rendered with."""
+    schemas every row is rendered with; ``tool_parser``: the rollout's, which reads each
+    structured tool call back from its text. A row that cannot be rendered so is one
+    :class:`BadRowError` line naming it."""
     chat, out = ChatDeltas(tokenizer, tools), []
     for i, row in enumerate(rows):
-        ids, mask = sft_row(row, chat, system_prompt, f"`--data.dataset` row {i}")
+        where = rows.where(i) if isinstance(rows, CheckedRows) else f"`--data.dataset` row {i}"
+        try:
+            ids, mask = sft_row(row, chat, system_prompt, where, tool_parser)
+        except ValueError as err:
+            raise BadRowError(str(err)) from None
         out.append(
             {"input_ids": ids, "soft": [], "labels": [t if m else -100 for t, m in zip(ids, mask)]}
         )
@@ -123,11 +134,14 @@ class DemonstrationDataModule(L.LightningDataModule):
     ``history_turns``, else one per episode); the labels are the input ids on the assistant
     tokens and -100 elsewhere, batched by TRL's ``DataCollatorForLanguageModeling``. With a
     ``dataset``, its ``prompt``/``completion`` or ``messages`` rows are rendered by the chat
-    template as the rollout renders them, and evaluation plays the held-out rows (``prompt``:
-    the conversation before the last assistant message), scored by ``reward_funcs``.
+    template as the rollout renders them (an assistant message's structured ``tool_calls`` as the
+    text the model writes for them), and evaluation plays the held-out rows (a ``messages`` row
+    from its first user turn: the model plays the rest), scored by ``reward_funcs``.
 
     Args:
-        env: registered environment name or import path (as ``earl fit``'s ``--data.env``).
+        env: registered environment name or import path (as ``earl fit``'s ``--data.env``). With
+            a ``dataset``: its tools (a ``ToolEnv``'s) are rendered with the rows, and a dataset
+            without evaluation rows is evaluated on its held-out seeds.
         env_kwargs: keyword arguments of the environment.
         policy: the demonstration policy: ``random_legal``, ``centre_first``,
             ``imperfect_calculator``, or the import path of a callable ``observation -> action``
@@ -146,10 +160,14 @@ class DemonstrationDataModule(L.LightningDataModule):
             one noisy draw; ``sampled``: on the actions played only (plain SFT on the transcripts).
         dataset: train on a dataset instead of a policy's demonstrations (``policy`` and
             ``num_episodes`` are then unused): as ``earl fit``'s ``--data.dataset``, with rows in
-            TRL's SFT forms, ``prompt`` + ``completion`` or ``messages``; every row once per epoch.
+            TRL's SFT forms, ``prompt`` + ``completion`` or ``messages`` (an assistant message
+            may carry ``tool_calls`` in TRL's form: they are trained on as the text the chat
+            template writes for them, read back by ``--model.rollout.tool_parser``); every row
+            once per epoch.
         eval_dataset: (Python) the evaluation rows, a ``datasets.Dataset``.
         reward_funcs: with a ``dataset``, what scores the evaluation (as ``earl fit``'s
-            ``--data.reward_funcs``): the held-out rows are played from their prompt.
+            ``--data.reward_funcs``): the held-out rows are played from their prompt, a
+            ``messages`` row from its first user turn.
         reward_weights: one weight per reward function (null: 1.0 each).
         tools: tools the model may call, as ``earl fit``'s ``--data.tools``: the demonstrations and
             a dataset's rows are rendered with them (``apply_chat_template(..., tools=...)``).
@@ -209,6 +227,71 @@ class DemonstrationDataModule(L.LightningDataModule):
         self.rows: list[dict[str, Any]] | None = None
         self.stats: dict[str, float] = {}
 
+    def row_tools(self, form: str = "full") -> list[dict[str, Any]]:
+        """The schemas a dataset's rows are rendered with: ``tools``, then the environment's own
+        (a :class:`ToolEnv`), in ``form`` (``--model.rollout.tool_schema``), as the rollout
+        renders an episode's."""
+        own = []
+        if self.env is not None:
+            env = make_env(self.env, "--data.env", **self.env_kwargs)
+            if isinstance(env, ToolEnv):
+                own = [tool_of(t, "the environment's tools") for t in env.tools()]
+        return [shown_schema(t.schema, form) for t in [*self.tools, *own]]
+
+    def encode_rows(self, rows: Any, module: Any) -> list[dict[str, Any]]:
+        """``rows`` of the dataset as supervised rows, rendered with ``module``'s tokenizer and
+        rollout settings (:func:`dataset_training_rows`)."""
+        r = module.rollout_config
+        return dataset_training_rows(
+            rows, module.tokenizer, r.system_prompt, self.row_tools(r.tool_schema), r.tool_parser
+        )
+
+    def check_rows(self, module: Any, n: int = 8) -> None:
+        """The first ``n`` training rows render as the rollout renders them (their tool calls read
+        back with the rollout's parser): a wrong parser or a tool no prompt offers fails before
+        any work, as one line."""
+        if self.splits is not None:
+            train = self.splits.train
+            self.encode_rows(train.select(range(min(n, len(train)))), module)
+
+    def check_val_interval(self, trainer: Any, module: Any) -> None:
+        """An integer ``val_check_interval`` longer than an epoch, with evaluations counted per
+        epoch (Lightning's default ``check_val_every_n_epoch: 1``), fails before any work, naming
+        both settings (Lightning's own check comes after the demonstrations are played). An
+        epoch's length is exact for a dataset; for demonstrations it is at most one row per
+        episode (per turn with ``history_turns``), and only an interval past that is refused
+        here."""
+        every = trainer.val_check_interval
+        if (
+            not isinstance(every, int)
+            or trainer.check_val_every_n_epoch is None
+            or not trainer.limit_val_batches
+        ):
+            return
+        batch, r, n = self.hparams.batch_size, module.rollout_config, self.hparams.num_episodes
+        if self.splits is not None:
+            rows, bound, what = (
+                len(self.splits.train),
+                "",
+                f"{len(self.splits.train)} training rows",
+            )
+        else:
+            per = 1 if r.history_turns is None else r.max_turns
+            rows, bound = n * per, "at most "
+            what = f"{n} demonstration episodes, " + (
+                f"up to {per} rows each" if per > 1 else "one row each"
+            )
+        steps = -(-rows // batch)
+        limit = trainer.limit_train_batches
+        steps = min(steps, limit) if isinstance(limit, int) else max(int(steps * limit), 1)
+        if every > steps:
+            raise ValueError(
+                f"`--trainer.val_check_interval` ({every}) is more steps than one epoch has "
+                f"({bound}{steps}: {what}, in batches of {batch}); set "
+                f"`--trainer.check_val_every_n_epoch null` to count steps across epochs, or a "
+                f"`val_check_interval` of at most {steps}"
+            )
+
     def check_rollout(self, rollout: RolloutConfig) -> None:
         """Settings of the model's rollout and of this data that are valid alone but not together
         (the `earl sft` command checks them before anything runs, as `earl fit` does its own): under
@@ -246,17 +329,13 @@ class DemonstrationDataModule(L.LightningDataModule):
             targets += tgt
         return episodes, targets
 
+    @override
     def setup(self, stage: str) -> None:
         if self.rows is not None or stage not in ("fit", None):
             return
         module = self.trainer.lightning_module
         if self.splits is not None:
-            self.rows = dataset_training_rows(
-                self.splits.train,
-                module.tokenizer,
-                module.rollout_config.system_prompt,
-                [t.schema for t in self.tools],
-            )
+            self.rows = self.encode_rows(self.splits.train, module)
             self.stats = {
                 "demo/rows": float(len(self.rows)),
                 "demo/assistant_tokens": float(
@@ -288,6 +367,7 @@ class DemonstrationDataModule(L.LightningDataModule):
                 f"{len(episodes)} episodes (every one failed in the environment)"
             )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         world = self.trainer.world_size if self.trainer is not None else 1
         if self.hparams.batch_size % world:
@@ -304,25 +384,53 @@ class DemonstrationDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.hparams.seed),
         )
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.eval_batches(), batch_size=1, collate_fn=_identity, num_workers=0)
 
     def eval_batches(self) -> EvalEpisodes:
-        """Held-out seeds 0..n-1, or the dataset's first ``eval_episodes`` evaluation rows, each as a
-        row to play from its prompt (:func:`eval_prompt_row`)."""
-        if self.splits is None:
+        """Held-out seeds 0..n-1 (also for a dataset without evaluation rows, when an environment
+        is set), or the dataset's first ``eval_episodes`` evaluation rows, each as a row to play
+        (:func:`eval_prompt_row`)."""
+        held = self.splits.eval if self.splits is not None else None
+        if held is None and self.env is not None:
             return EvalEpisodes(self.env, self.eval_env_kwargs, self.hparams.eval_episodes)
-        held = self.splits.eval
         n = min(self.hparams.eval_episodes, len(held)) if held is not None else 0
         rows = [eval_prompt_row(row) for row in held.select(range(n))] if n else []
         return EvalEpisodes(self.env, self.eval_env_kwargs, n, rows=rows)
 
+    def evaluation_note(self) -> str:
+        """What the held-out figures (``val/*`` greedy, ``val_sampled/*`` at temperature 1) measure,
+        in words, for ``warm_start.json``."""
+        batches, tools = self.eval_batches(), [t.name for t in self.tools]
+        n, funcs = batches.num_episodes, [f.name for f in self.reward_funcs]
+        if batches.rows is None:
+            return (
+                f"{n} episodes of the environment {self.env!r} on held-out seeds 0..{n - 1}, played "
+                f"by the model from the first observation"
+            )
+        start = (
+            "each played from its prompt"
+            if "prompt" in self.splits.eval.column_names
+            else "each played from its first user turn: the model plays the rest itself"
+        )
+        with_tools = f", calling the tools {tools}" if tools else ""
+        return (
+            f"the first {n} evaluation rows of {self.splits.source}, {start}{with_tools}"
+            f"{f' in the environment {self.env!r}' if self.env else ''}; scored by {funcs}"
+        )
+
 
 def eval_prompt_row(row: dict[str, Any]) -> dict[str, Any]:
     """An SFT row as a row to play: ``prompt`` kept (its ``completion`` becomes a column), or a
-    ``messages`` row's conversation before its last assistant message as the prompt."""
+    ``messages`` row's conversation up to its first user message as the prompt. The model plays
+    the rest itself (with the task's tools, as an RL run would), so none of the row's own
+    assistant turns or tool results is shown to it."""
     if "prompt" in row:
         return row
     messages = row["messages"]
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return {**row, "prompt": messages[:last]}
+    first = next(
+        (i + 1 for i, m in enumerate(messages) if m["role"] == "user"),
+        next(i for i, m in enumerate(messages) if m["role"] == "assistant"),
+    )
+    return {**row, "prompt": messages[:first]}

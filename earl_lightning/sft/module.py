@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from earl_lightning.algorithms.supervised import soft_token_cross_entropy
 from earl_lightning.checks import check_count, check_number
@@ -15,7 +16,7 @@ from earl_lightning.groups import coerce, to_dict
 from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
 from earl_lightning.modules.config import A, RolloutConfig, check_dtype_and_seed
-from earl_lightning.modules.metrics import FLAGS, RunMetrics, reported
+from earl_lightning.modules.metrics import FLAGS, RunMetrics, log_at_global_step, reported
 from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
@@ -84,6 +85,7 @@ class WarmStartModule(L.LightningModule):
         self.evaluated_at_step = -1
         self.greedy_metrics, self.sampled_metrics = RunMetrics(), RunMetrics()
 
+    @override
     def setup(self, stage: str) -> None:
         apply_host_memory()  # freed activations are kept for the next step (earl_lightning/host_memory.py)
         dm = self.trainer.datamodule
@@ -91,12 +93,14 @@ class WarmStartModule(L.LightningModule):
             for metrics in (self.greedy_metrics, self.sampled_metrics):
                 metrics.track_rewards([f.name for f in dm.reward_funcs])
 
+    @override
     def configure_model(self) -> None:
         if self.policy is None:
             self.policy = load_model(self.hparams.model, self.hparams.dtype, "--model.model")
             self.policy.config.use_cache = False
             self.policy.train()
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         opt = torch.optim.AdamW(self.policy.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
@@ -113,6 +117,7 @@ class WarmStartModule(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits = self.policy(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
@@ -124,6 +129,7 @@ class WarmStartModule(L.LightningModule):
         return loss
 
     # ---- evaluation in the environment -------------------------------------------------------
+    @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Play the held-out specs greedily and sampled (this rank's share of them)."""
         specs = batch["specs"][self.global_rank :: self.trainer.world_size]
@@ -141,6 +147,9 @@ class WarmStartModule(L.LightningModule):
             sampling = replace(self.sampling, greedy=greedy, seed=self.hparams.seed)
             with eval_mode(self.policy), torch.no_grad():
                 episodes = rollout(specs, backend, self.tokenizer, sampling, **kwargs)
+            if kwargs["tools"] is not None and kwargs["tools"].tools:
+                for ep in episodes:  # a row's tools, not an environment's: count their use too
+                    ep.info.setdefault("tool_calls", ep.tool_calls)
             score_episodes(episodes, funcs, self.tokenizer, timeout_s=r.reward_timeout_s)
             metrics.update_val(episodes, True)
             now = reported(episodes)
@@ -161,7 +170,9 @@ class WarmStartModule(L.LightningModule):
                     on_epoch=True,
                     batch_size=1,
                 )
+        log_at_global_step(self)
 
+    @override
     def on_validation_epoch_end(self) -> None:
         self.evaluated_at_step = self.global_step
 

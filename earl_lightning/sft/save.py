@@ -11,14 +11,25 @@ from earl_lightning import checkpoints
 from earl_lightning.checkpoints import write_dir_atomically
 
 WARM_START_FILE = "warm_start.json"
+# the demonstration policy's settings, which a dataset's warm start does not use
+POLICY_SETTINGS = ("policy", "policy_kwargs", "num_episodes", "targets")
+
+
+def used_settings(datamodule: Any) -> dict[str, Any]:
+    """The data settings the warm start used: not LightningCLI's ``_instantiator``, and not the
+    demonstration policy's when a dataset was trained on."""
+    unused = POLICY_SETTINGS if datamodule.splits is not None else ()
+    return {
+        k: v for k, v in datamodule.hparams.items() if not k.startswith("_") and k not in unused
+    }
 
 
 def save_warm_start(
     trainer: Any, module: Any, datamodule: Any, output_dir: str, wall_s: float
 ) -> Path | None:
     """Rank 0 saves ``module``'s model and tokenizer (``save_pretrained``) and ``warm_start.json`` (the
-    last held-out evaluation, greedy ``val/*`` and temperature-1 ``val_sampled/*``, the
-    demonstrations' figures, the settings) into a temporary sibling of ``output_dir``, then
+    last held-out evaluation, greedy ``val/*`` and temperature-1 ``val_sampled/*``, what it
+    measures in words, the demonstrations' figures, the settings used) into a temporary sibling of ``output_dir``, then
     renames it into place: an interrupted save leaves the old directory whole, never half of one."""
     trainer.strategy.barrier("earl_sft_save")
     if not trainer.is_global_zero:
@@ -33,9 +44,8 @@ def save_warm_start(
         "steps": trainer.global_step,
         "wall_s": round(wall_s, 1),
         "model": module.hparams.model,
-        "data": {
-            k: v for k, v in datamodule.hparams.items() if not k.startswith("_")
-        },  # not LightningCLI's _instantiator
+        "evaluation_measures": datamodule.evaluation_note(),
+        "data": used_settings(datamodule),
         "rollout": module.hparams.rollout,
     }
 

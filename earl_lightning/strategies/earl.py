@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from typing_extensions import override
 
 from earl_lightning.checkpoints_io import DcpCheckpoints
 from earl_lightning.checks import check_choice, check_number
@@ -238,6 +239,7 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
             ]
 
     # ---- Lightning hooks -----------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
@@ -246,6 +248,7 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         self._device_mesh = self.mesh_for(self._train)
         self.lightning_module._device_mesh = self._device_mesh
 
+    @override
     def _setup_distributed(self) -> None:
         init_elastic_process_group(
             self._get_process_group_backend(), self._timeout, self.root_device
@@ -254,12 +257,14 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         set_collective_timeout(self.collective_timeout)
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {
             "num_replicas": self.train_layout.dp,
             "rank": self.train_layout.coords(self.global_rank)[0],
         }
 
+    @override
     def setup(self, trainer) -> None:
         """Shard the module's models for the train layout, then the usual ModelParallel setup
         (without requiring a ``configure_model`` override: the strategy does the sharding)."""
@@ -430,6 +435,7 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         out, self.stage_metrics = self.stage_metrics, {}
         return out
 
+    @override
     def teardown(self) -> None:
         self._replicas.clear()
         self._resharders.clear()

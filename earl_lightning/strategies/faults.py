@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 import signal
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
 
 from earl_lightning.errors import RankFailure
 from earl_lightning.parallel.faults import LostPeer, RunFacts
@@ -38,13 +39,22 @@ def trainer_lost_peer(trainer: Any, step: str | None = None) -> LostPeer:
     return LostPeer(facts)
 
 
-class OneLineCollectives:
+if (
+    TYPE_CHECKING
+):  # the class this mixin's collectives override, for type checkers' @override checks
+    from lightning.pytorch.strategies import ParallelStrategy as _Hooked
+else:
+    _Hooked = object
+
+
+class OneLineCollectives(_Hooked):
     """Mixin for a Lightning strategy (first among its bases): a peer lost in one of its
     collectives ends the run with the one-line RankFailure naming the collective and the hook.
     A run that ends with a RankFailure (here or in the module) kills the ranks this process
     started (``earl fit --trainer.devices N``: rank 0 started the others): they are dead or stuck,
     and a stopped one would otherwise live on, holding the terminal's pipes open."""
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
         if isinstance(exception, RankFailure) and isinstance(
@@ -65,18 +75,22 @@ class OneLineCollectives:
             f"the strategy's {what}" + (f" in {hook}" if hook else "")
         )
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         with self._lost_peer(f"barrier {name!r}" if name else "barrier"):
             super().barrier(name)
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         with self._lost_peer("broadcast"):
             return super().broadcast(obj, src)
 
+    @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lost_peer("reduce"):
             return super().reduce(tensor, *args, **kwargs)
 
+    @override
     def all_gather(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         with self._lost_peer("all_gather"):
             return super().all_gather(tensor, *args, **kwargs)

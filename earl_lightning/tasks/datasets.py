@@ -110,12 +110,15 @@ def load_dataset_splits(
         else:
             loaded = datasets.load_dataset(config.path, config.name, data_files=config.data_files)
     except Exception as err:  # noqa: BLE001 - whatever `datasets` raises, the user sees one line naming the path
+        differ = _split_columns_differ(config, arg)
+        if differ is not None:
+            raise ValueError(differ) from None
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         if isinstance(err, StopIteration):  # `datasets`' json builder on a file with no row
             first = "no row found (an empty file?)"
         hint = (
             ""
-            if path.exists()
+            if path.exists() or config.data_files is not None
             else " (no such local file or directory; and not a hub id reachable from here)"
         )
         if path.suffix in (".yaml", ".yml"):  # a path is always the data, never its settings
@@ -130,6 +133,31 @@ def load_dataset_splits(
     if isinstance(loaded, datasets.Dataset):
         return {"train": loaded}
     return dict(loaded)
+
+
+def _split_columns_differ(config: DatasetConfig, arg: str) -> str | None:
+    """Why splits given as ``{split: files}`` cannot load together when each loads alone: their
+    columns differ (``datasets`` says only ``DatasetGenerationError``). None: not that."""
+    import datasets
+
+    files = config.data_files
+    if not isinstance(files, dict) or len(files) < 2:
+        return None
+    columns = {}
+    for split, group in files.items():
+        try:
+            one = datasets.load_dataset(config.path, config.name, data_files={split: group})
+        except Exception:  # noqa: BLE001 - this split is broken on its own: the first error says how
+            return None
+        columns[split] = sorted(one[split].column_names)
+    if len({tuple(c) for c in columns.values()}) == 1:
+        return None
+    listed = ", ".join(f"{split!r} has {cols}" for split, cols in columns.items())
+    return (
+        f"`{arg}.data_files`: the splits' columns differ ({listed}); every split of one dataset "
+        f"needs the same columns: write them in one form (`earl sft` plays an evaluation row in "
+        f"the `messages` form from its first user turn)"
+    )
 
 
 def _refuse_empty_files(config: DatasetConfig, arg: str, path_arg: str, need: str) -> None:

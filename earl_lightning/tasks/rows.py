@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,7 +31,8 @@ def prompt_form(value: Any) -> PromptForm | None:
 
 def check_messages(value: Any, where: str) -> Messages:
     """``value`` as a list of chat messages, each with a known ``role`` and a string ``content``
-    (an assistant message may carry ``tool_calls`` instead of content)."""
+    (an assistant message may carry ``tool_calls`` instead of content; the null ``tool_calls`` a
+    dataset gives the other messages of a column is no call)."""
     if prompt_form(value) != "conversational":
         raise ValueError(
             f"{where} must be a non-empty list of messages such as [{{'role': 'user', 'content': "
@@ -41,9 +43,52 @@ def check_messages(value: Any, where: str) -> Messages:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise ValueError(f"{where}, message {i}: role {role!r} is not one of {list(ROLES)}")
-        if not isinstance(content, str) and not (role == "assistant" and m.get("tool_calls")):
+        calls = m.get("tool_calls")
+        if calls and role != "assistant":
+            raise ValueError(
+                f"{where}, message {i}: a {role} message carries `tool_calls`; only an assistant "
+                f"message calls tools"
+            )
+        if calls:
+            check_tool_calls(calls, f"{where}, message {i}")
+        if not isinstance(content, str) and not (role == "assistant" and calls):
             raise ValueError(f"{where}, message {i}: content must be a string, got {content!r:.80}")
         out.append(dict(m))
+    return out
+
+
+def call_parts(call: Any) -> tuple[Any, Any]:
+    """The name and arguments of one entry of ``tool_calls``: TRL's / OpenAI's ``{"type":
+    "function", "function": {"name", "arguments"}}``, or the flat ``{"name", "arguments"}`` that
+    chat templates also read."""
+    f = call.get("function", call) if isinstance(call, Mapping) else None
+    if not isinstance(f, Mapping):
+        return None, None
+    return f.get("name"), f.get("arguments")
+
+
+def check_tool_calls(value: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """An assistant message's ``tool_calls`` as ``(name, arguments)`` pairs; the arguments may be
+    written as a JSON object or as a string holding one (OpenAI's form)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(
+            f"{where}: `tool_calls` must be a list of {{'type': 'function', 'function': {{'name': "
+            f"..., 'arguments': {{...}}}}}}, got {value!r:.80}"
+        )
+    out = []
+    for k, call in enumerate(value):
+        name, arguments = call_parts(call)
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(name, str) or not name or not isinstance(arguments, Mapping):
+            raise ValueError(
+                f"{where}: tool call {k} must be {{'type': 'function', 'function': {{'name': "
+                f"<string>, 'arguments': <JSON object>}}}}, got {call!r:.100}"
+            )
+        out.append((name, dict(arguments)))
     return out
 
 

@@ -37,7 +37,7 @@ def recipe(algorithm: dict) -> dict:
         },
         "model": {
             "model": "earl-tiny",
-            "transcript_every_n_steps": 0,
+            "transcripts": {"every_n_steps": 0},
             "algorithm": algorithm,
             "rollout": {
                 "max_turns": 3,

@@ -36,7 +36,8 @@ def test_an_unknown_key_is_two_lines():
     assert proc.stderr.splitlines() == [
         (
             "earl: error: `--model.no_such_key` (given '3') is not an option; `--model` takes algorithm, dtype, "
-            "logprob_mismatch_warn, model, optim, peft, rollout, seed, transcript_every_n_steps"
+            "logprob_mismatch_warn, model, no_signal_steps, optim, peft, rollout, seed, "
+            "transcript_every_n_steps, transcripts"
         ),
         HINT,
     ]

@@ -42,7 +42,7 @@ def two_process_recipe(tmp_path: Path, env: str, env_kwargs: dict, allowed: str)
                 },
                 "model": {
                     "model": "earl-tiny",
-                    "transcript_every_n_steps": 0,
+                    "transcripts": {"every_n_steps": 0},
                     "rollout": {
                         "max_turns": 3,
                         "max_context_tokens": 512,

@@ -128,6 +128,13 @@ def test_every_earl_command_in_readme_parses(capsys):
 
             export_parser().parse_args(argv[1:])
             continue
+        if argv[0] == "plan":  # nor is plan: a config.json, a cluster and a recipe
+            from earl_lightning.planning.command import plan_parser, settings_from
+
+            ns = plan_parser().parse_args(argv[1:])
+            assert (ROOT / ns.model).is_file() and (ROOT / ns.recipe).is_file(), argv
+            settings_from(ns)
+            continue
         assert argv[0] in ("fit", "validate", "sft"), argv
         assert (ROOT / argv[argv.index("--config") + 1]).is_file(), argv
         _check_print_config(argv, capsys)

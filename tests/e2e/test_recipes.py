@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from earl_lightning.cli import main
 from earl_lightning.modules import OptimConfig
@@ -87,7 +88,8 @@ def test_recipe_smoke_runs_two_steps(recipe, tmp_path):
     assert max(mismatch) < 1e-4, "rollout and recomputed log-probs disagree"
     assert list(tmp_path.rglob("last.ckpt")) or list(tmp_path.rglob("*.ckpt"))
     if "adaptive" not in recipe.name:  # fixed layouts (or none) train at the recipe's budget
-        want = cfg["model"].get("optim", {}).get("micro_batch_tokens")
+        resolved = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)  # ${...} as earl
+        want = resolved["model"].get("optim", {}).get("micro_batch_tokens")
         budgets = {e.value for e in acc.Scalars("stage/train/micro_batch_tokens")}
         assert budgets == {float(want or OptimConfig().micro_batch_tokens)}, recipe.name
     # profiled at fit start, saved under the run's root, decisions logged

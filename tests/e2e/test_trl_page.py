@@ -85,6 +85,11 @@ def test_the_earl_python_program_runs(workdir, monkeypatch):
     exec(compile(_source(earl), str(PAGE), "exec"), {})
     metrics = made[0].callback_metrics
     assert made[0].global_step == 2
+    saved = workdir / "runs" / "earl_addition" / "model"  # the page's save_pretrained
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(saved)
+    assert AutoTokenizer.from_pretrained(saved).chat_template
     assert {
         "rewards/accuracy_reward/mean",
         "rewards/format_reward/mean",

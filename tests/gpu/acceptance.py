@@ -183,7 +183,7 @@ def build(
         model=model_path(args.preset),
         dtype="bfloat16" if cuda else "float32",
         seed=0,
-        transcript_every_n_steps=0,
+        transcripts={"every_n_steps": 0},
         logprob_mismatch_warn=1.0,  # bf16: recorded, not warned about
         rollout={
             "backend": backend,

@@ -11,7 +11,14 @@ from pathlib import Path
 from earl_lightning.envs.base import StepResult
 from earl_lightning.envs.calculator import CalculatorEnv
 
-HEAVY = ("torch", "lightning", "transformers", "earl_lightning.cli", "earl_lightning.rollout.loop")
+HEAVY = (
+    "torch",
+    "lightning",
+    "transformers",
+    "earl_lightning.cli",
+    "earl_lightning.fit_cli",
+    "earl_lightning.rollout.loop",
+)
 
 
 class Where:

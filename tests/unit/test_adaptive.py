@@ -32,7 +32,7 @@ def module(**kw) -> AgenticRLModule:
         model=tiny_path(),
         rollout=dict(max_turns=3, max_context_tokens=512, sampling=dict(max_new_tokens=1)),
         optim=dict(micro_batch_tokens=1024, on_policy_shortcut=False),
-        transcript_every_n_steps=0,
+        transcripts={"every_n_steps": 0},
         seed=0,
     )
     args.update(kw)

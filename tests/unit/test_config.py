@@ -83,9 +83,11 @@ def test_nested_flags_and_print_config(capsys):
         "algorithm",
         "optim",
         "seed",
+        "transcripts",
         "transcript_every_n_steps",
         "logprob_mismatch_warn",
         "peft",
+        "no_signal_steps",
     }
     assert cfg["data"]["dispatch"] == {
         "keep_groups": False,
@@ -181,9 +183,15 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (dict(dtype="fp8"), r"`--model.dtype` must be one of .*got 'fp8'"),
         (
-            dict(transcript_every_n_steps=-1),
-            r"`--model.transcript_every_n_steps` must be an integer >= 0, got -1",
+            dict(transcripts={"every_n_steps": -1}),
+            r"`--model.transcripts.every_n_steps` must be an integer >= 0, got -1",
         ),
+        (
+            dict(transcripts={"episodes": "last"}),
+            r"`--model.transcripts.episodes` must be one of \['first', 'failed', 'best', 'worst', "
+            r"'random'\], got 'last'",
+        ),
+        (dict(no_signal_steps=-1), r"`--model.no_signal_steps` must be an integer >= 0, got -1"),
         (
             dict(logprob_mismatch_warn=0),
             r"`--model.logprob_mismatch_warn` must be a positive number, got 0",

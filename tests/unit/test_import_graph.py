@@ -38,6 +38,8 @@ TIERS = {
     "planning": 4,
     "export": 4,
     "cli": 4,
+    "fit_cli": 4,
+    "sft_cli": 4,
     "checkpoints_io": 4,
     "cli_errors": 4,
     "cli_resume": 4,
@@ -63,7 +65,14 @@ def imports() -> list[tuple[str, str, int]]:
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
+                # `from earl_lightning import checkpoints` imports that unit, not the package's
+                # __init__ (which names every public class, so it would seem to close a cycle)
+                names = [
+                    _module_of(f"{node.module}.{a.name}") or node.module
+                    if node.module == "earl_lightning"
+                    else node.module
+                    for a in node.names
+                ]
             for name in names:
                 if name == "earl_lightning" or name.startswith("earl_lightning."):
                     out.append((f"{unit} ({rel})", unit_of(name), node.lineno))

@@ -94,9 +94,9 @@ def test_only_the_completions_assistant_turns_are_labelled(tok):
     (out,) = dataset_training_rows([row], tok, None)
     labelled = tok.decode([t for t in out["labels"] if t != -100])
     assert labelled == "d<|im_end|>"
-    assert (
-        eval_prompt_row({"messages": [*row["prompt"], *row["completion"]]})["prompt"]
-        == row["prompt"]
+    played = eval_prompt_row({"messages": [*row["prompt"], *row["completion"]]})
+    assert played["prompt"] == row["prompt"][:1], (
+        "a conversation is evaluated from its first user turn: the model plays the rest"
     )
 
 

@@ -1,0 +1,8 @@
+"""Deprecated: ``earl_lightning.data.exchange`` is ``earl_lightning.dispatch.exchange`` now (where `DispatchConfig` was documented until 0.2.0).
+
+Importing this module warns once (``DeprecationWarning``) and gives the new module; removed in 0.4.
+"""
+
+from earl_lightning.warnings_filter import moved_module
+
+moved_module(__name__, "earl_lightning.dispatch.exchange", removed_in="0.4")
