@@ -7,7 +7,9 @@ Each episode is a :class:`ProcessEnv` pinned to one slot of the pool for its lif
 the fewest episodes, in turn): its environment object lives in that slot's worker, which runs one
 request at a time, and its tool calls (the environment's own and the task's) go there too. A call's
 time limit starts when its request is sent (:func:`~earl_lightning.rollout.call_pool.start_clock`),
-not while it waits for the worker. A call that runs past ``env_timeout_s`` is ended by killing the
+not while it waits for the worker, nor while a fresh worker imports the environment's and the
+tools' modules (a ``load`` request before the first ``make``: an environment module that imports
+torch or Lightning takes seconds to import, as in the trainer before its first episode). A call that runs past ``env_timeout_s`` is ended by killing the
 worker (:meth:`ProcessEnv.kill`); the slot starts a fresh one when next needed.
 
 The other episodes whose environments lived in the killed (or crashed) worker are not lost: each
@@ -177,6 +179,7 @@ class ProcessEnv:
         payload = pickle.dumps(args)
         with self._lock, self._slot.lock:
             worker = self._slot.current()
+            self._load(worker)
             # a task tool needs no environment: it is rebuilt before its next own call
             if op not in ("make", "call") and self._built_on is not worker:
                 self._rebuild(worker)
@@ -190,16 +193,30 @@ class ProcessEnv:
             raise RemoteError(*value)
         return value
 
-    def _send(self, worker: _Worker, op: str, payload: bytes) -> bytes:
-        """One request, its time limit running from now (:func:`start_clock`)."""
+    def _send(self, worker: _Worker, op: str, payload: bytes, clock: bool = True) -> bytes:
+        """One request, its time limit running from now (:func:`start_clock`) unless ``clock`` is
+        false (the call's limit has not started yet, or started with an earlier request)."""
         self._in_flight = worker
         try:
             if self._closed:  # after kill()'s look at _in_flight, or seen by it
                 raise WorkerLost("the rollout is over")
-            start_clock()
+            if clock:
+                start_clock()
             return worker.request(op, self.key, payload)
         finally:
             self._in_flight = None
+
+    def _load(self, worker: _Worker) -> None:
+        """Import the environment's factory and the task's tools in ``worker`` outside any time
+        limit, once per process (unpickling them by reference imports their modules)."""
+        factory = ENVS.get(self.name, "env") if self.name is not None else None
+        payload = pickle.dumps((factory, [t.fn.fn for t in self._hosted]))
+        if payload in worker.loaded:
+            return
+        status, value = pickle.loads(self._send(worker, "load", payload, clock=False))
+        if status == "raised":
+            raise RemoteError(*value)
+        worker.loaded.add(payload)
 
     def _rebuild(self, worker: _Worker) -> None:
         """Build the environment in ``worker`` (its last one ended) and replay its calls."""

@@ -60,6 +60,7 @@ class _Worker:
         child.close()
         self.conn.send([p or os.getcwd() for p in sys.path])
         self.pid, self.ready = self.proc.pid, False
+        self.loaded: set[bytes] = set()  # the `load` payloads this process has imported
 
     def wait_ready(self) -> None:
         if self.ready:

@@ -90,6 +90,11 @@ class Host:
     def run(self, op: str, key: int, args: tuple) -> Any:
         from earl_lightning.tasks.rows import reset_kwargs
 
+        if op == "load":  # unpickling the payload imported the modules; the rest of ours too
+            import earl_lightning.envs.base  # noqa: F401
+            import earl_lightning.tasks.tools  # noqa: F401
+
+            return None
         if op == "make":
             return self.make(key, *args)
         if op == "call":  # a task tool: (function, arguments)

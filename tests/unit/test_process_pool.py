@@ -113,6 +113,29 @@ def test_start_up_is_paid_once_and_not_counted_in_a_call_s_time(tok, fresh_pool)
     assert all(p <= pids[0] for p in pids[1:]) and len(pids[0]) <= pool_size(2)
 
 
+def test_a_fresh_workers_import_of_the_env_module_is_not_counted_in_a_call_s_time(tok, fresh_pool):
+    """The environment's module takes 1.5 s to import, twice the time limit: each worker imports it
+    before the limit of the episode's first call starts, so every episode plays (its reset was
+    timed out before, the import counted in it: the chaos run's first failure)."""
+    specs = [
+        EpisodeSpec("tests.plugins.slow_import.SlowImportWhere", seed=s, group_id=s, episode_id=s)
+        for s in range(4)
+    ]
+    backend = PolicyBackend({s.episode_id: Says("hi") for s in specs}, tok)
+    episodes = rollout(
+        specs,
+        backend,
+        tok,
+        SamplingConfig(max_new_tokens=8),
+        max_turns=2,
+        max_context_tokens=1024,
+        env_timeout_s=0.75,
+        call_workers=2,
+        call_isolation="process",
+    )
+    assert [(e.error, e.reward) for e in episodes] == [(None, 1.0)] * 4
+
+
 def test_a_worker_imports_neither_the_cli_nor_lightning_nor_torch(fresh_pool):
     (tool,) = resolve_tools(["tests.plugins.workers.heavy_modules"])
     pool = worker_pool(1)
