@@ -1,6 +1,6 @@
 """Write the calculator warm start's demonstrations as TRL's tool-calling rows.
 
-    python scripts/make_calculator_rows.py                 # -> data/calculator/train.jsonl
+    python scripts/make_calculator_rows.py                 # -> data/calculator_rows/train.jsonl
     earl sft --config recipes/calculator_sft_rows.yaml     # the warm start from these rows
 
 The scripted demonstrator of ``recipes/calculator_sft.yaml`` (``imperfect_calculator``, the same
@@ -83,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="the demonstrator's recipe")
     parser.add_argument(
-        "--out", type=Path, default=Path("data/calculator"), help="where train.jsonl goes"
+        "--out", type=Path, default=Path("data/calculator_rows"), help="where train.jsonl goes"
     )
     parser.add_argument("--episodes", type=int, default=None, help="default: the recipe's")
     parser.add_argument(

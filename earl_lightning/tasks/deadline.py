@@ -66,7 +66,6 @@ class _Watch:
 
 
 _armed: _Watch | None = None
-_installed = False
 
 
 def _handler(signum: int, frame: Any) -> None:
@@ -90,10 +89,13 @@ def call_with_limit(
     """``fn()`` on this (the main) thread, interrupted with :class:`CallTimeout` raised inside it
     once it has run ``seconds``; ``on_late(frame)`` is called then, from the watchdog, with the
     main thread's frame (where the call is stuck). Needs :func:`can_interrupt`."""
-    global _armed, _installed
-    if not _installed:  # kept for the process: a late signal then never meets the default action
+    global _armed
+    # Installed for the process (a late signal then never meets the default action, which ends the
+    # process), and checked at every call: Lightning's Trainer snapshots every signal's handler when
+    # a fit starts and puts them all back at its end, so a handler installed during one fit is gone
+    # in the next fit or validate of the same process.
+    if signal.getsignal(_SIGNAL) is not _handler:
         signal.signal(_SIGNAL, _handler)
-        _installed = True
     watch = _Watch(seconds, on_late)
     threading.Thread(target=watch.run, name="earl-call-watchdog", daemon=True).start()
     _armed = watch

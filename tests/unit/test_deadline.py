@@ -4,6 +4,8 @@ deadline.py): what a hung reward function gets instead of the whole run hanging.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -48,3 +50,29 @@ def test_a_call_in_time_returns_and_a_late_signal_interrupts_nothing():
     # installed, so it neither ends the process (the default action) nor interrupts what follows
     signal.pthread_kill(threading.main_thread().ident, signal.SIGRTMIN)
     assert call_with_limit(lambda: time.sleep(0.3) or 8, 5.0) == 8
+
+
+def test_a_handler_put_back_by_lightnings_trainer_is_installed_again():
+    """Lightning's Trainer snapshots every signal's handler when a fit starts and restores them all
+    at its end: a handler installed during a fit (the first reward function timed there) is gone
+    after it. The next limited call must install it again; before, the watchdog's signal met the
+    default action and ended the process (a pytest worker crashed so)."""
+    code = """
+import time
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from earl_lightning.tasks.deadline import CallTimeout, call_with_limit
+
+at_fit_start = _SignalConnector._get_current_signal_handlers()
+assert call_with_limit(lambda: 7, 5.0) == 7  # installed during the 'fit'
+for signum, handler in at_fit_start.items():  # the fit's teardown
+    if handler is not None:
+        _SignalConnector._register_signal(signum, handler)
+try:
+    call_with_limit(lambda: time.sleep(60), 0.5)
+except CallTimeout:
+    print("interrupted")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert (proc.returncode, proc.stdout.strip()) == (0, "interrupted"), proc.stderr[-2000:]

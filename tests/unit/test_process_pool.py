@@ -42,9 +42,9 @@ def fresh_pool():
     shutdown_workers()
 
 
-def play(tok, n: int, timeout_s: float, first: int = 0, **env_kwargs):
+def play(tok, n: int, timeout_s: float, first: int = 0, env: str = WHERE, **env_kwargs):
     specs = [
-        EpisodeSpec(WHERE, seed=s, group_id=s, episode_id=s, env_kwargs=env_kwargs)
+        EpisodeSpec(env, seed=s, group_id=s, episode_id=s, env_kwargs=env_kwargs)
         for s in range(first, first + n)
     ]
     backend = PolicyBackend({s.episode_id: Says("hi") for s in specs}, tok)
@@ -117,22 +117,7 @@ def test_a_fresh_workers_import_of_the_env_module_is_not_counted_in_a_call_s_tim
     """The environment's module takes 1.5 s to import, twice the time limit: each worker imports it
     before the limit of the episode's first call starts, so every episode plays (its reset was
     timed out before, the import counted in it: the chaos run's first failure)."""
-    specs = [
-        EpisodeSpec("tests.plugins.slow_import.SlowImportWhere", seed=s, group_id=s, episode_id=s)
-        for s in range(4)
-    ]
-    backend = PolicyBackend({s.episode_id: Says("hi") for s in specs}, tok)
-    episodes = rollout(
-        specs,
-        backend,
-        tok,
-        SamplingConfig(max_new_tokens=8),
-        max_turns=2,
-        max_context_tokens=1024,
-        env_timeout_s=0.75,
-        call_workers=2,
-        call_isolation="process",
-    )
+    episodes = play(tok, 4, timeout_s=0.75, env="tests.plugins.slow_import.SlowImportWhere")
     assert [(e.error, e.reward) for e in episodes] == [(None, 1.0)] * 4
 
 
