@@ -286,6 +286,7 @@ def fit_profile(probe: dict, rows: list[dict], load: str) -> DeviceProfile:
     stamp = time.strftime("%Y-%m-%d")
     how = f"benchmarks/plan_calibration.py --fit, {stamp}, load {load}"
     sources = {
+        **fitted.sources,  # what the fit does not touch keeps its source (memory_bytes, ...)
         "peak_flops": f"measured: a 1024^3 fp32 matmul on one thread ({how})",
         "memory_bandwidth": f"measured: copying a 256 MiB tensor into another, read + write, one thread ({how})",
         "intra_node_bandwidth": f"measured: gloo all_reduce of 64 MiB between 2 processes over loopback ({how})",
