@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 from jsonargparse import DefaultHelpFormatter
 
@@ -55,33 +56,37 @@ def working_directory_importable() -> None:
         sys.path.append(here)
 
 
+def own_command(name: str) -> Callable[[list[str]], None] | None:
+    """The subcommand ``name`` when it is not a LightningCLI one (it parses its own arguments and
+    needs no Lightning CLI), imported only when asked for; None for fit, validate, sft, ..."""
+    if name == "profile":  # the recipe's model measured per stage and layout
+        from earl_lightning.profiling.command import profile_command
+
+        return profile_command
+    if name == "presets":
+        from earl_lightning.models.presets import presets_command
+
+        return presets_command
+    if name == "plan":  # config only
+        from earl_lightning.planning.command import plan_command
+
+        return plan_command
+    if name == "export":  # the checkpoint says what to build
+        from earl_lightning.export import export_command
+
+        return export_command
+    return None
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args is None:  # the `earl` script (a Python caller keeps its own path)
         working_directory_importable()
     install_warning_filters()  # again at each call: a caller's warnings.catch_warnings() may have reset them
     argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] == ["profile"]:
-        from earl_lightning.profiling.command import profile_command  # no Lightning CLI needed
-
-        profile_command(argv[1:])
-        return
-    if argv[:1] == ["presets"]:
-        from earl_lightning.models.presets import presets_command  # no Lightning CLI needed
-
-        presets_command(argv[1:])
-        return
-    if argv[:1] == ["plan"]:
-        from earl_lightning.planning.command import plan_command  # config only: no Lightning CLI
-
-        plan_command(argv[1:])
-        return
-    if argv[:1] == ["export"]:
-        from earl_lightning.export import (
-            export_command,  # no Lightning CLI: the checkpoint says what to build
-        )
-
-        export_command(argv[1:])
+    command = own_command(argv[0]) if argv else None
+    if command is not None:
+        command(argv[1:])
         return
     try:
         if argv[:1] == ["sft"]:
