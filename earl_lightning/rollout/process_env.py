@@ -132,6 +132,7 @@ class ProcessEnv:
         self._in_flight: _Worker | None = None
         self._closed = False
         self._hosted = [Tool(t.schema, _Remote(self, t.name, t.fn)) for t in tools]
+        self._imports: bytes | None = None  # what a fresh worker imports first (see _load)
         self._tools: list[Tool] = []
 
     def open(self) -> None:
@@ -209,14 +210,15 @@ class ProcessEnv:
     def _load(self, worker: _Worker) -> None:
         """Import the environment's factory and the task's tools in ``worker`` outside any time
         limit, once per process (unpickling them by reference imports their modules)."""
-        factory = ENVS.get(self.name, "env") if self.name is not None else None
-        payload = pickle.dumps((factory, [t.fn.fn for t in self._hosted]))
-        if payload in worker.loaded:
+        if self._imports is None:  # pickled once: the factory and the tools do not change
+            factory = ENVS.get(self.name, "env") if self.name is not None else None
+            self._imports = pickle.dumps((factory, [t.fn.fn for t in self._hosted]))
+        if self._imports in worker.loaded:
             return
-        status, value = pickle.loads(self._send(worker, "load", payload, clock=False))
+        status, value = pickle.loads(self._send(worker, "load", self._imports, clock=False))
         if status == "raised":
             raise RemoteError(*value)
-        worker.loaded.add(payload)
+        worker.loaded.add(self._imports)
 
     def _rebuild(self, worker: _Worker) -> None:
         """Build the environment in ``worker`` (its last one ended) and replay its calls."""
