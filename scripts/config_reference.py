@@ -208,7 +208,7 @@ EXPORT_HEADER = """
 
 `earl fit` ends by writing the policy as a `save_pretrained` directory (weights, config, generation
 config, tokenizer with its chat template; sharded weights gathered, rank 0 writes, atomically) that
-transformers and vLLM load ([README](../README.md#taking-the-model-away)).
+transformers and vLLM load ([guide](guide.md#taking-the-model-away)).
 
 | setting | default | meaning |
 | --- | --- | --- |"""

@@ -121,8 +121,8 @@ def profile_recipe(
     return run
 
 
-def profile_command(argv: list[str]) -> None:
-    """``earl profile``: argument parsing, then :func:`profile_recipe`; errors as one line."""
+def profile_parser() -> argparse.ArgumentParser:
+    """``earl profile``'s arguments (the README's command is parsed by it in a test)."""
     parser = argparse.ArgumentParser(
         prog="earl profile",
         description=(
@@ -157,7 +157,12 @@ def profile_command(argv: list[str]) -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per cell; the median counts"
     )
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def profile_command(argv: list[str]) -> None:
+    """``earl profile``: argument parsing, then :func:`profile_recipe`; errors as one line."""
+    ns = profile_parser().parse_args(argv)
     try:
         profile_recipe(
             ns.config,

@@ -1,6 +1,7 @@
-"""README.md is the user's manual: what it shows must work as written. Its Python API example
-trains (2 steps here); every ``earl`` command of its shell blocks and every flag of its configuration
-section parses to the configuration it names; every link of README and docs/ reaches its file and
+"""README.md is the user's manual and docs/guide.md its long form: what they show must work as
+written. README's Python API example trains (2 steps here); every ``earl`` command of their shell
+blocks and every flag of README's configuration section parses to the configuration it names; their
+plug-in and adaptive-parallelism examples run; every link of README and docs/ reaches its file and
 heading; every script command of README and docs/ names a script and flags that exist."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from tests.distributed.launch import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "guide.md"
+MANUAL = (README, GUIDE)  # what the commands and examples below are read from
 PLACEHOLDER = re.compile(r"<|\$|my_package|my_recipe")
 
 
@@ -30,11 +33,17 @@ def section(title: str) -> str:
     return text[start : end if end > 0 else None]
 
 
+def python_blocks() -> list[str]:
+    return [
+        b for md in MANUAL for b in re.findall(r"```python\n(.*?)```", md.read_text(), flags=re.S)
+    ]
+
+
 def earl_commands() -> list[list[str]]:
-    """Each ``earl`` command of README's bash blocks and inline code, as argv after ``earl``
-    (continuations joined, ``&&`` chains split, comments dropped)."""
+    """Each ``earl`` command of README's and the guide's bash blocks and inline code, as argv after
+    ``earl`` (continuations joined, ``&&`` chains split, comments dropped)."""
     out = []
-    text = README.read_text()
+    text = "\n".join(md.read_text() for md in MANUAL)
     shell = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     # inline commands
@@ -118,11 +127,30 @@ def _scalar(value: str):
         return value
 
 
-def test_every_earl_command_in_readme_parses(capsys):
+def test_every_earl_command_in_readme_and_the_guide_parses(capsys):
     commands = [c for c in earl_commands() if not any(PLACEHOLDER.search(w) for w in c)]
-    # the two main commands, warm start, resume, several processes, vLLM
-    assert len(commands) >= 8, commands
+    # the two main commands, every subcommand at a glance, warm start, several processes, vLLM
+    assert len(commands) >= 15 and {c[0] for c in commands} >= {
+        "fit",
+        "validate",
+        "sft",
+        "export",
+        "plan",
+        "profile",
+        "presets",
+    }, commands
     for argv in commands:
+        if argv[0] == "presets":  # the offline models' table: nothing is built
+            from earl_lightning.models.presets import presets_command
+
+            presets_command(argv[1:])
+            assert "earl-tiny" in capsys.readouterr().out
+            continue
+        if argv[0] == "profile":  # its own parser too; the recipe must exist
+            from earl_lightning.profiling.command import profile_parser
+
+            assert (ROOT / profile_parser().parse_args(argv[1:]).config).is_file(), argv
+            continue
         if argv[0] == "export":  # not LightningCLI: its own parser, no recipe
             from earl_lightning.export import export_parser
 
@@ -187,9 +215,15 @@ def test_plugin_and_adaptive_examples_run_as_written(tmp_path):
     """The registration example registers its loss and estimator; the adaptive-parallelism example
     builds its Trainer (fitting needs the profile `earl profile` writes). In a fresh process: the
     registries are process-wide."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    blocks = python_blocks()
     plugin = next(b for b in blocks if "@register_policy_loss" in b)
-    adaptive = next(b for b in blocks if "AdaptiveParallelism(" in b)
+    adaptive = [  # README's short one and the guide's with a profile and a budget
+        b if "trainer = Trainer(" in b else b.replace("Trainer(", "trainer = Trainer(", 1)
+        for b in blocks
+        if "AdaptiveParallelism(" in b
+    ]
+    assert len(adaptive) >= 2, adaptive
+    built = "assert isinstance(trainer.strategy, EarlStrategy) and trainer.num_devices == 2\n"
     check = (
         "from earl_lightning.algorithms.losses import POLICY_LOSSES\n"
         "from earl_lightning.algorithms.estimators import ADVANTAGE_ESTIMATORS\n"
@@ -197,12 +231,7 @@ def test_plugin_and_adaptive_examples_run_as_written(tmp_path):
         "assert not ADVANTAGE_ESTIMATORS.get('my_adv', 'advantage').needs_values\n"
     )
     script = tmp_path / "examples.py"
-    script.write_text(
-        plugin
-        + check
-        + adaptive.replace("Trainer(", "trainer = Trainer(", 1)
-        + "assert isinstance(trainer.strategy, EarlStrategy) and trainer.num_devices == 2\nprint('ok')\n"
-    )
+    script.write_text(plugin + check + "".join(a + built for a in adaptive) + "print('ok')\n")
     proc = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,

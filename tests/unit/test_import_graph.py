@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[2] / "earl_lightning"
-# tier of each top-level unit of the package; a unit may import its own tier or lower ones
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+# tier of each top-level unit of the package; a unit may import its own tier or lower ones.
+# docs/design.md's "Layers" table says the same (test_the_design_docs_tier_table_is_this_one)
 TIERS = {
     "registry": 0,
     "groups": 0,
@@ -168,3 +170,45 @@ def test_no_cycle_between_modules():
         if not a.startswith(b + ".") and not b.startswith(a + ".") and reaches(b, a, {b})
     )
     assert not cycles, f"modules that import each other: {cycles}"
+
+
+def tiers_of_design_doc(text: str) -> dict[str, int]:
+    """The "Layers" table of docs/design.md as ``{unit: tier}``: each row is ``| tier | units |
+    what |``, a unit a code span of the second cell (`rollout/` or `cli.py`)."""
+    out = {}
+    layers = text.partition("\n## Layers\n")[2].partition("\n## ")[0]
+    for tier, units in re.findall(r"^\| *(\d+) *\| *(.*?) *\|", layers, flags=re.M):
+        for span in re.findall(r"`([^`]+)`", units):
+            out[span.removesuffix("/").removesuffix(".py")] = int(tier)
+    return out
+
+
+def tier_table_diff(doc: dict[str, int], code: dict[str, int]) -> list[str]:
+    """What the doc's table and the test's ``TIERS`` disagree on, one line per unit."""
+    return [
+        f"{unit}: docs/design.md {doc.get(unit, 'has no row')}, TIERS {code.get(unit, 'has none')}"
+        for unit in sorted(doc.keys() | code.keys())
+        if doc.get(unit) != code.get(unit)
+    ]
+
+
+def test_the_design_docs_tier_table_is_this_one():
+    """The doc's table is what this test enforces: a unit added, moved or dropped in one is in the
+    other too (the package's ``__init__`` has no row: it names the public API, at the top)."""
+    code = {unit: tier for unit, tier in TIERS.items() if unit != "__init__"}
+    diff = tier_table_diff(tiers_of_design_doc(DESIGN.read_text()), code)
+    assert not diff, "docs/design.md's tier table and TIERS differ:\n" + "\n".join(diff)
+
+
+def test_a_tier_table_slip_is_found():
+    doc = tiers_of_design_doc(
+        "# Design\n\n## Layers\n\n| tier | package | what |\n| --- | --- | --- |\n"
+        "| 0 | `registry.py`, `errors.py` | registries (`tiny.py`) |\n"
+        "| 3 | `rollout/` | the loop |\n\n## Tests\n\n| 1 | `unit/` | not a layer |\n"
+    )
+    assert doc == {"registry": 0, "errors": 0, "rollout": 3}
+    assert tier_table_diff(doc, {"registry": 0, "rollout": 2, "data": 2}) == [
+        "data: docs/design.md has no row, TIERS 2",
+        "errors: docs/design.md 0, TIERS has none",
+        "rollout: docs/design.md 3, TIERS 2",
+    ]
