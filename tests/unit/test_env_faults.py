@@ -19,7 +19,7 @@ from earl_lightning.errors import EnvironmentFailure
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
-from earl_lightning.rollout.env_calls import reset_logged_faults
+from earl_lightning.rollout.env_calls import forget_call_kinds, reset_logged_faults
 from earl_lightning.stages import check_env_failures
 from tests.plugins.faulty_envs import RELEASE
 
@@ -38,8 +38,10 @@ def lm():
 @pytest.fixture(autouse=True)
 def _fresh_fault_log():
     reset_logged_faults()  # each test sees the first fault of each kind logged
+    forget_call_kinds()  # ... and every kind of call first run on the calling thread
     yield
     reset_logged_faults()
+    forget_call_kinds()
 
 
 @pytest.fixture
@@ -188,12 +190,19 @@ def test_the_first_fault_reaches_stderr_without_logging_set_up():
     assert 'raise RuntimeError("step broke")' in proc.stderr
 
 
-def test_a_hung_call_is_abandoned_after_the_time_limit(lm, caplog, threads):
+def _env_call_threads(threads) -> list[threading.Thread]:
+    return [t for t in threads if t.name == "earl-env-call"]
+
+
+def test_a_hung_call_is_interrupted_then_its_kind_runs_on_threads(lm, caplog, threads):
+    """Calls that only compute run on the rollout's own thread, limited by the deadline's signal: a
+    hang there is interrupted where it waits. From then on that kind of call runs on worker
+    threads, where a hang is abandoned (Python cannot stop a thread) and the others go on."""
     limit = 0.5
     t0 = time.perf_counter()
     reference = _run(lm, _specs("recall"), env_timeout_s=limit)
     healthy_s = time.perf_counter() - t0
-    assert 1 <= len(threads) <= 6  # workers start as calls need them, at most one per episode here
+    assert _env_call_threads(threads) == []  # recall's calls only compute: no worker thread
     threads.clear()
     RELEASE.clear()
     try:
@@ -203,35 +212,47 @@ def test_a_hung_call_is_abandoned_after_the_time_limit(lm, caplog, threads):
                 lm, _specs(P + "HangsInStep", every=3, turn=1, sleep_s=60.0), env_timeout_s=limit
             )
         elapsed = time.perf_counter() - t0
-        stuck = [t for t in threads if t.is_alive()]
-        assert len(stuck) >= 2  # the two hung calls still run ...
+        stuck = [t for t in _env_call_threads(threads) if t.is_alive()]
+        assert len(stuck) >= 1  # the second hung call still runs in its daemon thread ...
     finally:
         RELEASE.set()
-    # ... and the rollout did not wait for them (each sleeps 60 s): the bound leaves room for a
+    # ... and the rollout waited for neither (each sleeps 60 s): the bound leaves room for a
     # loaded machine, where a rollout's own time can double between two runs
-    assert elapsed < 2 * healthy_s + limit + 5.0, (elapsed, healthy_s)
+    assert elapsed < 2 * healthy_s + 2 * limit + 5.0, (elapsed, healthy_s)
+    hung = f"env '{P}HangsInStep' (seed {{}}): step() did not return within env_timeout_s=0.5s; "
     for ep, ref in zip(episodes, reference):
         if ep.spec.seed % 3:
             assert ep.error is None and ep.token_ids == ref.token_ids and ep.reward == ref.reward
-        else:
-            assert ep.error == (
-                f"env '{P}HangsInStep' (seed {ep.spec.seed}): step() did not return within "
-                f"env_timeout_s=0.5s; the env is abandoned (the call keeps running in a daemon "
-                f"thread)"
-            )
-            assert ep.num_turns == 2 and ep.reward == 0.0
+            continue
+        fate = (
+            "it was interrupted where it was and the env is abandoned"
+            if ep.spec.seed == 0  # the first hang: on the rollout's thread
+            else "the env is abandoned (the call keeps running in a daemon thread)"
+        )
+        assert ep.error == hung.format(ep.spec.seed) + fate
+        assert ep.num_turns == 2 and ep.reward == 0.0
     (record,) = _fault_records(caplog)
     assert (
         "where the call is stuck:" in record.getMessage() and "RELEASE.wait(" in record.getMessage()
     )
-    assert all(t.daemon and t.name == "earl-env-call" for t in threads)
+    assert all(t.daemon for t in threads)
     # an abandoned worker exits once its call returns (the others when the rollout closes)
-    for t in threads:
+    for t in _env_call_threads(threads):
         t.join(timeout=10)
         assert not t.is_alive()
 
 
-def test_results_do_not_depend_on_threads(lm, threads):
+def _run_on_a_thread(lm, specs, **kw):
+    """A rollout run from a thread other than the main one: with a time limit its calls cannot be
+    interrupted there, so every call runs on the worker threads."""
+    out = []
+    runner = threading.Thread(target=lambda: out.append(_run(lm, specs, **kw)))
+    runner.start()
+    runner.join()
+    return out[0]
+
+
+def test_results_do_not_depend_on_where_the_calls_run(lm, threads):
     specs = [
         EpisodeSpec(
             P + name if name else "recall",
@@ -242,11 +263,13 @@ def test_results_do_not_depend_on_threads(lm, threads):
         )
         for s, name in enumerate(["", *FAULTS, "", "BadStepResult"])
     ]
-    direct = _run(lm, specs, call_workers=1)
-    assert len(threads) == 1  # one worker: the calls one at a time, in order
-    threaded = _run(lm, specs, env_timeout_s=30.0)
-    assert len(threads) > 2
-    assert [ep.error is None for ep in direct] == [
+    here = _run(lm, specs, env_timeout_s=30.0)
+    assert _env_call_threads(threads) == []  # the calls on the rollout's thread, in order
+    one_worker = _run_on_a_thread(lm, specs, env_timeout_s=30.0, call_workers=1)
+    assert len(_env_call_threads(threads)) == 1  # one worker: the calls one at a time, in order
+    threaded = _run_on_a_thread(lm, specs, env_timeout_s=30.0)
+    assert len(_env_call_threads(threads)) > 3
+    assert [ep.error is None for ep in here] == [
         True,
         False,
         False,
@@ -256,14 +279,24 @@ def test_results_do_not_depend_on_threads(lm, threads):
         True,
         False,
     ]
-    for a, b in zip(direct, threaded):
-        assert (a.error, a.token_ids, a.reward, a.turn_rewards, a.messages) == (
-            b.error,
-            b.token_ids,
-            b.reward,
-            b.turn_rewards,
-            b.messages,
-        )
+    for a, b, c in zip(here, one_worker, threaded):
+        fields = [(x.error, x.token_ids, x.reward, x.turn_rewards, x.messages) for x in (a, b, c)]
+        assert fields[0] == fields[1] == fields[2]
+
+
+def test_calls_that_wait_move_to_the_worker_threads(lm, threads):
+    """A kind of call seen waiting (here a step that sleeps 50 ms) runs on the worker threads
+    after three such calls, where the episodes' waits overlap; one that only computes does not."""
+    specs = _specs(P + "HangsInStep", n=8, every=1, turn=0, sleep_s=0.05)
+    RELEASE.clear()
+    first = _run(lm, specs, env_timeout_s=30.0)
+    # the first three steps waited on the rollout's thread; the others ran on workers
+    assert len(_env_call_threads(threads)) >= 2
+    threads.clear()
+    again = _run(lm, specs, env_timeout_s=30.0)  # every step on the workers now
+    assert len(_env_call_threads(threads)) >= 2
+    assert [(e.error, e.token_ids) for e in first] == [(e.error, e.token_ids) for e in again]
+    assert all(e.error is None for e in first)
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), True, "5"])
