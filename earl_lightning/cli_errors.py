@@ -14,6 +14,8 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from earl_lightning.lightning_internals import action_typehint, parser_actions
+
 
 class ShortErrorParser(LightningArgumentParser):
     """LightningCLI's parser, whose errors are :func:`short_error` lines instead of the usage."""
@@ -36,9 +38,10 @@ class ShortErrorParser(LightningArgumentParser):
 def options(parser: Any) -> list[str]:
     """Every ``--key`` the parser accepts, with the fields of a group typed as a dataclass or an
     ``Optional`` one (``--model.peft.r``: jsonargparse takes them, but lists no option for them)."""
-    keys = {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
-    for action in parser._actions:
-        hint = getattr(action, "_typehint", None)  # jsonargparse's ActionTypeHint
+    actions = parser_actions(parser)
+    keys = {s for action in actions for s in action.option_strings if s.startswith("--")}
+    for action in actions:
+        hint = action_typehint(action)
         for kind in typing.get_args(hint) or (hint,):
             if dataclasses.is_dataclass(kind):
                 keys |= {f"--{action.dest}.{f.name}" for f in dataclasses.fields(kind)}

@@ -12,7 +12,7 @@ from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
 # Imported for its side effect: registers "earl" in Lightning's StrategyRegistry, so a recipe's
 # `trainer.strategy: earl` resolves.
@@ -34,6 +34,7 @@ from earl_lightning.cli_resume import (
 )
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
+from earl_lightning.lightning_internals import CLIHooks
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.strategies.earl import EarlStrategy  # noqa: E402
 from earl_lightning.strategies.faults import one_line_strategy  # noqa: E402
@@ -87,7 +88,7 @@ def is_keyword(path: Any) -> bool:
     return text in ("best", "last", "hpc") or text.startswith("registry")
 
 
-class EarlCLI(LightningCLI):
+class EarlCLI(CLIHooks):
     """``earl fit`` / ``validate``: LightningCLI whose ``--seed_everything`` is 0 unless given (a run
     is reproducible by default), and that one seed drives every part whose own seed is unset."""
 
@@ -120,7 +121,8 @@ class EarlCLI(LightningCLI):
             help=DUMP_HELP,
         )
 
-    def _parse_ckpt_path(self) -> None:
+    @override
+    def check_ckpt_path(self) -> None:
         # Lightning reads a `--ckpt_path` file's hyperparameters here with a bare torch.load, and
         # loads a URL with weights_only=False. Here a URL is downloaded first, and the file (or a
         # DCP directory's pickled .metadata) is checked readable as data only: a planted, truncated
@@ -152,7 +154,8 @@ class EarlCLI(LightningCLI):
             )
             refuse(f"{arg}: {err}")
 
-    def _run_subcommand(self, subcommand: str) -> None:
+    @override
+    def run_subcommand(self, subcommand: str) -> None:
         kwargs = self.config_init[subcommand]
         if self._downloaded is not None:  # the config keeps the URL; the run reads the copy
             kwargs["ckpt_path"] = str(self._downloaded)
@@ -166,7 +169,7 @@ class EarlCLI(LightningCLI):
         with disk_full_as_one_line(
             lambda: f"the run's outputs under {str(self.trainer.default_root_dir)!r}"
         ):
-            super()._run_subcommand(subcommand)
+            super().run_subcommand(subcommand)
 
     def _resolve_last_checkpoint(self, subcommand: str) -> None:
         """``--ckpt_path last``: the newest ``last*.ckpt`` in any directory this run's checkpoint
@@ -289,7 +292,7 @@ class EarlCLI(LightningCLI):
         # The step-counting bar is the default, added here rather than through `trainer_defaults`
         # (which LightningCLI appends to every run): a recipe's own progress bar wins, and
         # `--trainer.enable_progress_bar false` still means no bar.
-        config = self._get(self.config_init, "trainer", default={})
+        config = self.config_init.get(str(self.subcommand), self.config_init).get("trainer") or {}
         callbacks = config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if config.get("enable_progress_bar") is not False and not any(
