@@ -8,12 +8,12 @@ import ast
 import dataclasses
 import difflib
 import re
-import sys
 import typing
 from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from earl_lightning import console
 from earl_lightning.lightning_internals import action_typehint, parser_actions
 
 
@@ -29,9 +29,14 @@ class ShortErrorParser(LightningArgumentParser):
         lines = short_error(message, options(parser))
         # `earl fit`, `earl sft`: the CLIs name their prog
         command = parser.prog.replace(" [options]", "")
-        sys.stderr.write("".join(f"earl: error: {line}\n" for line in lines))
-        sys.stderr.write(f"earl: `{command} --help` lists every option\n")
-        sys.stderr.flush()
+        console.error(
+            "\n".join(
+                [
+                    *(f"earl: error: {line}" for line in lines),
+                    f"earl: `{command} --help` lists every option",
+                ]
+            )
+        )
         raise SystemExit(2)
 
 

@@ -5,7 +5,6 @@ and :class:`EpisodeDataModule`, and the one-line error helpers every ``earl`` su
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -17,7 +16,7 @@ from typing_extensions import override
 # Imported for its side effect: registers "earl" in Lightning's StrategyRegistry, so a recipe's
 # `trainer.strategy: earl` resolves.
 import earl_lightning.strategies  # noqa: F401,E402
-from earl_lightning import checkpoints
+from earl_lightning import checkpoints, console
 from earl_lightning.callbacks import ExportModel, StepProgressBar
 from earl_lightning.checkpoint_urls import download_checkpoint, is_url
 from earl_lightning.checkpoints import disk_full_error
@@ -38,14 +37,6 @@ from earl_lightning.lightning_internals import CLIHooks
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.strategies.earl import EarlStrategy  # noqa: E402
 from earl_lightning.strategies.faults import one_line_strategy  # noqa: E402
-
-
-def say(line: str) -> None:
-    """Write one line to stderr in a single ``write``. Every rank of a multi-process run reports
-    its error at the same moment; ``print`` writes the text and the newline separately (stderr
-    is write-through, so each is its own system call), and two ranks' lines then run together."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 @contextlib.contextmanager
@@ -78,7 +69,7 @@ def group_error(message: str) -> str:
 
 def refuse(problem: str) -> NoReturn:
     """A bad argument found before anything is built: one line, exit 2."""
-    say(f"earl: error: {problem}")
+    console.error(f"earl: error: {problem}")
     raise SystemExit(2)
 
 
@@ -182,14 +173,14 @@ class EarlCLI(CLIHooks):
         found = checkpoints.newest_last_checkpoint(self._checkpoint_dirs())
         kwargs["ckpt_path"] = None if found is None else str(found)
         if found is not None and found.name.endswith(".old") and self.trainer.is_global_zero:
-            say(
+            console.info(
                 f"earl: the save that replaced {str(found.parent / found.name[1:-4])!r} was interrupted; resuming "
                 f"from the previous checkpoint, {str(found)!r}"
             )
         if found is not None:
             check_readable(found)  # planted, truncated or corrupt: one line (exit 1)
         if found is None and self.trainer.is_global_zero:
-            say(
+            console.info(
                 f"earl: no checkpoint named last*.ckpt under {str(self.trainer.default_root_dir)!r}: "
                 "starting from the beginning"
             )
@@ -213,11 +204,10 @@ class EarlCLI(CLIHooks):
                 else dcp_problem(path, named if isinstance(named, str) else type(strategy).__name__)
             )
             if trainer.is_global_zero:
-                say(
-                    dcp_whole_line(path, trainer.world_size)
-                    if problem is None
-                    else f"earl: error: {problem}"
-                )
+                if problem is None:
+                    console.info(dcp_whole_line(path, trainer.world_size))
+                else:
+                    console.error(f"earl: error: {problem}")
             if problem is not None:
                 raise SystemExit(2)
         try:
@@ -231,7 +221,7 @@ class EarlCLI(CLIHooks):
         ]
         line = differences_line(path, found)
         if line is not None and trainer.is_global_zero:
-            say(line)
+            console.warn(line)
 
     def _check_outputs(self, subcommand: str) -> None:
         """Before anything runs: the root is a directory, not inside the checkpoint read (a save
@@ -253,7 +243,7 @@ class EarlCLI(CLIHooks):
                 problem = callback.problem(trainer, ckpt)
         if problem is not None:
             if trainer.is_global_zero:
-                say(f"earl: error: {problem}")
+                console.error(f"earl: error: {problem}")
             raise SystemExit(2)
 
     def _checkpoint_dirs(self) -> list[Path]:
@@ -285,7 +275,7 @@ class EarlCLI(CLIHooks):
                 ):
                     self.trainer.strategy.refuse_lora_tp("--trainer.strategy.")
         except (ValueError, FileNotFoundError, ImportError) as err:
-            say(f"earl: error: {group_error(str(err))}")
+            console.error(f"earl: error: {group_error(str(err))}")
             raise SystemExit(2) from None
 
     def instantiate_trainer(self, **kwargs) -> Trainer:

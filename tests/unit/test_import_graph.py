@@ -18,6 +18,7 @@ TIERS = {
     "seeding": 0,
     "checks": 0,
     "lightning_internals": 0,
+    "console": 0,
     "algorithms": 1,
     "envs": 1,
     "tasks": 1,
