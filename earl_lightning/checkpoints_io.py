@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import Strategy
 
 from earl_lightning.checkpoint_loaders import load_dcp, load_file, load_trainer_state
@@ -53,6 +52,9 @@ from earl_lightning.checkpoints import (
     save_file_atomically,
 )
 from earl_lightning.errors import CheckpointError
+from earl_lightning.lightning_internals import own_checkpoint_io
+
+PathArg = str | Path  # a checkpoint path as Lightning passes it
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -69,7 +71,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self.module = module
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], path: PathArg, storage_options: Any | None = None
     ) -> None:
         if storage_options is not None or is_url(path):
             # raises for storage_options
@@ -87,7 +89,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return None
 
     def load_checkpoint(
-        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+        self, path: PathArg, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         with local_checkpoint(path) as local:
             if local.is_dir():
@@ -103,7 +105,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             self._check(path, {k: tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")})
             return checkpoint
 
-    def _check(self, path: _PATH, found: dict[str, tuple[int, ...]]) -> None:
+    def _check(self, path: PathArg, found: dict[str, tuple[int, ...]]) -> None:
         if self.module is not None:
             expected = {k: tuple(v.shape) for k, v in self.module.state_dict().items()}
             check_checkpoint_matches(
@@ -159,7 +161,7 @@ def with_atomic_checkpoint_io(
     )
     if any(isinstance(p, CheckpointIO) for p in listed):
         return None
-    if isinstance(strategy, Strategy) and strategy._checkpoint_io is not None:
+    if isinstance(strategy, Strategy) and own_checkpoint_io(strategy) is not None:
         return None
     return [*listed, AtomicCheckpointIO(module)]
 

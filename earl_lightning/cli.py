@@ -24,10 +24,11 @@ from collections.abc import Callable
 
 from jsonargparse import DefaultHelpFormatter
 
+from earl_lightning import console
 from earl_lightning.cli_errors import ShortErrorParser
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
-from earl_lightning.fit_cli import DUMP_HELP, EarlCLI, say  # noqa: F401 - public here too
+from earl_lightning.fit_cli import DUMP_HELP, EarlCLI  # noqa: F401 - public here too
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.parallel.faults import lost_peer_line
 from earl_lightning.warnings_filter import install_warning_filters
@@ -112,7 +113,7 @@ def main(args: list[str] | None = None) -> None:
             args=args,
         )
     except EarlError as err:  # the user's to fix (an environment, a file): one line, no traceback
-        say(f"earl: error: {err}")
+        console.error(f"earl: error: {err}")
         raise SystemExit(1) from None
     except Exception as err:
         # A peer lost in a collective no wrapper sees (Lightning's SIGTERM handler broadcasts when
@@ -120,7 +121,7 @@ def main(args: list[str] | None = None) -> None:
         line = lost_peer_line(err)
         if line is None:
             raise
-        say(f"earl: error: {line}")
+        console.error(f"earl: error: {line}")
         raise SystemExit(1) from None
 
 

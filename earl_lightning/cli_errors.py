@@ -8,11 +8,13 @@ import ast
 import dataclasses
 import difflib
 import re
-import sys
 import typing
 from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
+
+from earl_lightning import console
+from earl_lightning.lightning_internals import action_typehint, parser_actions
 
 
 class ShortErrorParser(LightningArgumentParser):
@@ -27,18 +29,24 @@ class ShortErrorParser(LightningArgumentParser):
         lines = short_error(message, options(parser))
         # `earl fit`, `earl sft`: the CLIs name their prog
         command = parser.prog.replace(" [options]", "")
-        sys.stderr.write("".join(f"earl: error: {line}\n" for line in lines))
-        sys.stderr.write(f"earl: `{command} --help` lists every option\n")
-        sys.stderr.flush()
+        console.error(
+            "\n".join(
+                [
+                    *(f"earl: error: {line}" for line in lines),
+                    f"earl: `{command} --help` lists every option",
+                ]
+            )
+        )
         raise SystemExit(2)
 
 
 def options(parser: Any) -> list[str]:
     """Every ``--key`` the parser accepts, with the fields of a group typed as a dataclass or an
     ``Optional`` one (``--model.peft.r``: jsonargparse takes them, but lists no option for them)."""
-    keys = {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
-    for action in parser._actions:
-        hint = getattr(action, "_typehint", None)  # jsonargparse's ActionTypeHint
+    actions = parser_actions(parser)
+    keys = {s for action in actions for s in action.option_strings if s.startswith("--")}
+    for action in actions:
+        hint = action_typehint(action)
         for kind in typing.get_args(hint) or (hint,):
             if dataclasses.is_dataclass(kind):
                 keys |= {f"--{action.dest}.{f.name}" for f in dataclasses.fields(kind)}

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from earl_lightning import console
 from earl_lightning.checkpoint_loaders import checkpoint_unreadable, load_dcp
 from earl_lightning.checkpoint_urls import local_checkpoint
 from earl_lightning.checkpoints import (
@@ -268,7 +268,7 @@ def export_command(argv: list[str]) -> None:
     try:
         export_checkpoint(ns.ckpt_path, ns.out, ns.overwrite, ns.model)
     except (EarlError, ValueError, FileNotFoundError) as err:
-        sys.stderr.write(f"earl: error: {err}\n")
+        console.error(f"earl: error: {err}")
         raise SystemExit(2) from None
 
 

@@ -5,19 +5,18 @@ and :class:`EpisodeDataModule`, and the one-line error helpers every ``earl`` su
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
 # Imported for its side effect: registers "earl" in Lightning's StrategyRegistry, so a recipe's
 # `trainer.strategy: earl` resolves.
 import earl_lightning.strategies  # noqa: F401,E402
-from earl_lightning import checkpoints
+from earl_lightning import checkpoints, console
 from earl_lightning.callbacks import ExportModel, StepProgressBar
 from earl_lightning.checkpoint_urls import download_checkpoint, is_url
 from earl_lightning.checkpoints import disk_full_error
@@ -34,17 +33,10 @@ from earl_lightning.cli_resume import (
 )
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.errors import EarlError
+from earl_lightning.lightning_internals import CLIHooks
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.strategies.earl import EarlStrategy  # noqa: E402
 from earl_lightning.strategies.faults import one_line_strategy  # noqa: E402
-
-
-def say(line: str) -> None:
-    """Write one line to stderr in a single ``write``. Every rank of a multi-process run reports
-    its error at the same moment; ``print`` writes the text and the newline separately (stderr
-    is write-through, so each is its own system call), and two ranks' lines then run together."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 @contextlib.contextmanager
@@ -77,7 +69,7 @@ def group_error(message: str) -> str:
 
 def refuse(problem: str) -> NoReturn:
     """A bad argument found before anything is built: one line, exit 2."""
-    say(f"earl: error: {problem}")
+    console.error(f"earl: error: {problem}")
     raise SystemExit(2)
 
 
@@ -87,7 +79,7 @@ def is_keyword(path: Any) -> bool:
     return text in ("best", "last", "hpc") or text.startswith("registry")
 
 
-class EarlCLI(LightningCLI):
+class EarlCLI(CLIHooks):
     """``earl fit`` / ``validate``: LightningCLI whose ``--seed_everything`` is 0 unless given (a run
     is reproducible by default), and that one seed drives every part whose own seed is unset."""
 
@@ -120,7 +112,8 @@ class EarlCLI(LightningCLI):
             help=DUMP_HELP,
         )
 
-    def _parse_ckpt_path(self) -> None:
+    @override
+    def check_ckpt_path(self) -> None:
         # Lightning reads a `--ckpt_path` file's hyperparameters here with a bare torch.load, and
         # loads a URL with weights_only=False. Here a URL is downloaded first, and the file (or a
         # DCP directory's pickled .metadata) is checked readable as data only: a planted, truncated
@@ -152,7 +145,8 @@ class EarlCLI(LightningCLI):
             )
             refuse(f"{arg}: {err}")
 
-    def _run_subcommand(self, subcommand: str) -> None:
+    @override
+    def run_subcommand(self, subcommand: str) -> None:
         kwargs = self.config_init[subcommand]
         if self._downloaded is not None:  # the config keeps the URL; the run reads the copy
             kwargs["ckpt_path"] = str(self._downloaded)
@@ -166,7 +160,7 @@ class EarlCLI(LightningCLI):
         with disk_full_as_one_line(
             lambda: f"the run's outputs under {str(self.trainer.default_root_dir)!r}"
         ):
-            super()._run_subcommand(subcommand)
+            super().run_subcommand(subcommand)
 
     def _resolve_last_checkpoint(self, subcommand: str) -> None:
         """``--ckpt_path last``: the newest ``last*.ckpt`` in any directory this run's checkpoint
@@ -179,14 +173,14 @@ class EarlCLI(LightningCLI):
         found = checkpoints.newest_last_checkpoint(self._checkpoint_dirs())
         kwargs["ckpt_path"] = None if found is None else str(found)
         if found is not None and found.name.endswith(".old") and self.trainer.is_global_zero:
-            say(
+            console.info(
                 f"earl: the save that replaced {str(found.parent / found.name[1:-4])!r} was interrupted; resuming "
                 f"from the previous checkpoint, {str(found)!r}"
             )
         if found is not None:
             check_readable(found)  # planted, truncated or corrupt: one line (exit 1)
         if found is None and self.trainer.is_global_zero:
-            say(
+            console.info(
                 f"earl: no checkpoint named last*.ckpt under {str(self.trainer.default_root_dir)!r}: "
                 "starting from the beginning"
             )
@@ -210,11 +204,10 @@ class EarlCLI(LightningCLI):
                 else dcp_problem(path, named if isinstance(named, str) else type(strategy).__name__)
             )
             if trainer.is_global_zero:
-                say(
-                    dcp_whole_line(path, trainer.world_size)
-                    if problem is None
-                    else f"earl: error: {problem}"
-                )
+                if problem is None:
+                    console.info(dcp_whole_line(path, trainer.world_size))
+                else:
+                    console.error(f"earl: error: {problem}")
             if problem is not None:
                 raise SystemExit(2)
         try:
@@ -228,7 +221,7 @@ class EarlCLI(LightningCLI):
         ]
         line = differences_line(path, found)
         if line is not None and trainer.is_global_zero:
-            say(line)
+            console.warn(line)
 
     def _check_outputs(self, subcommand: str) -> None:
         """Before anything runs: the root is a directory, not inside the checkpoint read (a save
@@ -250,7 +243,7 @@ class EarlCLI(LightningCLI):
                 problem = callback.problem(trainer, ckpt)
         if problem is not None:
             if trainer.is_global_zero:
-                say(f"earl: error: {problem}")
+                console.error(f"earl: error: {problem}")
             raise SystemExit(2)
 
     def _checkpoint_dirs(self) -> list[Path]:
@@ -282,14 +275,14 @@ class EarlCLI(LightningCLI):
                 ):
                     self.trainer.strategy.refuse_lora_tp("--trainer.strategy.")
         except (ValueError, FileNotFoundError, ImportError) as err:
-            say(f"earl: error: {group_error(str(err))}")
+            console.error(f"earl: error: {group_error(str(err))}")
             raise SystemExit(2) from None
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
         # The step-counting bar is the default, added here rather than through `trainer_defaults`
         # (which LightningCLI appends to every run): a recipe's own progress bar wins, and
         # `--trainer.enable_progress_bar false` still means no bar.
-        config = self._get(self.config_init, "trainer", default={})
+        config = self.config_init.get(str(self.subcommand), self.config_init).get("trainer") or {}
         callbacks = config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if config.get("enable_progress_bar") is not False and not any(

@@ -17,9 +17,9 @@ from typing import Any, Literal, Union
 
 import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from earl_lightning import console
 from earl_lightning.callbacks.adaptive_setup import (
     GIB,
     budget_bytes,
@@ -186,7 +186,7 @@ class AdaptiveParallelism(StageOOMHandler):
             self._apply_state(self._pending_state)
             self._pending_state = None
         strategy.register_selector(_StageSelector(self))
-        rank_zero_info(
+        console.info(
             f"AdaptiveParallelism: budget {self.selector.budget_bytes / GIB:.2f} GiB per device, "
             f"candidates { {s: [layout_key(c) for c in v] for s, v in per_stage.items()} }, "
             f"profile: {'none' if self.table is None else f'{len(self.table)} cells'}"
@@ -240,7 +240,7 @@ class AdaptiveParallelism(StageOOMHandler):
                 left=left,
             )
         )
-        rank_zero_warn(
+        console.warn(
             f"out of memory in stage {stage!r} under {layout_key(failed)} ({type(err).__name__}: "
             f"{str(err)[:120]}); marked infeasible at context<={bucket.context}, "
             f"num_seqs<={bucket.num_seqs}; "

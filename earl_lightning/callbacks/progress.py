@@ -63,8 +63,13 @@ class StepProgressBar(TQDMProgressBar):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return
         bar = self.train_progress_bar
-        if not bar.disable and self._should_update(trainer.global_step, bar.total):
-            bar.n = trainer.global_step
+        step = trainer.global_step
+        if (
+            self.is_enabled
+            and not bar.disable
+            and (step % self.refresh_rate == 0 or step == bar.total)
+        ):
+            bar.n = step
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # also redraws the bar
 
     @override

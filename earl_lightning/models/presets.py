@@ -5,8 +5,8 @@ directory, for any tool outside earl (``AutoModelForCausalLM.from_pretrained(<di
 from __future__ import annotations
 
 import argparse
-import sys
 
+from earl_lightning import console
 from earl_lightning.models.tiny import PRESETS, make_tiny_model, preset_table
 
 COLUMNS = ("name", "layers", "hidden", "heads", "parameters", "tokenizer", "chat_template", "use")
@@ -35,6 +35,6 @@ def presets_command(argv: list[str]) -> None:
         print("\n`earl presets NAME` prints a preset's directory (built on first use).")
         return
     if args.name not in PRESETS:
-        sys.stderr.write(f"earl: error: unknown preset {args.name!r}; valid: {list(PRESETS)}\n")
+        console.error(f"earl: error: unknown preset {args.name!r}; valid: {list(PRESETS)}")
         raise SystemExit(2)
     print(make_tiny_model(args.name))

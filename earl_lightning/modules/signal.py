@@ -11,10 +11,6 @@ from dataclasses import dataclass
 METRIC = "train/steps_without_signal"
 
 
-class NoLearningSignal(UserWarning):
-    """Steps in a row taught the model nothing (:class:`LearningSignal`)."""
-
-
 @dataclass
 class LearningSignal:
     """Counts the steps in a row without a learning signal; after ``patience`` of them

@@ -7,13 +7,11 @@ metrics objects and its stage runner, and writes through ``self.log``.
 
 from __future__ import annotations
 
-from lightning.pytorch.utilities import rank_zero_warn
-
+from earl_lightning import console
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.modules.dynamic_sampling import Draws
 from earl_lightning.modules.metrics import episode_metrics
 from earl_lightning.modules.signal import METRIC as NO_SIGNAL
-from earl_lightning.modules.signal import NoLearningSignal
 from earl_lightning.rollout.weight_sync import step_mismatch
 from earl_lightning.stages import StageContext, StageRunner
 
@@ -77,7 +75,7 @@ class StepLogging:
         from its one warning on (0 again once the signal is back)."""
         warning = self.signal.update(zero_std_groups, grad_norm)
         if warning is not None:
-            rank_zero_warn(warning, category=NoLearningSignal)
+            console.warn(warning)
         self.log(NO_SIGNAL, float(self.signal.streak), on_step=True, rank_zero_only=True)
         if self.signal.warned:
             self.log("no_signal_steps", float(self.signal.streak), prog_bar=True, logger=False)

@@ -198,3 +198,40 @@ def check_stage_models(
                 f"`stage_models.{stage}` names {bad}, which are not in `model_attrs` {list(model_attrs)}"
             )
     return {**default, **{k: tuple(v) for k, v in stage_models.items()}}
+
+
+def train_layout_arg(train: Layout | None, fixed: dict[str, Layout]) -> Layout | None:
+    """The train layout a strategy was given: ``train_layout``, else ``layouts.train``; both given
+    must place the model the same way."""
+    fixed_train = fixed.get("train")
+    if train is not None and fixed_train is not None and not same_placement(train, fixed_train):
+        raise ValueError(
+            f"`train_layout` {train.name} and `layouts.train` {fixed_train.name} disagree; "
+            "give one of them (the optimizer's copy lives in the train layout)"
+        )
+    return train or fixed_train
+
+
+def check_selected(
+    layout: Any, stage: str, world_size: int, candidates: list[Layout] | None, train: Layout
+) -> Layout:
+    """``layout``, which a selector chose for ``stage``, checked: a Layout of the world size, among
+    the ``candidates`` when the recipe listed them, and placed as ``train`` for the train stage
+    (the optimizer lives there: only its micro-batch and checkpointing knobs may change)."""
+    if not isinstance(layout, Layout):
+        raise TypeError(
+            f"the layout selector returned {layout!r} for stage {stage!r}; expected a Layout"
+        )
+    layout.check_world(world_size, arg=f"selected layout for stage {stage!r}")
+    if candidates is not None and not any(same_placement(layout, c) for c in candidates):
+        raise ValueError(
+            f"the layout selector chose {layout.name} for stage {stage!r}, which is not among the "
+            f"candidate `layouts` {[c.name for c in candidates]}"
+        )
+    if stage == "train" and not same_placement(layout, train):
+        raise ValueError(
+            f"the layout selector chose {layout.name} for stage 'train', but the optimizer lives in "
+            f"the train layout {train.name}; only its micro-batch and checkpointing "
+            "knobs may change"
+        )
+    return layout

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
+from earl_lightning import console
 from earl_lightning.parallel.hardware import Cluster, device_names
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.memory import DTYPE_BYTES
@@ -120,7 +120,7 @@ def plan_command(argv: list[str]) -> None:
         settings = settings_from(ns)
         result = make_plan(settings)
     except ValueError as err:
-        sys.stderr.write(f"earl: error: {err}\n")
+        console.error(f"earl: error: {err}")
         raise SystemExit(2) from None
     print(format_tables(result))
     out = Path(ns.out or Path("plans") / f"{Path(ns.recipe).stem}_{settings.cluster.name}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from earl_lightning import console
 from earl_lightning.parallel.collectives import global_rank, world_size
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import model_heads
@@ -174,5 +174,5 @@ def profile_command(argv: list[str]) -> None:
             log=print,
         )
     except (ValueError, FileNotFoundError) as err:
-        print(f"earl profile: error: {err}", file=sys.stderr)
+        console.error(f"earl profile: error: {err}")
         raise SystemExit(2) from None

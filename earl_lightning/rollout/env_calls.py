@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from earl_lightning import console
 from earl_lightning.checks import check_choice, check_count, check_number
 from earl_lightning.envs.base import Env, StepResult, check_env_name, make_env
 from earl_lightning.parallel.collectives import global_rank, is_distributed
@@ -48,7 +48,6 @@ from earl_lightning.tasks.deadline import can_interrupt, install_handler
 from earl_lightning.tasks.rows import reset_kwargs
 from earl_lightning.tasks.tools import Tool, ToolCall, ToolResult, ToolSet
 
-log = logging.getLogger("earl_lightning.rollout")
 T = TypeVar("T")
 
 _STEP_CONTRACT = "an Env's step must return StepResult(observation, reward, done, info)"
@@ -402,13 +401,10 @@ class EnvCalls:
             _logged.add(kind)
             rank = f"[rank {global_rank()}] " if is_distributed() else ""
             where = f"\nwhere the call is stuck:\n{stack}" if stack else ""
-            log.warning(
-                "%s%s\n[logged once per kind of fault and process; later faults of this kind (%s) end "
-                "their episode and count in env/errors without a log line]%s",
-                rank,
-                fault,
-                kind,
-                where,
+            console.warn(
+                f"{rank}{fault}\n[logged once per kind of fault and process; later faults of this "
+                f"kind ({kind}) end their episode and count in env/errors without a log line]{where}",
+                every_rank=True,  # this rank's episodes
                 exc_info=exc,
             )
         return fault

@@ -18,13 +18,13 @@ log-probs anyway.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from earl_lightning import console
 from earl_lightning.checks import check_count
 from earl_lightning.models.lora import merge_plan, merged_tensors
 
@@ -172,13 +172,11 @@ def check_logprob_mismatch(
     """Warn loudly when the mismatch exceeds ``threshold``; returns True when it does."""
     v = float(value)
     if v > threshold:
-        warnings.warn(
+        console.warn(
             f"!!! {where}: log-probs of the generation engine differ from the trainer's recomputation by up to "
             f"{v:.3g} (> {threshold:g}). The engine is likely generating with stale or mis-mapped weights "
             f"(weight sync skipped or failed), or with a different dtype / temperature. PPO ratios and KL are "
-            f"off-policy by that much.",
-            RuntimeWarning,
-            stacklevel=2,
+            f"off-policy by that much."
         )
         return True
     return False

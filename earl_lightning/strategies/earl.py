@@ -32,16 +32,19 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from typing_extensions import override
 
 from earl_lightning.checkpoints_io import DcpCheckpoints
 from earl_lightning.checks import check_choice, check_number
+from earl_lightning.lightning_internals import (
+    configure_model_optional,
+    join_processes,
+    process_group_backend,
+    process_group_timeout,
+    set_module_device_mesh,
+)
 from earl_lightning.models.lora import has_lora
 from earl_lightning.parallel.collectives import (
     Reducer,
@@ -53,11 +56,13 @@ from earl_lightning.parallel.layout import (
     Layout,
     LayoutArg,
     LayoutSelector,
+    check_selected,
     check_stage,
     check_stage_models,
     parse_layouts,
     same_placement,
     to_layout,
+    train_layout_arg,
 )
 from earl_lightning.parallel.parallelize import (
     build_replica,
@@ -128,7 +133,7 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         check_choice("reshard_method", reshard_method, ("layout_aware", "naive"))
         check_number("bucket_mb", bucket_mb, low=0, strict=True, unit=" of MiB")
         self._fixed, self._candidates, self._auto_candidates = parse_layouts(layouts)
-        self._train = self._resolve_train_arg(to_layout(train_layout, "train_layout"))
+        self._train = train_layout_arg(to_layout(train_layout, "train_layout"), self._fixed)
         self.memory_budget_gb = memory_budget_gb
         self.model_attrs = tuple(model_attrs)
         self.stage_models = check_stage_models(stage_models, self.model_attrs)
@@ -146,16 +151,6 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         # Set (before setup) by a selector that may switch the train stage's activation
         # checkpointing per step: the layers are then wrapped once and recompute only when asked.
         self.checkpoint_switchable = False
-
-    # ---- construction checks -------------------------------------------------------------------
-    def _resolve_train_arg(self, train: Layout | None) -> Layout | None:
-        fixed_train = self._fixed.get("train")
-        if train is not None and fixed_train is not None and not same_placement(train, fixed_train):
-            raise ValueError(
-                f"`train_layout` {train.name} and `layouts.train` {fixed_train.name} disagree; "
-                "give one of them (the optimizer's copy lives in the train layout)"
-            )
-        return train or fixed_train
 
     # ---- layouts and meshes --------------------------------------------------------------------
     @property
@@ -200,13 +195,9 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         return self._meshes[key]
 
     def _resolve_layouts(self, world_size: int) -> None:
-        if self._train is None:
-            self._train = Layout(dp=world_size, tp=1)
-        self._train.check_world(world_size, arg="train_layout")
-        for stage, layout in self._fixed.items():
-            layout.check_world(world_size, arg=f"layouts.{stage}")
-        for i, layout in enumerate(self._candidates or []):
-            layout.check_world(world_size, arg=f"layouts[{i}]")
+        self._train = self._train or Layout(dp=world_size, tp=1)
+        for arg, layout in self.named_layouts():
+            layout.check_world(world_size, arg=arg)
 
     def named_layouts(self) -> list[tuple[str, Layout]]:
         """Each layout this strategy was given, with the setting that gave it; the train layout once
@@ -241,44 +232,45 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
     # ---- Lightning hooks -----------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
-        ParallelStrategy.setup_environment(self)
-        self._setup_distributed()
-        self._resolve_layouts(self.world_size)
-        self._data_parallel_size, self._tensor_parallel_size = self._train.dp, self._train.tp
-        self._device_mesh = self.mesh_for(self._train)
-        self.lightning_module._device_mesh = self._device_mesh
+        """Join the processes, then resolve the layouts and build the train layout's mesh.
 
-    @override
-    def _setup_distributed(self) -> None:
+        ModelParallelStrategy's own builds a ("data_parallel", "tensor_parallel") mesh sized by its
+        arguments; every stage here and :func:`parallelize_model` use a ("dp", "tp") mesh per
+        layout, so only its joining step is taken (:func:`join_processes`). Under torchrun the
+        group is joined first under this restart round's store keys (:func:`init_elastic_process_group`;
+        Lightning's join then finds it up), and the collective timeout is set once it is up."""
+        self.accelerator.setup_device(self.root_device)  # before joining, as Lightning's own order
         init_elastic_process_group(
-            self._get_process_group_backend(), self._timeout, self.root_device
+            process_group_backend(self), process_group_timeout(self), self.root_device
         )
-        super()._setup_distributed()  # Lightning's: ranks, seed; the group is up already under torchrun
+        join_processes(self)
         set_collective_timeout(self.collective_timeout)
+        self._resolve_layouts(self.world_size)
+        set_module_device_mesh(self.lightning_module, self.mesh_for(self._train))
+
+    @property
+    @override
+    def device_mesh(self):
+        """The train layout's ("dp", "tp") mesh (the module's ``device_mesh`` too)."""
+        if self._train is None or (key := (self._train.dp, self._train.tp)) not in self._meshes:
+            return super().device_mesh  # Lightning's error: the processes have not started
+        return self._meshes[key]
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {
-            "num_replicas": self.train_layout.dp,
-            "rank": self.train_layout.coords(self.global_rank)[0],
-        }
+        dp_rank = self.train_layout.coords(self.global_rank)[0]
+        return {"num_replicas": self.train_layout.dp, "rank": dp_rank}
 
     @override
     def setup(self, trainer) -> None:
-        """Shard the module's models for the train layout, then the usual ModelParallel setup
-        (without requiring a ``configure_model`` override: the strategy does the sharding)."""
-        self.accelerator.setup(trainer)
+        """Shard the module's models for the train layout, then ModelParallelStrategy's set-up
+        (materialize, precision, device; the optimizer over the sharded parameters). The parent
+        asks the module to shard itself in ``configure_model`` and refuses one that does not
+        override it; here the strategy shards, so that hook stays optional."""
         self.parallelize_module_models()
-        _materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        with configure_model_optional(self.lightning_module):
+            super().setup(trainer)
 
     def parallelize_module_models(self) -> None:
         module = self.lightning_module
@@ -294,11 +286,9 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
                 continue
             reject_fsdp1(model, arg=attr)
             self._check_heads(model, attr)
+            mesh = self.mesh_for(self._train)
             parallelize_model(
-                model,
-                mesh=self.mesh_for(self._train),
-                layout=self._train,
-                checkpoint_switchable=switchable,
+                model, mesh=mesh, layout=self._train, checkpoint_switchable=switchable
             )
             self._version[attr] = 0
 
@@ -354,26 +344,9 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
             return self._fixed.get(name, self.train_layout)
         layout = self._selector.select(name, stats, self.current_layout)
         # one decision for all ranks, even if the selector's inputs differ
-        layout = broadcast_object(layout)
-        if not isinstance(layout, Layout):
-            raise TypeError(
-                f"the layout selector returned {layout!r} for stage {name!r}; expected a Layout"
-            )
-        layout.check_world(self.world_size, arg=f"selected layout for stage {name!r}")
-        if self._candidates is not None and not any(
-            same_placement(layout, c) for c in self._candidates
-        ):
-            raise ValueError(
-                f"the layout selector chose {layout.name} for stage {name!r}, which is not among the "
-                f"candidate `layouts` {[c.name for c in self._candidates]}"
-            )
-        if name == "train" and not same_placement(layout, self.train_layout):
-            raise ValueError(
-                f"the layout selector chose {layout.name} for stage 'train', but the optimizer lives in "
-                f"the train layout {self.train_layout.name}; only its micro-batch and checkpointing "
-                "knobs may change"
-            )
-        return layout
+        return check_selected(
+            broadcast_object(layout), name, self.world_size, self._candidates, self.train_layout
+        )
 
     def stage_model(self, attr: str = "policy") -> nn.Module:
         """The model ``attr`` placed for the current layout, with up-to-date weights."""
@@ -411,12 +384,9 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         return self._resharders[key].run()
 
     def _record(self, stats: ReshardStats) -> None:
-        self.stage_metrics["reshard/bytes"] = (
-            self.stage_metrics.get("reshard/bytes", 0.0) + stats.bytes_received
-        )
-        self.stage_metrics["reshard/seconds"] = (
-            self.stage_metrics.get("reshard/seconds", 0.0) + stats.seconds
-        )
+        metrics = self.stage_metrics
+        metrics["reshard/bytes"] = metrics.get("reshard/bytes", 0.0) + stats.bytes_received
+        metrics["reshard/seconds"] = metrics.get("reshard/seconds", 0.0) + stats.seconds
 
     def mark_weights_updated(
         self, attrs: Sequence[str] | None = None, all_models: bool = False
@@ -442,11 +412,7 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         super().teardown()
 
 
-def register(registry=StrategyRegistry) -> None:
-    if "earl" not in registry:
-        registry.register(
-            "earl", EarlStrategy, description="EARL: a parallel layout per RL stage (FSDP2 x TP)"
-        )
-
-
-register()
+if "earl" not in StrategyRegistry:
+    StrategyRegistry.register(
+        "earl", EarlStrategy, description="EARL: a parallel layout per RL stage (FSDP2 x TP)"
+    )

@@ -15,10 +15,10 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
 from earl_lightning.errors import RankFailure
+from earl_lightning.lightning_internals import attached_trainer, launched_here, running_hook
 from earl_lightning.parallel.faults import LostPeer, RunFacts
 
 
@@ -57,20 +57,18 @@ class OneLineCollectives(_Hooked):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
-        if isinstance(exception, RankFailure) and isinstance(
-            self.launcher, _SubprocessScriptLauncher
-        ):
+        if isinstance(exception, RankFailure) and launched_here(self):
             # a stopped process acts on no other signal until continued
             self.launcher.kill(signal.SIGKILL)
 
     def _lost_peer(self, what: str) -> AbstractContextManager[None]:
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = attached_trainer(module) if module is not None else None
         if trainer is None:  # before the module is attached: set-up
             return LostPeer(lambda: RunFacts(self.global_rank, "set-up", "", os.getcwd())).during(
                 what
             )
-        hook = module._current_fx_name
+        hook = running_hook(module)
         return trainer_lost_peer(trainer).during(
             f"the strategy's {what}" + (f" in {hook}" if hook else "")
         )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -17,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from earl_lightning import console
 from earl_lightning.checks import is_int
 from earl_lightning.tasks.rows import BadRowError, check_rl_row
-
-log = logging.getLogger("earl_lightning.tasks")
 
 _FILE_BUILDERS = {
     ".jsonl": "json",
@@ -396,10 +394,9 @@ def _without_shared(train: CheckedRows, held: CheckedRows, source: str) -> Check
             f"every training row of {source} is also an evaluation row; evaluation rows are never "
             f"trained on, so nothing is left to train"
         )
-    log.warning(
-        "%d training rows of %s have a prompt that is also an evaluation row's: they are not trained on",
-        len(train) - len(keep),
-        source,
+    console.warn(
+        f"{len(train) - len(keep)} training rows of {source} have a prompt that is also an "
+        "evaluation row's: they are not trained on"
     )
     return train.select(keep)
 

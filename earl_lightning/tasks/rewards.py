@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import logging
 import math
 import numbers
 import sys
@@ -41,12 +40,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from earl_lightning import console
 from earl_lightning.checks import is_real
 from earl_lightning.registry import import_object
 from earl_lightning.tasks.deadline import CallTimeout, call_with_limit, can_interrupt
 from earl_lightning.tasks.rows import accepted_kwargs
-
-log = logging.getLogger("earl_lightning.tasks")
 
 # What a reward function is handed besides the rows' columns (TRL's names).
 CORE_ARGS = ("prompts", "completions", "completion_ids")
@@ -372,12 +370,10 @@ class _Call:
                 return
             _logged_hangs.add(self.func.name)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(not known)\n"
-        log.warning(
-            "reward function %r did not return within %g s: the rows it has not scored are lost "
-            "[logged once per function]; where it was:\n%s",
-            self.func.name,
-            self.timeout_s,
-            stack,
+        console.warn(
+            f"reward function {self.func.name!r} did not return within {self.timeout_s:g} s: the "
+            f"rows it has not scored are lost [logged once per function]; where it was:\n{stack}",
+            every_rank=True,  # this rank's rows
         )
 
     def _take(self, rows: slice, values: Any) -> None:

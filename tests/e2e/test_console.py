@@ -1,9 +1,10 @@
-"""A default `earl fit` console is quiet and truthful: no warning from earl_lightning's own code or from
-its use of Lightning, and a progress bar that counts steps against `max_steps`, without `v_num`.
+"""A default `earl fit` console is quiet and truthful: no warning from earl_lightning's own code (its
+console's logger included) or from its use of Lightning, and a progress bar that counts steps against `max_steps`, without `v_num`.
 
 Only `--trainer.*` and `--data.*` overrides are passed, so the recipe's `model:` section may change freely.
 """
 
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -56,7 +57,7 @@ def _argv(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["earl"])
 
 
-def test_default_fit_emits_no_warning_of_ours(tmp_path, capsys):
+def test_default_fit_emits_no_warning_of_ours(tmp_path, capsys, caplog):
     # A checkpoint every step, so that 2 steps reach ModelCheckpoint's manual-optimization save (the
     # recipe's own checkpoint saves every 20 steps).
     args = fit_args(tmp_path) + [
@@ -81,6 +82,11 @@ def test_default_fit_emits_no_warning_of_ours(tmp_path, capsys):
     assert not bad, "\n".join(
         f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in bad
     )
+    # the package's own warnings go through earl_lightning.console: none in a default run either
+    ours = [r.getMessage() for r in caplog.records if r.name == "earl_lightning"]
+    assert not [
+        r for r in caplog.records if r.name == "earl_lightning" and r.levelno >= logging.WARNING
+    ], ours
     assert list(tmp_path.rglob("*step=*.ckpt")), "the per-step checkpoint was not saved"
     out = capsys.readouterr().out
     assert "2/2" in out and "v_num" not in out and "Epoch 0/-2" not in out, out[-2000:]

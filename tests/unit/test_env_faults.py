@@ -73,7 +73,7 @@ def _run(lm, specs, **kw):
 
 
 def _fault_records(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "earl_lightning.rollout"]
+    return [r for r in caplog.records if r.name == "earl_lightning"]
 
 
 # The error of a faulty episode (seed ``s``), as a regex; the turn its episode ended on (None: at reset).
@@ -100,7 +100,7 @@ FAULTS = {
 def test_a_fault_fails_its_episode_and_the_healthy_ones_play_on(lm, caplog, name):
     pattern, turn = FAULTS[name]
     reference = _run(lm, _specs("recall"))
-    with caplog.at_level(logging.WARNING, logger="earl_lightning.rollout"):
+    with caplog.at_level(logging.WARNING, logger="earl_lightning"):
         episodes = _run(lm, _specs(P + name, every=2, turn=1))  # seeds 0, 2, 4 are faulty
     for ep, ref in zip(episodes, reference):
         if ep.spec.seed % 2:
@@ -122,7 +122,7 @@ def test_a_fault_fails_its_episode_and_the_healthy_ones_play_on(lm, caplog, name
     assert "end their episode and count in env/errors" in record.getMessage()
     assert (record.exc_info is not None) == ("raised" in pattern)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="earl_lightning.rollout"):
+    with caplog.at_level(logging.WARNING, logger="earl_lightning"):
         assert _run(lm, _specs(P + name, every=2, turn=1))[0].error == episodes[0].error
     assert _fault_records(caplog) == []  # not again in this process
 
@@ -149,7 +149,7 @@ def test_the_traceback_is_logged_once_per_kind(lm, caplog):
         EpisodeSpec(P + "RaisesInReset", seed=7, group_id=9, episode_id=9, env_kwargs=RECALL),
         EpisodeSpec(P + "RaisesInReset", seed=8, group_id=9, episode_id=10, env_kwargs=RECALL),
     ]
-    with caplog.at_level(logging.WARNING, logger="earl_lightning.rollout"):
+    with caplog.at_level(logging.WARNING, logger="earl_lightning"):
         episodes = _run(lm, specs)
     assert all(ep.error for ep in episodes)
     # reset faults come first: every env is reset before turn 1
@@ -207,7 +207,7 @@ def test_a_hung_call_is_interrupted_then_its_kind_runs_on_threads(lm, caplog, th
     RELEASE.clear()
     try:
         t0 = time.perf_counter()
-        with caplog.at_level(logging.WARNING, logger="earl_lightning.rollout"):
+        with caplog.at_level(logging.WARNING, logger="earl_lightning"):
             episodes = _run(
                 lm, _specs(P + "HangsInStep", every=3, turn=1, sleep_s=60.0), env_timeout_s=limit
             )

@@ -19,6 +19,8 @@ TIERS = {
     "host_memory": 0,
     "seeding": 0,
     "checks": 0,
+    "lightning_internals": 0,
+    "console": 0,
     "algorithms": 1,
     "envs": 1,
     "tasks": 1,

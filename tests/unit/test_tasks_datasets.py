@@ -89,7 +89,7 @@ def test_held_out_rows_are_disjoint_and_the_same_whatever_the_seed(tmp_path):
 def test_training_rows_that_are_also_evaluation_rows_are_dropped(caplog):
     train = datasets.Dataset.from_list(_rows(10))
     held = datasets.Dataset.from_list(_rows(3, 8))  # 8 and 9 are training prompts too
-    with caplog.at_level(logging.WARNING, logger="earl_lightning.tasks"):
+    with caplog.at_level(logging.WARNING, logger="earl_lightning"):
         splits = open_splits(train, held)
     assert len(splits.train) == 8 and "8+1=" not in splits.train.dataset["prompt"]
     assert "2 training rows" in caplog.text

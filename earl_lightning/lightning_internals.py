@@ -1,0 +1,133 @@
+"""Every private of Lightning, LightningCLI and its parser (jsonargparse, argparse) the package
+touches, in this module only: each function says which private it reads, sets or overrides, and
+why no public API serves. A Lightning release that renames one breaks here, in one place, not in
+a strategy or a callback (tests/unit/test_lightning_privates.py fails on a private touched anywhere
+else in the package). Tier 0: it imports nothing from the project.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+# ---- ModelParallelStrategy ----------------------------------------------------------------------
+
+
+def join_processes(strategy: ModelParallelStrategy) -> None:
+    """ModelParallelStrategy's ``_setup_distributed``: the device, the world ranks, the seed reset
+    and joining the default process group. Its public ``setup_environment`` does the same and then
+    builds a ("data_parallel", "tensor_parallel") mesh sized by its own arguments; EarlStrategy's
+    meshes are ("dp", "tp") ones per layout, so it calls this step alone."""
+    strategy._setup_distributed()
+
+
+def process_group_backend(strategy: ModelParallelStrategy) -> str:
+    """The backend the strategy will join with (``_get_process_group_backend``: the one given, else
+    the device's default). The public ``process_group_backend`` is None until the group is up,
+    and EarlStrategy joins torchrun's group itself before that."""
+    return strategy._get_process_group_backend()
+
+
+def process_group_timeout(strategy: ModelParallelStrategy) -> timedelta | None:
+    """The ``timeout`` the strategy was built with (``_timeout``; no public property)."""
+    return strategy._timeout
+
+
+def set_module_device_mesh(module: LightningModule, mesh: Any) -> None:
+    """Give the module its ``device_mesh`` (``_device_mesh``: the property has no setter; Lightning's
+    ModelParallelStrategy sets the private the same way)."""
+    module._device_mesh = mesh
+
+
+@contextmanager
+def configure_model_optional(module: LightningModule) -> Iterator[None]:
+    """Inside: ModelParallelStrategy's ``setup`` takes a module that does not override
+    ``configure_model``. It refuses one (``is_overridden``), since there the module must shard
+    itself; under EarlStrategy the strategy has sharded the module's models already. The check
+    reads the module's attribute, so a no-op ``configure_model`` is set on the instance for the
+    call and removed after it (a module that overrides the hook is left as it is)."""
+    if type(module).configure_model is not LightningModule.configure_model:
+        yield
+        return
+
+    def configure_model() -> None:  # the strategy shards: nothing for the module to do
+        return None
+
+    module.__dict__["configure_model"] = configure_model
+    try:
+        yield
+    finally:
+        module.__dict__.pop("configure_model", None)
+
+
+# ---- Trainer, LightningModule, launcher ----------------------------------------------------------
+
+
+def attached_trainer(module: LightningModule) -> Any:
+    """The module's trainer, or None before it is attached (``_trainer``: the public ``trainer``
+    raises when none is attached, and the set-up's collectives run before)."""
+    return module._trainer
+
+
+def running_hook(module: LightningModule) -> str | None:
+    """The name of the Lightning hook running now (``_current_fx_name``; no public accessor)."""
+    return module._current_fx_name
+
+
+def launched_here(strategy: Strategy) -> bool:
+    """Whether this process started the other ranks (``earl fit --trainer.devices N``): Lightning's
+    ``_SubprocessScriptLauncher``, the only launcher that can ``kill`` them; no public type."""
+    return isinstance(strategy.launcher, _SubprocessScriptLauncher)
+
+
+def own_checkpoint_io(strategy: Strategy) -> Any:
+    """The CheckpointIO a strategy instance was built with, or None (``_checkpoint_io``: the public
+    ``checkpoint_io`` makes a default one when none was given, so it cannot tell)."""
+    return strategy._checkpoint_io
+
+
+# ---- LightningCLI and its parser ----------------------------------------------------------------
+
+
+class CLIHooks(LightningCLI):
+    """LightningCLI whose two private steps are public hooks here: ``check_ckpt_path`` (Lightning's
+    ``_parse_ckpt_path``: reading the ``--ckpt_path`` file's hyperparameters) and
+    ``run_subcommand`` (``_run_subcommand``: calling ``trainer.fit`` and the like). They are the
+    only points between parsing and the run where ``earl`` can check a checkpoint before anything
+    reads it and name a full disk; LightningCLI has no public hook there."""
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        self.check_ckpt_path()
+
+    def check_ckpt_path(self) -> None:
+        """Lightning's: merge the ``--ckpt_path`` file's hyperparameters into the config."""
+        super()._parse_ckpt_path()
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        self.run_subcommand(subcommand)
+
+    def run_subcommand(self, subcommand: str) -> None:
+        """Lightning's: run the subcommand's Trainer method with its instantiated arguments."""
+        super()._run_subcommand(subcommand)
+
+
+def parser_actions(parser: Any) -> list[Any]:
+    """The parser's actions (argparse's ``_actions``): every option it takes, for the list of
+    valid keys an error shows; argparse offers no public list."""
+    return list(parser._actions)
+
+
+def action_typehint(action: Any) -> Any:
+    """The type an action of jsonargparse's parses (``ActionTypeHint._typehint``), None for other
+    actions: a group typed as a dataclass lists no option per field, so its fields are read here."""
+    return getattr(action, "_typehint", None)
