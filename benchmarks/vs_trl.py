@@ -39,15 +39,15 @@ import sys
 import time
 from pathlib import Path
 
-from earl_lightning.host_memory import ENV as HOST_MEMORY_VAR
-from earl_lightning.host_memory import MALLOC_ENV, RETAIN_ENV
+from earl_lightning.core.host_memory import ENV as HOST_MEMORY_VAR
+from earl_lightning.core.host_memory import MALLOC_ENV, RETAIN_ENV
 from earl_lightning.parallel.launch_env import standalone_env
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SIDES = ("earl", "trl")
 # --host-memory adds these sides: earl with glibc's malloc left as it is (as before it kept freed
-# host memory), and TRL with glibc set as earl sets it (earl_lightning/host_memory.py).
+# host memory), and TRL with glibc set as earl sets it (earl_lightning/core/host_memory.py).
 HOST_MEMORY_SIDES = ("earl_glibc", "trl_retain")
 SIDE_ENV = {
     "earl": {HOST_MEMORY_VAR: "retain"},

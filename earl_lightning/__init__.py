@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-from earl_lightning.warnings_filter import install_warning_filters
+from earl_lightning.core.warnings_filter import install_warning_filters
 
 __version__ = "0.2.0"
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.default_planner import (
     _EmptyStateDictLoadPlanner,
 )
 
-from earl_lightning.errors import CheckpointError
+from earl_lightning.core.errors import CheckpointError
 
 PathLike = Union[str, "os.PathLike[str]"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from earl_lightning.checkpoint_loaders import reason
-from earl_lightning.errors import CheckpointError
+from earl_lightning.core.errors import CheckpointError
 
 DOWNLOAD_LIMIT_BYTES = 64 * 2**30  # a checkpoint bigger than this is downloaded by hand
 FREE_SPACE_KEPT_BYTES = 2**30  # a download never leaves less free on the temporary directory's disk

@@ -15,7 +15,7 @@ import torch
 
 from earl_lightning.checkpoint_loaders import load_file, read_dcp_metadata
 from earl_lightning.checkpoint_urls import is_url
-from earl_lightning.errors import CheckpointError, DiskFullError
+from earl_lightning.core.errors import CheckpointError, DiskFullError
 
 PathLike = Union[str, "os.PathLike[str]"]
 

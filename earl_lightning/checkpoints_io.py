@@ -51,8 +51,8 @@ from earl_lightning.checkpoints import (
     replace_dir,
     save_file_atomically,
 )
-from earl_lightning.errors import CheckpointError
-from earl_lightning.lightning_internals import own_checkpoint_io
+from earl_lightning.core.errors import CheckpointError
+from earl_lightning.core.lightning_internals import own_checkpoint_io
 
 PathArg = str | Path  # a checkpoint path as Lightning passes it
 

@@ -24,14 +24,14 @@ from collections.abc import Callable
 
 from jsonargparse import DefaultHelpFormatter
 
-from earl_lightning import console
 from earl_lightning.cli_errors import ShortErrorParser
+from earl_lightning.core import console
+from earl_lightning.core.errors import EarlError
+from earl_lightning.core.warnings_filter import install_warning_filters
 from earl_lightning.datamodule import EpisodeDataModule
-from earl_lightning.errors import EarlError
 from earl_lightning.fit_cli import DUMP_HELP, EarlCLI  # noqa: F401 - public here too
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.parallel.faults import lost_peer_line
-from earl_lightning.warnings_filter import install_warning_filters
 
 DESCRIPTION = """Agentic RL of LLMs (earl_lightning). Every subcommand:
   earl fit       train with RL (GRPO, PPO, ...) on an environment or a dataset

@@ -13,8 +13,8 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-from earl_lightning import console
-from earl_lightning.lightning_internals import action_typehint, parser_actions
+from earl_lightning.core import console
+from earl_lightning.core.lightning_internals import action_typehint, parser_actions
 
 
 class ShortErrorParser(LightningArgumentParser):

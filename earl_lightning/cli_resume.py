@@ -23,7 +23,7 @@ import torch
 
 from earl_lightning.checkpoint_loaders import checkpoint_unreadable
 from earl_lightning.checkpoints import dcp_writers, read_dcp_metadata
-from earl_lightning.errors import CheckpointError
+from earl_lightning.core.errors import CheckpointError
 
 SHOWN = 4  # differences named in the line; the rest are counted
 

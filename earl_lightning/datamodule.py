@@ -23,12 +23,12 @@ import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from earl_lightning.checks import check_choice, check_count, check_number
+from earl_lightning.core.checks import check_choice, check_count, check_number
+from earl_lightning.core.config_groups import coerce, to_dict
+from earl_lightning.core.seeding import run_seed
 from earl_lightning.dispatch.exchange import DispatchConfig, Exchanger
 from earl_lightning.envs.base import check_env_name, make_env
-from earl_lightning.groups import coerce, to_dict
 from earl_lightning.rollout.types import EpisodeSpec
-from earl_lightning.seeding import run_seed
 from earl_lightning.tasks.agents import Agent, check_agent_columns, describe_agent, resolve_agent
 from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs

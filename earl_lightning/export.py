@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from earl_lightning import console
 from earl_lightning.checkpoint_loaders import checkpoint_unreadable, load_dcp
 from earl_lightning.checkpoint_urls import local_checkpoint
 from earl_lightning.checkpoints import (
@@ -39,8 +38,9 @@ from earl_lightning.checkpoints import (
     read_dcp_shapes,
     write_dir_atomically,
 )
-from earl_lightning.errors import CheckpointError, EarlError
-from earl_lightning.groups import coerce
+from earl_lightning.core import console
+from earl_lightning.core.config_groups import coerce
+from earl_lightning.core.errors import CheckpointError, EarlError
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.models.lora import LoraSettings, apply_lora, merge_plan, merged_tensors
 from earl_lightning.rollout.weight_sync import full_tensor, hf_parameter_name

@@ -16,12 +16,11 @@ from typing_extensions import override
 # Imported for its side effect: registers "earl" in Lightning's StrategyRegistry, so a recipe's
 # `trainer.strategy: earl` resolves.
 import earl_lightning.strategies  # noqa: F401,E402
-from earl_lightning import checkpoints, console
+from earl_lightning import checkpoints
 from earl_lightning.callbacks import ExportModel, StepProgressBar
 from earl_lightning.checkpoint_urls import download_checkpoint, is_url
 from earl_lightning.checkpoints import disk_full_error
 from earl_lightning.checkpoints_io import AtomicCheckpointIO, with_atomic_checkpoint_io
-from earl_lightning.checks import is_int
 from earl_lightning.cli_resume import (
     check_readable,
     dcp_problem,
@@ -31,9 +30,11 @@ from earl_lightning.cli_resume import (
     saved_hparams,
     with_run_seed,
 )
+from earl_lightning.core import console
+from earl_lightning.core.checks import is_int
+from earl_lightning.core.errors import EarlError
+from earl_lightning.core.lightning_internals import CLIHooks
 from earl_lightning.datamodule import EpisodeDataModule
-from earl_lightning.errors import EarlError
-from earl_lightning.lightning_internals import CLIHooks
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.strategies.earl import EarlStrategy  # noqa: E402
 from earl_lightning.strategies.faults import one_line_strategy  # noqa: E402

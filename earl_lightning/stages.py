@@ -32,8 +32,8 @@ import lightning as L
 import torch
 from torch import nn
 
-from earl_lightning.errors import EnvironmentFailure, RewardFunctionFailure
-from earl_lightning.host_memory import trim_host_memory
+from earl_lightning.core.errors import EnvironmentFailure, RewardFunctionFailure
+from earl_lightning.core.host_memory import trim_host_memory
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.faults import LostPeer, is_peer_failure
 from earl_lightning.parallel.layout import Layout, check_stage

@@ -65,8 +65,8 @@ from earl_lightning.algorithms.losses import (
 )
 from earl_lightning.algorithms.moments import Moments, grouped_moments, moments
 from earl_lightning.algorithms.pass_at_k import pass_at_k
-from earl_lightning.algorithms.registry import Registry
 from earl_lightning.algorithms.shaping import overlong_penalty
+from earl_lightning.core.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -1,4 +1,4 @@
-"""Tensor-shape checks shared by the estimators and losses (scalar arguments: ``earl_lightning.checks``):
+"""Tensor-shape checks shared by the estimators and losses (scalar arguments: ``earl_lightning.core.checks``):
 each error names the argument as the caller wrote it, the bad shape, and what is allowed."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from earl_lightning.algorithms.moments import (
     grouped_moments,
     moments,
 )
-from earl_lightning.checks import check_choice, check_number
+from earl_lightning.core.checks import check_choice, check_number
 
 GRPO_SCALES = ("group", "batch", "none")
 GrpoScale = Literal["group", "batch", "none"]

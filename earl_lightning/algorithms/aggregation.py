@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from earl_lightning.algorithms._checks import check_2d, check_same_shape
-from earl_lightning.algorithms.registry import Registry
-from earl_lightning.checks import check_number
+from earl_lightning.core.checks import check_number
+from earl_lightning.core.registry import Registry
 
 Number = int | float | Tensor
 AggregationFn = Callable[

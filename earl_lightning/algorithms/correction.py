@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from earl_lightning.algorithms._checks import check_2d, check_same_shape
-from earl_lightning.algorithms.registry import Registry
+from earl_lightning.core.registry import Registry
 
 # exp() of a log-weight beyond this overflows float32 (as the policy losses' MAX_LOG_RATIO)
 MAX_LOG_WEIGHT = 20.0

@@ -32,7 +32,7 @@ from earl_lightning.algorithms.advantages import (
     rloo_advantages,
 )
 from earl_lightning.algorithms.moments import Moments, grouped_moments, moments
-from earl_lightning.registry import Registry
+from earl_lightning.core.registry import Registry
 
 MomentsReduce = Callable[[Sequence[Moments]], Sequence[Moments]]
 

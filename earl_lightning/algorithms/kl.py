@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from earl_lightning.algorithms._checks import check_2d, check_same_shape
-from earl_lightning.algorithms.registry import Registry
-from earl_lightning.checks import check_number
+from earl_lightning.core.checks import check_number
+from earl_lightning.core.registry import Registry
 
 KlFn = Callable[[Tensor, Tensor], Tensor]
 KlEstimatorName = Literal["k1", "k2", "k3"]

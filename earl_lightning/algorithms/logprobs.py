@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from earl_lightning.algorithms.aggregation import AggregationMode, Number, aggregate
-from earl_lightning.checks import check_number
+from earl_lightning.core.checks import check_number
 
 
 @lru_cache(maxsize=1)

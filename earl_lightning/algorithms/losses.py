@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from earl_lightning.algorithms._checks import check_2d, check_same_shape
-from earl_lightning.algorithms.registry import Registry
-from earl_lightning.checks import check_number
+from earl_lightning.core.checks import check_number
+from earl_lightning.core.registry import Registry
 
 # exp() of a log-ratio beyond this overflows float32 into inf, and -inf * 0 advantages gives nan.
 MAX_LOG_RATIO = 20.0

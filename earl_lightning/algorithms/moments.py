@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from earl_lightning.checks import check_count
+from earl_lightning.core.checks import check_count
 
 STAT_DTYPE = torch.float64
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from earl_lightning.checks import check_count
+from earl_lightning.core.checks import check_count
 
 
 def pass_at_k(n: Tensor, c: Tensor, k: int) -> Tensor:

@@ -1,5 +1,5 @@
-"""The project's :class:`~earl_lightning.registry.Registry`, re-exported for the algorithm registries."""
+"""The project's :class:`~earl_lightning.core.registry.Registry`, re-exported for the algorithm registries."""
 
-from earl_lightning.registry import Registry, bind_params, import_object, param_default
+from earl_lightning.core.registry import Registry, bind_params, import_object, param_default
 
 __all__ = ["Registry", "bind_params", "import_object", "param_default"]

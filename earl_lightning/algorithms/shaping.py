@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from earl_lightning.checks import check_count, check_number
+from earl_lightning.core.checks import check_count, check_number
 
 
 def overlong_penalty(

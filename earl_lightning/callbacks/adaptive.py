@@ -19,7 +19,6 @@ import lightning as L
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
-from earl_lightning import console
 from earl_lightning.callbacks.adaptive_setup import (
     GIB,
     budget_bytes,
@@ -33,6 +32,7 @@ from earl_lightning.callbacks.adaptive_setup import (
     stage_candidates,
     workload_of,
 )
+from earl_lightning.core import console
 from earl_lightning.parallel.decision import Decision, bucket_of
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.selector import Selector

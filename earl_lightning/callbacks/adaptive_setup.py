@@ -15,7 +15,7 @@ import lightning as L
 import torch
 
 from earl_lightning.callbacks.base import WorkloadSource
-from earl_lightning.checks import check_number, is_int
+from earl_lightning.core.checks import check_number, is_int
 from earl_lightning.parallel.layout import STAGES, Layout
 from earl_lightning.parallel.memory import OPTIMIZER_STATES, MemoryModel, Workload
 from earl_lightning.parallel.throughput import ProfileTable, layout_key

@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from earl_lightning.checks import check_count
+from earl_lightning.core.checks import check_count
 
 TOKEN_FIELDS_REQUIRED = ("input_ids", "action_mask")
 SEQ_FIELDS_REQUIRED = ("rewards", "group_ids", "episode_ids")

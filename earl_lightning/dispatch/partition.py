@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import heapq
 
-from earl_lightning.checks import check_count
+from earl_lightning.core.checks import check_count
 
 # Karmarkar-Karp keeps k-tuples of partial sums per item: O(n * k) memory. Past this many
 # destination groups LPT (O(n log k), within 4/3 of optimal) and the local search run alone.

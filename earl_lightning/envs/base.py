@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from earl_lightning.core.registry import Registry
 from earl_lightning.envs.types import StepResult
-from earl_lightning.registry import Registry
 
 __all__ = [
     "ENVS",

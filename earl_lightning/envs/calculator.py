@@ -20,7 +20,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Literal
 
-from earl_lightning.checks import check_choice, check_count, check_number
+from earl_lightning.core.checks import check_choice, check_count, check_number
 from earl_lightning.envs.base import StepResult, register_env
 from earl_lightning.envs.parsing import build_env, find_call, read_int
 

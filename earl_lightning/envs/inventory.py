@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 
-from earl_lightning.checks import check_count, check_number
+from earl_lightning.core.checks import check_count, check_number
 from earl_lightning.envs.base import StepResult, register_env
 from earl_lightning.envs.parsing import build_env, read_int
 

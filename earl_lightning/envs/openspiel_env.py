@@ -24,7 +24,7 @@ import numpy as np
 import pyspiel
 from open_spiel.python.algorithms import mcts
 
-from earl_lightning.checks import check_choice, check_count, check_number
+from earl_lightning.core.checks import check_choice, check_count, check_number
 from earl_lightning.envs.base import Env, StepResult, register_env
 from earl_lightning.envs.parsing import Seat, agent_player, build_env, check_seat, first_int
 

@@ -1,5 +1,5 @@
 """Helpers shared by the built-in environments: reading actions out of model text, the seat
-setting, and building an env from YAML keywords (numbers and seeds: ``earl_lightning.checks``).
+setting, and building an env from YAML keywords (numbers and seeds: ``earl_lightning.core.checks``).
 
 Pure Python: no torch, no OpenSpiel, no TextArena, so every env module can import it cheaply.
 """

@@ -29,11 +29,11 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from earl_lightning.checks import check_choice, check_count, check_number
+from earl_lightning.core.checks import check_choice, check_count, check_number
+from earl_lightning.core.registry import Registry
 from earl_lightning.envs.calculator import CalcError, safe_eval
 from earl_lightning.envs.inventory import FIELDS
 from earl_lightning.envs.openspiel_env import legal_from_observation, preference_policy
-from earl_lightning.registry import Registry
 
 Policy = Callable[[str], str]
 PolicyFactory = Callable[..., Policy]

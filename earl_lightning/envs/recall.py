@@ -14,7 +14,7 @@ import random
 import re
 import string
 
-from earl_lightning.checks import check_count
+from earl_lightning.core.checks import check_count
 from earl_lightning.envs.base import StepResult, register_env
 
 _FILLER_CHARS = string.ascii_lowercase + " "

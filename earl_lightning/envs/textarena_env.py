@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-from earl_lightning.checks import check_count, check_number
+from earl_lightning.core.checks import check_count, check_number
 from earl_lightning.envs.base import StepResult, register_env
 from earl_lightning.envs.parsing import Seat, agent_player, build_env, check_seat
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from earl_lightning.errors import ModelFilesError
+from earl_lightning.core.errors import ModelFilesError
 from earl_lightning.models.tiny import PRESETS, make_tiny_model
 
 DType = Literal["float32", "bfloat16", "float16"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from earl_lightning.checks import check_count, check_number
+from earl_lightning.core.checks import check_count, check_number
 
 ARG = "--model.peft"
 ADAPTER = "default"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from earl_lightning import console
+from earl_lightning.core import console
 from earl_lightning.models.tiny import PRESETS, make_tiny_model, preset_table
 
 COLUMNS = ("name", "layers", "hidden", "heads", "parameters", "tokenizer", "chat_template", "use")

@@ -17,8 +17,8 @@ import torch
 from earl_lightning.algorithms import get_kl_estimator, get_loss_aggregation, get_policy_loss
 from earl_lightning.algorithms.correction import RolloutCorrection, get_is_level, get_is_mode
 from earl_lightning.algorithms.shaping import overlong_penalty
-from earl_lightning.checks import check_count, check_number
-from earl_lightning.registry import bind_params
+from earl_lightning.core.checks import check_count, check_number
+from earl_lightning.core.registry import bind_params
 
 ARG = "--model.algorithm"
 

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Literal
 
 from earl_lightning.algorithms.estimators import AdvantageEstimator, get_advantage_estimator
-from earl_lightning.checks import check_choice, check_count, check_number
-from earl_lightning.groups import coerce
+from earl_lightning.core.checks import check_choice, check_count, check_number
+from earl_lightning.core.config_groups import coerce
+from earl_lightning.core.registry import bind_params, param_default
 from earl_lightning.modules.algorithm_groups import (  # noqa: F401 - public here too
     DynamicSamplingConfig,
     KLConfig,
@@ -29,7 +30,6 @@ from earl_lightning.modules.algorithm_groups import (  # noqa: F401 - public her
     RolloutCorrectionConfig,
     ValueConfig,
 )
-from earl_lightning.registry import bind_params, param_default
 from earl_lightning.rollout.backends.base import SamplingConfig, SamplingFields
 from earl_lightning.rollout.loop import check_history_turns
 

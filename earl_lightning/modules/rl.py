@@ -18,13 +18,14 @@ import torch
 from typing_extensions import override
 
 from earl_lightning.algorithms import get_kl_estimator
+from earl_lightning.core.config_groups import coerce, to_dict
+from earl_lightning.core.host_memory import apply_host_memory, host_memory_mode
+from earl_lightning.core.seeding import run_seed
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.dispatch.exchange import Exchanger
 from earl_lightning.export import gather_state_dict, write_pretrained
-from earl_lightning.groups import coerce, to_dict
-from earl_lightning.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.models.lora import LoraSettings, apply_lora, check_targets
 from earl_lightning.modules.algorithm_groups import check_draws
@@ -59,7 +60,6 @@ from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.endpoint import EndpointServer
 from earl_lightning.rollout.scoring import score_episodes
-from earl_lightning.seeding import run_seed
 from earl_lightning.stages import (
     StageContext,
     StageOOMHandler,
@@ -215,7 +215,7 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        apply_host_memory()  # freed activations are kept for the next step (earl_lightning/host_memory.py)
+        apply_host_memory()  # freed activations are kept for the next step (earl_lightning/core/host_memory.py)
         dm = self.trainer.datamodule
         if isinstance(dm, EpisodeDataModule) and not self.run_metrics.reward_names:
             self.run_metrics.track_rewards([f.name for f in dm.reward_funcs])

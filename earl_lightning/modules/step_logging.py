@@ -7,7 +7,7 @@ metrics objects and its stage runner, and writes through ``self.log``.
 
 from __future__ import annotations
 
-from earl_lightning import console
+from earl_lightning.core import console
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.modules.dynamic_sampling import Draws
 from earl_lightning.modules.metrics import episode_metrics

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from earl_lightning.checks import check_choice, check_count
-from earl_lightning.groups import coerce
+from earl_lightning.core.checks import check_choice, check_count
+from earl_lightning.core.config_groups import coerce
 from earl_lightning.rollout.scoring import is_raw, transcript
 
 EPISODES = ("first", "failed", "best", "worst", "random")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from earl_lightning.groups import to_dict
+from earl_lightning.core.config_groups import to_dict
 from earl_lightning.modules.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import BackendSpec

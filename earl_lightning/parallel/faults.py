@@ -1,5 +1,5 @@
 """A lost peer: a collective that failed because another rank died or stopped answering, and the
-one-line :class:`~earl_lightning.errors.RankFailure` a run ends with then (no Lightning here).
+one-line :class:`~earl_lightning.core.errors.RankFailure` a run ends with then (no Lightning here).
 
 :func:`peer_failure` recognizes the errors torch.distributed raises for it, and only those: an
 error that merely says "timed out" (an environment's own timeout re-raised as a RuntimeError) is
@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch.distributed as dist
 
-from earl_lightning.errors import RankFailure
+from earl_lightning.core.errors import RankFailure
 
 PeerFailure = Literal["died", "silent"]
 

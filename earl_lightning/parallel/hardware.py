@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from earl_lightning.checks import check_count, check_number
+from earl_lightning.core.checks import check_count, check_number
 
 DEVICES_DIR = Path(__file__).parent / "devices"
 _CLUSTER = re.compile(r"^(\d+)x(\d+)x(.+)$")

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, Union, runtime_checkable
 
-from earl_lightning.checks import check_count
+from earl_lightning.core.checks import check_count
 
 STAGES = ("rollout", "experience", "train")
 # The micro-batch budget the memory model and the profile tables assume for a layout that names

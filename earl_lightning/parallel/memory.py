@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-from earl_lightning.checks import check_choice, check_count, check_number
+from earl_lightning.core.checks import check_choice, check_count, check_number
 from earl_lightning.parallel.layout import Layout, check_stage
 from earl_lightning.parallel.model_sizes import ModelSizes
 

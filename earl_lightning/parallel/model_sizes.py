@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from earl_lightning.checks import check_count
+from earl_lightning.core.checks import check_count
 
 
 @dataclass(frozen=True)

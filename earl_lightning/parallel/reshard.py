@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from earl_lightning.checks import check_number
+from earl_lightning.core.checks import check_number
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, shape)
 

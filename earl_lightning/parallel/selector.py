@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Union
 
-from earl_lightning.checks import check_count, check_number
+from earl_lightning.core.checks import check_count, check_number
 from earl_lightning.parallel.decision import (
     Bucket,
     CandidateReport,

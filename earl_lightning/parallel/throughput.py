@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from earl_lightning.checks import check_count, check_number
+from earl_lightning.core.checks import check_count, check_number
 from earl_lightning.parallel.layout import SIZING_MICRO_BATCH_TOKENS, STAGES, Layout, check_stage
 
 SCHEMA_VERSION = 1

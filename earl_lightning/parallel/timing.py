@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from earl_lightning.checks import check_count, check_number
+from earl_lightning.core.checks import check_count, check_number
 from earl_lightning.parallel.hardware import Cluster
 from earl_lightning.parallel.layout import Layout, check_stage
 from earl_lightning.parallel.memory import MemoryModel, check_stats

@@ -17,7 +17,7 @@ import argparse
 import re
 from pathlib import Path
 
-from earl_lightning import console
+from earl_lightning.core import console
 from earl_lightning.parallel.hardware import Cluster, device_names
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.memory import DTYPE_BYTES

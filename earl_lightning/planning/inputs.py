@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from earl_lightning.groups import coerce
+from earl_lightning.core.config_groups import coerce
 from earl_lightning.parallel.memory import DTYPE_BYTES, Workload
 from earl_lightning.parallel.model_sizes import ModelSizes
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from earl_lightning import console
+from earl_lightning.core import console
 from earl_lightning.parallel.collectives import global_rank, world_size
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import model_heads

@@ -20,9 +20,9 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from earl_lightning.checks import is_real
+from earl_lightning.core.checks import is_real
+from earl_lightning.core.errors import DemonstrationError
 from earl_lightning.envs.policies import make_policy
-from earl_lightning.errors import DemonstrationError
 from earl_lightning.rollout.backends.base import (
     GenOutput,
     GenRequest,

@@ -38,8 +38,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from earl_lightning import console
-from earl_lightning.checks import check_choice, check_count, check_number
+from earl_lightning.core import console
+from earl_lightning.core.checks import check_choice, check_count, check_number
 from earl_lightning.envs.base import Env, StepResult, check_env_name, make_env
 from earl_lightning.parallel.collectives import global_rank, is_distributed
 from earl_lightning.rollout.call_pool import CallJob, CallPool, Pending, run_here

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from earl_lightning.checks import check_count, is_int
+from earl_lightning.core.checks import check_count, is_int
 from earl_lightning.envs.base import ToolEnv
 from earl_lightning.rollout.backends.base import GenerationBackend, GenRequest, SamplingConfig
 from earl_lightning.rollout.call_pool import Pending

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from earl_lightning import console
-from earl_lightning.checks import check_count
+from earl_lightning.core import console
+from earl_lightning.core.checks import check_count
 from earl_lightning.models.lora import merge_plan, merged_tensors
 
 # Wrappers that insert a path component without changing the HF layout.

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from typing_extensions import override
 
-from earl_lightning.checks import check_choice, check_count
+from earl_lightning.core.checks import check_choice, check_count
+from earl_lightning.core.seeding import run_seed
 from earl_lightning.data.episodes import supervised_rows
 from earl_lightning.datamodule import EvalEpisodes
 from earl_lightning.envs.base import ToolEnv, check_env_name, make_env
@@ -28,7 +29,6 @@ from earl_lightning.rollout.demonstrations import play_demonstrations_with_targe
 from earl_lightning.rollout.process_env import check_env_sendable, check_picklable
 from earl_lightning.rollout.transcripts import sft_row
 from earl_lightning.rollout.types import EpisodeSpec
-from earl_lightning.seeding import run_seed
 from earl_lightning.tasks.datasets import CheckedRows, DatasetConfig, Splits, describe, open_splits
 from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
 from earl_lightning.tasks.rows import BadRowError, check_sft_row

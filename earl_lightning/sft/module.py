@@ -11,9 +11,10 @@ import torch
 from typing_extensions import override
 
 from earl_lightning.algorithms.supervised import soft_token_cross_entropy
-from earl_lightning.checks import check_count, check_number
-from earl_lightning.groups import coerce, to_dict
-from earl_lightning.host_memory import apply_host_memory, host_memory_mode
+from earl_lightning.core.checks import check_count, check_number
+from earl_lightning.core.config_groups import coerce, to_dict
+from earl_lightning.core.host_memory import apply_host_memory, host_memory_mode
+from earl_lightning.core.seeding import run_seed
 from earl_lightning.models import eval_mode, load_model, load_tokenizer
 from earl_lightning.modules.config import A, RolloutConfig, check_dtype_and_seed
 from earl_lightning.modules.metrics import FLAGS, RunMetrics, log_at_global_step, reported
@@ -21,7 +22,6 @@ from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
-from earl_lightning.seeding import run_seed
 from earl_lightning.sft.data import DemonstrationDataModule
 
 _SOFT = ("soft_rows", "soft_pos", "soft_owner", "soft_tokens", "soft_probs")
@@ -87,7 +87,7 @@ class WarmStartModule(L.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        apply_host_memory()  # freed activations are kept for the next step (earl_lightning/host_memory.py)
+        apply_host_memory()  # freed activations are kept for the next step (earl_lightning/core/host_memory.py)
         dm = self.trainer.datamodule
         if isinstance(dm, DemonstrationDataModule) and not self.greedy_metrics.reward_names:
             for metrics in (self.greedy_metrics, self.sampled_metrics):

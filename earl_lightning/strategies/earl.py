@@ -37,8 +37,8 @@ from torch import nn
 from typing_extensions import override
 
 from earl_lightning.checkpoints_io import DcpCheckpoints
-from earl_lightning.checks import check_choice, check_number
-from earl_lightning.lightning_internals import (
+from earl_lightning.core.checks import check_choice, check_number
+from earl_lightning.core.lightning_internals import (
     configure_model_optional,
     join_processes,
     process_group_backend,

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
-from earl_lightning.errors import RankFailure
-from earl_lightning.lightning_internals import attached_trainer, launched_here, running_hook
+from earl_lightning.core.errors import RankFailure
+from earl_lightning.core.lightning_internals import attached_trainer, launched_here, running_hook
 from earl_lightning.parallel.faults import LostPeer, RunFacts
 
 

@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from earl_lightning.registry import import_object
+from earl_lightning.core.registry import import_object
 
 Agent = Callable[..., Any]
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from earl_lightning import console
-from earl_lightning.checks import is_int
+from earl_lightning.core import console
+from earl_lightning.core.checks import is_int
 from earl_lightning.tasks.rows import BadRowError, check_rl_row
 
 _FILE_BUILDERS = {
@@ -311,7 +311,7 @@ def open_splits(
 
 
 def _as_config(dataset: Any, arg: str) -> DatasetConfig:
-    from earl_lightning.groups import coerce
+    from earl_lightning.core.config_groups import coerce
 
     if isinstance(dataset, (str, os.PathLike)):
         return DatasetConfig(path=os.fspath(dataset))

@@ -40,9 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from earl_lightning import console
-from earl_lightning.checks import is_real
-from earl_lightning.registry import import_object
+from earl_lightning.core import console
+from earl_lightning.core.checks import is_real
+from earl_lightning.core.registry import import_object
 from earl_lightning.tasks.deadline import CallTimeout, call_with_limit, can_interrupt
 from earl_lightning.tasks.rows import accepted_kwargs
 

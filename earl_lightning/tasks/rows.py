@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from earl_lightning.errors import EarlError
+from earl_lightning.core.errors import EarlError
 
 Messages = list[dict[str, Any]]
 PromptForm = Literal["standard", "conversational"]

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from earl_lightning.registry import Registry
+from earl_lightning.core.registry import Registry
 from earl_lightning.tasks.tools import ToolCall
 
 

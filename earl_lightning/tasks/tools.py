@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from earl_lightning.registry import import_object
+from earl_lightning.core.registry import import_object
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),

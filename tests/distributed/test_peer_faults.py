@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from earl_lightning.errors import RankFailure
+from earl_lightning.core.errors import RankFailure
 from earl_lightning.parallel.faults import LostPeer, RunFacts, is_peer_failure, peer_failure
 from earl_lightning.parallel.launch_env import free_port
 from tests.distributed.launch import subprocess_env

@@ -24,7 +24,7 @@ from earl_lightning.checkpoints import (
     save_file_atomically,
 )
 from earl_lightning.cli import main
-from earl_lightning.errors import CheckpointError
+from earl_lightning.core.errors import CheckpointError
 from earl_lightning.modules.rl import AgenticRLModule
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_file_errors import (

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from earl_lightning.checkpoints_io import load_dcp_whole
-from earl_lightning.errors import CheckpointError
+from earl_lightning.core.errors import CheckpointError
 from earl_lightning.export import POLICY_PREFIX, _load_dcp_policy
 from earl_lightning.models import load_model
 from tests.distributed.launch import subprocess_env

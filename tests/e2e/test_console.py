@@ -18,13 +18,13 @@ from torch.utils.data import DataLoader, IterableDataset
 import earl_lightning
 from earl_lightning.callbacks import StepProgressBar
 from earl_lightning.cli import main
-from earl_lightning.warnings_filter import install_warning_filters
+from earl_lightning.core.warnings_filter import install_warning_filters
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "connect4_ppo.yaml"
 PACKAGE_DIR = str(Path(earl_lightning.__file__).parent)
 # Warnings Lightning raises because of how this project uses it (manual optimization with step
 # checkpoints; its own pytree helper on this torch), spelled out here rather than read from
-# earl_lightning.warnings_filter so that dropping a filter fails this test.
+# earl_lightning.core.warnings_filter so that dropping a filter fails this test.
 LIGHTNING_USE = (
     "Using ModelCheckpoint with manual optimization and every_n_train_steps",
     "`isinstance(treespec, LeafSpec)` is deprecated",
@@ -82,7 +82,7 @@ def test_default_fit_emits_no_warning_of_ours(tmp_path, capsys, caplog):
     assert not bad, "\n".join(
         f"{w.filename}:{w.lineno}: {w.category.__name__}: {w.message}" for w in bad
     )
-    # the package's own warnings go through earl_lightning.console: none in a default run either
+    # the package's own warnings go through earl_lightning.core.console: none in a default run either
     ours = [r.getMessage() for r in caplog.records if r.name == "earl_lightning"]
     assert not [
         r for r in caplog.records if r.name == "earl_lightning" and r.levelno >= logging.WARNING

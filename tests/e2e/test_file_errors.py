@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from earl_lightning.checkpoints import read_dcp_shapes, save_file_atomically
 from earl_lightning.cli import main
-from earl_lightning.errors import EarlError, ModelFilesError
+from earl_lightning.core.errors import EarlError, ModelFilesError
 from earl_lightning.models import load_model, load_tokenizer, make_tiny_model
 from tests.distributed.launch import subprocess_env
 

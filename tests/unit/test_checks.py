@@ -1,10 +1,10 @@
-"""earl_lightning.checks: the scalar argument checks, their wording and what they let through."""
+"""earl_lightning.core.checks: the scalar argument checks, their wording and what they let through."""
 
 from __future__ import annotations
 
 import pytest
 
-from earl_lightning.checks import check_choice, check_count, check_number, is_int, is_real
+from earl_lightning.core.checks import check_choice, check_count, check_number, is_int, is_real
 
 
 def test_bools_are_not_numbers():

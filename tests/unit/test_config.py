@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from earl_lightning.cli import main
-from earl_lightning.groups import coerce
+from earl_lightning.core.config_groups import coerce
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.modules.config import (
     AdvantageConfig,

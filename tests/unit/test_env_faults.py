@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from earl_lightning.errors import EnvironmentFailure
+from earl_lightning.core.errors import EnvironmentFailure
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout

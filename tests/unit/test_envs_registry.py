@@ -124,7 +124,7 @@ def test_object_that_is_not_an_env():
 
 def test_base_imports_only_the_project_registry():
     """`envs/base.py` sits below the env modules that register into it (no import cycle): its
-    project imports are `earl_lightning.registry`, which imports nothing from the project, the
+    project imports are `earl_lightning.core.registry`, which imports nothing from the project, the
     step result's type and (when an env is built) the library adapters, which import only that
     type."""
     root = Path(earl_lightning.__file__).parent
@@ -139,10 +139,10 @@ def test_base_imports_only_the_project_registry():
         return {n for n in names if n.startswith(("earl_lightning", "."))}
 
     assert project_imports(root / "envs" / "base.py") == {
-        "earl_lightning.registry",
+        "earl_lightning.core.registry",
         "earl_lightning.envs.types",
         "earl_lightning.envs.adapters",
     }
-    assert project_imports(root / "registry.py") == set()
+    assert project_imports(root / "core" / "registry.py") == set()
     assert project_imports(root / "envs" / "types.py") == set()
     assert project_imports(root / "envs" / "adapters.py") == {"earl_lightning.envs.types"}

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from earl_lightning.callbacks import ExportModel
 from earl_lightning.checkpoints import write_dir_atomically
-from earl_lightning.errors import EarlError
+from earl_lightning.core.errors import EarlError
 from earl_lightning.export import gather_state_dict
 from earl_lightning.models import load_model
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from earl_lightning.host_memory import ENV, host_memory_mode
+from earl_lightning.core.host_memory import ENV, host_memory_mode
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 BLOCK = 64 << 20  # bytes: one activation of the multi-turn train pass is about this size
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _MEASURE = """
 import json, resource, torch
-from earl_lightning.host_memory import apply_host_memory, release_host_memory
+from earl_lightning.core.host_memory import apply_host_memory, release_host_memory
 
 def faults_over(repeats):  # minor page faults of allocating, filling and freeing a 64 MiB tensor
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -12,15 +12,7 @@ DESIGN = PACKAGE.parent / "docs" / "design.md"
 # tier of each top-level unit of the package; a unit may import its own tier or lower ones.
 # docs/design.md's "Layers" table says the same (test_the_design_docs_tier_table_is_this_one)
 TIERS = {
-    "registry": 0,
-    "groups": 0,
-    "warnings_filter": 0,
-    "errors": 0,
-    "host_memory": 0,
-    "seeding": 0,
-    "checks": 0,
-    "lightning_internals": 0,
-    "console": 0,
+    "core": 0,
     "algorithms": 1,
     "envs": 1,
     "tasks": 1,

@@ -1,5 +1,5 @@
 """Lightning's privates (and LightningCLI's parser's: jsonargparse's, argparse's) are touched in one
-module only, ``earl_lightning/lightning_internals.py``, each behind a function that says which
+module only, ``earl_lightning/core/lightning_internals.py``, each behind a function that says which
 private and why no public API serves: a Lightning upgrade that renames one breaks there, not in a
 strategy or a callback. The check reads the package's source and the libraries' own:
 
@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[2] / "earl_lightning"
-ADAPTER = PACKAGE / "lightning_internals.py"
+ADAPTER = PACKAGE / "core" / "lightning_internals.py"
 LIBRARIES = (
     "lightning",
     "pytorch_lightning",
@@ -173,7 +173,7 @@ def touches(path: Path) -> list[str]:
 def test_lightning_privates_are_touched_in_the_adapter_only():
     outside = [t for p in sorted(PACKAGE.rglob("*.py")) if p != ADAPTER for t in touches(p)]
     assert not outside, (
-        "a Lightning/jsonargparse private outside earl_lightning/lightning_internals.py "
+        "a Lightning/jsonargparse private outside earl_lightning/core/lightning_internals.py "
         "(add a function there that says why no public API serves):\n" + "\n".join(outside)
     )
 

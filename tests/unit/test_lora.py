@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from earl_lightning.groups import coerce
+from earl_lightning.core.config_groups import coerce
 from earl_lightning.models import load_model
 from earl_lightning.models.lora import (
     LoraSettings,

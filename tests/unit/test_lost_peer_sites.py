@@ -11,7 +11,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from earl_lightning.errors import RankFailure
+from earl_lightning.core.errors import RankFailure
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.modules.metrics import RunMetrics
 from tests.unit.test_adaptive import datamodule, module, trainer

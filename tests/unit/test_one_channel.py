@@ -1,4 +1,4 @@
-"""The package talks to its user through one channel, ``earl_lightning/console.py`` (the
+"""The package talks to its user through one channel, ``earl_lightning/core/console.py`` (the
 ``earl_lightning`` logger, rank zero aware): no other module prints, writes to stderr, makes its own
 logger, calls Lightning's ``rank_zero_*`` or raises a warning other than a deprecation. ``print``
 is kept where a command's output is the product, listed below with why."""
@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[2] / "earl_lightning"
-CONSOLE = PACKAGE / "console.py"
+CONSOLE = PACKAGE / "core" / "console.py"
 # (file, function): where ``print`` writes what the command is for, on stdout
 PRINTS = {
     ("planning/command.py", "plan_command"): "`earl plan`'s tables and the files written",
@@ -97,7 +97,7 @@ def test_no_module_speaks_to_the_user_but_through_the_console():
         if kind in ("channel", "warning") or (kind == "print" and (file, where) not in PRINTS)
     ]
     assert not bad, (
-        "use earl_lightning.console (info / warn / error), or list a command's own output in "
+        "use earl_lightning.core.console (info / warn / error), or list a command's own output in "
         "PRINTS:\n" + "\n".join(bad)
     )
 
@@ -109,7 +109,7 @@ def test_the_check_sees_what_it_allows():
     prints = {(file, where) for file, kind, where, _, _ in found if kind == "print"}
     assert prints == set(PRINTS), "a listed print is gone: drop it from PRINTS"
     deprecations = {file for file, kind, *_ in found if kind == "deprecation"}
-    assert {"warnings_filter.py", "modules/transcripts.py"} <= deprecations
+    assert {"core/warnings_filter.py", "modules/transcripts.py"} <= deprecations
 
 
 def test_a_bad_module_is_flagged(tmp_path):
@@ -134,7 +134,7 @@ def test_a_bad_module_is_flagged(tmp_path):
 def test_console_is_rank_zero_and_one_logger(caplog):
     from lightning_utilities.core.rank_zero import rank_zero_only
 
-    from earl_lightning import console
+    from earl_lightning.core import console
 
     before = getattr(rank_zero_only, "rank", None)
     with caplog.at_level(logging.INFO, logger="earl_lightning"):
@@ -154,7 +154,7 @@ def test_console_is_rank_zero_and_one_logger(caplog):
 
 
 def test_console_writes_each_message_as_it_is_to_stderr(capsys):
-    from earl_lightning import console
+    from earl_lightning.core import console
 
     console.warn("earl: a line\nand its second line")
     assert capsys.readouterr().err == "earl: a line\nand its second line\n"

@@ -10,9 +10,9 @@ import lightning as L
 import pytest
 
 from earl_lightning.cli import EarlCLI
+from earl_lightning.core.seeding import run_seed
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.modules.rl import AgenticRLModule
-from earl_lightning.seeding import run_seed
 from earl_lightning.sft.data import DemonstrationDataModule
 from earl_lightning.sft.module import WarmStartModule
 

@@ -11,7 +11,7 @@ import datasets
 import numpy as np
 import pytest
 
-from earl_lightning.errors import EarlError
+from earl_lightning.core.errors import EarlError
 from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, open_splits, prompt_key
 from earl_lightning.tasks.rows import BadRowError, check_rl_row, check_sft_row
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from earl_lightning.checks import check_count, check_number, is_int
+from earl_lightning.core.checks import check_count, check_number, is_int
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from earl_lightning.checks import check_count
+from earl_lightning.core.checks import check_count
 from earl_lightning.models import eval_mode
 from earl_lightning.rollout.backends.base import (
     GenOutput,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from earl_lightning.registry import Registry
+from earl_lightning.core.registry import Registry
 from earl_lightning.rollout.backends.base import BackendSpec, GenerationBackend
 
 BackendFactory = Callable[[Any, Any, BackendSpec], GenerationBackend]

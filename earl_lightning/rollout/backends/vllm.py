@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from earl_lightning.checks import check_choice, check_count, check_number
+from earl_lightning.core.checks import check_choice, check_count, check_number
 from earl_lightning.rollout.backends.base import (
     GenOutput,
     GenRequest,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from earl_lightning.checks import is_int
+from earl_lightning.core.checks import is_int
 
 
 def run_seed(seed: int | None, arg: str) -> int:
