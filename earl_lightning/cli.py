@@ -9,7 +9,7 @@
 
 ``profile`` is not a LightningCLI subcommand: it measures the recipe's model per stage and layout
 (:mod:`earl_lightning.profiling.command`) for ``AdaptiveParallelism(profile=...)``. Nor is ``export``
-(:mod:`earl_lightning.export`): it rebuilds a checkpoint's model from the checkpoint alone; nor
+(:mod:`earl_lightning.checkpoints.export`): it rebuilds a checkpoint's model from the checkpoint alone; nor
 ``plan`` (:mod:`earl_lightning.planning.command`): it predicts the selector's choices from a config.
 
 The omegaconf parser mode lets recipes interpolate (``${model.rollout.max_context_tokens}``).
@@ -73,7 +73,7 @@ def own_command(name: str) -> Callable[[list[str]], None] | None:
 
         return plan_command
     if name == "export":  # the checkpoint says what to build
-        from earl_lightning.export import export_command
+        from earl_lightning.checkpoints.export import export_command
 
         return export_command
     return None

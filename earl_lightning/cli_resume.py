@@ -6,7 +6,7 @@
   user wrote it is what runs, and a difference from the checkpoint's (the model's settings, or the
   data's: env, reward functions, tools) is reported in one line.
 - A distributed (DCP) checkpoint directory given to a run under another strategy (``auto``) is
-  loaded whole (:class:`~earl_lightning.checkpoints_io.AtomicCheckpointIO`), said in one line;
+  loaded whole (:class:`~earl_lightning.checkpoints.io.AtomicCheckpointIO`), said in one line;
   under a recipe's own CheckpointIO it is refused in one line saying what to do instead.
 - What the command reads of a checkpoint before the run (its settings; a DCP directory's
   ``.metadata``) is read as data only, and a file that cannot be is one line (:func:`check_readable`),
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from earl_lightning.checkpoint_loaders import checkpoint_unreadable
-from earl_lightning.checkpoints import dcp_writers, read_dcp_metadata
+from earl_lightning.checkpoints.files import dcp_writers, read_dcp_metadata
+from earl_lightning.checkpoints.loaders import checkpoint_unreadable
 from earl_lightning.core.errors import CheckpointError
 
 SHOWN = 4  # differences named in the line; the rest are counted

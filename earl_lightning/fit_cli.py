@@ -16,11 +16,11 @@ from typing_extensions import override
 # Imported for its side effect: registers "earl" in Lightning's StrategyRegistry, so a recipe's
 # `trainer.strategy: earl` resolves.
 import earl_lightning.strategies  # noqa: F401,E402
-from earl_lightning import checkpoints
 from earl_lightning.callbacks import ExportModel, StepProgressBar
-from earl_lightning.checkpoint_urls import download_checkpoint, is_url
-from earl_lightning.checkpoints import disk_full_error
-from earl_lightning.checkpoints_io import AtomicCheckpointIO, with_atomic_checkpoint_io
+from earl_lightning.checkpoints import files as checkpoints
+from earl_lightning.checkpoints.files import disk_full_error
+from earl_lightning.checkpoints.io import AtomicCheckpointIO, with_atomic_checkpoint_io
+from earl_lightning.checkpoints.urls import download_checkpoint, is_url
 from earl_lightning.cli_resume import (
     check_readable,
     dcp_problem,

@@ -227,7 +227,7 @@ the model it was trained from out of the checkpoint's saved hyperparameters.
 def export_rows() -> list[str]:
     """``earl fit``'s ``export:`` group (the ExportModel callback) and ``earl export``'s arguments."""
     from earl_lightning.callbacks import ExportModel
-    from earl_lightning.export import EXPORT_ARGS
+    from earl_lightning.checkpoints.export import EXPORT_ARGS
 
     rows = [
         EXPORT_HEADER,

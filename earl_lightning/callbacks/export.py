@@ -9,9 +9,9 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from earl_lightning.checkpoints import inside_problem, output_dir_problem, overlap_problem
+from earl_lightning.checkpoints.export import EXPORT_DIRNAME, gather_state_dict, write_pretrained
+from earl_lightning.checkpoints.files import inside_problem, output_dir_problem, overlap_problem
 from earl_lightning.core.errors import EarlError
-from earl_lightning.export import EXPORT_DIRNAME, gather_state_dict, write_pretrained
 
 DIRPATH = "--export.dirpath"
 

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from earl_lightning import checkpoints
-from earl_lightning.checkpoints import write_dir_atomically
+from earl_lightning.checkpoints import files as checkpoints
+from earl_lightning.checkpoints.files import write_dir_atomically
 
 WARM_START_FILE = "warm_start.json"
 # the demonstration policy's settings, which a dataset's warm start does not use

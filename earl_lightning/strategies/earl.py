@@ -36,7 +36,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import nn
 from typing_extensions import override
 
-from earl_lightning.checkpoints_io import DcpCheckpoints
+from earl_lightning.checkpoints.io import DcpCheckpoints
 from earl_lightning.core.checks import check_choice, check_number
 from earl_lightning.core.lightning_internals import (
     configure_model_optional,

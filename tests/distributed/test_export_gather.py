@@ -19,7 +19,7 @@ def _gather_and_write(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from earl_lightning.export import gather_state_dict, write_pretrained
+    from earl_lightning.checkpoints.export import gather_state_dict, write_pretrained
     from earl_lightning.models import load_model, load_tokenizer
     from earl_lightning.parallel.parallelize import parallelize_model
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from earl_lightning.checkpoints import (
+from earl_lightning.checkpoints.files import (
     check_before_load,
     newest_last_checkpoint,
     read_dcp_metadata,
@@ -217,7 +217,7 @@ def test_ckpt_path_last_resumes_from_what_a_crash_between_the_renames_left(
 REPLACE_AND_DIE = """
 import os, sys, time
 from earl_lightning.cli import main
-from earl_lightning.checkpoints import replace_dir
+from earl_lightning.checkpoints.files import replace_dir
 real = os.replace
 def replace(src, dst):
     real(src, dst)
@@ -252,7 +252,7 @@ def test_a_kill_between_the_renames_leaves_the_previous_checkpoint_found(tmp_pat
 SAVE_AND_DIE = """
 import os, sys, time, torch
 from earl_lightning.cli import main
-from earl_lightning.checkpoints import save_file_atomically
+from earl_lightning.checkpoints.files import save_file_atomically
 save_file_atomically({"step": 1}, sys.argv[1])
 real = os.replace
 def replace(src, dst):

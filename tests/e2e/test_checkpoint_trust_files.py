@@ -137,7 +137,7 @@ def test_a_checkpoint_url_that_cannot_be_downloaded(trained, tmp_path, capsys):
 
 
 def test_a_download_stops_at_its_limit(trained, tmp_path):
-    from earl_lightning.checkpoint_urls import download_checkpoint
+    from earl_lightning.checkpoints.urls import download_checkpoint
     from earl_lightning.core.errors import CheckpointError
 
     size = last_ckpt(trained[1]).stat().st_size
@@ -155,7 +155,7 @@ def test_a_download_stops_at_its_limit(trained, tmp_path):
 
 
 def test_other_schemes_are_downloaded_too(trained, tmp_path):
-    from earl_lightning.checkpoint_urls import download_checkpoint
+    from earl_lightning.checkpoints.urls import download_checkpoint
     from earl_lightning.core.errors import CheckpointError
 
     copy = download_checkpoint(f"file://{last_ckpt(trained[1])}", "--ckpt_path")
@@ -180,7 +180,7 @@ class _CutShort(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_download_cut_short_or_too_big_for_the_disk(trained, tmp_path, monkeypatch):
-    from earl_lightning import checkpoint_urls
+    from earl_lightning.checkpoints import urls as checkpoint_urls
     from earl_lightning.core.errors import CheckpointError
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _CutShort)

@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from earl_lightning.checkpoints_io import load_dcp_whole
+from earl_lightning.checkpoints.export import POLICY_PREFIX, _load_dcp_policy
+from earl_lightning.checkpoints.io import load_dcp_whole
 from earl_lightning.core.errors import CheckpointError
-from earl_lightning.export import POLICY_PREFIX, _load_dcp_policy
 from earl_lightning.models import load_model
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_checkpoint_trust import _RunsACommand
@@ -164,7 +164,7 @@ def test_export_reads_a_planted_policy_entry_as_data(saved, tmp_path):
 
 
 def test_every_reader_refuses_a_planted_entry(saved, tmp_path):
-    from earl_lightning.checkpoint_loaders import load_dcp, load_entry
+    from earl_lightning.checkpoints.loaders import load_dcp, load_entry
 
     marker = tmp_path / "ran"
     ckpt = plant(saved, tmp_path / "planted.ckpt", marker)

@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from earl_lightning.checkpoints.export import EXPORT_DIRNAME
 from earl_lightning.cli import main
-from earl_lightning.export import EXPORT_DIRNAME
 from earl_lightning.models import load_model, load_tokenizer
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_file_errors import error_line, fit, recipe_saving_last_every_step, run_earl

@@ -24,7 +24,7 @@ import torch
 import yaml
 from torch.distributed.checkpoint import FileSystemReader
 
-from earl_lightning.checkpoints import read_dcp_shapes, save_file_atomically
+from earl_lightning.checkpoints.files import read_dcp_shapes, save_file_atomically
 from earl_lightning.cli import main
 from earl_lightning.core.errors import EarlError, ModelFilesError
 from earl_lightning.models import load_model, load_tokenizer, make_tiny_model
@@ -410,7 +410,7 @@ def test_a_save_interrupted_by_an_exception_leaves_the_previous_file(tmp_path, m
 
 KILLED_WHILE_SAVING = """
 import sys, torch
-from earl_lightning.checkpoints import save_file_atomically
+from earl_lightning.checkpoints.files import save_file_atomically
 step = 0
 while True:
     step += 1

@@ -152,7 +152,7 @@ def test_every_earl_command_in_readme_and_the_guide_parses(capsys):
             assert (ROOT / profile_parser().parse_args(argv[1:]).config).is_file(), argv
             continue
         if argv[0] == "export":  # not LightningCLI: its own parser, no recipe
-            from earl_lightning.export import export_parser
+            from earl_lightning.checkpoints.export import export_parser
 
             export_parser().parse_args(argv[1:])
             continue

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from earl_lightning.checkpoints import dcp_writers
+from earl_lightning.checkpoints.files import dcp_writers
 from earl_lightning.cli import main
 from earl_lightning.modules.rl import AgenticRLModule
 from tests.distributed.launch import subprocess_env

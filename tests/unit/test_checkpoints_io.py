@@ -7,7 +7,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 
-from earl_lightning.checkpoints_io import AtomicCheckpointIO, by_index, with_atomic_checkpoint_io
+from earl_lightning.checkpoints.io import AtomicCheckpointIO, by_index, with_atomic_checkpoint_io
 
 
 def test_a_save_is_the_file_alone(tmp_path):

@@ -15,9 +15,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from earl_lightning.callbacks import ExportModel
-from earl_lightning.checkpoints import write_dir_atomically
+from earl_lightning.checkpoints.export import gather_state_dict
+from earl_lightning.checkpoints.files import write_dir_atomically
 from earl_lightning.core.errors import EarlError
-from earl_lightning.export import gather_state_dict
 from earl_lightning.models import load_model
 
 
@@ -42,7 +42,7 @@ def test_a_failed_write_leaves_the_previous_directory_and_no_temporary(tmp_path)
 
 KILLED_WHILE_EXPORTING = """
 import sys, torch
-from earl_lightning.export import write_pretrained
+from earl_lightning.checkpoints.export import write_pretrained
 from earl_lightning.models import load_model, load_tokenizer
 model, tok = load_model("earl-tiny"), load_tokenizer("earl-tiny")
 step = 0

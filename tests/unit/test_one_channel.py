@@ -20,7 +20,7 @@ PRINTS = {
         "models/presets.py",
         "presets_command",
     ): "`earl presets`: the table, or the preset's directory",
-    ("export.py", "export_checkpoint"): "`earl export`'s result: where the model is",
+    ("checkpoints/export.py", "export_checkpoint"): "`earl export`'s result: where the model is",
     ("profiling/command.py", "profile_command"): "`earl profile`'s measurements as they are taken",
     ("callbacks/export.py", "on_fit_end"): "`earl fit`'s result: where the trained model is",
     ("sft/save.py", "save_warm_start"): "`earl sft`'s result: where the warm start is",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from earl_lightning.export import write_pretrained
+from earl_lightning.checkpoints.export import write_pretrained
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.rollout.backends.vllm_support import vllm_available
 from tests.vllm.conftest import subprocess_env

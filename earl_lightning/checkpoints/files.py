@@ -13,8 +13,8 @@ from typing import Any, Union
 
 import torch
 
-from earl_lightning.checkpoint_loaders import load_file, read_dcp_metadata
-from earl_lightning.checkpoint_urls import is_url
+from earl_lightning.checkpoints.loaders import load_file, read_dcp_metadata
+from earl_lightning.checkpoints.urls import is_url
 from earl_lightning.core.errors import CheckpointError, DiskFullError
 
 PathLike = Union[str, "os.PathLike[str]"]

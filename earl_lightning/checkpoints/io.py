@@ -22,7 +22,7 @@ It also reads such a directory into a run under another strategy (``auto``, one 
 the shards are gathered into whole tensors (:func:`load_dcp_whole`), so a multi-process run's
 checkpoint resumes, or is evaluated, on one process.
 
-Every load here reads data only (:mod:`~earl_lightning.checkpoint_loaders`): files with
+Every load here reads data only (:mod:`~earl_lightning.checkpoints.loaders`): files with
 ``weights_only=True``, a DCP directory's ``.metadata`` and its shards' non-tensor entries through
 unpicklers that know only what a save writes; a URL is downloaded and read as a file. None of it
 leans on Lightning's or torch's defaults (Lightning loads a URL with ``weights_only=False``, DCP's
@@ -40,9 +40,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import Strategy
 
-from earl_lightning.checkpoint_loaders import load_dcp, load_file, load_trainer_state
-from earl_lightning.checkpoint_urls import is_url, local_checkpoint
-from earl_lightning.checkpoints import (
+from earl_lightning.checkpoints.files import (
     check_before_load,
     check_checkpoint_matches,
     disk_full_error,
@@ -51,6 +49,8 @@ from earl_lightning.checkpoints import (
     replace_dir,
     save_file_atomically,
 )
+from earl_lightning.checkpoints.loaders import load_dcp, load_file, load_trainer_state
+from earl_lightning.checkpoints.urls import is_url, local_checkpoint
 from earl_lightning.core.errors import CheckpointError
 from earl_lightning.core.lightning_internals import own_checkpoint_io
 
@@ -61,7 +61,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local saves are atomic (temporary file, fsync, rename), and whose
     loads read data only: a file with ``weights_only=True`` asked for explicitly, a distributed (DCP)
     checkpoint directory whole (:func:`load_dcp_whole`), a URL downloaded first
-    (:func:`~earl_lightning.checkpoint_urls.local_checkpoint`), never Lightning's own load of it.
+    (:func:`~earl_lightning.checkpoints.urls.local_checkpoint`), never Lightning's own load of it.
     Given the ``module`` it loads into, a checkpoint of another model is one CheckpointError line
     (its parameters' shapes are checked before they are loaded into it).
     Remote saves (``s3://...``) go through Lightning's own, a transaction of their filesystem."""

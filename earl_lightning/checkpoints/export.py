@@ -27,9 +27,7 @@ from typing import Any
 
 import torch
 
-from earl_lightning.checkpoint_loaders import checkpoint_unreadable, load_dcp
-from earl_lightning.checkpoint_urls import local_checkpoint
-from earl_lightning.checkpoints import (
+from earl_lightning.checkpoints.files import (
     check_checkpoint_matches,
     inside_problem,
     is_dcp_dir,
@@ -38,6 +36,8 @@ from earl_lightning.checkpoints import (
     read_dcp_shapes,
     write_dir_atomically,
 )
+from earl_lightning.checkpoints.loaders import checkpoint_unreadable, load_dcp
+from earl_lightning.checkpoints.urls import local_checkpoint
 from earl_lightning.core import console
 from earl_lightning.core.config_groups import coerce
 from earl_lightning.core.errors import CheckpointError, EarlError

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from earl_lightning.checkpoint_loaders import reason
+from earl_lightning.checkpoints.loaders import reason
 from earl_lightning.core.errors import CheckpointError
 
 DOWNLOAD_LIMIT_BYTES = 64 * 2**30  # a checkpoint bigger than this is downloaded by hand
