@@ -188,7 +188,7 @@ NAME` builds one and prints its `save_pretrained` directory, which any tool load
 
 def fit_rows() -> list[str]:
     """``earl fit``'s arguments outside the groups."""
-    from earl_lightning.fit_cli import DUMP_HELP
+    from earl_lightning.cli.fit import DUMP_HELP
 
     return [FIT_HEADER, f"| `--dump_episodes` | `null` | {DUMP_HELP} |"]
 
@@ -242,8 +242,8 @@ def export_rows() -> list[str]:
 
 def sft_rows() -> list[str]:
     """``earl sft``'s table: its own arguments, then its ``model:`` and ``data:`` groups."""
+    from earl_lightning.cli.sft import SFT_ARGS
     from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
-    from earl_lightning.sft_cli import SFT_ARGS
 
     rows = [
         SFT_HEADER,

@@ -153,7 +153,7 @@ def test_a_lost_peer_no_wrapper_saw_is_one_line_at_the_command(monkeypatch, caps
     """A lost peer raised where no LostPeer wraps the collective (Lightning's SIGTERM handler
     broadcasts while torchrun stops a failed round) still ends ``earl`` in one line, exit 1; any
     other error keeps its traceback."""
-    from earl_lightning import cli
+    from earl_lightning.cli import entry as cli
 
     err, _ = gloo_error("kill", timeout_s=2.0)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from earl_lightning.cli import main
-from earl_lightning.cli_errors import short_error
+from earl_lightning.cli.argument_errors import short_error
 from tests.distributed.launch import subprocess_env
 
 ROOT = Path(__file__).parents[2]

@@ -15,8 +15,8 @@ HEAVY = (
     "torch",
     "lightning",
     "transformers",
-    "earl_lightning.cli",
-    "earl_lightning.fit_cli",
+    "earl_lightning.cli.entry",
+    "earl_lightning.cli.fit",
     "earl_lightning.rollout.loop",
 )
 

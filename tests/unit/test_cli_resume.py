@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from earl_lightning.cli_resume import differences, differences_line
+from earl_lightning.cli.resume import differences, differences_line
 
 
 def test_differences_are_the_settings_both_name_with_other_values():

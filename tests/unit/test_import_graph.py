@@ -31,10 +31,6 @@ TIERS = {
     "profiling": 4,
     "planning": 4,
     "cli": 4,
-    "fit_cli": 4,
-    "sft_cli": 4,
-    "cli_errors": 4,
-    "cli_resume": 4,
     "datamodule": 4,
     "__init__": 4,
 }

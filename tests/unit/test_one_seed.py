@@ -9,7 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 
-from earl_lightning.cli import EarlCLI
+from earl_lightning.cli.fit import EarlCLI
 from earl_lightning.core.seeding import run_seed
 from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.modules.rl import AgenticRLModule

@@ -21,7 +21,7 @@ from earl_lightning.checkpoints import files as checkpoints
 from earl_lightning.checkpoints.files import disk_full_error
 from earl_lightning.checkpoints.io import AtomicCheckpointIO, with_atomic_checkpoint_io
 from earl_lightning.checkpoints.urls import download_checkpoint, is_url
-from earl_lightning.cli_resume import (
+from earl_lightning.cli.resume import (
     check_readable,
     dcp_problem,
     dcp_whole_line,

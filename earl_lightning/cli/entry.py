@@ -24,12 +24,12 @@ from collections.abc import Callable
 
 from jsonargparse import DefaultHelpFormatter
 
-from earl_lightning.cli_errors import ShortErrorParser
+from earl_lightning.cli.argument_errors import ShortErrorParser
+from earl_lightning.cli.fit import DUMP_HELP, EarlCLI  # noqa: F401 - public here too
 from earl_lightning.core import console
 from earl_lightning.core.errors import EarlError
 from earl_lightning.core.warnings_filter import install_warning_filters
 from earl_lightning.datamodule import EpisodeDataModule
-from earl_lightning.fit_cli import DUMP_HELP, EarlCLI  # noqa: F401 - public here too
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.parallel.faults import lost_peer_line
 
@@ -94,7 +94,7 @@ def main(args: list[str] | None = None) -> None:
             command_line = list(sys.argv)
             if args is None:  # LightningCLI reads sys.argv itself (and warns when given both)
                 sys.argv = [sys.argv[0], *argv[1:]]
-            from earl_lightning.sft_cli import sft
+            from earl_lightning.cli.sft import sft
 
             sft(None if args is None else argv[1:], command_line if args is None else None)
             return

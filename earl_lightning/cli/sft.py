@@ -7,8 +7,8 @@ import sys
 import time
 from typing import Optional
 
-from earl_lightning.cli_errors import ShortErrorParser
-from earl_lightning.fit_cli import EarlCLI, disk_full_as_one_line, refuse
+from earl_lightning.cli.argument_errors import ShortErrorParser
+from earl_lightning.cli.fit import EarlCLI, disk_full_as_one_line, refuse
 
 # ``earl sft``'s own top-level arguments: help text (also docs/configuration.md's rows)
 SFT_ARGS = {
