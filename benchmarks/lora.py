@@ -140,8 +140,8 @@ def trial(
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
 
     torch.set_num_threads(threads)
     module = AgenticRLModule(

@@ -146,7 +146,7 @@ def phase_of(step: int, steps_per_phase: int) -> int:
 
 
 def make_datamodule(steps_per_phase: int):
-    from earl_lightning.datamodule import EpisodeDataModule, EpisodeStream
+    from earl_lightning.modules.datamodule import EpisodeDataModule, EpisodeStream
 
     class CurriculumStream(EpisodeStream):
         def batch(self, step):
@@ -159,7 +159,7 @@ def make_datamodule(steps_per_phase: int):
         def train_dataloader(self):
             from torch.utils.data import DataLoader
 
-            from earl_lightning.datamodule import _identity
+            from earl_lightning.modules.datamodule import _identity
 
             stream = CurriculumStream(
                 self.env, self.env_kwargs, self.batch_size, self.group_size, self.seed, 0

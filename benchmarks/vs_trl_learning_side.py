@@ -97,8 +97,8 @@ def run_earl(spec: LearnSpec) -> Clock:
     import lightning as L
     from trl.rewards import accuracy_reward
 
-    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
 
     clock, test = Clock(), load_rows(spec.test).select(range(spec.eval_rows))
 

@@ -123,8 +123,8 @@ def _earl_clock():
 def run_earl(spec: RunSpec) -> dict:
     import lightning as L
 
-    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
 
     module = AgenticRLModule(
         model="earl-tiny",

@@ -81,7 +81,7 @@ _WHERE = {
     "KLConfig": "earl_lightning.modules.config",
     "ValueConfig": "earl_lightning.modules.config",
     "OptimConfig": "earl_lightning.modules.config",
-    "EpisodeDataModule": "earl_lightning.datamodule",
+    "EpisodeDataModule": "earl_lightning.modules.datamodule",
     "DatasetConfig": "earl_lightning.tasks.datasets",
     "DispatchConfig": "earl_lightning.dispatch.exchange",
     "WarmStartModule": "earl_lightning.sft.module",
@@ -124,7 +124,6 @@ if TYPE_CHECKING:
     from earl_lightning.callbacks.adaptive import AdaptiveParallelism
     from earl_lightning.callbacks.export import ExportModel
     from earl_lightning.callbacks.progress import StepProgressBar
-    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.dispatch.exchange import DispatchConfig
     from earl_lightning.envs.base import Env, ToolEnv, env_names, make_env, register_env
     from earl_lightning.envs.types import StepResult
@@ -139,6 +138,7 @@ if TYPE_CHECKING:
         SamplingOptions,
         ValueConfig,
     )
+    from earl_lightning.modules.datamodule import EpisodeDataModule
     from earl_lightning.modules.rl import AgenticRLModule
     from earl_lightning.sft.data import DemonstrationDataModule
     from earl_lightning.sft.module import WarmStartModule

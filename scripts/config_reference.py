@@ -154,8 +154,8 @@ def signature_groups(cls) -> dict[str, type]:
 
 
 def render() -> str:
-    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
 
     parts = [HEADER]
     for title, prefix, cls in (

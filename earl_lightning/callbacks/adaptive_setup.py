@@ -239,7 +239,7 @@ def profile_at_fit_start(
 
 def _batch_size(trainer: L.Trainer) -> int:
     """Episodes per RL step of the trainer's EpisodeDataModule (8 without one)."""
-    from earl_lightning.datamodule import EpisodeDataModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
 
     dm = trainer.datamodule
     return int(dm.batch_size) if isinstance(dm, EpisodeDataModule) else 8

@@ -29,7 +29,7 @@ from earl_lightning.cli.fit import DUMP_HELP, EarlCLI  # noqa: F401 - public her
 from earl_lightning.core import console
 from earl_lightning.core.errors import EarlError
 from earl_lightning.core.warnings_filter import install_warning_filters
-from earl_lightning.datamodule import EpisodeDataModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.parallel.faults import lost_peer_line
 

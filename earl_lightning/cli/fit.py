@@ -34,7 +34,7 @@ from earl_lightning.core import console
 from earl_lightning.core.checks import is_int
 from earl_lightning.core.errors import EarlError
 from earl_lightning.core.lightning_internals import CLIHooks
-from earl_lightning.datamodule import EpisodeDataModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.modules.rl import AgenticRLModule
 from earl_lightning.strategies.earl import EarlStrategy  # noqa: E402
 from earl_lightning.strategies.faults import one_line_strategy  # noqa: E402

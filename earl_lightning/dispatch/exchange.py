@@ -3,7 +3,7 @@
 One object decides placement for the whole RL iteration: which episodes each rank plays in the
 rollout (whole GRPO groups per data-parallel rank; TP peers play the same ones), and how the
 experience moves between the layouts of consecutive stages (the decentralized dispatcher: one
-all-to-all per dtype, planned from metadata alone). :class:`~earl_lightning.datamodule.EpisodeDataModule`
+all-to-all per dtype, planned from metadata alone). :class:`~earl_lightning.modules.datamodule.EpisodeDataModule`
 owns one, configured from YAML (``--data.dispatch.*``); the training step only asks it.
 """
 

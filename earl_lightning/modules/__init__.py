@@ -1,4 +1,4 @@
-"""The RL LightningModule and its typed configuration groups."""
+"""The RL LightningModule, its typed configuration groups and its DataModule (:mod:`.datamodule`)."""
 
 from earl_lightning.modules.config import (
     AdvantageConfig,

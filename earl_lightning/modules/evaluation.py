@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from earl_lightning.datamodule import EpisodeDataModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.modules.metrics import log_at_global_step, reported
 from earl_lightning.stages import StageTimer
 from earl_lightning.strategies.faults import trainer_lost_peer

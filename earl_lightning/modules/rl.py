@@ -24,7 +24,6 @@ from earl_lightning.core.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.core.seeding import run_seed
 from earl_lightning.data.episodes import episodes_to_experience
 from earl_lightning.data.experience import ExperienceBatch
-from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.dispatch.exchange import Exchanger
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.models.lora import LoraSettings, apply_lora, check_targets
@@ -37,6 +36,7 @@ from earl_lightning.modules.config import (
     check_combination,
     check_module_args,
 )
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.modules.dynamic_sampling import Draws, play_draws
 from earl_lightning.modules.evaluation import EvaluationHooks
 from earl_lightning.modules.metrics import RunMetrics, batch_stats

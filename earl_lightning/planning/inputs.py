@@ -112,13 +112,13 @@ def read_recipe(recipe: str, arg: str = "--recipe") -> Recipe:
     ``earl fit`` checks them."""
     from omegaconf import OmegaConf
 
-    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules.config import (
         AlgorithmConfig,
         OptimConfig,
         RolloutConfig,
         check_combination,
     )
+    from earl_lightning.modules.datamodule import EpisodeDataModule
     from earl_lightning.modules.views import exactly_on_policy, workload_view
 
     path = Path(recipe)

@@ -32,7 +32,7 @@ def read_recipe(config: str) -> tuple[Any, Any]:
     """The recipe's (AgenticRLModule, EpisodeDataModule), built from its sections."""
     from omegaconf import OmegaConf
 
-    from earl_lightning.datamodule import EpisodeDataModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
     from earl_lightning.modules.rl import AgenticRLModule
 
     path = Path(config)

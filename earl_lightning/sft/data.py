@@ -18,10 +18,10 @@ from typing_extensions import override
 from earl_lightning.core.checks import check_choice, check_count
 from earl_lightning.core.seeding import run_seed
 from earl_lightning.data.episodes import supervised_rows
-from earl_lightning.datamodule import EvalEpisodes
 from earl_lightning.envs.base import ToolEnv, check_env_name, make_env
 from earl_lightning.envs.policies import check_policy_name
 from earl_lightning.modules.config import RolloutConfig
+from earl_lightning.modules.datamodule import EvalEpisodes
 from earl_lightning.modules.metrics import episode_counts
 from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.rollout.chat import ChatDeltas

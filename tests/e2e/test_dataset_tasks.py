@@ -268,8 +268,8 @@ def test_bad_input_is_one_line(args, message, warm_start, data, tmp_path, capsys
 
 
 def test_python_api_with_a_dataset_and_callables(tmp_path):
-    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
 
     def rows(lo, hi):
         return datasets.Dataset.from_list(

@@ -420,8 +420,8 @@ def test_every_warm_start_recipe_smoke_runs(recipe, tmp_path):
 def test_every_warm_rl_recipe_builds_from_a_warm_start(recipe, warm_start, tmp_path):
     """Every warm recipe's module and data module are built from its YAML (settings checked, the
     warm start loaded); one GRPO and one PPO recipe of another task also run a step."""
-    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
 
     cfg = yaml.safe_load(recipe.read_text())
     module = AgenticRLModule(**{**cfg["model"], "model": str(warm_start)})

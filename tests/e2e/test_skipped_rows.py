@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from earl_lightning.cli import main
-from earl_lightning.datamodule import EpisodeDataModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from tests.e2e.test_resume import scalars
 
 ROOT = Path(__file__).parents[2]

@@ -31,9 +31,9 @@ import torch
 
 from earl_lightning.callbacks import AdaptiveParallelism
 from earl_lightning.callbacks.adaptive_setup import memory_model_of
-from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.models import make_tiny_model, resolve_model_path
 from earl_lightning.modules import AgenticRLModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.modules.views import exactly_on_policy
 from earl_lightning.parallel.hardware import Cluster, device_profile, profile_for_gpu
 from earl_lightning.parallel.layout import Layout

@@ -14,9 +14,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from earl_lightning.callbacks import AdaptiveParallelism
-from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.models import make_tiny_model
 from earl_lightning.modules import AgenticRLModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.throughput import ProfileError, ProfileTable
 from earl_lightning.strategies import EarlStrategy

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from earl_lightning.datamodule import EpisodeDataModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from lightning.pytorch.trainer.connectors.data_connector import _DataHookSelector
 
-from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.modules import AgenticRLModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 
 
 def test_specs_pass_through_uncopied_and_lightning_uses_this_hook():

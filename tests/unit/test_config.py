@@ -250,7 +250,7 @@ def test_lr_schedules():
 
 
 def test_dispatch_config_errors():
-    from earl_lightning.datamodule import EpisodeDataModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
 
     assert (
         EpisodeDataModule(dispatch={"tp_mode": "broadcast"}).exchanger.config.tp_mode == "broadcast"

@@ -3,8 +3,8 @@
 import pytest
 
 from earl_lightning.cli import main
-from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.modules import AgenticRLModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 
 
 def test_unknown_env_name_lists_valid_ones():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datasets
 import pytest
 
-from earl_lightning.datamodule import EpisodeDataModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 
 EXACT = "tests.plugins.rewards.exact_sum"
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # old path -> (new path, a public name both give)
 MOVED = {
-    "earl_lightning.data.datamodule": ("earl_lightning.datamodule", "EpisodeDataModule"),
+    "earl_lightning.data.datamodule": ("earl_lightning.modules.datamodule", "EpisodeDataModule"),
     "earl_lightning.data.exchange": ("earl_lightning.dispatch.exchange", "DispatchConfig"),
     "earl_lightning.strategies.stage": ("earl_lightning.stages", "StageContext"),
     "earl_lightning.strategies.layouts": ("earl_lightning.parallel.layout", "LayoutSelector"),
@@ -66,7 +66,7 @@ def test_the_readmes_old_example_import_warns_where_python_shows_it():
     assert proc.returncode == 0, proc.stderr
     last = proc.stderr.strip().splitlines()
     assert any(
-        "DeprecationWarning: `earl_lightning.data.datamodule` moved to `earl_lightning.datamodule`"
+        "DeprecationWarning: `earl_lightning.data.datamodule` moved to `earl_lightning.modules.datamodule`"
         in line
         for line in last
     ), proc.stderr

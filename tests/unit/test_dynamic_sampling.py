@@ -7,9 +7,9 @@ from __future__ import annotations
 import datasets
 import pytest
 
-from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.modules.algorithm_groups import DynamicSamplingConfig, check_draws
 from earl_lightning.modules.config import AlgorithmConfig
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.modules.dynamic_sampling import Draws, play_draws
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 

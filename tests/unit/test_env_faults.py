@@ -347,8 +347,8 @@ def test_a_share_below_the_limit_trains_on(lm):
 
 
 def test_a_gymnasium_reset_fails_at_setup_with_a_clear_error():
-    from earl_lightning.datamodule import EpisodeDataModule
     from earl_lightning.modules import AgenticRLModule
+    from earl_lightning.modules.datamodule import EpisodeDataModule
     from earl_lightning.modules.rollout_setup import check_first_observation
 
     module = AgenticRLModule()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from earl_lightning.datamodule import EpisodeDataModule, EpisodeStream
 from earl_lightning.envs.base import make_env
+from earl_lightning.modules.datamodule import EpisodeDataModule, EpisodeStream
 
 
 def _batches(group_seeds: str, steps: int = 3, batch: int = 16, group: int = 8, seed: int = 1):

@@ -31,7 +31,6 @@ TIERS = {
     "profiling": 4,
     "planning": 4,
     "cli": 4,
-    "datamodule": 4,
     "__init__": 4,
 }
 

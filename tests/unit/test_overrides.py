@@ -17,7 +17,7 @@ SCOPE = (
     "earl_lightning.callbacks",
     "earl_lightning.modules",
     "earl_lightning.sft",
-    "earl_lightning.datamodule",
+    "earl_lightning.modules.datamodule",
 )
 
 

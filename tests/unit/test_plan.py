@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from earl_lightning.callbacks import AdaptiveParallelism
-from earl_lightning.datamodule import EpisodeDataModule
 from earl_lightning.models import make_tiny_model
 from earl_lightning.modules import AgenticRLModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.parallel.layout import STAGES, Layout
 from earl_lightning.parallel.throughput import layout_key
 from earl_lightning.planning.command import plan_parser, settings_from

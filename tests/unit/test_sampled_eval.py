@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from earl_lightning.algorithms.pass_at_k import pass_at_k
-from earl_lightning.datamodule import EpisodeDataModule
+from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.modules.sampled_eval import SampledEvalMetrics, pass_ks
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 
