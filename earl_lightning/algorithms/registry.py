@@ -1,5 +1,8 @@
-"""The project's :class:`~earl_lightning.core.registry.Registry`, re-exported for the algorithm registries."""
+"""Deprecated: ``earl_lightning.algorithms.registry`` is ``earl_lightning.core.registry`` now (moved in 0.3.0).
 
-from earl_lightning.core.registry import Registry, bind_params, import_object, param_default
+Importing this module warns once (``DeprecationWarning``) and gives the new module; removed in 0.4.
+"""
 
-__all__ = ["Registry", "bind_params", "import_object", "param_default"]
+from earl_lightning.core.warnings_filter import moved_module
+
+moved_module(__name__, "earl_lightning.core.registry", removed_in="0.4")

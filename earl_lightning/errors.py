@@ -1,0 +1,8 @@
+"""Deprecated: ``earl_lightning.errors`` is ``earl_lightning.core.errors`` now (moved in 0.3.0).
+
+Importing this module warns once (``DeprecationWarning``) and gives the new module; removed in 0.4.
+"""
+
+from earl_lightning.core.warnings_filter import moved_module
+
+moved_module(__name__, "earl_lightning.core.errors", removed_in="0.4")
