@@ -243,7 +243,7 @@ class EpisodeDataModule(L.LightningDataModule):
         )
         _check_batch(batch_size, group_size, group_seeds, eval_samples)
         check_number("--data.eval_pass_reward", eval_pass_reward)
-        self.seed = run_seed(seed, "--data.seed")
+        self.seed = seed = run_seed(seed, "--data.seed")
         task = config.open()
         self.env, self.env_kwargs, self.eval_env_kwargs = (
             task.env,
@@ -260,12 +260,10 @@ class EpisodeDataModule(L.LightningDataModule):
         _check_task(self.splits, self.env, self.reward_funcs, self.agent)
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
+        env = task.env  # save_hyperparameters reads the locals: the environment and seed played
         self.save_hyperparameters(ignore=["dispatch", *OBJECT_SETTINGS, "agent"])
         self.hparams.update(
-            config.hparams(task),
-            seed=self.seed,
-            dispatch=to_dict(dispatch),
-            agent=describe_agent(agent),
+            config.hparams(task), dispatch=to_dict(dispatch), agent=describe_agent(agent)
         )
 
     def first_spec(self) -> EpisodeSpec:

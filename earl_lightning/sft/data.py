@@ -222,6 +222,7 @@ class DemonstrationDataModule(L.LightningDataModule):
             task.eval_env_kwargs,
         )
         self.splits, self.reward_funcs, self.tools = task.splits, task.reward_funcs, task.tools
+        env = task.env  # save_hyperparameters reads the locals: the environment and seed played
         self.save_hyperparameters(ignore=list(OBJECT_SETTINGS))
         self.hparams.update(config.hparams(task))
         self.rows: list[dict[str, Any]] | None = None

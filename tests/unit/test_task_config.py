@@ -82,3 +82,12 @@ def test_evaluation_overrides_the_environment_arguments():
     ).open()
     assert task.env_kwargs == {"difficulty": "easy", "max_tool_calls": 2}
     assert task.eval_env_kwargs == {"difficulty": "hard", "max_tool_calls": 2}
+
+
+def test_the_logged_hyperparameters_name_the_environment_and_seed_played(monkeypatch):
+    """What loggers show (and must agree with the module's ``seed`` when both are logged): the
+    default environment by name, the run's seed for an unset one."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    for module in MODULES:
+        logged = module().hparams_initial
+        assert (logged.env, logged.seed) == ("connect_four", 7), module.__name__
