@@ -31,6 +31,7 @@ from earl_lightning.modules.algorithm_groups import (  # noqa: F401 - public her
 )
 from earl_lightning.registry import bind_params, param_default
 from earl_lightning.rollout.backends.base import SamplingConfig, SamplingFields
+from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
 from earl_lightning.rollout.loop import check_history_turns
 
 A = "--model"
@@ -170,7 +171,8 @@ class RolloutConfig:
             for every call.
     """
 
-    backend: Literal["hf", "vllm"] = "hf"
+    # a name of GENERATION_BACKENDS (a user's registers there) or an import path, checked there
+    backend: str = "hf"
     reuse_kv: bool = True
     share_prompts: bool = True
     max_turns: int = 32
@@ -192,8 +194,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         arg = f"{A}.rollout"
         _coerce_nested(self, arg)
-        if self.backend not in ("hf", "vllm"):
-            raise ValueError(f"unknown `{arg}.backend` {self.backend!r}; valid: ['hf', 'vllm']")
+        GENERATION_BACKENDS.get(self.backend, f"{arg}.backend")  # lists the registered names
         if self.backend == "vllm":
             from earl_lightning.rollout.backends.vllm_support import (
                 vllm_available,
