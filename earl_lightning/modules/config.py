@@ -116,8 +116,9 @@ class RolloutConfig:
     """How episodes are played.
 
     Args:
-        backend: generation backend: ``hf`` (transformers, KV cache reused across turns) or
-            ``vllm`` (a colocated vLLM engine).
+        backend: generation backend: ``hf`` (transformers, KV cache reused across turns),
+            ``vllm`` (a colocated vLLM engine), or a user's: a name registered with
+            ``GENERATION_BACKENDS.register`` or the import path of a backend factory.
         reuse_kv: ``hf`` only; false re-encodes the whole context every turn (reference path).
         share_prompts: ``hf`` only; a prompt that several episodes of one generation call start
             from (a group's first turn) is encoded once; false encodes it per episode.
