@@ -158,7 +158,11 @@ class RolloutConfig:
             its own and is abandoned, then not called again until that call returns. An ``async``
             one is cancelled. null: no limit.
         call_workers: threads running the env steps and tool calls of all live episodes at once
-            (1: one at a time).
+            (1: one at a time). Calls that only compute run on the rollout's own thread instead,
+            limited by ``env_timeout_s`` there (a thread gains them nothing under the GIL and
+            costs tens of microseconds a call); a kind of call seen waiting (a server, a sleep, an
+            ``async`` env: three of its calls, and a tenth of them, mostly off the CPU, or one
+            hang) runs on these threads for the rest of the process.
         call_isolation: ``thread``: environments and tools live in the trainer's process;
             ``process``: in a pool of ``min(call_workers, CPUs)`` worker processes, started once
             per trainer process and reused, each episode pinned to one; a call past
