@@ -53,9 +53,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from selector import exact_rss_allocator, peak_since_reset, reset_peak, spawn  # noqa: E402
 
 from earl_lightning.callbacks.adaptive_setup import memory_model_of  # noqa: E402
+from earl_lightning.modules.config import AlgorithmConfig, OptimConfig, RolloutConfig  # noqa: E402
+from earl_lightning.modules.views import workload_view  # noqa: E402
 from earl_lightning.parallel.hardware import DEVICES_DIR, Cluster, DeviceProfile, device_profile  # noqa: E402
 from earl_lightning.parallel.layout import Layout  # noqa: E402
-from earl_lightning.parallel.memory import Workload  # noqa: E402
 from earl_lightning.parallel.timing import TimeModel  # noqa: E402
 from earl_lightning.planning.plan import full_name  # noqa: E402
 
@@ -67,7 +68,13 @@ PRESET = "earl-tiny"
 GOALS = {"memory": 0.10, "time": 0.25}
 # what the profiler's runs do: one HF call per rollout (no KV kept between calls), the scored
 # last layer (a quarter of each synthetic sequence is actions), no reference model
-WORKLOAD = Workload(backend="hf", reuse_kv=False, scored_last_layer=True)
+WORKLOAD = workload_view(
+    RolloutConfig(reuse_kv=False, sampling={"max_new_tokens": GEN_LEN}),
+    AlgorithmConfig(),
+    OptimConfig(micro_batch_tokens=BIG, scored_last_layer=True),
+    lora=False,
+    scored_last_layer=True,
+)
 FITTED = (
     "matmul_efficiency",
     "attention_efficiency",

@@ -128,8 +128,8 @@ def memory_model_of(
         optimizer,
         rollout_backend=work.backend,
         reference_model=work.reference_model,
-        reuse_kv=getattr(work, "reuse_kv", True),
-        scored_share_limit=MAX_SCORED_SHARE if getattr(work, "scored_last_layer", False) else None,
+        reuse_kv=work.reuse_kv,
+        scored_share_limit=MAX_SCORED_SHARE if work.scored_last_layer else None,
         resident_train_state=resident_train_state,
     )
 
@@ -227,7 +227,7 @@ def profile_at_fit_start(
         model_name=getattr(config, "_name_or_path", "") or "model",
         budget_s=budget_s,
         device=trainer.strategy.root_device,
-        scored_last_layer=getattr(work, "scored_last_layer", False),
+        scored_last_layer=work.scored_last_layer,
     )
     if out_dir and trainer.global_rank == 0:
         out = Path(out_dir)

@@ -31,6 +31,7 @@ from earl_lightning.modules.algorithm_groups import (  # noqa: F401 - public her
     ValueConfig,
 )
 from earl_lightning.rollout.backends.base import SamplingConfig, SamplingFields
+from earl_lightning.rollout.backends.registry import GENERATION_BACKENDS
 from earl_lightning.rollout.loop import check_history_turns
 
 A = "--model"
@@ -115,8 +116,9 @@ class RolloutConfig:
     """How episodes are played.
 
     Args:
-        backend: generation backend: ``hf`` (transformers, KV cache reused across turns) or
-            ``vllm`` (a colocated vLLM engine).
+        backend: generation backend: ``hf`` (transformers, KV cache reused across turns),
+            ``vllm`` (a colocated vLLM engine), or a user's: a name registered with
+            ``GENERATION_BACKENDS.register`` or the import path of a backend factory.
         reuse_kv: ``hf`` only; false re-encodes the whole context every turn (reference path).
         share_prompts: ``hf`` only; a prompt that several episodes of one generation call start
             from (a group's first turn) is encoded once; false encodes it per episode.
@@ -156,7 +158,11 @@ class RolloutConfig:
             its own and is abandoned, then not called again until that call returns. An ``async``
             one is cancelled. null: no limit.
         call_workers: threads running the env steps and tool calls of all live episodes at once
-            (1: one at a time).
+            (1: one at a time). Calls that only compute run on the rollout's own thread instead,
+            limited by ``env_timeout_s`` there (a thread gains them nothing under the GIL and
+            costs tens of microseconds a call); a kind of call seen waiting (a server, a sleep, an
+            ``async`` env: three of its calls, and a tenth of them, mostly off the CPU, or one
+            hang) runs on these threads for the rest of the process.
         call_isolation: ``thread``: environments and tools live in the trainer's process;
             ``process``: in a pool of ``min(call_workers, CPUs)`` worker processes, started once
             per trainer process and reused, each episode pinned to one; a call past
@@ -170,7 +176,8 @@ class RolloutConfig:
             for every call.
     """
 
-    backend: Literal["hf", "vllm"] = "hf"
+    # a name of GENERATION_BACKENDS (a user's registers there) or an import path, checked there
+    backend: str = "hf"
     reuse_kv: bool = True
     share_prompts: bool = True
     max_turns: int = 32
@@ -192,8 +199,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         arg = f"{A}.rollout"
         _coerce_nested(self, arg)
-        if self.backend not in ("hf", "vllm"):
-            raise ValueError(f"unknown `{arg}.backend` {self.backend!r}; valid: ['hf', 'vllm']")
+        GENERATION_BACKENDS.get(self.backend, f"{arg}.backend")  # lists the registered names
         if self.backend == "vllm":
             from earl_lightning.rollout.backends.vllm_support import (
                 vllm_available,

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-import datasets
 import lightning as L
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
@@ -27,12 +25,20 @@ from earl_lightning.core.checks import check_choice, check_count, check_number
 from earl_lightning.core.config_groups import coerce, to_dict
 from earl_lightning.core.seeding import run_seed
 from earl_lightning.dispatch.exchange import DispatchConfig, Exchanger
-from earl_lightning.envs.base import check_env_name, make_env
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.tasks.agents import Agent, check_agent_columns, describe_agent, resolve_agent
-from earl_lightning.tasks.datasets import DatasetConfig, RowOrder, Splits, describe, open_splits
-from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
-from earl_lightning.tasks.tools import Tool, resolve_tools
+from earl_lightning.tasks.config import (
+    OBJECT_SETTINGS,
+    DatasetArg,
+    EnvKwargs,
+    EvalDatasetArg,
+    RewardFuncsArg,
+    RewardWeightsArg,
+    TaskConfig,
+    ToolsArg,
+)
+from earl_lightning.tasks.datasets import RowOrder, Splits
+from earl_lightning.tasks.rewards import RewardFunction, check_columns
 
 _SEED_STRIDE = 1_000_003  # keeps training seeds of different steps and eval seeds apart
 
@@ -205,62 +211,59 @@ class EpisodeDataModule(L.LightningDataModule):
     def __init__(
         self,
         env: str | None = None,
-        env_kwargs: dict[str, Any] | None = None,
+        env_kwargs: EnvKwargs = None,
         batch_size: int = 64,
         group_size: int = 8,
         seed: int | None = None,
         eval_episodes: int = 128,
-        eval_env_kwargs: dict[str, Any] | None = None,
+        eval_env_kwargs: EnvKwargs = None,
         dispatch: DispatchConfig = DispatchConfig(),
         group_seeds: str = "shared",
-        # Path: jsonargparse then takes a string as a path, never as a settings file to read in
-        # (an empty .jsonl would become null; a .csv, its own text)
-        dataset: DatasetConfig | str | Path | datasets.Dataset | datasets.DatasetDict | None = None,
-        eval_dataset: datasets.Dataset | None = None,
-        reward_funcs: list[str | Callable[..., Any]] | None = None,
-        reward_weights: list[float] | None = None,
-        tools: list[str | Callable[..., Any] | dict[str, Any]] | None = None,
+        dataset: DatasetArg = None,
+        eval_dataset: EvalDatasetArg = None,
+        reward_funcs: RewardFuncsArg = None,
+        reward_weights: RewardWeightsArg = None,
+        tools: ToolsArg = None,
         agent: str | Callable[..., Any] | None = None,
         eval_samples: int = 0,
         eval_pass_reward: float = 1.0,
     ):
         super().__init__()
         _check_agent_task(agent, env, dataset, tools)
-        if env is None and dataset is None:
-            env = "connect_four"
-        if env is not None:
-            check_env_name(env, "--data.env")
-        _check_batch(batch_size, group_size, group_seeds, eval_episodes, eval_samples)
+        config = TaskConfig(
+            env=env,
+            env_kwargs=env_kwargs,
+            eval_env_kwargs=eval_env_kwargs,
+            dataset=dataset,
+            eval_dataset=eval_dataset,
+            reward_funcs=reward_funcs,
+            reward_weights=reward_weights,
+            tools=tools,
+            eval_episodes=eval_episodes,
+        )
+        _check_batch(batch_size, group_size, group_seeds, eval_samples)
         check_number("--data.eval_pass_reward", eval_pass_reward)
-        seed = run_seed(seed, "--data.seed")
-        self.env, self.env_kwargs = env, dict(env_kwargs or {})
-        self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
-        if env is not None:
-            make_env(env, "--data.env", **self.env_kwargs)  # bad env kwargs fail now, not at step 1
-        self.batch_size, self.group_size, self.seed = batch_size, group_size, seed
+        self.seed = seed = run_seed(seed, "--data.seed")
+        task = config.open()
+        self.env, self.env_kwargs, self.eval_env_kwargs = (
+            task.env,
+            task.env_kwargs,
+            task.eval_env_kwargs,
+        )
+        self.splits, self.reward_funcs, self.tools = task.splits, task.reward_funcs, task.tools
+        self.batch_size, self.group_size = batch_size, group_size
         self.eval_episodes, self.group_seeds = eval_episodes, group_seeds
         self.eval_samples, self.eval_pass_reward = eval_samples, eval_pass_reward
-        self.splits: Splits | None = (
-            open_splits(dataset, eval_dataset) if dataset is not None else None
-        )
         if self.splits is not None and self.splits.eval is None:
             self.eval_episodes = 0  # no evaluation rows: nothing to evaluate on
-        self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
-        self.tools: list[Tool] = resolve_tools(tools)
         self.agent: Agent | None = None if agent is None else resolve_agent(agent)
-        _check_task(self.splits, env, self.reward_funcs, self.agent)
+        _check_task(self.splits, self.env, self.reward_funcs, self.agent)
         dispatch = coerce(DispatchConfig, dispatch, "--data.dispatch")
         self.exchanger = Exchanger(dispatch)
-        self.save_hyperparameters(
-            ignore=["dispatch", "dataset", "eval_dataset", "reward_funcs", "tools", "agent"]
-        )
+        env = task.env  # save_hyperparameters reads the locals: the environment and seed played
+        self.save_hyperparameters(ignore=["dispatch", *OBJECT_SETTINGS, "agent"])
         self.hparams.update(
-            dispatch=to_dict(dispatch),
-            dataset=describe(dataset),
-            eval_dataset=describe(eval_dataset),
-            reward_funcs=[describe(f) for f in reward_funcs or []],
-            tools=[t.name for t in self.tools],
-            agent=describe_agent(agent),
+            config.hparams(task), dispatch=to_dict(dispatch), agent=describe_agent(agent)
         )
 
     def first_spec(self) -> EpisodeSpec:
@@ -333,9 +336,7 @@ def _check_agent_task(agent: Any, env: str | None, dataset: Any, tools: Any) -> 
         )
 
 
-def _check_batch(
-    batch_size: int, group_size: int, group_seeds: str, eval_episodes: int, eval_samples: int
-) -> None:
+def _check_batch(batch_size: int, group_size: int, group_seeds: str, eval_samples: int) -> None:
     check_count("--data.batch_size", batch_size)
     check_count("--data.group_size", group_size)
     if batch_size % group_size:
@@ -345,7 +346,6 @@ def _check_batch(
             f"{max(group_size, batch_size // group_size * group_size)}"
         )
     check_choice("--data.group_seeds", group_seeds, GROUP_SEEDS)
-    check_count("--data.eval_episodes", eval_episodes, 0)
     check_count("--data.eval_samples", eval_samples, 0)
 
 

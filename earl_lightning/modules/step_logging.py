@@ -7,7 +7,10 @@ metrics objects and its stage runner, and writes through ``self.log``.
 
 from __future__ import annotations
 
+import torch
+
 from earl_lightning.core import console
+from earl_lightning.core.lightning_internals import logging_step
 from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.modules.dynamic_sampling import Draws
 from earl_lightning.modules.metrics import episode_metrics
@@ -67,8 +70,25 @@ class StepLogging:
             if name in metrics:
                 self.log(name, metrics.pop(name), prog_bar=True, on_step=True, rank_zero_only=True)
         self._log_signal(metrics["reward/zero_std_groups"], metrics["grad_norm"])
-        self.log_dict(metrics, on_step=True, rank_zero_only=True)
+        self._publish(metrics)
         self._show_episodes(episodes, step, "train", counted)
+
+    def _publish(self, metrics: dict[str, float]) -> None:
+        """The step's other metrics where ``self.log_dict(metrics, on_step=True)`` puts them, at a
+        fraction of its cost: ``trainer.callback_metrics`` and ``trainer.logged_metrics`` every
+        step (what callbacks such as ``ModelCheckpoint(monitor=...)`` read, as tensors), and the
+        loggers on the steps Lightning writes them, at its x-axis.
+        ``self.log`` costs about a millisecond per scalar (each value's result metric is moved to
+        its device, deep copies included), ~30 ms a step for the ~30 figures here
+        (``benchmarks/step_overheads.py``)."""
+        trainer = self.trainer
+        values = {name: torch.tensor(float(value)) for name, value in metrics.items()}
+        trainer.callback_metrics.update(values)
+        trainer.logged_metrics.update(values)
+        step, write = logging_step(trainer)
+        if write:
+            for logger in self.loggers:
+                logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
     def _log_signal(self, zero_std_groups: float, grad_norm: float) -> None:
         """The learning-signal check: its count in TensorBoard every step, in the progress bar

@@ -14,7 +14,7 @@ from typing import Any
 
 from earl_lightning.core.config_groups import to_dict
 from earl_lightning.modules.config import AlgorithmConfig, OptimConfig, RolloutConfig
-from earl_lightning.parallel.memory import Workload
+from earl_lightning.parallel.memory import Workload, memory_backend
 from earl_lightning.rollout.backends.base import BackendSpec
 from earl_lightning.train.update import UpdateConfig
 
@@ -83,12 +83,14 @@ def workload_view(
     lora: bool,
     scored_last_layer: bool,
 ) -> Workload:
-    """What the layout selector's memory model sizes: the rollout's backend and lengths, the
-    micro-batch budget, a reference model when there is a KL (none under LoRA: the reference is
-    the model with its adapters off), and the scored-last-layer path when the option is on and
-    the model can take it (``scored_last_layer``)."""
+    """What the layout selector's memory model sizes: the rollout's backend (a user's, as
+    :func:`memory_backend` says) and lengths, the micro-batch budget, a reference model when there
+    is a KL (none under LoRA: the reference is the model with its adapters off), and the
+    scored-last-layer path when the option is on and the model can take it
+    (``scored_last_layer``). The one place a run's :class:`Workload` is made: the module's
+    ``workload``, ``earl plan``'s recipe and the plan's calibration all come through here."""
     return Workload(
-        backend=rollout.backend,
+        backend=memory_backend(rollout.backend),
         max_context_tokens=rollout.max_context_tokens,
         max_new_tokens=rollout.sampling.max_new_tokens,
         micro_batch_tokens=optim.micro_batch_tokens,

@@ -117,16 +117,27 @@ def _gib(n: int) -> str:
 class Workload:
     """What an RL run declares for sizing its stages: the rollout engine, the longest context,
     tokens generated per turn, the micro-batch budget, whether a frozen reference model runs in
-    the experience stage, and whether the HF backend keeps each episode's KV cache between turns."""
+    the experience stage, and whether the HF backend keeps each episode's KV cache between turns.
 
-    backend: RolloutBackend = "hf"
-    max_context_tokens: int = 4096
-    max_new_tokens: int = 8
-    micro_batch_tokens: int = 16384
-    reference_model: bool = False
-    reuse_kv: bool = True
+    No field has a default: a run's workload is made from its configuration groups in one place
+    (``earl_lightning.modules.views.workload_view``), so no default here can drift from theirs.
+    """
+
+    backend: RolloutBackend  # the engine whose memory the rollout is sized as (memory_backend)
+    max_context_tokens: int
+    max_new_tokens: int
+    micro_batch_tokens: int
+    reference_model: bool
+    reuse_kv: bool
     # the policy forwards run the last layer at scored positions only
-    scored_last_layer: bool = False
+    scored_last_layer: bool
+
+
+def memory_backend(name: str) -> RolloutBackend:
+    """The engine a generation backend's rollout memory is sized as: ``hf`` and ``vllm`` as
+    themselves; a user's registered backend, whose memory this model cannot know, as ``hf``
+    (a padded KV buffer per call, the larger KV of the two)."""
+    return "vllm" if name == "vllm" else "hf"
 
 
 class MemoryModel:

@@ -4,11 +4,8 @@ evaluation episodes (env seeds, or the dataset's evaluation rows scored by rewar
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
-import datasets
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
@@ -18,7 +15,7 @@ from typing_extensions import override
 from earl_lightning.core.checks import check_choice, check_count
 from earl_lightning.core.seeding import run_seed
 from earl_lightning.data.episodes import supervised_rows
-from earl_lightning.envs.base import ToolEnv, check_env_name, make_env
+from earl_lightning.envs.base import ToolEnv, make_env
 from earl_lightning.envs.policies import check_policy_name
 from earl_lightning.modules.config import RolloutConfig
 from earl_lightning.modules.datamodule import EvalEpisodes
@@ -29,10 +26,19 @@ from earl_lightning.rollout.demonstrations import play_demonstrations_with_targe
 from earl_lightning.rollout.process_env import check_env_sendable, check_picklable
 from earl_lightning.rollout.transcripts import sft_row
 from earl_lightning.rollout.types import EpisodeSpec
-from earl_lightning.tasks.datasets import CheckedRows, DatasetConfig, Splits, describe, open_splits
-from earl_lightning.tasks.rewards import RewardFunction, check_columns, resolve_reward_funcs
+from earl_lightning.tasks.config import (
+    OBJECT_SETTINGS,
+    DatasetArg,
+    EnvKwargs,
+    EvalDatasetArg,
+    RewardFuncsArg,
+    RewardWeightsArg,
+    TaskConfig,
+    ToolsArg,
+)
+from earl_lightning.tasks.datasets import CheckedRows
 from earl_lightning.tasks.rows import BadRowError, check_sft_row
-from earl_lightning.tasks.tools import Tool, resolve_tools, shown_schema, tool_of
+from earl_lightning.tasks.tools import shown_schema, tool_of
 
 SFT_FORMS = (("prompt", "completion"), ("messages",))
 
@@ -176,54 +182,49 @@ class DemonstrationDataModule(L.LightningDataModule):
     def __init__(
         self,
         env: str | None = None,
-        env_kwargs: dict[str, Any] | None = None,
+        env_kwargs: EnvKwargs = None,
         policy: str = "random_legal",
         policy_kwargs: dict[str, Any] | None = None,
         num_episodes: int = 1000,
         batch_size: int = 64,
         seed: int | None = None,
         eval_episodes: int = 128,
-        eval_env_kwargs: dict[str, Any] | None = None,
+        eval_env_kwargs: EnvKwargs = None,
         targets: Literal["expected", "sampled"] = "expected",
-        # Path: jsonargparse then takes a string as a path, never as a settings file to read in
-        # (an empty .jsonl would become null; a .csv, its own text)
-        dataset: DatasetConfig | str | Path | datasets.Dataset | datasets.DatasetDict | None = None,
-        eval_dataset: datasets.Dataset | None = None,
-        reward_funcs: list[str | Callable[..., Any]] | None = None,
-        reward_weights: list[float] | None = None,
-        tools: list[str | Callable[..., Any] | dict[str, Any]] | None = None,
+        dataset: DatasetArg = None,
+        eval_dataset: EvalDatasetArg = None,
+        reward_funcs: RewardFuncsArg = None,
+        reward_weights: RewardWeightsArg = None,
+        tools: ToolsArg = None,
     ) -> None:
         super().__init__()
-        if env is None and dataset is None:
-            env = "connect_four"
-        if env is not None:
-            check_env_name(env, "--data.env")
-            make_env(env, "--data.env", **dict(env_kwargs or {}))
+        config = TaskConfig(
+            env=env,
+            env_kwargs=env_kwargs,
+            eval_env_kwargs=eval_env_kwargs,
+            dataset=dataset,
+            eval_dataset=eval_dataset,
+            reward_funcs=reward_funcs,
+            reward_weights=reward_weights,
+            tools=tools,
+            eval_episodes=eval_episodes,
+        )
         if dataset is None:
             check_policy_name(policy, policy_kwargs, "--data.policy")
         seed = run_seed(seed, "--data.seed")
         check_count("--data.num_episodes", num_episodes)
         check_count("--data.batch_size", batch_size)
-        check_count("--data.eval_episodes", eval_episodes, 0)
         check_choice("--data.targets", targets, ("expected", "sampled"))
-        self.splits: Splits | None = None
-        if dataset is not None:
-            self.splits = open_splits(
-                dataset, eval_dataset, required=SFT_FORMS, check_row=check_sft_row
-            )
-        self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
-        self.tools: list[Tool] = resolve_tools(tools)
-        if self.splits is not None:
-            check_columns(self.reward_funcs, self.splits.columns())
-        self.save_hyperparameters(ignore=["dataset", "eval_dataset", "reward_funcs", "tools"])
-        self.hparams.update(
-            dataset=describe(dataset),
-            eval_dataset=describe(eval_dataset),
-            reward_funcs=[describe(f) for f in reward_funcs or []],
-            tools=[t.name for t in self.tools],
+        task = config.open(required=SFT_FORMS, check_row=check_sft_row)
+        self.env, self.env_kwargs, self.eval_env_kwargs = (
+            task.env,
+            task.env_kwargs,
+            task.eval_env_kwargs,
         )
-        self.env, self.env_kwargs = env, dict(env_kwargs or {})
-        self.eval_env_kwargs = {**self.env_kwargs, **(eval_env_kwargs or {})}
+        self.splits, self.reward_funcs, self.tools = task.splits, task.reward_funcs, task.tools
+        env = task.env  # save_hyperparameters reads the locals: the environment and seed played
+        self.save_hyperparameters(ignore=list(OBJECT_SETTINGS))
+        self.hparams.update(config.hparams(task))
         self.rows: list[dict[str, Any]] | None = None
         self.stats: dict[str, float] = {}
 

@@ -114,7 +114,7 @@ def test_cli_reports_a_group_error_in_one_line(capsys):
         ),
         (
             dict(rollout={"backend": "trt"}),
-            r"unknown `--model.rollout.backend` 'trt'; valid: \['hf', 'vllm'\]",
+            r"unknown `--model.rollout.backend` 'trt'; valid generation backends: \[.*'hf', 'vllm'\]",
         ),
         (
             dict(rollout={"sampling": {"temperature": 0}}),
