@@ -66,6 +66,9 @@ class AdvantageInputs:
 
 @dataclass
 class AdvantageOutput:
+    """What an estimator returns: per-token advantages, and the value head's targets when the
+    estimator has a value baseline (None otherwise: the trainer then trains no value head)."""
+
     advantages: Tensor  # [B, T], 0 off the mask
     returns: Tensor | None = None  # [B, T] value targets (estimators with a value baseline)
 
@@ -81,6 +84,8 @@ class AdvantageEstimator:
     def __call__(
         self, inputs: AdvantageInputs, reduce: MomentsReduce = local_moments, **params: Any
     ) -> AdvantageOutput:
+        """Run the estimator on ``inputs``; ``reduce`` sums moments over the ranks holding the
+        batch (the default, in one process: the local batch is the whole batch)."""
         return self.fn(inputs, reduce, **params)
 
 
@@ -103,7 +108,21 @@ def register_advantage_estimator(
     name: str, *, needs_values: bool = False, needs_state_keys: bool = False
 ) -> Callable[[Any], Any]:
     """Decorator registering ``fn(inputs, reduce, **params) -> AdvantageOutput`` as ``name``.
-    ``needs_state_keys``: the estimator compares turn rows that acted in the same state (GiGPO)."""
+
+    Args:
+        name: the name a config selects it by (``--model.algorithm.advantage.name name``).
+        needs_values: the estimator reads ``inputs.values``: the trainer builds a value head and
+            trains it on the returned ``returns``.
+        needs_state_keys: the estimator compares turn rows that acted in the same state (GiGPO):
+            the trainer fills ``inputs.state_keys`` and keeps each group's rows on one rank.
+
+    Returns:
+        The decorator; it returns the decorated function unchanged, so it stays callable directly.
+
+    Raises:
+        ValueError: when the decorator is applied and ``name`` is already registered (two modules
+            cannot silently shadow each other's estimator).
+    """
     return ADVANTAGE_ESTIMATORS.register(
         name, entry=lambda fn: AdvantageEstimator(fn, needs_values, needs_state_keys)
     )

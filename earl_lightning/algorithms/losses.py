@@ -38,6 +38,7 @@ class PolicyLossStats:
     ratio_max: Tensor
 
     def as_dict(self, prefix: str = "policy/") -> dict[str, Tensor]:
+        """Every statistic under its logged name (``policy/clip_frac``, ...)."""
         return {prefix + k: v for k, v in asdict(self).items()}
 
     def token_means(self) -> dict[str, Tensor]:
@@ -66,7 +67,18 @@ POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy losses", adapt=_adapt)
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss (module docstring) as ``name``."""
+    """Decorator registering a policy loss (the contract is in the module docstring) as ``name``.
+
+    Args:
+        name: the name a config selects it by (``--model.algorithm.loss.name name``).
+
+    Returns:
+        The decorator; it returns the decorated function unchanged, so it stays callable directly.
+
+    Raises:
+        ValueError: when the decorator is applied and ``name`` is already registered (two modules
+            cannot silently shadow each other's loss).
+    """
     return POLICY_LOSSES.register(name)
 
 

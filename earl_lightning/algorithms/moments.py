@@ -21,7 +21,11 @@ STAT_DTYPE = torch.float64
 
 @dataclass
 class Moments:
-    """Element-wise moments; every field has the same shape (``[]`` for a scalar, ``[G]`` per group)."""
+    """Element-wise moments; every field has the same shape (``[]`` for a scalar, ``[G]`` per group).
+
+    Raises:
+        ValueError: the three fields' shapes differ.
+    """
 
     sum: Tensor
     sumsq: Tensor
@@ -49,6 +53,7 @@ class Moments:
         return centered / (n - 1 if unbiased else n).clamp(min=1)
 
     def std(self, unbiased: bool = True) -> Tensor:
+        """Standard deviation, the square root of :meth:`var` (0 where that is 0)."""
         return self.var(unbiased).sqrt()
 
     def pack(self) -> Tensor:

@@ -72,6 +72,14 @@ class AdaptiveParallelism(StageOOMHandler):
             one extra forward, and saves most activation memory at long contexts); default: the
             train layout's own setting.
         amortize_steps: steps over which one layout switch is expected to pay off.
+
+    Raises:
+        ValueError: a setting out of range or two that exclude each other (``profile`` and
+            ``profile_budget_s``; both memory budgets); at setup, a Trainer whose strategy is not
+            ``EarlStrategy``; at a stage, no candidate layout that fits the memory budget
+            (``NoFeasibleLayoutError``).
+        ProfileError: at setup, a ``profile`` file that is unreadable or corrupt, or was measured
+            for another world size.
     """
 
     def __init__(
@@ -297,6 +305,13 @@ class AdaptiveParallelism(StageOOMHandler):
         return s
 
     def decide(self, stage: str, stats: Mapping[str, Any] | None, current: Layout | None) -> Layout:
+        """The layout ``stage`` runs under this step, chosen by the selector from the completed
+        ``stats`` (:meth:`complete_stats`) and the ``current`` layout (switching costs a reshard,
+        so it must pay off); the decision joins :attr:`history` and the stage's layout metrics.
+
+        Raises:
+            NoFeasibleLayoutError: no candidate layout fits the memory budget.
+        """
         full = self.complete_stats(stage, stats)
         d = self.selector.decide(stage, full, current)
         self._step_decisions[stage] = d

@@ -40,6 +40,10 @@ class ExportModel(L.Callback):
             directory holding one of them (writing it replaces the whole directory).
         enabled: false: write nothing.
         overwrite: replace ``dirpath`` when it exists and is not empty.
+
+    Raises:
+        EarlError: when a fit starts, a ``dirpath`` that cannot take the model (:meth:`problem`
+            says why), before any step runs.
     """
 
     def __init__(
@@ -87,6 +91,8 @@ class ExportModel(L.Callback):
             raise EarlError(problem)
 
     def resolve_dirpath(self, trainer: L.Trainer) -> Path:
+        """Where this fit's model goes: ``dirpath`` as given, else ``hf_model`` beside the
+        checkpoint directory, else in the run's log directory."""
         if self.dirpath is not None:
             return Path(self.dirpath)
         checkpoints = trainer.checkpoint_callback

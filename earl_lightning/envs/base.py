@@ -36,9 +36,15 @@ class Env(Protocol):
     ``"outcome"`` (``"win" | "draw" | "loss"``) when a game ends.
     """
 
-    def reset(self, seed: int) -> str: ...
+    def reset(self, seed: int) -> str:
+        """Start an episode (the seed fixes it: the problem, an opponent's moves, the seat) and
+        return the first observation, which becomes the first user message."""
+        ...
 
-    def step(self, action: str) -> StepResult: ...
+    def step(self, action: str) -> StepResult:
+        """Play the model's raw reply ``action``; the result's ``observation`` is the next user
+        message, unless ``done``."""
+        ...
 
 
 @runtime_checkable
@@ -48,7 +54,10 @@ class ToolEnv(Env, Protocol):
     docstrings (or ``{"schema": ..., "fn": ...}`` pairs). The model's calls of them come back as
     ``tool`` messages; ``step`` gets the turns that call no tool (e.g. the final answer)."""
 
-    def tools(self) -> list[Any]: ...
+    def tools(self) -> list[Any]:
+        """The tools of this episode's environment: callables with type hints and a docstring
+        (the schema is built from them), or ``{"schema": ..., "fn": ...}`` pairs."""
+        ...
 
 
 class _NotCallable(ValueError):
@@ -76,11 +85,24 @@ ENVS: Registry[Callable[..., Env]] = Registry("environments", adapt=_as_factory)
 
 
 def register_env(name: str) -> Callable[[Any], Any]:
-    """Decorator registering an Env class or factory as ``name`` (usable as ``--data.env name``)."""
+    """Decorator registering an Env class or factory as ``name`` (usable as ``--data.env name``).
+
+    Args:
+        name: the name configs select it by; an environment that is never registered can still be
+            named by its import path (``my_package.envs.GuessGame``).
+
+    Returns:
+        The decorator; it returns the class or factory unchanged.
+
+    Raises:
+        ValueError: when the decorator is applied and ``name`` is already registered (two modules
+            cannot silently shadow each other's environment).
+    """
     return ENVS.register(name)
 
 
 def env_names() -> list[str]:
+    """The registered environments' names, sorted (what an unknown ``--data.env`` lists)."""
     return ENVS.names()
 
 
@@ -99,8 +121,21 @@ def _is_env(env: Any) -> bool:
 def make_env(name: str, arg: str = "env", **kwargs: Any) -> Env:
     """Build the environment registered as ``name``, or the Env class / factory at the import path
     ``name`` (``my_package.envs.GuessGame``), with ``kwargs``; a gymnasium or OpenEnv environment
-    is wrapped by its adapter (:mod:`earl_lightning.envs.adapters`). ``arg`` is the config
-    argument the name came from; every error names it."""
+    is wrapped by its adapter (:mod:`earl_lightning.envs.adapters`).
+
+    Args:
+        name: a registered name (:func:`env_names`) or an import path.
+        arg: the config argument the name came from (e.g. ``--data.env``); every error names it.
+        **kwargs: the environment's keyword arguments (``--data.env_kwargs``).
+
+    Returns:
+        A new environment, ready for ``reset(seed)``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the registered ones), an import path that
+            does not import or names something that is not callable, or a factory whose result
+            does not implement the Env protocol.
+    """
     from earl_lightning.envs.adapters import adapt_env
 
     # a gymnasium or OpenEnv environment enters through its adapter

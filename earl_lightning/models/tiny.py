@@ -192,6 +192,9 @@ def build_char_tokenizer(chat_template: str = "chatml"):
 
 
 def tiny_config(vocab_size: int, seed: int = 0, **overrides: Any):
+    """The ``Qwen2Config`` of a tiny model: the ``earl-tiny`` sizes changed by ``overrides``, a
+    ``sliding_window`` spelled as Qwen2's per-layer sliding attention, tied embeddings, pad id 0
+    and eos id 2. ``seed`` is accepted and unused (the weights' seed is :func:`make_tiny_model`'s)."""
     from transformers import Qwen2Config
 
     kw: dict[str, Any] = dict(PRESETS["earl-tiny"])
@@ -237,6 +240,20 @@ def make_tiny_model(
     keyed by a hash of the full config and the seed, so the same arguments always give the same
     weights, and a second call only returns the path (bump the key's ``v`` when what a preset
     writes changes, e.g. the BPE corpus of :mod:`earl_lightning.models.bpe`).
+
+    Args:
+        name: the preset (``earl-tiny``, ``earl-tiny-4l``, ...).
+        seed: the seed of the random initial weights.
+        cache_dir: the directory to write instead of the keyed one under ``$EARL_CACHE_DIR``
+            (default ``~/.cache/earl_lightning``).
+        **overrides: preset fields to change (``num_hidden_layers``, ``sliding_window``, ...).
+
+    Returns:
+        The model's directory: weights, config and tokenizer, loadable by ``from_pretrained`` and
+        as ``--model.model``.
+
+    Raises:
+        ValueError: ``name`` is not a preset (the message lists them).
     """
     if name not in PRESETS:
         raise ValueError(f"unknown tiny model preset {name!r}; valid: {sorted(PRESETS)}")

@@ -60,10 +60,13 @@ class LossConfig:
 
     @property
     def fn(self):
+        """The policy loss function that ``name`` selects (a registered name or an import path)."""
         return get_policy_loss(self.name, f"{ARG}.loss.name")
 
     @property
     def params(self) -> dict[str, Any]:
+        """The keyword parameters the loss is called with: the clip settings that are set and
+        ``kwargs``, checked against its signature (a setting it does not take is an error)."""
         given = {
             "clip_low": self.clip_low,
             "clip_high": self.clip_high,
@@ -196,6 +199,7 @@ class OverlongConfig:
 
     @property
     def on(self) -> bool:
+        """Whether overlong episodes are penalized (``max_tokens`` is set)."""
         return self.max_tokens is not None
 
     def penalties(self, episodes: Sequence[Any]) -> torch.Tensor:
@@ -249,6 +253,7 @@ class DynamicSamplingConfig:
 
     @property
     def on(self) -> bool:
+        """Whether zero-spread groups are dropped and drawn again (``max_draws`` above 1)."""
         return self.max_draws > 1
 
 

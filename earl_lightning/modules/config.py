@@ -259,6 +259,8 @@ class AdvantageConfig:
 
     @property
     def estimator(self) -> AdvantageEstimator:
+        """The estimator that ``name`` selects, with what it needs from the trainer (values,
+        state keys)."""
         return get_advantage_estimator(self.name, f"{A}.algorithm.advantage.name")
 
     @property
@@ -317,6 +319,8 @@ class AlgorithmConfig:
 
     @property
     def needs_values(self) -> bool:
+        """Whether the advantage estimator reads values, so the module builds and trains a value
+        head."""
         return self.advantage.estimator.needs_values
 
 
@@ -405,6 +409,8 @@ def check_combination(rollout: RolloutConfig, algorithm: AlgorithmConfig) -> Non
 
 
 def check_dtype_and_seed(dtype: str, seed: int) -> None:
+    """The ``--model.dtype`` and ``--model.seed`` checks that the RL and the warm-start modules
+    share (ValueError naming the argument)."""
     from earl_lightning.models import resolve_dtype
 
     resolve_dtype(dtype, f"{A}.dtype")
@@ -414,6 +420,8 @@ def check_dtype_and_seed(dtype: str, seed: int) -> None:
 def check_module_args(
     dtype: str, seed: int, no_signal_steps: int, logprob_mismatch_warn: float
 ) -> None:
+    """The RL module's plain arguments checked at construction, each error naming its
+    ``--model.*`` argument (the typed groups check themselves)."""
     check_dtype_and_seed(dtype, seed)
     check_count(f"{A}.no_signal_steps", no_signal_steps, low=0)
     check_number(f"{A}.logprob_mismatch_warn", logprob_mismatch_warn, low=0, strict=True)

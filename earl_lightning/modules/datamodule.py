@@ -83,6 +83,8 @@ class EpisodeStream(IterableDataset):
         self.order = RowOrder(len(rows), seed) if rows is not None else None
 
     def batch(self, step: int) -> list[EpisodeSpec]:
+        """The ``batch_size`` specs of step ``step``, group by group: a pure function of the seed
+        and the step, so a resumed run replays exactly the episodes it would have played."""
         groups = self.batch_size // self.group_size
         base = (self.seed + 1) * _SEED_STRIDE  # eval uses 0..n-1
         specs = []
@@ -206,6 +208,14 @@ class EpisodeDataModule(L.LightningDataModule):
             endpoint (one API key per episode). It returns the reward, ``{"reward", "info"}``, or
             None (``reward_funcs`` score the transcript). Plays ``dataset`` rows; no ``env`` or
             ``tools`` beside it (the agent runs its own). See docs/agents.md.
+
+    Raises:
+        ValueError: a setting out of range or settings that exclude each other (``batch_size``
+            not a multiple of ``group_size``, an ``agent`` beside ``env`` or ``tools``, dataset
+            rows without an environment, an agent or a reward function to score them), an unknown
+            environment or an import path that does not import, a dataset without the columns the
+            task or its reward functions read; named as the ``earl`` command's ``--data.*``
+            argument.
     """
 
     def __init__(
@@ -267,6 +277,8 @@ class EpisodeDataModule(L.LightningDataModule):
         )
 
     def first_spec(self) -> EpisodeSpec:
+        """The first training episode (step 0, group 0, member 0), whose first prompt the module
+        checks against its context budget before anything runs."""
         return self._stream(0).batch(0)[0]
 
     def extra_batch(self, step: int, k: int) -> list[EpisodeSpec]:

@@ -97,6 +97,12 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
         peft: train LoRA adapters (``peft``) instead of all weights: rank, alpha, dropout, target
             modules. The KL reference is then the same model with its adapters off (no second copy),
             and engines and exports get the merged weights. null: full fine-tuning.
+
+    Raises:
+        ValueError: a setting out of range or settings that do not work together (named as the
+            ``earl`` command's ``--model.*`` argument), or a tokenizer without a chat template.
+        FileNotFoundError: a ``model`` path that does not exist or lacks a model's files, or a
+            tokenizer that does not load from it.
     """
 
     def __init__(
@@ -159,6 +165,8 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
     # ---- what the run is made of -------------------------------------------------------------
     @property
     def sampling(self) -> SamplingConfig:
+        """The rollout's sampling settings as the backends take them, restricted to the allowed
+        tokens when ``rollout.sampling`` names some."""
         return self.rollout_config.sampling.request(self.allowed_token_ids)
 
     @property
@@ -227,7 +235,18 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
     def check_data(self, dm: EpisodeDataModule, world_size: int) -> None:
         """Settings of the model and the data that are valid alone but not together: a first prompt
         too long, tools without a parser, an estimator that needs whole groups per rank (the
-        ``earl`` command checks them before anything runs)."""
+        ``earl`` command checks them before anything runs).
+
+        Args:
+            dm: the data the module will train on.
+            world_size: the processes the run uses (``Trainer.world_size``).
+
+        Raises:
+            ValueError: the first prompt (with ``max_new_tokens``) exceeds
+                ``--model.rollout.max_context_tokens``, tools without ``--model.rollout.tool_parser``,
+                an environment whose first reset fails, an estimator that needs whole groups per
+                rank with groups split across ranks, or dynamic sampling with groups of one.
+        """
         check_first_observation(self.rollout_config, self.tokenizer, dm.first_spec(), dm.tools)
         check_whole_groups(
             self.algorithm_config.advantage.name,
@@ -437,7 +456,14 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
         """The policy and its tokenizer (with the chat template) as a ``save_pretrained``
         directory that transformers, vLLM and ``--model.model`` load: TRL's
         ``trainer.save_model``. Sharded weights are gathered (under several processes every
-        process calls it), LoRA adapters merged; process 0 writes, atomically."""
+        process calls it), LoRA adapters merged; process 0 writes, atomically.
+
+        Args:
+            directory: where to write; replaced whole when it exists.
+
+        Returns:
+            ``directory`` as a Path (on every process; only process 0 wrote it).
+        """
         state = gather_state_dict(self.policy, keep=self.global_rank == 0)
         if self.global_rank == 0:
             write_pretrained(self.policy, self.tokenizer, directory, state)

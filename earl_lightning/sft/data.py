@@ -62,6 +62,7 @@ class SoftTargetCollator:
         self.inner = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """One padded batch of ``rows``, their soft targets flattened beside it."""
         batch = self.inner([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
         rows_, pos, owner, tokens, probs = [], [], [], [], []
         for i, row in enumerate(rows):
@@ -177,6 +178,11 @@ class DemonstrationDataModule(L.LightningDataModule):
         reward_weights: one weight per reward function (null: 1.0 each).
         tools: tools the model may call, as ``earl fit``'s ``--data.tools``: the demonstrations and
             a dataset's rows are rendered with them (``apply_chat_template(..., tools=...)``).
+
+    Raises:
+        ValueError: a setting out of range, an unknown policy, environment or import path, or
+            dataset rows in neither SFT form (named as the ``earl sft`` command's ``--data.*``
+            argument).
     """
 
     def __init__(
@@ -304,6 +310,9 @@ class DemonstrationDataModule(L.LightningDataModule):
                 check_env_sendable(self.env)
 
     def demonstration_specs(self) -> list[EpisodeSpec]:
+        """The ``num_episodes`` demonstration episodes, one group each, on seeds of their own
+        (past the evaluation and RL training seeds, so the warm start never plays a held-out
+        game) that ``seed`` shifts."""
         base = _DEMO_SEED_BASE + self.hparams.seed * self.hparams.num_episodes
         return [
             EpisodeSpec(

@@ -83,7 +83,7 @@ from earl_lightning.strategies.faults import OneLineCollectives
 class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, StageStrategy):
     """FSDP2 x tensor parallel with a layout per RL stage.
 
-    Arguments:
+    Args:
         train_layout: the layout the optimizer's copy lives in: a Layout, a dict of its fields, or
             ``"auto"`` (``layouts["train"]`` when given, else dp = world size, tp = 1).
         layouts: fixed layouts per stage (``{"rollout": {"dp": 1, "tp": 2}}``; missing stages use the
@@ -96,9 +96,19 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         stage_models: which of them each stage syncs on entry; others sync on first ``stage_model``.
         reshard_method: ``"layout_aware"`` (all-to-all of the needed slices) or ``"naive"`` (reference).
         bucket_mb: size of one all-to-all bucket of the layout-aware reshard.
+        save_distributed_checkpoint: under several processes, every rank writes its shards into
+            one DCP directory (true) or process 0 writes the whole tensors into one file (false),
+            as Lightning's ModelParallelStrategy; one process always writes one file.
+        timeout: how long joining the process group waits for every rank.
         collective_timeout_s: how long a collective may wait for a peer before the run stops (a
             dead or stuck rank), set on the process group once it is up (joining it keeps
             ``timeout``, Lightning's default 30 minutes: ranks that start slowly still join).
+
+    Raises:
+        ValueError: a setting out of range or an unknown choice, named as the setting; when the
+            processes start, a layout whose dp x tp is not the world size, or whose tp does not
+            divide the model's attention and KV heads (or a model that cannot be tensor-parallel:
+            LoRA adapters, an architecture without a TP plan).
     """
 
     strategy_name = "earl"
@@ -155,6 +165,11 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
     # ---- layouts and meshes --------------------------------------------------------------------
     @property
     def train_layout(self) -> Layout:
+        """The layout the optimizer's copy of the weights lives in (the train stage's placement).
+
+        Raises:
+            RuntimeError: read before the processes start (``auto`` is resolved then).
+        """
         if self._train is None:
             raise RuntimeError(
                 "the train layout is resolved when the processes start (Trainer.fit)"
@@ -273,6 +288,9 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
             super().setup(trainer)
 
     def parallelize_module_models(self) -> None:
+        """Shard each of the module's ``model_attrs`` for the train layout (FSDP2 over dp, tensor
+        parallel over tp), after checking every given layout against the model's heads; with
+        activation checkpointing wrapped switchably when a layout or a selector may change it."""
         module = self.lightning_module
         reject_fsdp1(module, arg="LightningModule")
         fixed = self._fixed.get("train")
@@ -294,7 +312,11 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
 
     # ---- stages --------------------------------------------------------------------------------
     def register_selector(self, selector: LayoutSelector) -> None:
-        """Let ``selector.select(stage, stats, current) -> Layout`` choose every stage's layout."""
+        """Let ``selector.select(stage, stats, current) -> Layout`` choose every stage's layout.
+
+        Raises:
+            TypeError: ``selector`` has no ``select`` method.
+        """
         if not isinstance(selector, LayoutSelector):
             raise TypeError(
                 f"a layout selector needs a `select(stage, stats, current)` method; got {selector!r}"
@@ -304,7 +326,19 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
     @contextmanager
     def stage(self, name: str, stats: Mapping[str, Any] | None = None) -> Iterator[StageContext]:
         """Run a stage under its layout; yields the :class:`StageContext` (layout, the stage's
-        models, a reducer over the layout). The train layout is current again afterwards."""
+        models, a reducer over the layout). The train layout is current again afterwards.
+
+        Args:
+            name: the stage (``rollout``, ``experience``, ``train``).
+            stats: what the selector sizes the stage by (contexts, sequences); unused without one.
+
+        Raises:
+            ValueError: an unknown stage; a layout the selector chose that is not a candidate,
+                does not fit the world size or moves the train stage off the train placement; a
+                train layout whose activation checkpointing the models, sharded without
+                ``checkpoint_switchable``, cannot switch to.
+            TypeError: the selector returned something other than a Layout.
+        """
         check_stage(name, arg="stage")
         layout = self._select(name, stats)
         self._current, self.current_stage = layout, name
@@ -349,7 +383,13 @@ class EarlStrategy(OneLineCollectives, DcpCheckpoints, ModelParallelStrategy, St
         )
 
     def stage_model(self, attr: str = "policy") -> nn.Module:
-        """The model ``attr`` placed for the current layout, with up-to-date weights."""
+        """The model ``attr`` placed for the current layout, with up-to-date weights: the train
+        copy itself where its placement serves the stage, else a replica resharded from it once per
+        weight update.
+
+        Raises:
+            ValueError: ``attr`` is not one of ``model_attrs``, or the module's ``attr`` is None.
+        """
         if attr not in self.model_attrs:
             raise ValueError(f"unknown model `{attr}`; `model_attrs` are {list(self.model_attrs)}")
         model = getattr(self.lightning_module, attr, None)

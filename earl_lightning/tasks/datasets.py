@@ -208,6 +208,7 @@ class CheckedRows:
 
     @property
     def column_names(self) -> list[str]:
+        """The split's columns (read from the dataset's schema: no row is read or checked)."""
         return list(self.dataset.column_names)
 
     def __len__(self) -> int:
@@ -252,6 +253,7 @@ class Splits:
     source: str  # how the user named the data, for messages
 
     def columns(self) -> list[str]:
+        """The training rows' columns, which reward functions and agents may ask for by name."""
         return list(self.train.column_names)
 
 
@@ -419,6 +421,7 @@ class RowOrder:
         return int(self._perm[pos])
 
     def epoch_of(self, k: int) -> float:
+        """How many epochs position ``k`` of the stream is into the rows (fractional)."""
         return k / self.num_rows
 
 

@@ -56,10 +56,24 @@ MAX_ARGUMENT_DEPTH = 32
 
 
 def register_tool_parser(name: str) -> Callable[[ToolParser], ToolParser]:
+    """Decorator registering a parser ``text -> ParsedTurn`` as ``name``.
+
+    Args:
+        name: the name a config selects it by (``--model.rollout.tool_parser name``).
+
+    Returns:
+        The decorator; it returns the parser unchanged.
+
+    Raises:
+        ValueError: when the decorator is applied and ``name`` is already registered (two modules
+            cannot silently shadow each other's parser).
+    """
     return TOOL_PARSERS.register(name)
 
 
 def get_tool_parser(name: str, arg: str = "--model.rollout.tool_parser") -> ToolParser:
+    """The parser registered as ``name`` (or at that import path); an unknown name is a
+    ValueError naming ``arg`` and listing the registered parsers."""
     return TOOL_PARSERS.get(name, arg)
 
 

@@ -55,6 +55,7 @@ class ToolResult:
     truncated: bool = False
 
     def as_message(self) -> dict[str, Any]:
+        """The ``tool`` message that answers the call in the conversation (TRL's / OpenAI's form)."""
         return {"role": "tool", "name": self.name, "content": self.content}
 
 
@@ -68,6 +69,7 @@ class Tool:
 
     @property
     def name(self) -> str:
+        """The name the model calls the tool by (the schema's ``function.name``)."""
         return self.schema["function"]["name"]
 
     def check_arguments(self, arguments: Any) -> str | None:
@@ -184,6 +186,7 @@ class ToolSet:
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
+        """The tools' schemas, in the order given: what the chat template renders into a prompt."""
         return [t.schema for t in self.tools.values()]
 
     def owner(self, call: ToolCall) -> Callable[..., Any] | None:
@@ -192,6 +195,9 @@ class ToolSet:
         return tool.fn if tool is not None else None
 
     def call(self, call: ToolCall) -> ToolResult:
+        """Run one call: an unknown tool, arguments that do not fit the schema, a tool that raises,
+        times out or returns what cannot be written as text each give an error result (the
+        model reads it as the ``tool`` message) instead of an exception."""
         start = time.perf_counter()
         tool = self.tools.get(call.name)
         if tool is None:
@@ -272,6 +278,8 @@ class ToolStats:
     per_turn: list[list[ToolCall]] = field(default_factory=list)  # the calls each turn made
 
     def add(self, results: Sequence[ToolResult]) -> None:
+        """Count the results of one turn's calls (the caller records the calls themselves in
+        ``per_turn``)."""
         self.calls += len(results)
         self.errors += sum(r.error for r in results)
         self.seconds += sum(r.seconds for r in results)
