@@ -161,7 +161,7 @@ class RolloutConfig:
             (1: one at a time). Calls that only compute run on the rollout's own thread instead,
             limited by ``env_timeout_s`` there (a thread gains them nothing under the GIL and
             costs tens of microseconds a call); a kind of call seen waiting (a server, a sleep, an
-            ``async`` env: three of its calls, and a tenth of them, mostly off the CPU, or one
+            ``async`` env: three of its calls, and half of them, mostly off the CPU, or one
             hang) runs on these threads for the rest of the process.
         call_isolation: ``thread``: environments and tools live in the trainer's process;
             ``process``: in a pool of ``min(call_workers, CPUs)`` worker processes, started once

@@ -63,7 +63,10 @@ _logged: set[str] = set()
 # rest of the process, where its calls overlap; one that only computes stays on the calling thread.
 _here: dict[Any, list[int]] = {}
 _WAIT_STRIKES = 3  # calls that waited before a kind counts as waiting (one preemption is not)
-_WAIT_SHARE = 0.1  # ... and the share of its calls that did (a loaded machine preempts a few)
+# ... and at least this share of its calls: a kind that waits (a server, a sleep) waits at nearly
+# every call, while one that only computes is kept off the CPU now and then by a loaded machine, by
+# another thread holding the GIL, or by its first call's imports
+_WAIT_SHARE = 0.5
 
 
 def forget_call_kinds() -> None:
