@@ -28,12 +28,14 @@ def _no_run_seed_from_an_earlier_test(monkeypatch):
 FIRST = (
     "tests/e2e/test_scale_out.py",
     "tests/e2e/test_dataset_tasks.py",
-    "tests/e2e/test_sft.py",
     "tests/e2e/test_recipes.py",
+    "tests/e2e/test_sft.py",
+    "tests/e2e/test_first_hour.py",
+    "tests/e2e/test_sft_tools.py",
+    "tests/e2e/test_lora.py",
+    "tests/e2e/test_vs_trl.py",
     "tests/e2e/test_multiprocess.py",
     "tests/e2e/test_gpu_acceptance_dry_run.py",
-    "tests/vllm/test_vllm_backend.py",
-    "tests/vllm/test_vllm_recipe.py",
 )
 # then the tiers whose tests start processes or fits, the pure unit tests last
 TIERS = ("vllm", "e2e", "distributed", "gpu", "unit")
