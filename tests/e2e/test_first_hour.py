@@ -186,19 +186,22 @@ def test_help_lists_every_subcommand(tmp_path):
         assert f"  earl {command} " in proc.stdout, command
 
 
-def test_presets_lists_the_offline_models_and_gives_their_directories(tmp_path):
+def test_presets_lists_the_offline_models_and_gives_their_directories(tmp_path, capsys):
+    """The listing and a preset's directory in-process (`main`, what the `earl` script calls); the
+    unknown preset's line through the real command."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    proc = earl(["presets"], tmp_path)
-    assert proc.returncode == 0
-    listed = {line.split()[0] for line in proc.stdout.splitlines()[1:] if line.startswith("earl-")}
+    from earl_lightning.cli import main
     from earl_lightning.models.tiny import PRESETS
 
+    capsys.readouterr()
+    main(["presets"])
+    out = capsys.readouterr().out
+    listed = {line.split()[0] for line in out.splitlines()[1:] if line.startswith("earl-")}
     assert listed == set(PRESETS)
-    assert "byte-level BPE, 2056 ids" in proc.stdout and "1,051,776" in proc.stdout
-    proc = earl(["presets", "earl-tiny-bpe"], tmp_path)
-    assert proc.returncode == 0
-    directory = proc.stdout.strip()
+    assert "byte-level BPE, 2056 ids" in out and "1,051,776" in out
+    main(["presets", "earl-tiny-bpe"])
+    directory = capsys.readouterr().out.strip()
     model = AutoModelForCausalLM.from_pretrained(directory)
     assert sum(p.numel() for p in model.parameters()) == 657_536
     assert AutoTokenizer.from_pretrained(directory).chat_template
