@@ -102,7 +102,14 @@ def one_run(label: str, root: Path, args: argparse.Namespace) -> dict:
     row["s_per_step"] = statistics.median(b - a for a, b in zip(walls, walls[1:]))
     record = root / "record.json"
     row["rl_wall_s"] = json.loads(record.read_text())["rl_wall_s"] if record.is_file() else None
-    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}
+    # the weights to 8 digits: in float32 they differ from 1 in the sixth
+    return {k: _round(k, v) for k, v in row.items()}
+
+
+def _round(key: str, value: object) -> object:
+    if not isinstance(value, float):
+        return value
+    return float(f"{value:.8g}" if key.startswith("weight_") else f"{value:.4g}")
 
 
 def main() -> None:
