@@ -129,7 +129,10 @@ def test_the_openai_agents_sdk_runs_unchanged_against_the_endpoint(server, tok):
 
 def test_the_calls_pending_at_each_moment_are_one_generation(server, tok):
     backend = scripted(tok, *[["hello"]] * 8)
-    play(server, tok, plugin.chat, [{"prompt": f"q{i}"} for i in range(8)], backend)
+    # a long wait for stragglers: the batch closes when every running agent has a call pending
+    # (under load an agent can take longer than the default 50 ms between two calls)
+    rows = [{"prompt": f"q{i}"} for i in range(8)]
+    play(server, tok, plugin.chat, rows, backend, batch_wait_s=30.0)
     assert [len(keys) for keys in backend.calls] == [8, 8, 8]
 
 
