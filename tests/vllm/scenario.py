@@ -18,10 +18,10 @@ on them. Steps:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -209,10 +209,26 @@ def sync_then_stale(run: Run) -> None:
     train_step(run.train, reqs[1].prompt_ids + first[1].token_ids, lr=2.0)
     full_copy(run.train, run.ref)
     res["tp1_mismatch_stale"] = run.mismatch(reqs, backend.generate(reqs, run.sampling))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    from earl_lightning.core import console
+
+    caught = _Kept()  # the warning is a record of the earl_lightning logger (rank zero only)
+    console.LOGGER.addHandler(caught)
+    try:
         res["stale_flagged"] = check_logprob_mismatch(res["tp1_mismatch_stale"])
-    res["stale_warning"] = [str(w.message) for w in caught]
+    finally:
+        console.LOGGER.removeHandler(caught)
+    res["stale_warning"] = caught.messages
+
+
+class _Kept(logging.Handler):
+    """Keeps the messages of the records it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def tp2_switch(run: Run) -> None:

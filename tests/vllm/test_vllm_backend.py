@@ -82,7 +82,12 @@ def test_weight_sync_after_training_step_matches_recompute(ranks):
 def test_skipped_sync_is_reported_as_stale(ranks):
     for r in ranks:
         assert r["tp1_mismatch_stale"] > 0.1
-        assert r["stale_flagged"] and "stale" in r["stale_warning"][0]
+        assert r["stale_flagged"]
+        # one warning, from rank zero (the mismatch is a figure of the whole step)
+        if r["rank"] == 0:
+            assert len(r["stale_warning"]) == 1 and "stale" in r["stale_warning"][0]
+        else:
+            assert r["stale_warning"] == []
 
 
 @needs_vllm
