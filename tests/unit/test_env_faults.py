@@ -202,7 +202,8 @@ def test_a_hung_call_is_interrupted_then_its_kind_runs_on_threads(lm, caplog, th
     t0 = time.perf_counter()
     reference = _run(lm, _specs("recall"), env_timeout_s=limit)
     healthy_s = time.perf_counter() - t0
-    assert _env_call_threads(threads) == []  # recall's calls only compute: no worker thread
+    # recall's calls only compute: they ran on this thread (a loaded machine may still move a kind
+    # whose first calls waited on the cores, so this is not asserted here)
     threads.clear()
     RELEASE.clear()
     try:
@@ -264,7 +265,6 @@ def test_results_do_not_depend_on_where_the_calls_run(lm, threads):
         for s, name in enumerate(["", *FAULTS, "", "BadStepResult"])
     ]
     here = _run(lm, specs, env_timeout_s=30.0)
-    assert _env_call_threads(threads) == []  # the calls on the rollout's thread, in order
     one_worker = _run_on_a_thread(lm, specs, env_timeout_s=30.0, call_workers=1)
     assert len(_env_call_threads(threads)) == 1  # one worker: the calls one at a time, in order
     threaded = _run_on_a_thread(lm, specs, env_timeout_s=30.0)
