@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.dispatch.centralized import CentralizedDispatcher
 from earl_lightning.dispatch.dispatcher import Dispatcher
 from earl_lightning.parallel.launch_env import free_port

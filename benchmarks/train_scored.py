@@ -121,8 +121,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from earl_lightning.batches.experience import ExperienceBatch
     from earl_lightning.core.host_memory import apply_host_memory
-    from earl_lightning.data.experience import ExperienceBatch
     from earl_lightning.models.loading import resolve_model_path
     from earl_lightning.train.scored import scored_positions
 

@@ -85,7 +85,7 @@ _WHERE = {
     "DatasetConfig": "earl_lightning.tasks.datasets",
     "DispatchConfig": "earl_lightning.dispatch.exchange",
     "WarmStartModule": "earl_lightning.sft.module",
-    "DemonstrationDataModule": "earl_lightning.sft.data",
+    "DemonstrationDataModule": "earl_lightning.sft.datamodule",
     "EarlStrategy": "earl_lightning.strategies.earl",
     "AdaptiveParallelism": "earl_lightning.callbacks.adaptive",
     "StepProgressBar": "earl_lightning.callbacks.progress",
@@ -140,7 +140,7 @@ if TYPE_CHECKING:
     )
     from earl_lightning.modules.datamodule import EpisodeDataModule
     from earl_lightning.modules.rl import AgenticRLModule
-    from earl_lightning.sft.data import DemonstrationDataModule
+    from earl_lightning.sft.datamodule import DemonstrationDataModule
     from earl_lightning.sft.module import WarmStartModule
     from earl_lightning.strategies.earl import EarlStrategy
     from earl_lightning.tasks.datasets import DatasetConfig

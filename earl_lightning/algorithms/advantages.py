@@ -1,7 +1,7 @@
 """Advantage estimators: GRPO (and RLOO) group baselines, REINFORCE++, GAE.
 
 Shapes: ``S`` sequences (episodes), ``B`` rows of a padded batch, ``T`` padded width. Token tensors
-follow data/experience.py: ``mask[b, t] = 1`` iff the policy generated token ``t``; everything else
+follow batches/experience.py: ``mask[b, t] = 1`` iff the policy generated token ``t``; everything else
 (prompt, environment observations, padding) is not a step of the policy and gets advantage 0.
 
 The registered, uniform estimators built on these functions live in :mod:`.estimators`.

@@ -1,6 +1,6 @@
 """Log-probs and entropies from logits, on TRL's memory-frugal kernels.
 
-Convention (data/experience.py): ``logprobs[t]`` is ``log p(input_ids[t] | input_ids[:t])``, which
+Convention (batches/experience.py): ``logprobs[t]`` is ``log p(input_ids[t] | input_ids[:t])``, which
 the model's logits at position ``t - 1`` predict; position 0 has no prediction and holds 0. The
 ``shifted_*`` helpers turn a forward pass over ``input_ids`` into that convention.
 

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.dispatch.dispatcher import (
     check_layout,
     chunk_elements,

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from earl_lightning.data.experience import (
+from earl_lightning.batches.experience import (
     ExperienceBatch,
     FieldSpec,
     describe_schema,

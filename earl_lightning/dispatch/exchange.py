@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.dispatch.dispatcher import Dispatcher
 from earl_lightning.parallel.collectives import world_size
 from earl_lightning.parallel.layout import Layout

@@ -22,7 +22,7 @@ from torchmetrics import Metric
 from torchmetrics.aggregation import MaxMetric, SumMetric
 
 from earl_lightning.algorithms.moments import STAT_DTYPE, grouped_moments
-from earl_lightning.data.experience import MAX_CONTEXT_STATS, ExperienceBatch
+from earl_lightning.batches.experience import MAX_CONTEXT_STATS, ExperienceBatch
 
 # order of the entries of the count vector
 COUNT_KEYS = (

@@ -18,12 +18,12 @@ import torch
 from typing_extensions import override
 
 from earl_lightning.algorithms import get_kl_estimator
+from earl_lightning.batches.episodes import episodes_to_experience
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.checkpoints.export import gather_state_dict, write_pretrained
 from earl_lightning.core.config_groups import coerce, to_dict
 from earl_lightning.core.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.core.seeding import run_seed
-from earl_lightning.data.episodes import episodes_to_experience
-from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.dispatch.exchange import Exchanger
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.models.lora import LoraSettings, apply_lora, check_targets

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.core import console
 from earl_lightning.core.lightning_internals import logging_step
-from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.modules.dynamic_sampling import Draws
 from earl_lightning.modules.metrics import episode_metrics
 from earl_lightning.modules.signal import METRIC as NO_SIGNAL

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.core.checks import check_count, check_number, is_int
-from earl_lightning.data.experience import ExperienceBatch
 from earl_lightning.parallel.collectives import Reducer, broadcast_object, global_rank, world_size
 from earl_lightning.parallel.layout import STAGES, Layout, check_stage
 from earl_lightning.parallel.parallelize import (

@@ -19,7 +19,7 @@ With ``history_turns=k`` the policy sees a bounded window instead of the whole c
 generated from [system] + the last ``k`` exchanges + the current observation (verl-agent's
 ``history_length``; ``k = 0``: the current observation only). The episode's sequence is still the
 whole chat (for transcripts and metrics), and ``Episode.turn_prompts`` records the prompt each turn
-was generated from: the trainer then learns from one row per turn (data/episodes.py). A chat
+was generated from: the trainer then learns from one row per turn (batches/episodes.py). A chat
 template that rewrites earlier turns (Qwen3's drops earlier reasoning) gets the same treatment from
 the turn it first rewrites: each turn is generated from the template's whole render and is its own
 row.

@@ -7,7 +7,7 @@ assistant tokens only, and the result is a ``save_pretrained`` directory that
 ``earl fit --model.model <dir>`` starts RL from.
 """
 
-from earl_lightning.sft.data import DemonstrationDataModule
+from earl_lightning.sft.datamodule import DemonstrationDataModule
 from earl_lightning.sft.module import WarmStartModule
 
 __all__ = ["DemonstrationDataModule", "WarmStartModule"]

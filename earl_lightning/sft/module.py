@@ -22,7 +22,7 @@ from earl_lightning.modules.rollout_setup import loop_kwargs
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.loop import rollout
 from earl_lightning.rollout.scoring import score_episodes
-from earl_lightning.sft.data import DemonstrationDataModule
+from earl_lightning.sft.datamodule import DemonstrationDataModule
 
 _SOFT = ("soft_rows", "soft_pos", "soft_owner", "soft_tokens", "soft_probs")
 

@@ -21,7 +21,7 @@ from earl_lightning.algorithms.estimators import (
     MomentsReduce,
     local_moments,
 )
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 
 
 def estimate_advantages(

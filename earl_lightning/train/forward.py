@@ -17,7 +17,7 @@ from earl_lightning.algorithms import (
     shifted_entropy,
     shifted_logprobs,
 )
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.models import eval_mode
 from earl_lightning.models.lora import adapters_disabled
 from earl_lightning.train.prefix import PrefixPlan, prefix_plan, shared_prefix_forward

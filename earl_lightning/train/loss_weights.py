@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from earl_lightning.algorithms.correction import RolloutCorrection
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 
 # local statistics -> how the update combines them over ranks
 SUMMED = ("tokens", "weight_sum", "outside", "truncated_rows")

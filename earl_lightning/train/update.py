@@ -19,7 +19,7 @@ from torch import nn
 from earl_lightning.algorithms import aggregate, kl_divergence, value_loss
 from earl_lightning.algorithms.correction import RolloutCorrection
 from earl_lightning.algorithms.losses import PolicyLossFn, loss_stat_means
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.parallel.collectives import Reducer, clip_gradients
 from earl_lightning.train.forward import forward_micro_batch, zero_loss
 from earl_lightning.train.loss_weights import MAXED, SUMMED, add_loss_weights, correction_metrics

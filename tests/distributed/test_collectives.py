@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.parallel.collectives import Reducer, global_rank
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.rollout.types import Episode, EpisodeSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.dispatch.centralized import CentralizedDispatcher
 from earl_lightning.dispatch.dispatcher import Dispatcher
 from earl_lightning.parallel.layout import Layout

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.dispatch.centralized import CentralizedDispatcher
 from earl_lightning.dispatch.dispatcher import Dispatcher
 from earl_lightning.dispatch.planner import TP_MODES

@@ -23,8 +23,8 @@ def play_and_check(rank: int, world: int, max_share: float) -> dict:
     """Rank 0 plays 4 episodes whose env fails at reset, rank 1 four healthy ones."""
     from transformers import AutoModelForCausalLM
 
+    from earl_lightning.batches.episodes import episodes_to_experience
     from earl_lightning.core.errors import EnvironmentFailure
-    from earl_lightning.data.episodes import episodes_to_experience
     from earl_lightning.models import load_tokenizer, make_tiny_model
     from earl_lightning.modules.metrics import RunMetrics
     from earl_lightning.parallel.collectives import Reducer

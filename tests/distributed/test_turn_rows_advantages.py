@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from earl_lightning.algorithms.estimators import get_advantage_estimator
-from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.batches.episodes import episodes_to_experience
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 from earl_lightning.train.advantages import estimate_advantages

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.layout import Layout
 from earl_lightning.parallel.parallelize import parallelize_model

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.batches.episodes import episodes_to_experience
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 
 

@@ -14,7 +14,7 @@ from earl_lightning.algorithms import (
     shifted_entropy,
     shifted_logprobs,
 )
-from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.batches.episodes import episodes_to_experience
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
-from earl_lightning.sft.data import training_rows
+from earl_lightning.sft.datamodule import training_rows
 from tests.load import load_repo_file
 
 script = load_repo_file("scripts/make_calculator_rows.py", "make_calculator_rows")

@@ -47,6 +47,10 @@ MOVED = {
     "earl_lightning.fit_cli": ("earl_lightning.cli.fit", "EarlCLI"),
     "earl_lightning.sft_cli": ("earl_lightning.cli.sft", "sft"),
     "earl_lightning.datamodule": ("earl_lightning.modules.datamodule", "EpisodeDataModule"),
+    # "data" named four things until 0.3.0: the batch types are `batches/` now
+    "earl_lightning.data.episodes": ("earl_lightning.batches.episodes", "episodes_to_experience"),
+    "earl_lightning.data.experience": ("earl_lightning.batches.experience", "ExperienceBatch"),
+    "earl_lightning.sft.data": ("earl_lightning.sft.datamodule", "DemonstrationDataModule"),
 }
 
 # a module that became a package of its name: (package, a name of the old module) -> its new module

@@ -12,7 +12,7 @@ import openai
 import pytest
 from transformers import AutoModelForCausalLM
 
-from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.batches.episodes import episodes_to_experience
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig
 from earl_lightning.rollout.endpoint import EndpointServer, agent_rollout

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from earl_lightning.algorithms.supervised import soft_token_cross_entropy
-from earl_lightning.data.episodes import supervised_rows
+from earl_lightning.batches.episodes import supervised_rows
 from earl_lightning.envs.openspiel_env import legal_from_observation
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.rollout.backends.base import SamplingConfig
@@ -19,7 +19,7 @@ from earl_lightning.rollout.demonstrations import (
     play_demonstrations_with_targets,
 )
 from earl_lightning.rollout.types import EpisodeSpec
-from earl_lightning.sft.data import SoftTargetCollator, training_rows
+from earl_lightning.sft.datamodule import SoftTargetCollator, training_rows
 
 DIGITS = [str(d) for d in range(7)]
 

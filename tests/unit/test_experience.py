@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from earl_lightning.data.experience import (
+from earl_lightning.batches.experience import (
     ExperienceBatch,
     FieldSpec,
     describe_schema,
@@ -167,7 +167,7 @@ def _episode(token_ids, mask, turn_starts, turn_rewards, reward, error=None):
 
 
 def test_turn_token_rewards_by_hand():
-    from earl_lightning.data.episodes import turn_token_rewards
+    from earl_lightning.batches.episodes import turn_token_rewards
 
     # prompt 0-1, turn 0 = tokens 2-3, observation 4, turn 1 = token 5, observation 6-7, turn 2 = 8-9
     mask = [0, 0, 1, 1, 0, 1, 0, 0, 1, 1]
@@ -225,7 +225,7 @@ def test_turn_token_rewards_by_hand():
 
 def test_gae_and_reinforce_pp_discount_per_turn_rewards_by_hand():
     from earl_lightning.algorithms.estimators import get_advantage_estimator
-    from earl_lightning.data.episodes import episodes_to_experience
+    from earl_lightning.batches.episodes import episodes_to_experience
     from earl_lightning.train.advantages import estimate_advantages
 
     mask = [0, 1, 0, 1, 0, 1]  # three one-token turns at 1, 3, 5

@@ -10,7 +10,7 @@ import torch
 
 from earl_lightning.algorithms import anchor_state_advantages, get_advantage_estimator
 from earl_lightning.algorithms.estimators import AdvantageInputs
-from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.batches.episodes import episodes_to_experience
 from earl_lightning.modules.config import AlgorithmConfig, RolloutConfig, check_combination
 from earl_lightning.rollout.types import Episode, EpisodeSpec
 from earl_lightning.train.advantages import check_whole_groups, estimate_advantages, state_keys

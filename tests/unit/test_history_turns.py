@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from earl_lightning.algorithms import discounted_returns
 from earl_lightning.algorithms.estimators import get_advantage_estimator
-from earl_lightning.data.episodes import episodes_to_experience
+from earl_lightning.batches.episodes import episodes_to_experience
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules import AgenticRLModule
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout

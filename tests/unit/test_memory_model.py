@@ -118,7 +118,7 @@ def test_train_activations_follow_micro_batch_tokens():
 
 
 def test_micro_batches_mirror_the_modules_batching():
-    from earl_lightning.data.experience import ExperienceBatch
+    from earl_lightning.batches.experience import ExperienceBatch
 
     lens = [512, 300, 511, 100, 480, 512, 64, 200, 512, 128]
     batch = ExperienceBatch.from_sequences(

@@ -159,7 +159,7 @@ def _model(spec: dict, device: str):
 def _batch(spec: dict, device: str):
     import torch
 
-    from earl_lightning.data.experience import ExperienceBatch
+    from earl_lightning.batches.experience import ExperienceBatch
 
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 100, (spec["context"],), generator=g) for _ in range(spec["num_seqs"])]
@@ -211,7 +211,7 @@ def play_turns(backend, spec: dict) -> dict[str, float]:
     the final sequences' ``context_stats``, by which the next step's rollout is sized."""
     import torch
 
-    from earl_lightning.data.experience import ExperienceBatch
+    from earl_lightning.batches.experience import ExperienceBatch
     from earl_lightning.rollout.backends import GenRequest, SamplingConfig
 
     g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ from earl_lightning.cli.fit import EarlCLI
 from earl_lightning.core.seeding import run_seed
 from earl_lightning.modules.datamodule import EpisodeDataModule
 from earl_lightning.modules.rl import AgenticRLModule
-from earl_lightning.sft.data import DemonstrationDataModule
+from earl_lightning.sft.datamodule import DemonstrationDataModule
 from earl_lightning.sft.module import WarmStartModule
 
 ROOT = Path(__file__).parents[2]

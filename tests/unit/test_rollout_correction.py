@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from earl_lightning.algorithms.correction import RolloutCorrection, get_is_level, get_is_mode
-from earl_lightning.data.episodes import episodes_to_experience
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.episodes import episodes_to_experience
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules.config import AlgorithmConfig, OptimConfig, RolloutConfig
 from earl_lightning.modules.views import exactly_on_policy, update_view

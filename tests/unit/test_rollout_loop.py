@@ -251,7 +251,7 @@ def test_duplicate_episode_ids_and_unknown_env(lm):
 
 
 def test_turn_rewards_are_each_steps_reward_and_sit_on_each_turns_last_generated_token(lm):
-    from earl_lightning.data.episodes import episodes_to_experience
+    from earl_lightning.batches.episodes import episodes_to_experience
 
     _, tok = lm
     digits = [

@@ -24,8 +24,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from earl_lightning.data.episodes import episodes_to_experience
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.episodes import episodes_to_experience
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.modules.config import OptimConfig
 from earl_lightning.parallel.collectives import Reducer

@@ -11,7 +11,7 @@ from earl_lightning.rollout import EpisodeSpec, SamplingConfig, rollout
 from earl_lightning.rollout.chat import ChatDeltas
 from earl_lightning.rollout.demonstrations import PolicyBackend
 from earl_lightning.rollout.transcripts import sft_row
-from earl_lightning.sft.data import dataset_training_rows, eval_prompt_row
+from earl_lightning.sft.datamodule import dataset_training_rows, eval_prompt_row
 
 
 @pytest.fixture(scope="module")

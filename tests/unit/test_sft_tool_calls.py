@@ -17,7 +17,7 @@ from earl_lightning.rollout.chat import ChatDeltas
 from earl_lightning.rollout.demonstrations import PolicyBackend
 from earl_lightning.rollout.loop import ToolUse
 from earl_lightning.rollout.transcripts import sft_row
-from earl_lightning.sft.data import dataset_training_rows
+from earl_lightning.sft.datamodule import dataset_training_rows
 from earl_lightning.tasks.rows import BadRowError
 from earl_lightning.tasks.tool_parsers import hermes
 from earl_lightning.tasks.tools import resolve_tools

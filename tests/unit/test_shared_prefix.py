@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from earl_lightning.data.episodes import episodes_to_experience
-from earl_lightning.data.experience import ExperienceBatch
+from earl_lightning.batches.episodes import episodes_to_experience
+from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.parallel.parallelize import (

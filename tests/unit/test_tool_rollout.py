@@ -221,7 +221,7 @@ def test_a_template_that_rewrites_earlier_turns_trains_each_turn_as_its_own_row(
     assert "<think>one</think>" not in think.decode(ep.turn_prompts[1]), (
         "earlier reasoning left the prompt"
     )
-    from earl_lightning.data.episodes import episodes_to_experience
+    from earl_lightning.batches.episodes import episodes_to_experience
 
     exp = episodes_to_experience([ep])
     assert len(exp) == 3 and exp.seqs["turn_index"].tolist() == [0, 1, 2], "one row per turn"
