@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from earl_lightning.tasks.deadline import CallTimeout, call_limited
+from earl_lightning.tasks.deadline import SIGNAL_POLL_S, CallTimeout, call_limited
 
 # A call waited (on I/O, a sleep, a lock, another process) when it spent more than this many seconds,
 # and more than half its time, off the CPU
@@ -197,12 +197,10 @@ class CallPool:
                     for j in jobs
                     if not j.future.done() and not j.timed_out and j.started is not None
                 ]
-                # workers notify when they start and when they finish a call
-                self._done.wait(
-                    timeout=max(min(starts) + timeout_s - now, 0.0)
-                    if timeout_s and starts
-                    else None
-                )
+                # workers notify when they start and when they finish a call; a slice at a time,
+                # so that a signal (ctrl-C) is handled while calls with no limit hang
+                left = min(starts) + timeout_s - now if timeout_s and starts else SIGNAL_POLL_S
+                self._done.wait(timeout=min(max(left, 0.0), SIGNAL_POLL_S))
 
     def close(self) -> None:
         for _ in range(self._live):

@@ -30,6 +30,12 @@ T = TypeVar("T")
 # the signal the watchdog sends (None where there are no real-time signals: not Linux)
 _SIGNAL: int | None = getattr(signal, "SIGRTMIN", None)
 _RESEND_S = 1.0
+# The longest a wait of the main thread blocks at once. CPython runs a signal's Python handler on the
+# main thread, between bytecodes; a process-directed signal (a terminal's ctrl-C) that the kernel
+# hands to another thread does not wake a main thread blocked on a lock or a join without a timeout,
+# which then waits for ever with the KeyboardInterrupt pending. Waits that may be long wait in slices
+# of this length, so that ctrl-C ends a run within it.
+SIGNAL_POLL_S = 0.25
 
 
 class CallTimeout(BaseException):

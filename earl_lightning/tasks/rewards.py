@@ -43,7 +43,7 @@ from typing import Any
 from earl_lightning.core import console
 from earl_lightning.core.checks import is_real
 from earl_lightning.core.registry import import_object
-from earl_lightning.tasks.deadline import CallTimeout, call_with_limit, can_interrupt
+from earl_lightning.tasks.deadline import SIGNAL_POLL_S, CallTimeout, call_with_limit, can_interrupt
 from earl_lightning.tasks.rows import accepted_kwargs
 
 # What a reward function is handed besides the rows' columns (TRL's names).
@@ -331,7 +331,8 @@ class _Call:
         """Until the call returns or, with a limit, its deadline: then the rows it has not scored
         fail, an ``async`` call is cancelled, and the thread is left to finish on its own."""
         if self.timeout_s is None:
-            self.thread.join()
+            while self.thread.is_alive():  # in slices: a ctrl-C is handled meanwhile
+                self.thread.join(SIGNAL_POLL_S)
             return
         self.thread.join(max(self.deadline - time.monotonic(), 0.0))
         if not self.thread.is_alive():

@@ -76,3 +76,44 @@ except CallTimeout:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert (proc.returncode, proc.stdout.strip()) == (0, "interrupted"), proc.stderr[-2000:]
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted
+
+
+@pytest.mark.parametrize("which", ["env calls", "reward function"])
+def test_a_signal_taken_by_another_thread_ends_a_wait_with_no_limit(which):
+    """A terminal's ctrl-C goes to the process, and the kernel may hand it to any thread; CPython
+    then runs the handler on the main thread only when it next runs bytecode. A main thread blocked
+    for ever (calls with no time limit that hang) must still get there: it waits in slices."""
+    from earl_lightning.rollout.call_pool import CallPool
+    from earl_lightning.tasks.rewards import _Call
+
+    release = threading.Event()
+    taker = threading.Thread(target=release.wait, name="takes-the-signal", daemon=True)
+    taker.start()
+    previous = signal.signal(signal.SIGUSR1, _raise_interrupted)
+    # the hung call ends after 20 s whatever happens, so that a failure cannot hang the suite
+    threading.Timer(20.0, release.set).start()
+    threading.Timer(0.5, signal.pthread_kill, (taker.ident, signal.SIGUSR1)).start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(_Interrupted):
+            if which == "env calls":
+                pool = CallPool(1)
+                pool.wait([[pool.submit(release.wait)]], timeout_s=None)
+            else:
+                call = _Call.__new__(_Call)
+                call.thread = threading.Thread(target=release.wait, daemon=True)
+                call.timeout_s = None
+                call.thread.start()
+                call.wait()
+        assert time.perf_counter() - start < 5
+    finally:
+        release.set()
+        signal.signal(signal.SIGUSR1, previous)

@@ -38,6 +38,7 @@ from earl_lightning.rollout.endpoint.protocol import ApiError, ChatRequest, comp
 from earl_lightning.rollout.endpoint.record import CallLimits, EpisodeCalls
 from earl_lightning.rollout.endpoint.server import EndpointServer, _unknown_key
 from earl_lightning.rollout.types import Episode, EpisodeSpec
+from earl_lightning.tasks.deadline import SIGNAL_POLL_S
 from earl_lightning.tasks.rows import accepted_kwargs
 from earl_lightning.tasks.tool_parsers import ToolParser
 
@@ -83,7 +84,7 @@ class JobQueue:
         more until every running agent has one pending or none came for ``wait_s``."""
         with self._cv:
             while not self._jobs and not self.closed:
-                self._cv.wait()
+                self._cv.wait(SIGNAL_POLL_S)  # in slices: a ctrl-C is handled meanwhile
             while self._jobs and len(self._jobs) < self.running:
                 left = wait_s - (time.monotonic() - self._last)
                 if left <= 0:
