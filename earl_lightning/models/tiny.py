@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from earl_lightning.models.bpe import build_bpe_tokenizer
+from earl_lightning.models.bpe import BPE_CHAT_TEMPLATE, build_bpe_tokenizer
 from earl_lightning.models.chatml import (
     IM_END,
     MESSAGES,
@@ -32,7 +32,7 @@ TINY_PREFIX = "earl-tiny"
 CHAT_TEMPLATE = (
     TOOLS_SYSTEM_OPEN + "{{ 'Tools:' }}"
     "{%- for tool in tools -%}{%- set f = tool['function'] if 'function' in tool else tool -%}"
-    "{{ '\n' + ({'name': f['name'], 'description': f.get('description', ''), 'parameters': f.get('parameters', {})}"
+    "{{ '\n' + ({'name': f['name'], 'description': f['description'] if 'description' in f else '', 'parameters': f['parameters'] if 'parameters' in f else {}}"
     " | tojson) }}"
     "{%- endfor -%}"
     '{{ \'\nCall one with <tool_call>\n{"name": <name>, "arguments": <arguments>}\n</tool_call>.<|im_end|>\n\' }}'
@@ -259,7 +259,10 @@ def make_tiny_model(
         raise ValueError(f"unknown tiny model preset {name!r}; valid: {sorted(PRESETS)}")
     spec = dict(PRESETS[name])
     spec.update(overrides)
-    key = hashlib.sha256(json.dumps({"spec": spec, "seed": seed, "v": 4}, sort_keys=True).encode())
+    # the templates are in the key: a cached directory keeps the template it was saved with
+    templates = [CHAT_TEMPLATE, THINKING_CHAT_TEMPLATE, BPE_CHAT_TEMPLATE]
+    what = {"spec": spec, "seed": seed, "v": 4, "templates": templates}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode())
     out = (
         Path(cache_dir)
         if cache_dir is not None
