@@ -1,4 +1,4 @@
-"""Two fixed costs of an RL step that do not scale with the model, measured side by side (issue 54's
+"""Three costs of an RL step that do not scale with the model, measured side by side (issue 54's
 search for the lost margin over TRL):
 
 1. **Environment calls**: a rollout's 64 resets and 64 steps of a trivial environment (the
@@ -9,6 +9,9 @@ search for the lost margin over TRL):
 2. **Step metrics**: the ~31 scalars an RL step logs, through Lightning's ``self.log_dict`` and
    through the loggers directly (``logger.log_metrics``), in a Lightning fit whose step does
    nothing else.
+3. **Chat-template renders**: the two renders per episode and turn of a multi-turn rollout (64
+   episodes × 10 turns, the conversation growing), with the earl-tiny template as it is and as it
+   was (finding tool calls with ``message.get(...)``, a call the Jinja sandbox checks each time).
 
 The sides alternate, each repeated; the table gives the medians, their ratio and the load::
 
@@ -37,6 +40,10 @@ sys.path.insert(0, str(ROOT))
 
 EPISODES = 64
 METRICS = 31
+TURNS = 10
+# the earl-tiny template's tool-call loop as it was until issue 54 (a sandboxed method call per message)
+TOOL_CALLS_NOW = "{%- if 'tool_calls' in message -%}{%- for call in message['tool_calls'] or [] -%}"
+TOOL_CALLS_BEFORE = "{%- for call in message.get('tool_calls') or [] -%}"
 
 
 def env_calls_ms(where: str, rollouts: int) -> tuple[float, float]:
@@ -119,6 +126,34 @@ def logging_ms(how: str, steps: int) -> tuple[float, float]:
     return statistics.median(module.spent[10:]) * 1e3, wall * 1e3
 
 
+def renders_ms(side: str, rollouts: int) -> tuple[float, float]:
+    """Wall and CPU milliseconds per rollout's chat renders (two per episode and turn), with the
+    template ``now`` or ``before``."""
+    from earl_lightning.models import load_tokenizer
+    from earl_lightning.rollout.chat import ChatDeltas
+
+    tok = load_tokenizer("earl-tiny")
+    if side == "before":
+        template = tok.chat_template.replace(TOOL_CALLS_NOW, TOOL_CALLS_BEFORE)
+        closed = "{%- endfor -%}{%- endif -%}{{ '<|im_end|>\n' }}"
+        tok.chat_template = template.replace(closed, "{%- endfor -%}{{ '<|im_end|>\n' }}")
+        assert tok.chat_template.count("{%- endif -%}") + 1 == template.count("{%- endif -%}")
+    wall = cpu = 0.0
+    for _ in range(rollouts):
+        chat = ChatDeltas(tok)  # one per rollout, as the loop makes them (its memo starts empty)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for e in range(EPISODES):
+            messages = [{"role": "user", "content": f"Write digits ({e})."}]
+            for t in range(TURNS):
+                chat.end_of_turn(messages, "12345678")
+                messages.append({"role": "assistant", "content": "12345678"})
+                chat.next_user(messages, f"8 digits. Turn {t + 2}/{TURNS}: more digits.")
+                messages.append({"role": "user", "content": f"8 digits. Turn {t + 2}/{TURNS}."})
+        wall += time.perf_counter() - start
+        cpu += time.process_time() - start_cpu
+    return wall / rollouts * 1e3, cpu / rollouts * 1e3
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5)
@@ -138,12 +173,15 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.repeats):
         sides = [("env calls", "threads"), ("env calls", "here")]
         sides += [("step metrics", "log_dict"), ("step metrics", "loggers")]
-        if r % 2:
-            sides = sides[1::-1] + sides[:1:-1]
+        sides += [("chat renders", "before"), ("chat renders", "now")]
+        if r % 2:  # each pair in the other order
+            sides = [side for i in range(0, len(sides), 2) for side in sides[i : i + 2][::-1]]
         for what, side in sides:
             load = os.getloadavg()[0]
             if what == "env calls":
                 wall, other = env_calls_ms(side, args.rollouts)
+            elif what == "chat renders":
+                wall, other = renders_ms(side, max(1, args.rollouts // 10))
             else:
                 wall, other = logging_ms(side, args.steps)
             rows.append(
@@ -174,6 +212,7 @@ def write(rows: list[dict], out: Path) -> None:
     for what, before, after, unit in (
         ("env calls", "threads", "here", f"wall per rollout of {EPISODES} resets + steps"),
         ("step metrics", "log_dict", "loggers", f"per step, {METRICS} scalars"),
+        ("chat renders", "before", "now", f"per rollout, {EPISODES} episodes × {TURNS} turns"),
     ):
         a = statistics.median(r["ms"] for r in med[(what, before)])
         b = statistics.median(r["ms"] for r in med[(what, after)])

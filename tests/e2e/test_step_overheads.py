@@ -1,5 +1,5 @@
-"""``benchmarks/step_overheads.py`` smoke-run (one repeat, a few rollouts and steps): both costs
-are measured on both sides and the CSV and table are written; ``benchmarks/earl_revisions.py``
+"""``benchmarks/step_overheads.py`` smoke-run (one repeat, a few rollouts and steps): the three
+costs are measured on both sides and the CSV and table are written; ``benchmarks/earl_revisions.py``
 refuses a revision that is not a commit in one line. Timing thresholds live in the benchmarks."""
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def test_the_step_overheads_benchmark_runs(tmp_path):
         ("env calls", "here"),
         ("step metrics", "log_dict"),
         ("step metrics", "loggers"),
+        ("chat renders", "before"),
+        ("chat renders", "now"),
     }
     assert all(float(r["ms"]) > 0 for r in rows)
-    assert "| env calls" in proc.stdout and "| step metrics" in proc.stdout
+    assert all(f"| {what}" in proc.stdout for what in ("env calls", "step metrics", "chat renders"))
 
 
 def test_the_revisions_benchmark_refuses_an_unknown_revision(tmp_path):
