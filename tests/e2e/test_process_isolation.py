@@ -92,9 +92,21 @@ def test_the_calculator_recipe_fits_in_a_bounded_pool_of_worker_processes(tmp_pa
     assert not any(alive(p) for p in workers), "a worker outlived the run"
 
 
-def hung_fit(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+def gone(pids: list[int], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.fixture
+def hung(tmp_path):
     """An `earl fit` whose every step holds the GIL in its worker for minutes (no time limit), and
-    the pids of the workers, once some are inside such a call."""
+    the pids of the workers, once some are inside such a call. Whatever the test's outcome, even a
+    start that never got there, the run's process group and its workers are killed at the end (a
+    run left hanging would spin its workers through the rest of the suite)."""
     marker = tmp_path / "hung"
     marker.mkdir()
     proc = subprocess.Popen(
@@ -111,35 +123,20 @@ def hung_fit(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
         text=True,
         start_new_session=True,  # its own process group: a terminal's ctrl-C reaches all of it
     )
-    deadline = time.monotonic() + 300
-    while not any(marker.iterdir()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-4000:]
-        time.sleep(0.5)
-    time.sleep(1.0)  # the other worker too, most likely
-    return proc, [int(f.name) for f in marker.iterdir()]
-
-
-def gone(pids: list[int], within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while any(alive(p) for p in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
-@pytest.fixture
-def hung(tmp_path):
-    """:func:`hung_fit`'s run and workers; whatever the test's outcome, the run's process group is
-    killed at the end (a run left hanging would spin its workers through the rest of the suite)."""
-    proc, workers = hung_fit(tmp_path)
-    yield proc, workers
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in workers:
+    try:
+        deadline = time.monotonic() + 300
+        while not any(marker.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-4000:]
+            time.sleep(0.5)
+        time.sleep(1.0)  # the other worker too, most likely
+        yield proc, [int(f.name) for f in marker.iterdir()]
+    finally:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+            os.killpg(proc.pid, signal.SIGKILL)
+        for f in marker.iterdir():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(f.name), signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 def test_a_killed_trainer_leaves_no_worker_even_one_holding_the_gil(hung):

@@ -3,6 +3,7 @@ deadline.py): what a hung reward function gets instead of the whole run hanging.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -92,7 +93,11 @@ def test_a_signal_taken_by_another_thread_ends_a_wait_with_no_limit(which):
     then runs the handler on the main thread only when it next runs bytecode. A main thread blocked
     for ever (calls with no time limit that hang) must still get there: it waits in slices."""
     from earl_lightning.rollout.call_pool import CallPool
-    from earl_lightning.tasks.rewards import _Call
+    from earl_lightning.tasks.rewards import call_reward_funcs, resolve_reward_funcs
+
+    async def hangs(prompts, completions, completion_ids, **columns):
+        await asyncio.sleep(20)  # on the rewards' event loop thread, left to end on its own
+        return [1.0] * len(prompts)
 
     release = threading.Event()
     taker = threading.Thread(target=release.wait, name="takes-the-signal", daemon=True)
@@ -107,12 +112,8 @@ def test_a_signal_taken_by_another_thread_ends_a_wait_with_no_limit(which):
             if which == "env calls":
                 pool = CallPool(1)
                 pool.wait([[pool.submit(release.wait)]], timeout_s=None)
-            else:
-                call = _Call.__new__(_Call)
-                call.thread = threading.Thread(target=release.wait, daemon=True)
-                call.timeout_s = None
-                call.thread.start()
-                call.wait()
+            else:  # an async reward function with no time limit: waited on from a helper thread
+                call_reward_funcs(resolve_reward_funcs([hangs], None), ["p"], ["c"], [[1]], {})
         assert time.perf_counter() - start < 5
     finally:
         release.set()
