@@ -228,6 +228,14 @@ def _cache_root() -> Path:
     return Path(root)
 
 
+def _cache_name(name: str, spec: dict[str, Any], seed: int) -> str:
+    """The cached directory's name for a preset's ``spec`` and ``seed``. The chat templates are in
+    the key: a cached directory keeps the template it was saved with."""
+    templates = [CHAT_TEMPLATE, THINKING_CHAT_TEMPLATE, BPE_CHAT_TEMPLATE]
+    what = {"spec": spec, "seed": seed, "v": 4, "templates": templates}
+    return f"{name}-{hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
 def make_tiny_model(
     name: str = TINY_PREFIX,
     seed: int = 0,
@@ -259,14 +267,8 @@ def make_tiny_model(
         raise ValueError(f"unknown tiny model preset {name!r}; valid: {sorted(PRESETS)}")
     spec = dict(PRESETS[name])
     spec.update(overrides)
-    # the templates are in the key: a cached directory keeps the template it was saved with
-    templates = [CHAT_TEMPLATE, THINKING_CHAT_TEMPLATE, BPE_CHAT_TEMPLATE]
-    what = {"spec": spec, "seed": seed, "v": 4, "templates": templates}
-    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode())
     out = (
-        Path(cache_dir)
-        if cache_dir is not None
-        else _cache_root() / f"{name}-{key.hexdigest()[:12]}"
+        Path(cache_dir) if cache_dir is not None else _cache_root() / _cache_name(name, spec, seed)
     )
     if _complete(out):
         return out
