@@ -7,16 +7,25 @@ else in the package). Tier 0: it imports nothing from the project.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
+
+if TYPE_CHECKING:  # the class PatientLaunch's hook overrides, for type checkers' @override checks
+    from lightning.pytorch.strategies import ParallelStrategy as _Hooked
+else:
+    _Hooked = object
 
 # ---- ModelParallelStrategy ----------------------------------------------------------------------
 
@@ -86,6 +95,58 @@ def launched_here(strategy: Strategy) -> bool:
     """Whether this process started the other ranks (``earl fit --trainer.devices N``): Lightning's
     ``_SubprocessScriptLauncher``, the only launcher that can ``kill`` them; no public type."""
     return isinstance(strategy.launcher, _SubprocessScriptLauncher)
+
+
+#: Seconds the process that started the ranks has, once one of them died, to end the run itself
+#: (the one-line error, exit 1) before Lightning's watch kills it and every rank.
+LOST_PEER_GRACE_S = 30.0
+
+
+class _PatientObserver(_ChildProcessObserver):
+    """Lightning's watch over the ranks this process started (``_ChildProcessObserver``, a daemon
+    thread): when one has died it kills the others and this process at once (SIGKILL, exit -9, a
+    "zombies" line instead of the run's own error). A survivor sees the lost peer in its next
+    collective and ends the run in one line; on a loaded machine that takes longer than the watch's
+    5 s poll, so this one waits LOST_PEER_GRACE_S first. A run that ends meanwhile takes the daemon
+    thread with it; one stuck past the grace is killed as before."""
+
+    @override
+    def _terminate_all(self) -> None:
+        time.sleep(LOST_PEER_GRACE_S)
+        super()._terminate_all()
+
+
+class PatientLauncher(_SubprocessScriptLauncher):
+    """Lightning's ``_SubprocessScriptLauncher`` with the :class:`_PatientObserver`. Its
+    ``launch`` is the parent's five lines with the observer swapped: the parent starts its own
+    through a module-level function, with no hook to give it another."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(
+            num_devices=self.num_processes, num_nodes=self.num_nodes
+        )
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            _PatientObserver(main_pid=os.getpid(), child_processes=self.procs).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class PatientLaunch(_Hooked):
+    """Mixin for a Lightning strategy (before its Lightning base): the ranks it starts itself
+    (``earl fit --trainer.devices N``) are watched by :class:`PatientLauncher`. It overrides
+    ``_configure_launcher``, where DDP and ModelParallel strategies pick their launcher (no public
+    hook: the ``launcher`` property has no setter)."""
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        launcher = self._launcher
+        if type(launcher) is _SubprocessScriptLauncher:
+            self._launcher = PatientLauncher(
+                launcher.cluster_environment, launcher.num_processes, launcher.num_nodes
+            )
 
 
 def own_checkpoint_io(strategy: Strategy) -> Any:

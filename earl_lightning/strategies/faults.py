@@ -12,13 +12,18 @@ from __future__ import annotations
 import os
 import signal
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from earl_lightning.core.errors import RankFailure
-from earl_lightning.core.lightning_internals import attached_trainer, launched_here, running_hook
+from earl_lightning.core.lightning_internals import (
+    PatientLaunch,
+    attached_trainer,
+    launched_here,
+    running_hook,
+)
 from earl_lightning.parallel.faults import LostPeer, RunFacts
 
 
@@ -39,20 +44,13 @@ def trainer_lost_peer(trainer: Any, step: str | None = None) -> LostPeer:
     return LostPeer(facts)
 
 
-if (
-    TYPE_CHECKING
-):  # the class this mixin's collectives override, for type checkers' @override checks
-    from lightning.pytorch.strategies import ParallelStrategy as _Hooked
-else:
-    _Hooked = object
-
-
-class OneLineCollectives(_Hooked):
+class OneLineCollectives(PatientLaunch):
     """Mixin for a Lightning strategy (first among its bases): a peer lost in one of its
     collectives ends the run with the one-line RankFailure naming the collective and the hook.
     A run that ends with a RankFailure (here or in the module) kills the ranks this process
     started (``earl fit --trainer.devices N``: rank 0 started the others): they are dead or stuck,
-    and a stopped one would otherwise live on, holding the terminal's pipes open."""
+    and a stopped one would otherwise live on, holding the terminal's pipes open. Lightning's watch
+    over those ranks gives this process time to say so (:class:`PatientLaunch`)."""
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -140,7 +140,9 @@ def test_a_killed_rank_during_a_checkpoint_save_stops_the_survivor_in_one_line(t
 def test_a_killed_rank_under_strategy_auto_is_one_line_too(tmp_path):
     """``strategy: auto`` on 2 processes is Lightning's DDP; the CLI gives it the same one-line
     collectives (``OneLineDDPStrategy``): rank 1 killed at the end of step 2, rank 0 stops in the
-    checkpoint save's collectives with one line, and step 1's checkpoint loads."""
+    checkpoint save's collectives with one line, and step 1's checkpoint loads. Rank 0 takes 8 s
+    more to end (a loaded machine): Lightning's watch over the rank it started would have killed it
+    within 5 s (exit -9, no line); the launcher gives it LOST_PEER_GRACE_S."""
     recipe = ROOT / "recipes" / "connect4_grpo.yaml"
     marker = tmp_path / "fault.marker"
     over = tmp_path / "over.yaml"
@@ -164,7 +166,12 @@ def test_a_killed_rank_under_strategy_auto_is_one_line_too(tmp_path):
                         },
                         {
                             "class_path": "tests.plugins.faults.KillRank",
-                            "init_args": {"step": 2, "marker": str(marker), "at": "end"},
+                            "init_args": {
+                                "step": 2,
+                                "marker": str(marker),
+                                "at": "end",
+                                "linger_s": 8.0,
+                            },
                         },
                     ],
                 },

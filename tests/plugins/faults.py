@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -15,7 +16,9 @@ class KillRank(L.Callback):
     end (``at="end"``: before the step's checkpoint is saved, so the other ranks next wait in the
     save's collectives), once: ``marker`` records it with the rank's pid, so a restarted run
     (torchrun ``--max-restarts``, or a re-launch) goes through. ``SIGKILL``: the rank dies;
-    ``SIGSTOP``: it stays alive but silent until the test kills or continues it (the pid)."""
+    ``SIGSTOP``: it stays alive but silent until the test kills or continues it (the pid).
+    ``linger_s``: the other ranks take that much longer to end the run once it fails (in
+    ``on_exception``), as on a loaded machine."""
 
     def __init__(
         self,
@@ -24,8 +27,10 @@ class KillRank(L.Callback):
         marker: str = "killed.marker",
         sig: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL",
         at: Literal["start", "end"] = "start",
+        linger_s: float = 0.0,
     ) -> None:
         self.rank, self.step, self.marker, self.sig, self.at = rank, step, Path(marker), sig, at
+        self.linger_s = linger_s
 
     def _maybe(self, trainer: L.Trainer, at: str) -> None:
         if (
@@ -45,3 +50,7 @@ class KillRank(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._maybe(trainer, "end")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if trainer.global_rank != self.rank:
+            time.sleep(self.linger_s)
