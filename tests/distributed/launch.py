@@ -42,7 +42,8 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return standalone_env(**extra)
 
 
-# Imported once by the fork server, so that each rank starts forked with them in place instead of
+# Imported once by the fork server, so that each rank (and each `earl` command of
+# tests/earl_process.py) starts forked with them in place instead of
 # importing them afresh (~3-9 s of CPU a rank on 2 cores, most of a short distributed test).
 _PRELOAD = [
     "torch",
@@ -52,7 +53,11 @@ _PRELOAD = [
     "earl_lightning.modules",
     "earl_lightning.strategies",
     "earl_lightning.callbacks",
+    "earl_lightning.cli.entry",
+    "earl_lightning.cli.fit",
+    "earl_lightning.cli.sft",
     "tests.distributed.launch",
+    "tests.earl_process",  # the `earl` commands of tests/earl_process.py fork from this server too
 ]
 
 

@@ -5,7 +5,6 @@ that fails in some episodes completes and logs the global ``env/errors``."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from tests.distributed.launch import run_distributed, subprocess_env
 from tests.e2e.test_multiprocess import scalars, two_process_recipe
+from tests.earl_process import run_earl_process
 
 pytestmark = pytest.mark.distributed
 P = "tests.plugins.faulty_envs."
@@ -87,7 +87,7 @@ def test_earl_fit_on_two_processes_trains_through_env_faults(tmp_path):
         allowed="0123456789",
     )
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run(
+    proc = run_earl_process(
         [str(earl), "fit", "--config", str(recipe)],
         env=subprocess_env(PYTHONPATH=str(ROOT)),
         capture_output=True,

@@ -16,6 +16,7 @@ import torch
 from earl_lightning.cli import main
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_resume import last_state, recipe_checkpointing_every_step, scalars
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 RECIPES = ROOT / "recipes"
@@ -123,7 +124,7 @@ def test_two_processes_under_earl_strategy_each_serve_their_episodes(data, tmp_p
         "--trainer.strategy",
         "earl",
     )
-    proc = subprocess.run(
+    proc = run_earl_process(
         [str(earl), *argv],
         env=subprocess_env(PYTHONPATH=str(ROOT)),
         capture_output=True,

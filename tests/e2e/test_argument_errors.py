@@ -13,6 +13,7 @@ import pytest
 from earl_lightning.cli import main
 from earl_lightning.cli.argument_errors import short_error
 from tests.distributed.launch import subprocess_env
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "connect4_ppo.yaml"
@@ -20,7 +21,7 @@ HINT = "earl: `earl fit --help` lists every option"
 
 
 def earl_fit(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_earl_process(
         [str(Path(sys.executable).with_name("earl")), "fit", "--config", str(RECIPE), *argv],
         capture_output=True,
         text=True,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tests.distributed.launch import subprocess_env
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "connect4_grpo.yaml"
@@ -16,7 +17,7 @@ EARL = Path(sys.executable).with_name("earl")
 
 
 def earl_fit(root: Path, *argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_earl_process(
         [
             str(EARL),
             "fit",

@@ -34,6 +34,7 @@ from tests.e2e.test_file_errors import (
     recipe_saving_last_every_step,
     run_earl,
 )
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 
@@ -115,7 +116,7 @@ def test_a_metadata_that_is_not_metadata_is_refused(tmp_path):
 
 
 def earl(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_earl_process(
         [str(Path(sys.executable).with_name("earl")), *argv],
         capture_output=True,
         text=True,

@@ -35,6 +35,7 @@ from tests.e2e.test_file_errors import (
     recipe_saving_last_every_step,
     run_earl,
 )
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 
@@ -82,7 +83,7 @@ def serving(folder: Path) -> Iterator[str]:
 def earl(tmp: Path, *argv: str) -> subprocess.CompletedProcess:
     """``earl ARGV`` in a subprocess whose temporary directory is ``tmp`` (where a download goes)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(
+    return run_earl_process(
         [str(Path(sys.executable).with_name("earl")), *argv],
         capture_output=True,
         text=True,

@@ -30,13 +30,14 @@ from earl_lightning.models import load_model
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_checkpoint_trust import _RunsACommand
 from tests.e2e.test_file_errors import error_line, fit, recipe_saving_last_every_step, run_earl
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 LR = "optimizer_0.param_groups.0.lr"
 
 
 def earl(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_earl_process(
         [str(Path(sys.executable).with_name("earl")), *argv],
         capture_output=True,
         text=True,

@@ -17,6 +17,7 @@ import yaml
 from earl_lightning.tasks.datasets import RowOrder
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_file_errors import error_line, run_earl
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 EARL = Path(sys.executable).with_name("earl")
@@ -72,7 +73,7 @@ def _fit(dataset: str, root: Path, steps: int, *extra: str) -> list[str]:
 
 
 def _earl(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_earl_process(
         [str(EARL), *argv],
         env=subprocess_env(PYTHONPATH=str(ROOT)),
         capture_output=True,

@@ -16,6 +16,7 @@ import torch
 
 from earl_lightning.cli import main
 from tests.e2e.test_resume import last_state, scalars
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 QUIET = ["--trainer.enable_progress_bar", "false"]
@@ -351,7 +352,7 @@ def test_a_dataset_task_on_two_processes(data, tmp_path, layouts):
         "[1.0, 0.0]",
         *QUIET,
     ]
-    proc = subprocess.run(
+    proc = run_earl_process(
         cmd, env=subprocess_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -423,7 +424,7 @@ def test_a_hung_reward_function_ends_the_run_in_one_line(data, tmp_path):
     args = _fit_args(data, tmp_path, "earl-tiny", 2, "--data.reward_funcs")
     args += ["[tests.plugins.rewards.sleepy]", "--data.reward_weights", "null"]
     args += ["--model.rollout.reward_timeout_s", "1"]
-    proc = subprocess.run(
+    proc = run_earl_process(
         [str(earl), *args],
         env=subprocess_env(PYTHONPATH=str(ROOT)),
         capture_output=True,

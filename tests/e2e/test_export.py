@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from earl_lightning.cli import main
 from earl_lightning.models import load_model, load_tokenizer
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_file_errors import error_line, fit, recipe_saving_last_every_step, run_earl
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 
@@ -46,7 +46,7 @@ def two_processes(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("earl")
     recipe = recipe_saving_last_every_step(tmp)
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run(
+    proc = run_earl_process(
         [
             str(earl),
             *fit(

@@ -29,6 +29,7 @@ from earl_lightning.cli import main
 from earl_lightning.core.errors import EarlError, ModelFilesError
 from earl_lightning.models import load_model, load_tokenizer, make_tiny_model
 from tests.distributed.launch import subprocess_env
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "connect4_ppo.yaml"
@@ -457,7 +458,7 @@ class FullDiskAtSecondSave(L.Callback):
 
 def earl_subprocess(*argv: str) -> subprocess.CompletedProcess:
     earl = Path(sys.executable).with_name("earl")
-    return subprocess.run(
+    return run_earl_process(
         [str(earl), *argv],
         env=subprocess_env(PYTHONPATH=str(ROOT)),
         capture_output=True,

@@ -16,6 +16,7 @@ import pytest
 
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_file_errors import error_line
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 EARL = Path(sys.executable).with_name("earl")
@@ -23,7 +24,7 @@ STEPS = 4
 
 
 def earl(argv: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_earl_process(
         [str(EARL), *argv],
         env=subprocess_env(**({"PYTHONPATH": str(ROOT)} | env)),
         cwd=cwd,

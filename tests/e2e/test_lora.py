@@ -6,7 +6,6 @@ ends where an uninterrupted one does, and dp=2 under EarlStrategy trains and exp
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from earl_lightning.models.lora import LoraSettings, apply_lora
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_export import token_logprobs
 from tests.e2e.test_file_errors import error_line, fit, last_ckpt, recipe_saving_last_every_step
+from tests.earl_process import run_earl_process
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 LORA = ("--model.peft.r", "4", "--model.peft.alpha", "8", "--model.algorithm.kl.coef", "0.1")
@@ -156,7 +156,7 @@ def test_lora_on_two_processes_under_earl_strategy(tmp_path):
     of the DCP checkpoint gives the same weights."""
     recipe = recipe_saving_last_every_step(tmp_path, RECIPES / "connect4_grpo.yaml")
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run(
+    proc = run_earl_process(
         [
             str(earl),
             *fit(
@@ -238,7 +238,7 @@ def test_lora_with_a_tensor_parallel_layout_is_one_line_before_any_process_start
     """The refusal `setup` makes on every rank (a traceback each) is made while the run is built,
     in the one process there is then: one line, exit 2."""
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run(
+    proc = run_earl_process(
         [
             str(earl),
             *fit(RECIPES / "connect4_grpo_layouts.yaml", tmp_path / "run", 1, *SMALL, *LORA),

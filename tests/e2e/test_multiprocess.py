@@ -1,7 +1,6 @@
 """The Connect Four recipes on 2 gloo processes under EarlStrategy, through the `earl` command: the
 default (actor-critic: value head, one row per turn, allowed tokens) and the GRPO one."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.distributed.launch import subprocess_env
+from tests.earl_process import run_earl_process
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 
@@ -88,7 +88,7 @@ def test_recipe_on_two_processes_with_earl_strategy(tmp_path, name):
         "--data.eval_episodes",
         "8",
     ]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    proc = run_earl_process(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = scalars(tmp_path)
     assert s["layout/train/dp"] == [2.0, 2.0] and s["layout/rollout/tp"] == [1.0, 1.0]
@@ -116,7 +116,7 @@ def test_env_by_import_path_on_two_processes(tmp_path):
     )
     earl = Path(sys.executable).with_name("earl")
     root = str(Path(__file__).parents[2])  # where `tests.plugins` is importable from
-    proc = subprocess.run(
+    proc = run_earl_process(
         [str(earl), "fit", "--config", str(recipe)],
         env=subprocess_env(PYTHONPATH=root),
         capture_output=True,

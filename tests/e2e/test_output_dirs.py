@@ -30,6 +30,7 @@ from tests.e2e.test_file_errors import (
     recipe_saving_last_every_step,
     run_earl,
 )
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 SFT = ROOT / "recipes" / "connect4_sft.yaml"
@@ -48,7 +49,7 @@ SFT_SMALL = [  # (were a check missing, the warm start a test would run)
 
 
 def earl(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_earl_process(
         [str(Path(sys.executable).with_name("earl")), *argv],
         capture_output=True,
         text=True,

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.launch import subprocess_env
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).resolve().parents[2]
 Q72 = ROOT / "benchmarks" / "configs" / "qwen2.5-72b-instruct.json"
@@ -21,7 +22,7 @@ EARL = Path(sys.executable).with_name("earl")
 
 
 def earl_plan(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_earl_process(
         [str(EARL), "plan", *args],
         cwd=ROOT,
         env=subprocess_env(PYTHONPATH=str(ROOT)),

@@ -2,7 +2,6 @@
 (in-process for single-process recipes; multi-process ones through the `earl` command, since
 Lightning launches the other ranks by re-running the command line). vLLM recipes run in tests/vllm."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from omegaconf import OmegaConf
 from earl_lightning.cli import main
 from earl_lightning.modules import OptimConfig
 from tests.distributed.launch import subprocess_env
+from tests.earl_process import run_earl_process
 
 RECIPES = sorted(
     p
@@ -31,7 +31,7 @@ def run_recipe(recipe: Path, args: list[str]) -> None:
         main(args)
         return
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run(
+    proc = run_earl_process(
         [str(earl), *args], env=subprocess_env(), capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -25,6 +25,7 @@ import yaml
 
 from earl_lightning.parallel.launch_env import free_port
 from tests.distributed.launch import subprocess_env
+from tests.earl_process import run_earl_process
 from tests.load import load_repo_file
 
 ROOT = Path(__file__).parents[2]
@@ -326,7 +327,7 @@ def test_dead_rank_stops_the_survivor_with_one_line(tmp_path):
         "--trainer.callbacks.marker",
         str(marker),
     ]
-    proc = subprocess.run(
+    proc = run_earl_process(
         cmd,
         env=subprocess_env(PYTHONPATH=str(ROOT)),
         capture_output=True,

@@ -3,18 +3,18 @@ environment whose reset raises is named with where it raised, not with a traceba
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 from tests.distributed.launch import subprocess_env
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 
 
 def test_an_env_whose_reset_raises_is_one_line_naming_where(tmp_path):
     earl = Path(sys.executable).with_name("earl")
-    proc = subprocess.run(
+    proc = run_earl_process(
         [
             str(earl),
             "fit",

@@ -16,6 +16,7 @@ import yaml
 from earl_lightning.cli import main
 from earl_lightning.models.tiny import PRESETS
 from earl_lightning.sft import DemonstrationDataModule, WarmStartModule
+from tests.earl_process import run_earl_process
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 SFT = RECIPES / "connect4_sft.yaml"
@@ -456,7 +457,6 @@ def test_warm_start_on_two_processes_saves_once_and_its_evaluation_covers_every_
     """`earl sft --trainer.devices 2` (DDP on gloo): each rank trains on half of every batch and
     plays half of the held-out seeds; rank 0 saves once, and the saved model, evaluated again in one
     process over all the seeds, reproduces the evaluation the two ranks recorded together."""
-    import subprocess
 
     from tests.distributed.launch import subprocess_env
 
@@ -477,7 +477,7 @@ def test_warm_start_on_two_processes_saves_once_and_its_evaluation_covers_every_
         "ddp",
         *SMALL,
     ]
-    proc = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    proc = run_earl_process(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("earl: warm start saved to") == 1 and not list(
         tmp_path.glob(".model.tmp*")

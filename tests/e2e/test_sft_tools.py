@@ -18,6 +18,7 @@ import torch
 from earl_lightning.models import load_tokenizer, make_tiny_model
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_file_errors import error_line
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 EARL = Path(sys.executable).with_name("earl")
@@ -95,7 +96,7 @@ def sft_args(tmp: Path, train: str, test: str | None, *extra: str) -> list[str]:
 
 
 def earl(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_earl_process(
         [str(EARL), *argv],
         env=subprocess_env(PYTHONPATH=str(ROOT)),
         cwd=cwd,

@@ -7,7 +7,6 @@ rank's rows are all skipped at step 0 and the other's at step 1."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from earl_lightning.cli import main
 from earl_lightning.modules.datamodule import EpisodeDataModule
 from tests.e2e.test_resume import scalars
+from tests.earl_process import run_earl_process
 
 ROOT = Path(__file__).parents[2]
 CONTEXT = 256  # the recipe's max_context_tokens
@@ -116,7 +116,7 @@ def test_a_rank_whose_rows_are_all_skipped_takes_part_on_two_processes(tmp_path)
     strategy = "{class_path: earl_lightning.strategies.EarlStrategy, init_args: {layouts: null}}"
     cmd = [str(earl), *_args(files, tmp_path / "run")]
     cmd += ["--trainer.devices", "2", "--trainer.strategy", strategy]
-    proc = subprocess.run(
+    proc = run_earl_process(
         cmd, env=subprocess_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
