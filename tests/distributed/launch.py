@@ -31,7 +31,9 @@ STALL_ENV = "EARL_TEST_STALL_JOIN"  # launcher tests: "<file>:<n>": rank 0 never
 
 
 class RendezvousHang(RuntimeError):
-    """The process group did not form within the join timeout."""
+    """The process group did not form: not within the join timeout, or a rank's
+    ``init_process_group`` failed (a port taken between ``free_port`` and the store's bind by
+    another job on the machine, whose ranks then meet this one's)."""
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -82,8 +84,12 @@ def _worker(rank, world_size, port, fn, args, queue, environ):
     )
     torch.set_num_threads(1)
     try:
-        _stall(rank)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            _stall(rank)
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        except Exception:  # noqa: BLE001 - a failed rendezvous is launched once more
+            queue.put((rank, "join failed", traceback.format_exc()))
+            return
         queue.put((rank, "joined", None))
         out = fn(rank, world_size, *args)
         queue.put((rank, "ok", out))
@@ -96,16 +102,19 @@ def _worker(rank, world_size, port, fn, args, queue, environ):
 
 def _stall(rank: int) -> None:
     """Launcher tests only: with :data:`STALL_ENV` set to ``<file>:<n>``, rank 0 of each of the first
-    ``n`` launches adds a line to the file and never joins (a rendezvous that hangs)."""
+    ``n`` launches adds a line to the file and never joins (a rendezvous that hangs); with
+    ``<file>:<n>:fail`` its join fails instead (a rendezvous that another job's rank broke)."""
     value = os.environ.get(STALL_ENV)
     if rank != 0 or not value:
         return
-    path, _, times = value.rpartition(":")
+    path, times, *fail = value.rsplit(":", 2) if value.endswith(":fail") else value.rsplit(":", 1)
     with open(path, "a+") as f:
         f.seek(0)
         if len(f.readlines()) >= int(times):
             return
         f.write("stalled\n")
+    if fail:
+        raise RuntimeError("Gloo connectFullMesh failed (planted by the test)")
     time.sleep(3600)
 
 
@@ -117,7 +126,8 @@ def run_distributed(
     Fails (RuntimeError) as soon as a rank reports an exception, dies without reporting (a segfault,
     ``os._exit``, the OOM killer: named with its exit code or signal), or when ``timeout`` seconds
     pass without every result; the other ranks are then killed, so a test never hangs. A process
-    group that has not formed after ``join_timeout`` seconds is launched once more."""
+    group that has not formed after ``join_timeout`` seconds, or that a rank failed to join, is
+    launched once more."""
     try:
         return _launch(fn, world_size, args, timeout, join_timeout)
     except RendezvousHang as first:
@@ -190,6 +200,8 @@ def _receive(queue, results: dict, wait_s: float, joined: set) -> bool:
     if status == "joined":
         joined.add(rank)
         return True
+    if status == "join failed":  # e.g. another job's rank reached this port's store first
+        raise RendezvousHang(f"rank {rank} failed to join: {payload.strip().splitlines()[-1]}")
     if status != "ok":
         raise RuntimeError(f"distributed worker failed\nrank {rank}:\n{payload}")
     results[rank] = payload

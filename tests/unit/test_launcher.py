@@ -76,6 +76,14 @@ def test_a_group_that_never_forms_is_launched_once_more(tmp_path, monkeypatch):
     assert marker.read_text() == "stalled\n" and time.monotonic() - start < 10 + BOUND_S
 
 
+def test_a_group_a_rank_failed_to_join_is_launched_once_more(tmp_path, monkeypatch):
+    # Rank 0's first join fails (as when another job's rank reached the store's port first).
+    marker = tmp_path / "failed"
+    monkeypatch.setenv(STALL_ENV, f"{marker}:1:fail")
+    assert run_distributed(_returns, 2, 5, join_timeout=30) == [5, 6]
+    assert marker.read_text() == "stalled\n"
+
+
 def test_a_group_that_never_forms_twice_fails_naming_the_ranks(tmp_path, monkeypatch):
     # rank 1 waits in the rendezvous for rank 0: neither is in the group
     monkeypatch.setenv(STALL_ENV, f"{tmp_path / 'stalled'}:2")
