@@ -11,8 +11,8 @@ working directory, environment, ``sys.argv`` and ``sys.path`` (the script's dire
 ``PYTHONPATH``, then the interpreter's own), stdin/stdout/stderr on files, ``torch``'s thread count
 from ``OMP_NUM_THREADS`` (read by OpenMP when torch was imported) and the temporary directory from
 ``TMPDIR`` (``tempfile`` caches it), its ``atexit`` functions run before it exits with ``main()``'s
-code. Ranks the run launches (``--trainer.devices 2``) are
-Lightning's own subprocesses of it, as in a shell.
+code. Ranks the run launches (``--trainer.devices 2``) are Lightning's own subprocesses of it, as
+in a shell.
 
 What stays a real subprocess: tests of signals and process trees (ctrl-C, killed ranks, worker
 pools), of start-up itself, and of streaming output. ``EARL_TEST_REAL_PROCESS=1`` runs every

@@ -1,6 +1,6 @@
 """tests/earl_process.py's forked ``earl`` behaves as the real command does: the same exit code,
 stdout and stderr, the working directory, ``PYTHONPATH`` and ``TMPDIR`` of the call, its own
-session, and the timeout."""
+session, and ``TimeoutExpired`` past the timeout."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_the_calls_directory_path_and_temporary_directory_are_the_commands(tmp_p
     }
 
 
-def test_a_run_past_its_timeout_is_killed_with_its_session(tmp_path):
+def test_a_run_past_its_timeout_raises_timeout_expired(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         run_earl_process(
             [str(EARL), "fit", "--config", str(tmp_path / "missing.yaml")],
