@@ -286,6 +286,13 @@ def make_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _save_whole(model, tok, out, name)
+    return out
+
+
+def _save_whole(model: Any, tok: Any, out: Path, name: str) -> None:
+    """Write ``model`` and ``tok`` to ``out`` whole or not at all: into a directory of this process's
+    own, then renamed into place (atomic; ranks building the same model race here)."""
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     # transformers >= 5.19 writes a model only from rank 0 once torch.distributed is initialized,
@@ -305,7 +312,6 @@ def make_tiny_model(
             shutil.rmtree(out, ignore_errors=True)
             os.replace(tmp, out)
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _complete(directory: Path) -> bool:
