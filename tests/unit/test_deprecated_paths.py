@@ -1,7 +1,7 @@
 """Moved public modules keep working for one minor version: the old import path gives the new
 module's very objects and warns once, with a ``DeprecationWarning`` that names the new path and
 points at the user's import line. (pytest's config ignores DeprecationWarning, so the checks run
-in fresh interpreters with their own filters, where "once per process" can be seen too.)"""
+in processes of their own with Python's own filters, where "once per process" can be seen too.)"""
 
 from __future__ import annotations
 
@@ -83,16 +83,71 @@ print(json.dumps(out))
 """
 
 
-def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, timeout=300
-    )
+# Each check's script runs as `python -c SCRIPT ARG` would, in a child forked from one interpreter
+# that imported the third-party packages the package imports (torch, Lightning, transformers: ~7 s
+# of CPU an interpreter, paid once instead of once a check) and no module of the package: each child
+# imports the package, and meets every old path, for the first time, with Python's default warning
+# filters, `__main__` as the running module, "<string>" as its file and its own stdout and stderr.
+FORKED = """
+import json, os, sys, tempfile, traceback, warnings
+filters = list(warnings.filters)
+import jsonargparse, lightning.pytorch, torch, torchmetrics, transformers
+assert not [m for m in sys.modules if m.startswith("earl_lightning")], "the package is imported"
+# the filters these packages add are for their own warnings: none could take a shim's
+added = [f for f in warnings.filters if f not in filters]
+assert filters == [f for f in warnings.filters if f in filters], added
+assert not [
+    f for f in added if issubclass(DeprecationWarning, f[2]) and (not f[1] or f[1].match("`earl"))
+], added
+results = {}
+for name, code, *args in json.loads(sys.argv[1]):
+    sys.stdout.flush(), sys.stderr.flush()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+            sys.argv, exit_code = ["-c", *args], 0
+            try:
+                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            except BaseException:
+                traceback.print_exc()
+                exit_code = 1
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(exit_code)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        out.seek(0), err.seek(0)
+        results[name] = {"returncode": status, "stdout": out.read(), "stderr": err.read()}
+print(json.dumps(results))
+"""
 
 
 @pytest.fixture(scope="module")
-def records() -> dict[str, dict]:
-    cases = [[old, new, name] for old, (new, name) in sorted(MOVED.items())]
-    proc = _python(RECORD, json.dumps(cases))
+def checked() -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every check's script run (as above): its name -> (exit code, stdout, stderr)."""
+    cases = [
+        ["records", RECORD, json.dumps([[o, n, name] for o, (n, name) in sorted(MOVED.items())])],
+        ["names", RECORD_NAME, json.dumps([[p, n, MOVED_NAMES[p, n]] for p, n in NAMES])],
+        ["readme", README_LINE],
+        ["own", OWN_NAMES],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKED, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    return {
+        name: subprocess.CompletedProcess(name, r["returncode"], r["stdout"], r["stderr"])
+        for name, r in out.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def records(checked) -> dict[str, dict]:
+    proc = checked["records"]
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -109,10 +164,13 @@ def test_an_old_path_gives_the_new_objects_and_warns_once(old, records):
     assert filename == "<string>"  # the user's import, not the shim or importlib
 
 
-def test_the_readmes_old_example_import_warns_where_python_shows_it():
+README_LINE = "from earl_lightning.data.datamodule import EpisodeDataModule"
+
+
+def test_the_readmes_old_example_import_warns_where_python_shows_it(checked):
     """With Python's default filters a DeprecationWarning shows only when raised from ``__main__``:
     a user's script running last week's README line sees it."""
-    proc = _python("from earl_lightning.data.datamodule import EpisodeDataModule")
+    proc = checked["readme"]
     assert proc.returncode == 0, proc.stderr
     last = proc.stderr.strip().splitlines()
     assert any(
@@ -199,12 +257,14 @@ print(json.dumps(out))
 """
 
 
+NAMES = sorted(MOVED_NAMES)
+
+
 @pytest.fixture(scope="module")
-def name_records() -> dict[tuple[str, str], dict]:
-    cases = sorted(MOVED_NAMES)
-    proc = _python(RECORD_NAME, json.dumps([[p, n, MOVED_NAMES[p, n]] for p, n in cases]))
+def name_records(checked) -> dict[tuple[str, str], dict]:
+    proc = checked["names"]
     assert proc.returncode == 0, proc.stderr
-    return dict(zip(cases, json.loads(proc.stdout.splitlines()[-1])))
+    return dict(zip(NAMES, json.loads(proc.stdout.splitlines()[-1])))
 
 
 @pytest.mark.parametrize("package,name", sorted(MOVED_NAMES))
@@ -221,10 +281,7 @@ def test_a_name_of_a_module_that_became_a_package_still_imports_and_warns_once(
     assert filename == "<string>"
 
 
-def test_the_packages_own_names_and_modules_do_not_warn():
-    """``earl_lightning.cli:main`` (the console script) and ``EarlCLI`` are the ``cli`` package's
-    own names, and a package's modules are no moved names; an unknown name is an AttributeError."""
-    code = """
+OWN_NAMES = """
 import importlib, json, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -243,7 +300,12 @@ print(json.dumps({
     "warnings": [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)],
 }))
 """
-    proc = _python(code)
+
+
+def test_the_packages_own_names_and_modules_do_not_warn(checked):
+    """``earl_lightning.cli:main`` (the console script) and ``EarlCLI`` are the ``cli`` package's
+    own names, and a package's modules are no moved names; an unknown name is an AttributeError."""
+    proc = checked["own"]
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out == {
