@@ -18,6 +18,7 @@ import yaml
 
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_multiprocess import scalars
+from tests.earl_process import run_earl_process
 from tests.plugins.workers import alive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,7 +162,9 @@ def test_ctrl_c_ends_the_run_and_its_workers(hung):
 
 
 def test_earl_sft_refuses_a_tool_that_cannot_reach_a_worker_in_one_line(tmp_path):
-    proc = subprocess.run(
+    """A refusal made before any worker starts: the command's exit code and output, not its process
+    tree, so a forked `earl` (tests/earl_process.py) reads it as a fresh one does."""
+    proc = run_earl_process(
         [
             EARL,
             "sft",
