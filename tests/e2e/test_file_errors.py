@@ -30,9 +30,6 @@ from earl_lightning.core.errors import EarlError, ModelFilesError
 from earl_lightning.models import load_model, load_tokenizer, make_tiny_model
 from tests.distributed.launch import subprocess_env
 from tests.earl_process import run_earl_process
-from tests.torch_threads import one_torch_thread  # noqa: F401 - the fixture, used below
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "connect4_ppo.yaml"
