@@ -16,6 +16,7 @@ import lightning
 import pytest
 import yaml
 
+import earl_lightning
 from earl_lightning.cli import main
 from tests.distributed.launch import subprocess_env
 
@@ -77,8 +78,6 @@ def test_python_api_example_trains(monkeypatch, tmp_path):
             )
             super().__init__(**kwargs)
             made.append(self)
-
-    import earl_lightning
 
     class SmallBatches(earl_lightning.EpisodeDataModule):
         """The example's data module as written, with 2 groups of 8 episodes a step (64 as
