@@ -321,14 +321,15 @@ def test_seeds_script_runs_warm_start_then_rl_per_seed_and_reports_curves(tmp_pa
             "--config",
             str(RECIPES / "connect4_grpo_warm.yaml"),
             "--sft-arg=--data.num_episodes=8",
-            "--seeds",
+            "--sft-arg=--trainer.max_epochs=1",
+            "--seeds",  # two: the summary and the plot's mean are per seed
             "0",
             "1",
             "--out",
             str(tmp_path / "out"),
             "--",
-            "--trainer.max_steps=2",
-            "--trainer.val_check_interval=2",
+            "--trainer.max_steps=1",  # a curve's start (step 0) and its end after an update
+            "--trainer.val_check_interval=1",
             "--data.eval_episodes=4",
             "--data.batch_size=8",
             "--data.group_size=4",
@@ -343,7 +344,7 @@ def test_seeds_script_runs_warm_start_then_rl_per_seed_and_reports_curves(tmp_pa
         steps = sorted(
             {int(r["step"]) for r in rows if r["seed"] == seed and r["metric"] == "val/win_rate"}
         )
-        assert steps == [0, 2]
+        assert steps == [0, 1]
     summary = list(csv.DictReader((tmp_path / "out" / "summary.csv").open()))
     assert [r["seed"] for r in summary] == ["0", "1"]
     assert {
@@ -476,6 +477,8 @@ def test_warm_start_on_two_processes_saves_once_and_its_evaluation_covers_every_
         "--trainer.strategy",
         "ddp",
         *SMALL,
+        "--data.num_episodes",  # a few batches of demonstrations, each split over the two ranks
+        "8",
     ]
     proc = run_earl_process(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -483,7 +486,7 @@ def test_warm_start_on_two_processes_saves_once_and_its_evaluation_covers_every_
         tmp_path.glob(".model.tmp*")
     )
     record = json.loads((out / "warm_start.json").read_text())
-    assert record["demonstrations"]["demo/episodes"] == 24
+    assert record["demonstrations"]["demo/episodes"] == 8
     module = WarmStartModule(model=str(out), rollout=_recipe_rollout())
     data = DemonstrationDataModule(
         env="connect_four", env_kwargs={"opponent": "random", "seat": "alternate"}, eval_episodes=8
