@@ -477,8 +477,6 @@ def test_warm_start_on_two_processes_saves_once_and_its_evaluation_covers_every_
         "--trainer.strategy",
         "ddp",
         *SMALL,
-        "--data.num_episodes",  # a few batches of demonstrations, each split over the two ranks
-        "8",
     ]
     proc = run_earl_process(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -486,7 +484,7 @@ def test_warm_start_on_two_processes_saves_once_and_its_evaluation_covers_every_
         tmp_path.glob(".model.tmp*")
     )
     record = json.loads((out / "warm_start.json").read_text())
-    assert record["demonstrations"]["demo/episodes"] == 8
+    assert record["demonstrations"]["demo/episodes"] == 24
     module = WarmStartModule(model=str(out), rollout=_recipe_rollout())
     data = DemonstrationDataModule(
         env="connect_four", env_kwargs={"opponent": "random", "seat": "alternate"}, eval_episodes=8
