@@ -224,10 +224,9 @@ def test_a_row_whose_calls_the_parser_cannot_read_is_one_line_before_any_work(tm
 
 def test_the_calculator_rows_recipe_runs_on_the_scripts_rows(tmp_path):
     """scripts/make_calculator_rows.py then recipes/calculator_sft_rows.yaml, as its header says
-    (8 rows, one batch of them: one step): the environment's tool renders the rows, its seeds
-    evaluate."""
+    (a few rows and one step): the environment's tool renders the rows, its seeds evaluate."""
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "make_calculator_rows.py"), "--episodes", "8"],
+        [sys.executable, str(ROOT / "scripts" / "make_calculator_rows.py"), "--episodes", "16"],
         cwd=tmp_path,
         env=subprocess_env(PYTHONPATH=str(ROOT)),
         check=True,
@@ -255,7 +254,7 @@ def test_the_calculator_rows_recipe_runs_on_the_scripts_rows(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "model" / "warm_start.json").read_text())
-    assert record["demonstrations"]["demo/rows"] == 8
+    assert record["demonstrations"]["demo/rows"] == 16
     assert record["evaluation_measures"].startswith(
         "2 episodes of the environment 'calculator' on held-out seeds 0..1"
     )
