@@ -24,7 +24,6 @@ from earl_lightning.checkpoints.export import gather_state_dict, write_pretraine
 from earl_lightning.core.config_groups import coerce, to_dict
 from earl_lightning.core.host_memory import apply_host_memory, host_memory_mode
 from earl_lightning.core.seeding import run_seed
-from earl_lightning.dispatch.exchange import Exchanger
 from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.models.lora import LoraSettings, apply_lora, check_targets
 from earl_lightning.modules.algorithm_groups import check_draws
@@ -37,15 +36,10 @@ from earl_lightning.modules.config import (
     check_module_args,
 )
 from earl_lightning.modules.datamodule import EpisodeDataModule
-from earl_lightning.modules.dynamic_sampling import Draws, play_draws
 from earl_lightning.modules.evaluation import EvaluationHooks
 from earl_lightning.modules.metrics import RunMetrics, batch_stats
-from earl_lightning.modules.rollout_setup import (
-    check_first_observation,
-    make_backend,
-    play_share,
-    reward_extras,
-)
+from earl_lightning.modules.play import RolloutPlay
+from earl_lightning.modules.rollout_setup import check_first_observation
 from earl_lightning.modules.sampled_eval import SampledEvalMetrics
 from earl_lightning.modules.signal import LearningSignal
 from earl_lightning.modules.step_logging import StepLogging
@@ -59,7 +53,6 @@ from earl_lightning.modules.views import (
 from earl_lightning.parallel.memory import Workload
 from earl_lightning.rollout.backends.base import SamplingConfig
 from earl_lightning.rollout.endpoint import EndpointServer
-from earl_lightning.rollout.scoring import score_episodes
 from earl_lightning.stages import (
     StageContext,
     StageOOMHandler,
@@ -76,7 +69,7 @@ from earl_lightning.train.scored import can_score_last_layer
 from earl_lightning.train.update import Models, UpdateConfig, ppo_update
 
 
-class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
+class AgenticRLModule(StepLogging, EvaluationHooks, RolloutPlay, L.LightningModule):
     """Multi-turn agentic RL of a causal LM.
 
     Args:
@@ -309,65 +302,6 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
             metrics[f"stage/{ctx.name}/micro_batch_tokens"] = float(budget)
         self._log_step(metrics, draws.first, step, rollout_ctx.reduce.counts_here)
 
-    def _draw(self, step: int, specs: list, num_groups: int, ctx: StageContext) -> Draws:
-        """The step's episodes, scored and shaped (``algorithm.overlong``); with dynamic sampling,
-        further draws until the batch is full (:mod:`earl_lightning.modules.dynamic_sampling`)."""
-        dm, outcomes = self.trainer.datamodule, []
-
-        def play(draw: list, k: int) -> list:
-            episodes = self._play(draw, ctx, self._sampling_seed(step, ctx, k))
-            self.algorithm_config.overlong.apply(episodes)
-            outcomes.append(self._reward_outcomes)
-            return episodes
-
-        draws = Draws(num_groups, dm.group_size, self.algorithm_config.dynamic_sampling.max_draws)
-        play_draws(play, specs, lambda k: dm.extra_batch(step, k), draws, ctx.reduce.sum_moments)
-        self._reward_outcomes = outcomes[0]  # what the functions logged on the step's own batch
-        return draws
-
-    def _play(self, specs: list, ctx: StageContext, seed: int, greedy: bool = False) -> list:
-        """This rank's share of ``specs``, played with the stage's model (the backend is bound to it)."""
-        if self._backend is None:
-            hp, policy = self.hparams, ctx.model("policy")
-            args = (hp.model, hp.dtype, hp.seed, self.rollout_config, self.local_rank)
-            self._backend = make_backend(*args, policy, self.tokenizer)
-        self._backend.prepare(ctx.layout, ctx.model("policy"))
-        sampling = self.rollout_config.sampling.request(
-            self.allowed_token_ids, greedy=greedy, seed=seed
-        )
-        dm = self.trainer.datamodule
-        task = dm if isinstance(dm, EpisodeDataModule) else None
-        if task is not None and task.agent is not None and self._endpoint is None:
-            self._endpoint = EndpointServer(self.hparams.model).start()
-        share = self._exchanger().rollout_share(specs, ctx.layout, self.global_rank)
-        try:
-            episodes = play_share(
-                share,
-                self._backend,
-                self.tokenizer,
-                sampling,
-                self.rollout_config,
-                ctx.layout,
-                tools=task.tools if task is not None else [],
-                agent=task.agent if task is not None else None,
-                endpoint=self._endpoint,
-                scored_elsewhere=bool(self._reward_funcs()),
-            )
-        finally:
-            self._backend.release(None)
-        self._reward_outcomes = score_episodes(
-            episodes,
-            self._reward_funcs(),
-            self.tokenizer,
-            reward_extras(self.trainer),
-            self.rollout_config.reward_timeout_s,
-        )
-        return episodes
-
-    def _reward_funcs(self) -> list:
-        dm = self.trainer.datamodule
-        return dm.reward_funcs if isinstance(dm, EpisodeDataModule) else []
-
     def _fill(self, exp: ExperienceBatch, ctx: StageContext) -> ExperienceBatch:
         """Old log-probs (and values), and reference log-probs when there is a KL term."""
         kw = dict(
@@ -422,15 +356,6 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
     def _stages(self):
         return stages_of(self.trainer.strategy, self, self.trainer.world_size)
 
-    def _exchanger(self) -> Exchanger:
-        dm = self.trainer.datamodule
-        if not isinstance(dm, EpisodeDataModule):
-            raise ValueError(
-                "AgenticRLModule trains from an EpisodeDataModule (its episode specs and exchanger); "
-                f"got {type(dm).__name__}: pass `datamodule=EpisodeDataModule(...)` to `Trainer.fit`"
-            )
-        return dm.exchanger
-
     def _runner(self, timer: StageTimer) -> StageRunner:
         t = self.trainer
         handlers = [cb for cb in t.callbacks if isinstance(cb, StageOOMHandler)]
@@ -445,12 +370,6 @@ class AgenticRLModule(StepLogging, EvaluationHooks, L.LightningModule):
 
     def _spec_stats(self, specs: list) -> dict[str, float]:
         return {"num_seqs": len(specs), "gen_len": self.rollout_config.sampling.max_new_tokens}
-
-    def _sampling_seed(self, step: int, ctx: StageContext, draw: int = 0) -> int:
-        dp_rank = ctx.layout.coords(self.global_rank)[0]
-        # draw k > 0: dynamic sampling's further draws of the step
-        seed = self.hparams.seed * 1_000_003 + step * 131 + dp_rank + draw * 7_919_777
-        return seed % (2**31 - 1)
 
     def save_pretrained(self, directory: str | Path) -> Path:
         """The policy and its tokenizer (with the chat template) as a ``save_pretrained``

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -43,6 +42,13 @@ from earl_lightning.core.checks import check_choice, check_count, check_number
 from earl_lightning.envs.base import Env, StepResult, check_env_name, make_env
 from earl_lightning.parallel.collectives import global_rank, is_distributed
 from earl_lightning.rollout.call_pool import CallJob, CallPool, Pending, run_here
+from earl_lightning.rollout.env_faults import (
+    RESET_CONTRACT,
+    CallFailed,
+    EnvFault,
+    checked_step,
+    what_value,
+)
 from earl_lightning.rollout.types import EpisodeSpec
 from earl_lightning.tasks.deadline import can_interrupt, install_handler
 from earl_lightning.tasks.rows import reset_kwargs
@@ -50,8 +56,6 @@ from earl_lightning.tasks.tools import Tool, ToolCall, ToolResult, ToolSet
 
 T = TypeVar("T")
 
-_STEP_CONTRACT = "an Env's step must return StepResult(observation, reward, done, info)"
-_RESET_CONTRACT = "an Env's reset(seed) must return the first observation as a str"
 DEFAULT_WORKERS = 16
 
 # The kinds of fault already logged in this process: the first of each is logged, later ones only
@@ -82,42 +86,6 @@ def _waits(key: Any) -> bool:
 def reset_logged_faults() -> None:
     """Forget which kinds of fault were logged (tests), so that the next of each is logged again."""
     _logged.clear()
-
-
-class EnvFault(Exception):
-    """A call into an environment failed; ``str(fault)`` is the episode's ``error``, ``exc`` what
-    the environment raised (None for a time-out or a wrong return value)."""
-
-    def __init__(self, message: str, exc: BaseException | None = None) -> None:
-        super().__init__(message)
-        self.exc = exc
-
-    def where(self) -> str:
-        """The innermost ``file:line`` of what the environment raised ('' when it raised nothing)."""
-        tb = self.exc.__traceback__ if self.exc is not None else None
-        frame = None
-        while tb is not None:
-            frame, tb = tb, tb.tb_next
-        return f"{frame.tb_frame.f_code.co_filename}:{frame.tb_lineno}" if frame is not None else ""
-
-
-class _Failed(Exception):
-    """Raised on a worker: ``call`` went wrong (``problem``, of ``kind``; ``exc``: what it raised)."""
-
-    def __init__(
-        self, call: str, problem: str, kind: str, exc: BaseException | None = None
-    ) -> None:
-        super().__init__(problem)
-        self.call, self.problem, self.kind, self.exc = call, problem, kind, exc
-
-    @classmethod
-    def raised(cls, call: str, exc: BaseException) -> _Failed:
-        return cls(
-            call,
-            f"raised {exc!r}",
-            f"{call}() raised {type(exc).__module__}.{type(exc).__qualname__}",
-            exc,
-        )
 
 
 class EnvCalls:
@@ -311,7 +279,7 @@ class EnvCalls:
         try:
             env.open()
         except Exception as exc:  # noqa: BLE001 - building it failed in its worker
-            raise _Failed.raised("make_env", exc) from exc
+            raise CallFailed.raised("make_env", exc) from exc
         return self._start(spec, env)
 
     @staticmethod
@@ -321,13 +289,13 @@ class EnvCalls:
         try:
             env = env if env is not None else make_env(spec.env, **spec.env_kwargs)
         except Exception as exc:  # noqa: BLE001 - an env bug ends this episode, not the rollout
-            raise _Failed.raised("make_env", exc) from exc
+            raise CallFailed.raised("make_env", exc) from exc
         try:
             observation = _awaited(
                 env.reset(spec.seed, **(reset_kwargs(env.reset, spec.row) if spec.row else {}))
             )
         except Exception as exc:  # noqa: BLE001
-            raise _Failed.raised("reset", exc) from exc
+            raise CallFailed.raised("reset", exc) from exc
         if observation is None and spec.row is not None:
             return env, None
         if not isinstance(observation, str):
@@ -336,9 +304,9 @@ class EnvCalls:
                 if isinstance(observation, tuple)
                 else ""
             )
-            raise _Failed(
+            raise CallFailed(
                 "reset",
-                f"returned {_what(observation)}; {_RESET_CONTRACT}{gym}",
+                f"returned {what_value(observation)}; {RESET_CONTRACT}{gym}",
                 f"reset() returned a {type(observation).__name__}",
             )
         return env, observation
@@ -348,10 +316,10 @@ class EnvCalls:
         try:
             result = _awaited(env.step(action))
         except Exception as exc:  # noqa: BLE001
-            raise _Failed.raised("step", exc) from exc
-        checked = _checked(result)
+            raise CallFailed.raised("step", exc) from exc
+        checked = checked_step(result)
         if isinstance(checked, tuple):
-            raise _Failed("step", *checked)
+            raise CallFailed("step", *checked)
         return checked
 
     # ---- outcomes ----------------------------------------------------------------------------
@@ -371,7 +339,7 @@ class EnvCalls:
                 stack=job.stack,
             )
         exc = job.future.exception()
-        if isinstance(exc, _Failed):
+        if isinstance(exc, CallFailed):
             return self._fault(spec, exc.call, exc.problem, exc.kind, exc.exc)
         if exc is not None:
             raise exc  # KeyboardInterrupt or SystemExit, as a direct call would
@@ -433,47 +401,3 @@ def _awaited(value: Any) -> Any:
 
 async def _await(value: Any) -> Any:
     return await value
-
-
-def _checked(result: Any) -> StepResult | tuple[str, str]:
-    """``result`` with a float reward and a bool done, or (what is wrong, the kind of fault)."""
-    if isinstance(result, tuple):
-        return (
-            f"returned a tuple; {_STEP_CONTRACT} (a gym-style (observation, reward, terminated, truncated, "
-            f"info) tuple is not one)",
-            "step() returned a tuple",
-        )
-    if not isinstance(result, StepResult):
-        return (
-            f"returned {_what(result)}; {_STEP_CONTRACT}",
-            f"step() returned a {type(result).__name__}",
-        )
-    try:
-        reward = float(result.reward)
-    except Exception:  # noqa: BLE001 - any value float() refuses is the env's bug
-        reward = math.nan
-    if not math.isfinite(reward):
-        return (
-            f"returned a StepResult whose reward {result.reward!r:.60} is not a finite number",
-            "step() reward",
-        )
-    try:
-        done = bool(result.done)
-    except Exception:  # noqa: BLE001 - e.g. a numpy array of several flags
-        return f"returned a StepResult whose done {result.done!r:.60} is not a bool", "step() done"
-    if not isinstance(result.info, dict):
-        return (
-            f"returned a StepResult whose info is {_what(result.info)}, not a dict",
-            "step() info",
-        )
-    if not done and not isinstance(result.observation, str):
-        return (
-            f"returned a StepResult whose observation is {_what(result.observation)}, not a str (the episode "
-            f"is not done)",
-            "step() observation",
-        )
-    return StepResult(result.observation, reward, done, result.info)
-
-
-def _what(value: Any) -> str:
-    return f"{type(value).__name__} {value!r:.60}"

@@ -16,6 +16,7 @@ import lightning
 import pytest
 import yaml
 
+import earl_lightning
 from earl_lightning.cli import main
 from tests.distributed.launch import subprocess_env
 
@@ -78,10 +79,19 @@ def test_python_api_example_trains(monkeypatch, tmp_path):
             super().__init__(**kwargs)
             made.append(self)
 
+    class SmallBatches(earl_lightning.EpisodeDataModule):
+        """The example's data module as written, with 2 groups of 8 episodes a step (64 as
+        written) and 16 evaluation games (128 by default): the same rollout, GAE and PPO code."""
+
+        def __init__(self, **kwargs):
+            kwargs.update(batch_size=16, eval_episodes=16)
+            super().__init__(**kwargs)
+
     monkeypatch.setattr(lightning, "Trainer", TwoSteps)
+    monkeypatch.setattr(earl_lightning, "EpisodeDataModule", SmallBatches)
     exec(compile(api, str(README), "exec"), {})
     trainer = made[0]
-    assert trainer.global_step == 2
+    assert isinstance(trainer.datamodule, SmallBatches) and trainer.global_step == 2
     assert 0.0 <= float(trainer.callback_metrics["val/win_rate"]) <= 1.0
     assert "reward/mean" in trainer.logged_metrics or "reward/mean" in trainer.callback_metrics
 

@@ -74,6 +74,11 @@ def test_resume_matches_uninterrupted_run(tmp_path, name, strategy):
     full, part = tmp_path / "full", tmp_path / "part"
     recipe = recipe_checkpointing_every_step(tmp_path, RECIPES / f"{name}.yaml")
     extra = ("--trainer.strategy", strategy)
+    if name == "connect4_ppo":
+        # one game group of 4 a step, not 2: the value head's advantages need no group, and the
+        # resume restores the same state (weights, Adam's moments, the data's and the games' RNG).
+        # GRPO keeps 2 groups: its group-centred advantages of one group could all be 0.
+        extra += ("--data.batch_size", "4")
     main(args(recipe, full, 4, *extra))
     main(args(recipe, part, 2, *extra))
     main(args(recipe, part, 4, "--ckpt_path", "last", *extra))

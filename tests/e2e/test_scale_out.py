@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,10 @@ from tests.load import load_repo_file
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "connect4_grpo_layouts.yaml"
-STEPS = 5
+EARL = Path(sys.executable).with_name("earl")
+# 4 steps: the killed rank's restart resumes from step 2's checkpoint (neither the first nor the
+# last) and runs 2 more steps, which must then equal the uninterrupted run's.
+STEPS = 4
 pytestmark = pytest.mark.distributed
 
 
@@ -72,24 +76,23 @@ def overrides(run: Path) -> Path:
 ONE_THREAD = "1"
 
 
-def torchrun(run: Path, *launch: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    cmd = [
-        str(Path(sys.executable).with_name("torchrun")),
-        *launch,
-        "-m",
-        "earl_lightning.cli",
-        "fit",
-        "--config",
-        str(RECIPE),
-        "--config",
-        str(overrides(run)),
-        *extra,
-    ]
+def torchrun(
+    run: Path, *launch: str, extra: tuple[str, ...] = (), forked: bool = False
+) -> subprocess.Popen | ForkedTorchrun:
+    """``torchrun LAUNCH -m earl_lightning.cli fit ...`` in its own session (a launch that outlives
+    the test is killed with everything it started), its output in ``run / "launchN.log"``.
+    ``forked``: torchrun itself forked from the tests' fork server (``tests/earl_process.py``), not
+    a new interpreter; the ranks it starts are real processes either way."""
+    args = [*launch, "-m", "earl_lightning.cli", "fit", "--config", str(RECIPE)]
+    args += ["--config", str(overrides(run)), *extra]
     log = run / f"launch{len(list(run.glob('launch*.log')))}.log"
-    # its own session: a launch that outlives the test is killed with everything it started
+    env = subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=ONE_THREAD)
+    if forked:
+        log.touch()  # the next launch's log is numbered after it
+        return ForkedTorchrun(args, env, log)
     proc = subprocess.Popen(
-        cmd,
-        env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=ONE_THREAD),
+        [str(Path(sys.executable).with_name("torchrun")), *args],
+        env=env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         cwd=ROOT,
@@ -99,7 +102,45 @@ def torchrun(run: Path, *launch: str, extra: tuple[str, ...] = ()) -> subprocess
     return proc
 
 
-def finish(*procs: subprocess.Popen, timeout: float = 300) -> None:
+class ForkedTorchrun:
+    """A torchrun launch forked from the fork server, waited on as a ``Popen`` is: the 2-node
+    tests are about the launches' rendezvous, not torchrun's start-up (~2 s of CPU each)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        from tests.distributed.launch import _context
+
+        self.log = log
+        self.proc = _context().Process(target=_become_torchrun, args=(args, env, str(log)))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired("torchrun", timeout)
+        return self.proc.exitcode
+
+
+def _become_torchrun(args: list[str], env: dict[str, str], log: str) -> None:
+    """In the forked child: ``torchrun ARGS`` as a shell would start it in ``ROOT``."""
+    os.setsid()
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    for fd in (1, 2):
+        os.dup2(out, fd)
+    os.close(out)
+    os.chdir(ROOT)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv[:] = [str(Path(sys.executable).with_name("torchrun")), *args]
+    from torch.distributed.run import main
+
+    main()
+
+
+def finish(*procs: subprocess.Popen | ForkedTorchrun, timeout: float = 300) -> None:
     try:
         for p in procs:
             assert p.wait(timeout=timeout) == 0, p.log.read_text()[-4000:]
@@ -130,11 +171,34 @@ def assert_same_run(a: Path, b: Path, steps: int = STEPS) -> None:
         assert sb[tag] == sa[tag] and len(sa[tag]) == steps, tag
 
 
+def earl_fit(run: Path, *extra: str, env: dict[str, str] | None = None, name: str = "earl") -> Path:
+    """``earl fit`` of the recipe in ``run`` (Lightning launches the other ranks of
+    ``--trainer.devices`` on this node, or ``env``'s SLURM variables place it), forked as
+    ``tests/earl_process.py`` does: its stdout and stderr in ``run / f"{name}.log"``, which it
+    returns; it must exit 0."""
+    over = run / "over.yaml"  # SLURM's two tasks share one, written before they start
+    cmd = [EARL, "fit", "--config", RECIPE, "--config", over if over.exists() else overrides(run)]
+    cmd += extra
+    proc = run_earl_process(
+        cmd,
+        env=env or subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=ONE_THREAD),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    log = run / f"{name}.log"
+    log.write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return log
+
+
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory) -> Path:
+    """The reference: the recipe's 2 processes on one node, as a user starts them (``earl fit``:
+    Lightning starts rank 1; no torchrun and its interpreter to pay for)."""
     run = tmp_path_factory.mktemp("one_node")
-    # standalone: a free port of its own
-    finish(torchrun(run, "--standalone", "--nproc-per-node", "2"))
+    earl_fit(run)
     return run
 
 
@@ -166,6 +230,7 @@ def test_two_nodes_equal_one_node(one_node, tmp_path, rendezvous):
             "1",
             *node,
             extra=("--trainer.num_nodes", "2", "--trainer.devices", "1"),
+            forked=True,
         )
         for node in launch
     ]
@@ -184,14 +249,10 @@ FOUR = (
 
 def test_two_nodes_of_two_equal_one_node_of_four(tmp_path):
     """2 x 2 = 4 processes: train tp=2 x FSDP dp=2, rollout dp=2 x tp=2 and experience dp=4, each TP
-    group inside a node; two torchrun launches (``--nnodes 2 --nproc-per-node 2``) equal one launch
-    of 4 processes on one node, bit for bit (2 steps)."""
+    group inside a node; two torchrun launches (``--nnodes 2 --nproc-per-node 2``) equal one
+    ``earl fit --trainer.devices 4`` on one node, bit for bit (2 steps)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    finish(
-        torchrun(
-            one, "--standalone", "--nproc-per-node", "4", extra=(*FOUR, "--trainer.devices", "4")
-        )
-    )
+    earl_fit(one, *FOUR, "--trainer.devices", "4")  # one node: Lightning starts ranks 1-3
     port = free_port()
     nodes = [
         torchrun(
@@ -207,6 +268,7 @@ def test_two_nodes_of_two_equal_one_node_of_four(tmp_path):
             "--master-port",
             str(port),
             extra=(*FOUR, "--trainer.num_nodes", "2", "--trainer.devices", "2"),
+            forked=True,
         )
         for r in (0, 1)
     ]
@@ -214,9 +276,9 @@ def test_two_nodes_of_two_equal_one_node_of_four(tmp_path):
     assert_same_run(one, two, steps=2)
 
 
-def srun_task(run: Path, rank: int, port: int) -> subprocess.Popen:
-    """One task of ``srun --nodes 2 --ntasks-per-node 1 earl fit ...``: the process and the variables
-    srun gives it (no torchrun; Lightning's SLURMEnvironment reads them)."""
+def srun_task(run: Path, rank: int, port: int) -> Path:
+    """One task of ``srun --nodes 2 --ntasks-per-node 1 earl fit ...``: the command with the
+    variables srun gives it (no torchrun; Lightning's SLURMEnvironment reads them); its log."""
     slurm = dict(
         SLURM_JOB_ID="4242",
         SLURM_JOB_NAME="earl",
@@ -231,53 +293,35 @@ def srun_task(run: Path, rank: int, port: int) -> subprocess.Popen:
         PYTHONPATH=str(ROOT),
         OMP_NUM_THREADS=ONE_THREAD,
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "earl_lightning.cli",
-        "fit",
-        "--config",
-        str(RECIPE),
-        "--config",
-        str(overrides(run)),
+    return earl_fit(
+        run,
         "--trainer.num_nodes",
         "2",
         "--trainer.devices",
         "1",
-    ]
-    log = run / f"srun{rank}.log"
-    proc = subprocess.Popen(
-        cmd,
         env=subprocess_env(**slurm),
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-        start_new_session=True,
+        name=f"srun{rank}",
     )
-    proc.log = log
-    return proc
 
 
 def test_two_slurm_nodes_equal_one_node(one_node, tmp_path):
     port = free_port()
-    finish(*[srun_task(tmp_path, rank, port) for rank in (0, 1)])
-    for rank in (
-        0,
-        1,
-    ):  # ranks from SLURM_PROCID (no RANK is set), under Lightning's SLURM environment
-        log = (tmp_path / f"srun{rank}.log").read_text()
-        assert (
-            f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in log
-            and "SLURM auto-requeueing enabled" in log
-        )
+    overrides(tmp_path)  # written once, before the two tasks read it
+    with ThreadPoolExecutor(2) as tasks:  # the two tasks at once: they meet in the process group
+        logs = list(tasks.map(lambda rank: srun_task(tmp_path, rank, port), (0, 1)))
+    for rank, log in enumerate(logs):
+        # ranks from SLURM_PROCID (no RANK is set), under Lightning's SLURM environment
+        text = log.read_text()
+        assert f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in text
+        assert "SLURM auto-requeueing enabled" in text
     assert_same_run(one_node, tmp_path)
 
 
 def test_killed_rank_restarts_and_resumes_bit_identical(one_node, tmp_path):
     """``torchrun --max-restarts 1`` with ``--ckpt_path last`` from the start (the first round finds
-    no checkpoint and starts from the beginning): rank 1 is SIGKILLed after step 3, torchrun stops
-    the survivor and starts a second round, which resumes from the last checkpoint and ends as if
-    nothing had happened. (The second round used to hang or fail in ``init_process_group`` now and
+    no checkpoint and starts from the beginning): rank 1 is SIGKILLed after step 2, torchrun stops
+    the survivor and starts a second round, which resumes from the last checkpoint (step 2's) and
+    ends as if nothing had happened. (The second round used to hang or fail in ``init_process_group`` now and
     then — it read the dead round's addresses from torchrun's store; EarlStrategy now keys each
     round's rendezvous apart.)"""
     marker = tmp_path / "killed.marker"
@@ -293,7 +337,7 @@ def test_killed_rank_restarts_and_resumes_bit_identical(one_node, tmp_path):
             "last",
             "--trainer.callbacks+=tests.plugins.faults.KillRank",
             "--trainer.callbacks.step",
-            "3",
+            "2",
             "--trainer.callbacks.marker",
             str(marker),
         ),
@@ -323,7 +367,7 @@ def test_dead_rank_stops_the_survivor_with_one_line(tmp_path):
         str(timeout_s),
         "--trainer.callbacks+=tests.plugins.faults.KillRank",
         "--trainer.callbacks.step",
-        "3",
+        "2",  # mid-run: steps 0 and 1 trained and saved, rank 1 dies as step 2 starts
         "--trainer.callbacks.marker",
         str(marker),
     ]
@@ -340,6 +384,6 @@ def test_dead_rank_stops_the_survivor_with_one_line(tmp_path):
     assert ended - marker.stat().st_mtime < timeout_s + 30
     lines = [line for line in proc.stderr.splitlines() if line.startswith("earl: error:")]
     assert len(lines) == 1, proc.stderr[-3000:]
-    assert "rank 0 lost a peer during stage 'rollout' of RL step 3" in lines[0]
+    assert "rank 0 lost a peer during stage 'rollout' of RL step 2" in lines[0]
     assert f"resume from {tmp_path / 'checkpoints' / 'last.ckpt'}" in lines[0]
     assert "Traceback" not in proc.stderr and (tmp_path / "rank0_failure.log").is_file()

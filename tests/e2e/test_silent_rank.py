@@ -19,18 +19,18 @@ import torch
 import yaml
 
 from tests.distributed.launch import subprocess_env
-from tests.e2e.test_scale_out import RECIPE, ROOT, overrides
+from tests.e2e.test_scale_out import EARL, RECIPE, ROOT, overrides
+from tests.earl_process import run_earl_process
 
 pytestmark = pytest.mark.distributed
 TIMEOUT_S = 10
 STEPS = 3
 
 
-def earl_fit(run: Path, *extra: str, name: str) -> tuple[int, str]:
-    """``earl fit`` of the recipe in ``run`` (exit code, stderr). Output goes to files: a stopped
-    rank holds the pipes it inherited open, and a reader of pipes would wait for it forever."""
-    cmd = [
-        str(Path(sys.executable).with_name("earl")),
+def fit_command(run: Path, *extra: str) -> list[str]:
+    """``earl fit`` of the recipe in ``run``, ``STEPS`` steps."""
+    return [
+        str(EARL),
         "fit",
         "--config",
         str(RECIPE),
@@ -42,6 +42,13 @@ def earl_fit(run: Path, *extra: str, name: str) -> tuple[int, str]:
         str(TIMEOUT_S),
         *extra,
     ]
+
+
+def earl_fit(run: Path, *extra: str, name: str) -> tuple[int, str]:
+    """``earl fit`` of the recipe in ``run`` as a real process (exit code, stderr): the faults'
+    runs, where rank 0 must stop and kill the rank it launched. Output goes to files: a stopped
+    rank holds the pipes it inherited open, and a reader of pipes would wait for it forever."""
+    cmd = fit_command(run, *extra)
     err = run / f"{name}.err"
     with err.open("w") as stderr:
         proc = subprocess.Popen(
@@ -119,7 +126,17 @@ def test_a_stopped_rank_stops_the_survivor_in_one_line_and_the_run_resumes(tmp_p
         if not gone(stopped):
             os.kill(stopped, signal.SIGKILL)  # a stopped process takes SIGKILL at once
     assert_whole(last, step=1)
-    code, err = earl_fit(tmp_path, "--ckpt_path", "last", name="resume")
+    # the resume is no fault's run: forked (tests/earl_process.py), no interpreter to start
+    proc = run_earl_process(
+        fit_command(tmp_path, "--ckpt_path", "last"),
+        env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+    )
+    code, err = proc.returncode, proc.stderr
     assert code == 0, err[-3000:]
     assert f"Restored all states from the checkpoint at {last}" in err
     assert torch.load(last / "meta.pt", weights_only=True)["global_step"] == STEPS

@@ -47,9 +47,17 @@ def workdir(tmp_path, monkeypatch):
 
 
 def _source(block: str) -> str:
-    return block.replace(HUB_ID, resolve_model_path("earl-tiny")).replace(
-        "max_steps=100", "max_steps=2"
-    )
+    """The page's program with the tiny model, 2 steps and 2 groups of 8 completions a step (64 on
+    the page: the same GRPO code on a quarter of the work)."""
+    small = {
+        HUB_ID: resolve_model_path("earl-tiny"),
+        "max_steps=100": "max_steps=2",
+        "batch_size=64": "batch_size=16",  # TRL's per_device_train_batch_size and earl's
+    }
+    for page, here in small.items():
+        assert page in block, page
+        block = block.replace(page, here)
+    return block
 
 
 def test_the_trl_script_runs(workdir):
@@ -122,6 +130,8 @@ def test_the_yaml_recipe_runs(workdir):
                 str(workdir / "run"),
                 "--data.eval_episodes",
                 "4",
+                "--data.batch_size",  # 64 on the page: 2 groups of 8 run the same code
+                "16",
             ]
         )
     finally:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BATCH, LENGTH, TURNS = 16, 8, 3
+# the smallest work that still has two GRPO groups a step and a multi-turn episode of several turns
+BATCH, GROUP, LENGTH, TURNS = 8, 4, 8, 2
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,8 @@ def smoke(tmp_path_factory):
         str(TURNS),
         "--batch",
         str(BATCH),
+        "--group",
+        str(GROUP),
         "--out",
         str(out),
     ]

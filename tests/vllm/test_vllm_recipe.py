@@ -1,6 +1,7 @@
 """recipes/connect4_grpo_vllm.yaml through the real `earl fit` CLI on 2 processes (Lightning's own
 launcher, gloo, EarlStrategy): vLLM generates every rollout, the trainer recomputes the log-probs,
-and the logged `logprob/mismatch` shows the weights pushed after each update reached the engine.
+and the logged `logprob/mismatch` shows the weights pushed after each update reached the engine;
+the rollout correction weighs the engine's own log-probs.
 
 Each run is a subprocess: vLLM reseeds global RNGs, sets thread counts and owns process-wide
 parallel state, none of which may leak into other tests. Skipped when vLLM is not importable.
@@ -8,6 +9,7 @@ parallel state, none of which may leak into other tests. Skipped when vLLM is no
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +91,27 @@ def values(scalars: dict, tag: str) -> list[float]:
     return [v for _, v in scalars[tag]]
 
 
-def test_vllm_recipe_runs_two_steps_with_matching_logprobs(tmp_path):
-    s = run_recipe(tmp_path)
+# The rollout correction's flags: token level, mask mode, the default bounds
+CORRECTION = (
+    "--model.algorithm.rollout_correction.level",
+    "token",
+    "--model.algorithm.rollout_correction.mode",
+    "mask",
+)
+
+
+@pytest.fixture(scope="module")
+def recipe_run(tmp_path_factory) -> tuple[Path, dict]:
+    """One run of the recipe, with the rollout correction on, serves the two tests below (a vLLM run
+    on 2 processes costs ~40 s of this machine): the correction's bounds are far wider than the
+    engine / trainer gap the first test pins (< 1e-3), so no token is masked (its test checks
+    that) and the recipe trains as it does without the correction."""
+    root = tmp_path_factory.mktemp("vllm_recipe")
+    return root, run_recipe(root, *CORRECTION)
+
+
+def test_vllm_recipe_runs_two_steps_with_matching_logprobs(recipe_run):
+    root, s = recipe_run
     assert [step for step, _ in s["reward/mean"]] == [0, 1]
     mismatch = values(s, "logprob/mismatch")
     # Step 1 samples from weights the trainer pushed after step 0's update (lr 1e-2, a visible
@@ -102,7 +123,27 @@ def test_vllm_recipe_runs_two_steps_with_matching_logprobs(tmp_path):
     )
     assert "rollout/switch_seconds" in s and "val/win_rate" in s
     assert "log-probs of the generation engine differ" not in s["_stderr"]
-    assert list(tmp_path.rglob("last.ckpt"))
+    assert list(root.rglob("last.ckpt"))
+
+
+def test_vllm_rollout_correction_weighs_the_engines_log_probs(recipe_run):
+    """The weights are pi_old / pi_rollout with the engine's own sampled log-probs, so they differ
+    from 1 by the engine / trainer gap that ``logprob/mismatch`` reports, and within bounds that
+    wide nothing is masked."""
+    _, s = recipe_run
+    mismatch = values(s, "logprob/mismatch")
+    low, high = (
+        values(s, "rollout_correction/weight_min"),
+        values(s, "rollout_correction/weight_max"),
+    )
+    assert len(mismatch) == len(low) == len(high) == 2
+    for gap, lo, hi in zip(mismatch, low, high):
+        # every token's |log w| is at most the largest |rollout - recomputed| log-prob
+        assert math.exp(-gap) - 1e-6 <= lo <= hi <= math.exp(gap) + 1e-6, (gap, lo, hi)
+    if max(mismatch) > 1e-6:  # the engine's own log-probs, not the trainer's, are the behaviour
+        assert min(low) < 1.0 or max(high) > 1.0
+    assert values(s, "rollout_correction/outside_share") == [0.0, 0.0]
+    assert values(s, "grad_norm")[0] > 0
 
 
 def test_rollout_tp_switch_mid_run_rebuilds_the_engine_on_current_weights(tmp_path):
