@@ -17,9 +17,6 @@ from earl_lightning.cli import main
 from tests.distributed.launch import subprocess_env
 from tests.e2e.test_resume import last_state, recipe_checkpointing_every_step, scalars
 from tests.earl_process import run_earl_process
-from tests.torch_threads import one_torch_thread  # noqa: F401 - the fixture, used below
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROOT = Path(__file__).parents[2]
 RECIPES = ROOT / "recipes"

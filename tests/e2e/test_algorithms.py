@@ -14,9 +14,6 @@ import yaml
 
 from earl_lightning.cli import main
 from tests.e2e.test_multiprocess import scalars
-from tests.torch_threads import one_torch_thread  # noqa: F401 - the fixture, used below
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ESTIMATORS = ["grpo", "rloo", "reinforce_pp", "gae"]
 LOSSES = {

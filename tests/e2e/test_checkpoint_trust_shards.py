@@ -31,9 +31,6 @@ from tests.distributed.launch import subprocess_env
 from tests.e2e.test_checkpoint_trust import _RunsACommand
 from tests.e2e.test_file_errors import error_line, fit, recipe_saving_last_every_step, run_earl
 from tests.earl_process import run_earl_process
-from tests.torch_threads import one_torch_thread  # noqa: F401 - the fixture, used below
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROOT = Path(__file__).parents[2]
 LR = "optimizer_0.param_groups.0.lr"

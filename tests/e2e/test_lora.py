@@ -21,9 +21,6 @@ from tests.distributed.launch import subprocess_env
 from tests.e2e.test_export import token_logprobs
 from tests.e2e.test_file_errors import error_line, fit, last_ckpt, recipe_saving_last_every_step
 from tests.earl_process import run_earl_process
-from tests.torch_threads import one_torch_thread  # noqa: F401 - the fixture, used below
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 LORA = ("--model.peft.r", "4", "--model.peft.alpha", "8", "--model.algorithm.kl.coef", "0.1")

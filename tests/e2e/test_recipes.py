@@ -13,9 +13,6 @@ from earl_lightning.cli import main
 from earl_lightning.modules import OptimConfig
 from tests.distributed.launch import subprocess_env
 from tests.earl_process import run_earl_process
-from tests.torch_threads import one_torch_thread  # noqa: F401 - the fixture, used below
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 RECIPES = sorted(
     p
