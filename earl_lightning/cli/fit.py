@@ -89,18 +89,18 @@ class EarlCLI(CLIHooks):
     def __init__(self, *args: Any, seed_everything_default: bool | int = 0, **kwargs: Any) -> None:
         argv = kwargs.get("args")
         argv = sys.argv[1:] if argv is None else argv
+        named = argv[0] if isinstance(argv, list) and argv else None
         every = LightningCLI.subcommands()
-        self._named = argv[0] if isinstance(argv, list) and argv and argv[0] in every else None
+        # LightningCLI builds a parser for each subcommand it lists (~0.3 s of CPU at every start
+        # for the three that will not run): only the one the command line names, when it names
+        # one; `earl --help` and a command line that names none list them all
+        self._subcommands = {named: every[named]} if named in every else every
         super().__init__(*args, seed_everything_default=seed_everything_default, **kwargs)
 
     @override
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
-        """LightningCLI's subcommands, of which only the one the command line names when it names
-        one: LightningCLI builds a parser for each it lists, ~2 s of CPU at every start for the
-        three that will not run. ``earl --help`` and a command line that names none list all."""
-        every = LightningCLI.subcommands()
-        named = getattr(self, "_named", None)
-        return {named: every[named]} if named is not None else every
+        """LightningCLI's subcommands this command line can run (see ``__init__``)."""
+        return self._subcommands
 
     def before_instantiate_classes(self) -> None:
         # `--model.seed` / `--data.seed` unset: the run's seed, written into the config (what the
