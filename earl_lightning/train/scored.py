@@ -26,7 +26,6 @@ No Lightning here.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,14 +34,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from earl_lightning.models.llama_layers import (
+    SUPPORTED,
+    has_llama_layers,
+    last_layer,
+    rope,
+    rotate_half_of,
+    text_config,
+)
 from earl_lightning.parallel.parallelize import recomputes_activations
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+__all__ = [
+    "MAX_SCORED_SHARE",
+    "SUPPORTED",
+    "ScoredPositions",
+    "can_score_last_layer",
+    "last_layer",
+    "scatter_scored",
+    "scored_last_layer",
+    "scored_positions",
+]
 # The share of a micro-batch's positions up to which the last layer runs at the scored positions
 # only (above it the plain forward is as cheap); the layout selector's memory model is told it.
 MAX_SCORED_SHARE = 0.5
-_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 
 
 @dataclass(frozen=True)
@@ -70,21 +84,6 @@ def scored_positions(action_mask: Tensor) -> ScoredPositions:
     return ScoredPositions(torch.where(valid, index, torch.zeros_like(index)), valid)
 
 
-def _text_config(model: nn.Module):
-    config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def last_layer(model: nn.Module) -> nn.Module | None:
-    """The last decoder layer of a transformers causal LM, inside its checkpoint wrapper if it has
-    one (None where the model has no ``model.layers``)."""
-    body = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(body, "layers", None)
-    if layers is None or not len(layers):
-        return None
-    return getattr(layers[-1], "_checkpoint_wrapped_module", layers[-1])
-
-
 def can_score_last_layer(model: nn.Module, *, now: bool = True) -> bool:
     """Whether :func:`scored_last_layer` can run on ``model`` (see the module doc); with
     ``now=False``, whether it can once the layers do not recompute (a switchable wrapper's
@@ -93,28 +92,12 @@ def can_score_last_layer(model: nn.Module, *, now: bool = True) -> bool:
 
     # A layer that recomputes would rerun in backward after its forward is restored; a switchable
     # wrapper with recomputation off calls the layer as it is.
-    config = _text_config(model)
-    if getattr(config, "model_type", None) not in SUPPORTED or recomputes_activations(
-        model, now=now
-    ):
+    if not has_llama_layers(model) or recomputes_activations(model, now=now):
         return False
     try:
-        if any(w is not None for w in attention_windows(config).values()):
-            return False
+        return all(w is None for w in attention_windows(text_config(model)).values())
     except (AttributeError, ValueError):
         return False
-    layer = last_layer(model)
-    if layer is None or not all(hasattr(layer, p) for p in _LAYER_PARTS):
-        return False
-    attn = layer.self_attn
-    return (
-        all(hasattr(attn, p) for p in (*_ATTN_PARTS, "head_dim", "scaling"))
-        and _rotate_half(attn) is not None
-    )
-
-
-def _rotate_half(attn: nn.Module):
-    return getattr(sys.modules.get(type(attn).__module__), "rotate_half", None)
 
 
 def _gather(t: Tensor, index: Tensor) -> Tensor:
@@ -122,16 +105,11 @@ def _gather(t: Tensor, index: Tensor) -> Tensor:
     return t.gather(1, index[..., None].expand(-1, -1, t.shape[-1]))
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor, rotate_half) -> Tensor:
-    """Rotary embedding of ``x`` [B, H, T, D] with ``cos``/``sin`` [B, T, D] (the models' own formula)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
-
-
 def _attention_at(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, index: Tensor) -> Tensor:
     """The attention block's output at ``index`` [B, K] -> [B, K, hidden], keys and values from all of ``h``."""
     b, length, _ = h.shape
     width, d = index.shape[1], attn.head_dim
-    rotate_half = _rotate_half(attn)
+    rotate_half = rotate_half_of(attn)
     q = attn.q_proj(_gather(h, index)).view(b, width, -1, d)
     k = attn.k_proj(h).view(b, length, -1, d)
     v = attn.v_proj(h).view(b, length, -1, d).transpose(1, 2)
@@ -139,8 +117,8 @@ def _attention_at(attn: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, index: T
         q, k = attn.q_norm(q), attn.k_norm(k)
     # [1, L, D] where every row has the same positions
     cos, sin = cos.expand(b, -1, -1), sin.expand(b, -1, -1)
-    q = _rope(q.transpose(1, 2), _gather(cos, index), _gather(sin, index), rotate_half)
-    k = _rope(k.transpose(1, 2), cos, sin, rotate_half)
+    q = rope(q.transpose(1, 2), _gather(cos, index), _gather(sin, index), rotate_half)
+    k = rope(k.transpose(1, 2), cos, sin, rotate_half)
     mask = (torch.arange(length, device=h.device) <= index[..., None])[
         :, None
     ]  # [B, 1, K, L]: causal

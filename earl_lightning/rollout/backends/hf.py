@@ -10,6 +10,9 @@ its whole context. Both draw identical tokens for a given seed.
 With ``share_prompts=True`` requests of one call that carry the same whole prompt and no cache (a
 GRPO group's first turn) prefill it once: the distinct prompts but their last token go through a
 small batch first, and each request then continues from a copy of that cache like a later turn.
+
+With ``prefill_tail=True`` a prefill runs the last decoder layer's query, attention, output
+projection and MLP at the last column only, where the logits are read (see :mod:`.prefill_tail`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from earl_lightning.rollout.backends.kv import (
     common_resident,
     gqa_attention,
 )
+from earl_lightning.rollout.backends.prefill_tail import last_column_only
 from earl_lightning.rollout.backends.sampling import draw_uniforms, row_seed, sample_tokens
 
 
@@ -71,6 +75,8 @@ class HFBackend:
             row); ``False`` packs every episode's cached KV anew on each call.
         gqa_decode_rows: in a decode step, attend with the query heads that share a KV head as
             query rows of it, so each cached KV head is read once (``False``: SDPA's ``enable_gqa``).
+        prefill_tail: in a prefill, run the last decoder layer past its keys and values at the
+            last column only (Llama-pattern layers with full attention; others run it whole).
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class HFBackend:
         share_prompts: bool = True,
         reuse_buffer: bool = True,
         gqa_decode_rows: bool = True,
+        prefill_tail: bool = True,
     ):
         check_count("prefill_chunk_elems", prefill_chunk_elems)
         self.model, self.tokenizer = model, tokenizer
@@ -92,6 +99,7 @@ class HFBackend:
             share_prompts,
         )
         self.reuse_buffer, self.gqa_decode_rows = reuse_buffer, gqa_decode_rows
+        self.prefill_tail = prefill_tail
         self.eos_ids = _eos_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError(
@@ -292,17 +300,18 @@ class HFBackend:
         chunk = max(1, self.prefill_chunk_elems // (b * batch.decode_start))
         dtype = _float_dtype(self.model)
         logits = None
-        for q0 in range(0, width, chunk):
-            q1 = min(width, q0 + chunk)
-            cols = torch.arange(
-                batch.prefix_cols + q0, batch.prefix_cols + q1, device=batch.valid.device
-            )
-            mask = attention_masks(
-                batch.valid[:, : batch.prefix_cols + q1], cols, dtype, self.windows
-            )
-            logits = self._forward(
-                batch.suffix_ids[:, q0:q1], batch.suffix_pos[:, q0:q1], mask, cache
-            )
+        with last_column_only(self.model, self.prefill_tail):
+            for q0 in range(0, width, chunk):
+                q1 = min(width, q0 + chunk)
+                cols = torch.arange(
+                    batch.prefix_cols + q0, batch.prefix_cols + q1, device=batch.valid.device
+                )
+                mask = attention_masks(
+                    batch.valid[:, : batch.prefix_cols + q1], cols, dtype, self.windows
+                )
+                logits = self._forward(
+                    batch.suffix_ids[:, q0:q1], batch.suffix_pos[:, q0:q1], mask, cache
+                )
         return logits
 
     def _decode(
