@@ -7,6 +7,10 @@ The peak is the rise of ``VmHWM`` over the RSS before the rollout, with glibc gi
 and activations in a reference cycle (a caught exception's traceback); the HF backend collects
 the young generation after every call. Without that, this run read 150 MiB against the 87
 estimated (one token per turn: no decode forwards whose allocations would trigger a collection).
+
+The same ranks first check that under TP the prefill's last layer at the last column
+(``HFBackend(prefill_tail=True)``, the default) draws what the whole layer draws: the projections
+are the parallel modules and the heads the rank's own.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ def _rollout_peak(rank: int, world: int, tp: int) -> dict:
         layout=layout,
         fsdp=False,
     )
+    tail_draws_equal = _tail_draws_equal(model, build_char_tokenizer())
     backend = HFBackend(model, build_char_tokenizer())
     # warm-up
     backend.generate([GenRequest(0, [5, 6, 7])], SamplingConfig(max_new_tokens=2, seed=0))
@@ -70,12 +75,33 @@ def _rollout_peak(rank: int, world: int, tp: int) -> dict:
         .estimate("rollout", layout, {**stats, "num_seqs": SEQS, "gen_len": 1})
         .total
     )
-    return {"peak": peak, "estimate": estimate}
+    return {"peak": peak, "estimate": estimate, "tail_draws_equal": tail_draws_equal}
+
+
+def _tail_draws_equal(model, tok) -> bool:
+    """Two turns of two ragged rows with the prefill tail and with the whole last layer."""
+    from earl_lightning.rollout.backends import GenRequest, SamplingConfig
+    from earl_lightning.rollout.backends.hf import HFBackend
+
+    sampling = SamplingConfig(max_new_tokens=4, seed=1)
+    draws = []
+    for tail in (True, False):
+        backend = HFBackend(model, tok, prefill_tail=tail)
+        reqs = [GenRequest(k, list(range(5, 5 + n))) for k, n in enumerate((9, 20))]
+        first = backend.generate(reqs, sampling)
+        reqs = [GenRequest(r.key, r.prompt_ids + o.token_ids + [7, 8]) for r, o in zip(reqs, first)]
+        draws.append([(o.token_ids, o.logprobs) for o in first + backend.generate(reqs, sampling)])
+    (a, b) = draws
+    return all(
+        ta == tb and max(abs(x - y) for x, y in zip(la, lb)) < 1e-5
+        for (ta, la), (tb, lb) in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["dp1xtp2", "dp2xtp1"])
 def test_tp_rollout_peak_within_30_percent_of_the_estimate(tp):
     ranks = run_distributed(_rollout_peak, 2, tp)
+    assert all(r["tail_draws_equal"] for r in ranks)
     peak, estimate = max(r["peak"] for r in ranks), ranks[0]["estimate"]
     err = estimate / peak - 1
     print(
