@@ -450,3 +450,22 @@ def test_rows_decode_draws_what_grouped_decode_draws(lm):
         for x, y in zip(outs_a, outs_b):
             assert x.token_ids == y.token_ids
             assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0]], ids=["every-row", "chosen-rows"])
+def test_a_resident_prefix_is_copied_and_every_later_column_zeroed(rows):
+    """A call that takes the previous buffer whole copies its prefix columns (gathering the rows
+    it continues, or as they are when it continues all of them in order) and zeroes every column
+    after them: masked attention multiplies a hole by a zero weight, and uninitialised memory
+    could hold NaN."""
+    from earl_lightning.rollout.backends.kv import PaddedKVLayer
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(3, 2, 6, 4, generator=g), torch.randn(3, 2, 6, 4, generator=g)
+    chosen = torch.tensor(rows)
+    layer = PaddedKVLayer(9, 6, [], whole=(keys, values, chosen))
+    new = torch.randn(len(rows), 2, 2, 4, generator=g)
+    layer.lazy_initialization(new, new)
+    assert torch.equal(layer.keys[:, :, :6], keys[chosen])
+    assert torch.equal(layer.values[:, :, :6], values[chosen])
+    assert not layer.keys[:, :, 6:].any() and not layer.values[:, :, 6:].any()

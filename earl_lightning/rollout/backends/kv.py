@@ -97,16 +97,25 @@ class PaddedKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
-        # Zeros, not empty: padded columns are masked out, but masked attention still multiplies
-        # their values by a zero weight, and 0 * NaN from uninitialised memory would be NaN.
-        self.keys = key_states.new_zeros(b, h, self.capacity, d)
-        self.values = value_states.new_zeros(b, h, self.capacity, d)
+        # No column may hold uninitialised memory: padded columns are masked out, but masked
+        # attention still multiplies their values by a zero weight, and 0 * NaN would be NaN. A
+        # resident buffer's prefix is copied whole (every column of it was zeroed or written), so
+        # only the columns after it are zeroed.
         if self.whole is not None:
             keys, values, rows = self.whole
             n = self.prefix_cols
-            self.keys[:, :, :n] = keys[:, :, :n].index_select(0, rows)
-            self.values[:, :, :n] = values[:, :, :n].index_select(0, rows)
+            self.keys = _empty_after(key_states, (b, h, self.capacity, d), n)
+            self.values = _empty_after(value_states, (b, h, self.capacity, d), n)
+            if _is_identity(rows, keys.shape[0]):  # every row continues, in order: no gather
+                self.keys[:, :, :n] = keys[:, :, :n]
+                self.values[:, :, :n] = values[:, :, :n]
+            else:
+                self.keys[:, :, :n] = keys[:, :, :n].index_select(0, rows)
+                self.values[:, :, :n] = values[:, :, :n].index_select(0, rows)
             self.whole = None
+        else:
+            self.keys = key_states.new_zeros(b, h, self.capacity, d)
+            self.values = value_states.new_zeros(b, h, self.capacity, d)
         for row, kv in enumerate(self.prefixes):
             if kv is not None:
                 n = kv[0].shape[1]
@@ -139,6 +148,20 @@ class PaddedKVLayer(CacheLayerMixin):
     def extract(self, row: int, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A contiguous ``[kv_heads, len(cols), head_dim]`` copy of one row's chosen columns."""
         return row_columns(self.keys, self.values, row, cols)
+
+
+def _empty_after(like: torch.Tensor, shape: tuple[int, ...], n: int) -> torch.Tensor:
+    """An uninitialised buffer of ``shape`` whose columns from ``n`` on (dim 2) are zero."""
+    out = like.new_empty(shape)
+    out[:, :, n:].zero_()
+    return out
+
+
+def _is_identity(rows: torch.Tensor, num_rows: int) -> bool:
+    """Whether ``rows`` selects every one of ``num_rows`` rows in order."""
+    return rows.numel() == num_rows and bool(
+        torch.equal(rows, torch.arange(num_rows, device=rows.device))
+    )
 
 
 def build_cache(
