@@ -413,14 +413,22 @@ def test_previous_buffer_is_reused_whole_or_repacked_by_its_holes(lm):
     assert stats[:5] == [0, 1, 2, 3, 3] and stats[5:] == [0] * 5
 
 
-def test_decode_attention_with_query_heads_as_rows_equals_grouped_sdpa():
-    """A decode step's query heads that share a KV head, attended as rows of it: the same
-    attention as SDPA's ``enable_gqa`` under a mask with holes; a prefill (several queries) is
-    left to ``enable_gqa``."""
+@pytest.mark.parametrize("kernel", ["matmul", "sdpa"])
+def test_decode_attention_with_query_heads_as_rows_equals_grouped_sdpa(kernel):
+    """A decode step's query heads that share a KV head, attended as rows of it (on CPU by two
+    matrix products, or by SDPA's kernel): the same attention as SDPA's ``enable_gqa`` under a
+    mask with holes; a prefill (several queries) is left to ``enable_gqa``."""
     import torch.nn.functional as F
 
-    from earl_lightning.rollout.backends.kv import _sdpa_gqa_rows_attention, additive_mask
+    from earl_lightning.rollout.backends.kv import (
+        _sdpa_gqa_rows_attention,
+        _sdpa_gqa_rows_kernel_attention,
+        additive_mask,
+    )
 
+    rows_attention = (
+        _sdpa_gqa_rows_attention if kernel == "matmul" else _sdpa_gqa_rows_kernel_attention
+    )
     g = torch.Generator().manual_seed(0)
     b, heads, kv_heads, k, d = 5, 6, 2, 23, 8
     key, value = (
@@ -434,18 +442,22 @@ def test_decode_attention_with_query_heads_as_rows_equals_grouped_sdpa():
         ref = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True
         )
-        out, _ = _sdpa_gqa_rows_attention(None, query, key, value, mask, scaling=0.3)
+        out, _ = rows_attention(None, query, key, value, mask, scaling=0.3)
         assert out.shape == (b, q_len, heads, d)
         torch.testing.assert_close(out, ref.transpose(1, 2), rtol=0, atol=1e-6)
 
 
-def test_rows_decode_draws_what_grouped_decode_draws(lm):
-    """Multi-turn play with the decode's query heads as KV-head rows and with ``enable_gqa``:
-    the same tokens, log-probs within float rounding (earl-tiny groups 4 query heads on 2)."""
+@pytest.mark.parametrize(
+    "other", [{"gqa_decode_rows": False}, {"decode_matmul": False}], ids=["grouped", "sdpa-rows"]
+)
+def test_rows_decode_draws_what_grouped_decode_draws(lm, other):
+    """Multi-turn play with the decode's query heads as KV-head rows (two matrix products on CPU),
+    with ``enable_gqa``, and with the rows through SDPA's kernel: the same tokens, log-probs within
+    float rounding (earl-tiny groups 4 query heads on 2)."""
     model, tok = lm
     sampling = SamplingConfig(max_new_tokens=6, seed=3, temperature=0.9)
     a = _play(HFBackend(model, tok), sampling)
-    b = _play(HFBackend(model, tok, gqa_decode_rows=False), sampling)
+    b = _play(HFBackend(model, tok, **other), sampling)
     for (_, outs_a), (_, outs_b) in zip(a, b):
         for x, y in zip(outs_a, outs_b):
             assert x.token_ids == y.token_ids

@@ -75,6 +75,8 @@ class HFBackend:
             row); ``False`` packs every episode's cached KV anew on each call.
         gqa_decode_rows: in a decode step, attend with the query heads that share a KV head as
             query rows of it, so each cached KV head is read once (``False``: SDPA's ``enable_gqa``).
+        decode_matmul: on CPU, attend those rows with two matrix products (scores, then values)
+            rather than SDPA's kernel, which is slower there for a few query rows.
         prefill_tail: in a prefill, run the last decoder layer past its keys and values at the
             last column only (Llama-pattern layers with full attention; others run it whole).
     """
@@ -88,6 +90,7 @@ class HFBackend:
         share_prompts: bool = True,
         reuse_buffer: bool = True,
         gqa_decode_rows: bool = True,
+        decode_matmul: bool = True,
         prefill_tail: bool = True,
     ):
         check_count("prefill_chunk_elems", prefill_chunk_elems)
@@ -99,7 +102,7 @@ class HFBackend:
             share_prompts,
         )
         self.reuse_buffer, self.gqa_decode_rows = reuse_buffer, gqa_decode_rows
-        self.prefill_tail = prefill_tail
+        self.prefill_tail, self.decode_matmul = prefill_tail, decode_matmul
         self.eos_ids = _eos_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError(
@@ -160,7 +163,7 @@ class HFBackend:
         try:
             with (
                 eval_mode(self.model),
-                gqa_attention(self.model, self.gqa_decode_rows),
+                gqa_attention(self.model, self.gqa_decode_rows, self.decode_matmul),
                 torch.inference_mode(),
             ):
                 return self._generate(requests, sampling)

@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 GQA_SDPA = "earl_sdpa_gqa"
 GQA_SDPA_ROWS = "earl_sdpa_gqa_rows"
+GQA_SDPA_ROWS_KERNEL = "earl_sdpa_gqa_rows_kernel"
 
 
 @dataclass
@@ -309,11 +310,50 @@ def _sdpa_gqa_rows_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    """:func:`_rows_attention` with two matrix products on CPU (SDPA elsewhere)."""
+    return _rows_attention(
+        module, query, key, value, attention_mask, dropout, scaling, matmul=True, **kwargs
+    )
+
+
+def _sdpa_gqa_rows_kernel_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """:func:`_rows_attention` through SDPA on every device."""
+    return _rows_attention(
+        module, query, key, value, attention_mask, dropout, scaling, matmul=False, **kwargs
+    )
+
+
+def _rows_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    *,
+    matmul: bool,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """:func:`_sdpa_gqa_attention`, and in a decode step (one query per row) the query heads that
-    share a KV head become query rows of that head, so the kernel reads each cached KV head once
-    instead of once per query head (CPU's flash kernel does the latter under ``enable_gqa``). The
-    numbers are the same attention: every head of a row has the same [B, 1, 1, K] mask, which
-    broadcasts over the rows."""
+    share a KV head become query rows of that head, so each cached KV head is read once (CPU's flash
+    kernel reads it once per query head under ``enable_gqa``). The numbers are the same attention:
+    every head of a row has the same [B, 1, 1, K] mask, which broadcasts over the rows.
+
+    With ``matmul`` on CPU the step is two batched matrix products (the scores, then the values):
+    with a few query rows per KV head SDPA's flash kernel spends its time on per-head set-up, and
+    the products made a ten- and a twenty-turn rollout 1% and 5% faster
+    (``benchmarks/rollout_kv.py``: ``kv_reuse`` against ``kv_sdpa_rows``). Elsewhere SDPA takes
+    the rows."""
     b, heads, q_len, d = query.shape
     kv_heads = key.shape[1]
     if (
@@ -325,24 +365,38 @@ def _sdpa_gqa_rows_attention(
             module, query, key, value, attention_mask, dropout, scaling, **kwargs
         )
     rows = query.reshape(b, kv_heads, heads // kv_heads, d)  # query head i -> KV head i // group
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, scale=scaling)
+    if matmul and query.device.type == "cpu":
+        scores = torch.matmul(rows, key.transpose(-1, -2))  # [B, kv_heads, group, K]
+        scores.mul_(d**-0.5 if scaling is None else scaling)
+        if attention_mask is not None:
+            scores.add_(attention_mask)
+        out = torch.matmul(scores.softmax(-1), value)
+    else:
+        out = F.scaled_dot_product_attention(
+            rows, key, value, attn_mask=attention_mask, scale=scaling
+        )
     return out.reshape(b, 1, heads, d), None
 
 
 AttentionInterface.register(GQA_SDPA, _sdpa_gqa_attention)
 AttentionInterface.register(GQA_SDPA_ROWS, _sdpa_gqa_rows_attention)
+AttentionInterface.register(GQA_SDPA_ROWS_KERNEL, _sdpa_gqa_rows_kernel_attention)
 
 
 @contextlib.contextmanager
-def gqa_attention(model: Any, decode_rows: bool = True) -> Iterator[None]:
+def gqa_attention(
+    model: Any, decode_rows: bool = True, decode_matmul: bool = True
+) -> Iterator[None]:
     """Route a ``sdpa`` model's attention through :func:`_sdpa_gqa_attention` for the duration
     (generation only; other implementations are left alone); with ``decode_rows`` through
-    :func:`_sdpa_gqa_rows_attention`."""
+    :func:`_sdpa_gqa_rows_attention` (``decode_matmul``: a decode step's two matrix products on
+    CPU) or :func:`_sdpa_gqa_rows_kernel_attention` (SDPA's kernel everywhere)."""
     config = model.config
     if config._attn_implementation != "sdpa":
         yield
         return
-    config._attn_implementation = GQA_SDPA_ROWS if decode_rows else GQA_SDPA
+    rows = GQA_SDPA_ROWS if decode_matmul else GQA_SDPA_ROWS_KERNEL
+    config._attn_implementation = rows if decode_rows else GQA_SDPA
     try:
         yield
     finally:
