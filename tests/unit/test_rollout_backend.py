@@ -445,6 +445,9 @@ def test_decode_attention_with_query_heads_as_rows_equals_grouped_sdpa(kernel):
         out, _ = rows_attention(None, query, key, value, mask, scaling=0.3)
         assert out.shape == (b, q_len, heads, d)
         torch.testing.assert_close(out, ref.transpose(1, 2), rtol=0, atol=1e-6)
+        # a boolean mask (True: attend) is the same attention
+        out, _ = rows_attention(None, query, key, value, mask == 0, scaling=0.3)
+        torch.testing.assert_close(out, ref.transpose(1, 2), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ the next call's prefix as a whole, rows selected in one copy per layer, holes an
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -308,40 +309,8 @@ def _sdpa_gqa_rows_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """:func:`_rows_attention` with two matrix products on CPU (SDPA elsewhere)."""
-    return _rows_attention(
-        module, query, key, value, attention_mask, dropout, scaling, matmul=True, **kwargs
-    )
-
-
-def _sdpa_gqa_rows_kernel_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """:func:`_rows_attention` through SDPA on every device."""
-    return _rows_attention(
-        module, query, key, value, attention_mask, dropout, scaling, matmul=False, **kwargs
-    )
-
-
-def _rows_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
     *,
-    matmul: bool,
+    matmul: bool = True,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """:func:`_sdpa_gqa_attention`, and in a decode step (one query per row) the query heads that
@@ -368,7 +337,9 @@ def _rows_attention(
     if matmul and query.device.type == "cpu":
         scores = torch.matmul(rows, key.transpose(-1, -2))  # [B, kv_heads, group, K]
         scores.mul_(d**-0.5 if scaling is None else scaling)
-        if attention_mask is not None:
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            scores.masked_fill_(~attention_mask, float("-inf"))
+        elif attention_mask is not None:
             scores.add_(attention_mask)
         out = torch.matmul(scores.softmax(-1), value)
     else:
@@ -377,6 +348,9 @@ def _rows_attention(
         )
     return out.reshape(b, 1, heads, d), None
 
+
+# the rows through SDPA's kernel on every device (``HFBackend(decode_matmul=False)``)
+_sdpa_gqa_rows_kernel_attention = functools.partial(_sdpa_gqa_rows_attention, matmul=False)
 
 AttentionInterface.register(GQA_SDPA, _sdpa_gqa_attention)
 AttentionInterface.register(GQA_SDPA_ROWS, _sdpa_gqa_rows_attention)
