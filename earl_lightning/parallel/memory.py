@@ -359,13 +359,14 @@ class MemoryModel:
                 prefill(prompt, prompt, z.inference_per_token(tp)),
             )
         ]
-        # the previous call's buffer: the context before this turn's new tokens; where the turns'
-        # sizes are not known, a call may encode its whole context next to a whole-context buffer
+        # The last call's buffer is the whole context (its generation included), the one before it
+        # the context before the turn's new tokens and generation; where the turns' sizes are not
+        # known, a call may encode its whole context next to a whole-context buffer.
         known = "turn_prefill_max" in s
-        held = ctx - turn if known else ctx
+        buffers = 2 * ctx - turn - gen if known else 2 * ctx + gen
         per_token = self._turn_per_token(tp) if known else z.inference_per_token(tp)
         if turn:
-            calls.append((int(seqs * (ctx + held + gen) * kv_tok), prefill(turn, ctx, per_token)))
+            calls.append((int(seqs * buffers * kv_tok), prefill(turn, ctx, per_token)))
         return max(calls, key=sum)
 
     def _turn_per_token(self, tp: int) -> float:

@@ -183,8 +183,9 @@ def test_rollout_hf_sized_by_its_dearest_call():
     per_tok = QWEN_05B.num_layers * QWEN_05B.num_kv_heads * QWEN_05B.head_dim * 2 * 2
     whole = mm.estimate("rollout", Layout(), stats())
     turns = mm.estimate("rollout", Layout(), stats(prompt_max=100, turn_prefill_max=64))
-    # the previous call's buffer holds the context before the turn's 64 new tokens
-    assert turns.kv_cache == 16 * (512 + 32) * per_tok + 16 * (512 - 64) * per_tok
+    # the last call's buffer holds the whole context, the one before it the context before the
+    # turn's 64 new tokens and 32 generated ones
+    assert turns.kv_cache == 16 * 512 * per_tok + 16 * (512 - 64 - 32) * per_tok
     assert turns.kv_cache < whole.kv_cache and turns.transient < whole.transient
     single = mm.estimate("rollout", Layout(), stats(prompt_max=480, turn_prefill_max=0))
     assert single.kv_cache == 16 * (480 + 32) * per_tok < turns.kv_cache
