@@ -59,17 +59,11 @@ def can_share_prefix(model: nn.Module) -> bool:
     """Whether the model's forward can continue from a cache with gradients (see the module doc)."""
     if recomputes_activations(model):
         return False  # a recomputed layer would append its keys to the cache a second time
-    # the rollout's reading of the config
-    from earl_lightning.rollout.backends.kv import attention_windows
+    # the rollout's reading of the config (no HF config, or a layer type the cache path does not
+    # know: not shared)
+    from earl_lightning.rollout.backends.kv import full_attention_only
 
-    try:
-        windows = attention_windows(model.config)
-    except (
-        AttributeError,
-        ValueError,
-    ):  # no HF config, or a layer type the cache path does not know
-        return False
-    return all(w is None for w in windows.values())
+    return full_attention_only(model)
 
 
 def prefix_plan(model: nn.Module, mb: ExperienceBatch, enabled: bool = True) -> PrefixPlan | None:

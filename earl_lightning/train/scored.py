@@ -40,7 +40,6 @@ from earl_lightning.models.llama_layers import (
     last_layer,
     rope,
     rotate_half_of,
-    text_config,
 )
 from earl_lightning.parallel.parallelize import recomputes_activations
 
@@ -88,16 +87,15 @@ def can_score_last_layer(model: nn.Module, *, now: bool = True) -> bool:
     """Whether :func:`scored_last_layer` can run on ``model`` (see the module doc); with
     ``now=False``, whether it can once the layers do not recompute (a switchable wrapper's
     recomputation is a per-step choice)."""
-    from earl_lightning.rollout.backends.kv import attention_windows
+    from earl_lightning.rollout.backends.kv import full_attention_only
 
     # A layer that recomputes would rerun in backward after its forward is restored; a switchable
     # wrapper with recomputation off calls the layer as it is.
-    if not has_llama_layers(model) or recomputes_activations(model, now=now):
-        return False
-    try:
-        return all(w is None for w in attention_windows(text_config(model)).values())
-    except (AttributeError, ValueError):
-        return False
+    return (
+        has_llama_layers(model)
+        and not recomputes_activations(model, now=now)
+        and full_attention_only(model)
+    )
 
 
 def _gather(t: Tensor, index: Tensor) -> Tensor:

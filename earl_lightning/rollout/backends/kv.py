@@ -261,6 +261,15 @@ def attention_windows(config: Any) -> dict[str, int | None]:
     return out
 
 
+def full_attention_only(model: Any) -> bool:
+    """Whether every layer of ``model`` attends to the whole context, as :func:`attention_windows`
+    reads its config (False for a sliding window, a layer type it does not know, or no HF config)."""
+    try:
+        return all(w is None for w in attention_windows(model.config).values())
+    except (AttributeError, ValueError):
+        return False
+
+
 def attention_masks(
     valid: torch.Tensor,
     query_cols: torch.Tensor,

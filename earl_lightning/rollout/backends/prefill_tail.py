@@ -33,24 +33,13 @@ from typing import Any
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from earl_lightning.models.llama_layers import (
-    has_llama_layers,
-    last_layer,
-    rope,
-    rotate_half_of,
-    text_config,
-)
-from earl_lightning.rollout.backends.kv import attention_windows
+from earl_lightning.models.llama_layers import has_llama_layers, last_layer, rope, rotate_half_of
+from earl_lightning.rollout.backends.kv import full_attention_only
 
 
 def can_prefill_tail(model: nn.Module) -> bool:
     """Whether :func:`last_column_only` applies to ``model`` (Llama-pattern layers, full attention)."""
-    if not has_llama_layers(model):
-        return False
-    try:
-        return all(w is None for w in attention_windows(text_config(model)).values())
-    except (AttributeError, ValueError):
-        return False
+    return has_llama_layers(model) and full_attention_only(model)
 
 
 def _attention(attn: nn.Module):
