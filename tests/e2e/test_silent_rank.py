@@ -44,6 +44,24 @@ def fit_command(run: Path, *extra: str) -> list[str]:
     ]
 
 
+def fit_env() -> dict[str, str]:
+    """The environment of this module's ``earl fit`` runs: the repository importable, one torch
+    thread."""
+    return subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def captured() -> dict:
+    """How a run whose stderr is read back is called, forked or as a real process."""
+    return dict(
+        env=fit_env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=300,
+    )
+
+
 def earl_fit(run: Path, *extra: str, name: str) -> tuple[int, str]:
     """``earl fit`` of the recipe in ``run`` as a real process (exit code, stderr): the faults'
     runs, where rank 0 must stop and kill the rank it launched. Output goes to files: a stopped
@@ -53,7 +71,7 @@ def earl_fit(run: Path, *extra: str, name: str) -> tuple[int, str]:
     with err.open("w") as stderr:
         proc = subprocess.Popen(
             cmd,
-            env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+            env=fit_env(),
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
@@ -127,15 +145,7 @@ def test_a_stopped_rank_stops_the_survivor_in_one_line_and_the_run_resumes(tmp_p
             os.kill(stopped, signal.SIGKILL)  # a stopped process takes SIGKILL at once
     assert_whole(last, step=1)
     # the resume is no fault's run: forked (tests/earl_process.py), no interpreter to start
-    proc = run_earl_process(
-        fit_command(tmp_path, "--ckpt_path", "last"),
-        env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=300,
-    )
+    proc = run_earl_process(fit_command(tmp_path, "--ckpt_path", "last"), **captured())
     code, err = proc.returncode, proc.stderr
     assert code == 0, err[-3000:]
     assert f"Restored all states from the checkpoint at {last}" in err
@@ -204,15 +214,7 @@ def test_a_killed_rank_under_strategy_auto_is_one_line_too(tmp_path):
         "--config",
         str(over),
     ]
-    proc = subprocess.run(
-        cmd,
-        env=subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=300,
-    )
+    proc = subprocess.run(cmd, **captured())
     assert proc.returncode == 1 and marker.exists(), proc.stderr[-3000:]
     line = one_line(proc.stderr)
     assert line.startswith("earl: error: rank 0 lost a peer during the strategy's ")
