@@ -13,6 +13,9 @@ small batch first, and each request then continues from a copy of that cache lik
 
 With ``prefill_tail=True`` a prefill runs the last decoder layer's query, attention, output
 projection and MLP at the last column only, where the logits are read (see :mod:`.prefill_tail`).
+With ``direct_decode=True`` a decode step runs the model's modules without transformers' per-call
+wrapping, where nothing hangs on those calls (see :mod:`.decode_step`); in a full-attention model
+its mask is one [B, capacity] row kept from step to step rather than rebuilt each step.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from earl_lightning.rollout.backends.base import (
     SamplingConfig,
     check_requests,
 )
+from earl_lightning.rollout.backends.decode_step import can_decode_direct, decode_logits
 from earl_lightning.rollout.backends.kv import (
     EpisodeKV,
     ResidentKV,
@@ -79,6 +83,8 @@ class HFBackend:
             rather than SDPA's kernel, which is slower there for a few query rows.
         prefill_tail: in a prefill, run the last decoder layer past its keys and values at the
             last column only (Llama-pattern layers with full attention; others run it whole).
+        direct_decode: run a decode step through the model's modules without transformers'
+            per-call wrapping (:mod:`.decode_step`; where it applies, else the model's forward).
     """
 
     def __init__(
@@ -92,6 +98,7 @@ class HFBackend:
         gqa_decode_rows: bool = True,
         decode_matmul: bool = True,
         prefill_tail: bool = True,
+        direct_decode: bool = True,
     ):
         check_count("prefill_chunk_elems", prefill_chunk_elems)
         self.model, self.tokenizer = model, tokenizer
@@ -103,6 +110,7 @@ class HFBackend:
         )
         self.reuse_buffer, self.gqa_decode_rows = reuse_buffer, gqa_decode_rows
         self.prefill_tail, self.decode_matmul = prefill_tail, decode_matmul
+        self.direct_decode = direct_decode
         self.eos_ids = _eos_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError(
@@ -123,6 +131,7 @@ class HFBackend:
             "forwards": 0,
             "shared_prompt_tokens": 0,
             "whole_buffer_calls": 0,
+            "direct_decode_steps": 0,
         }
 
     @property
@@ -333,7 +342,8 @@ class HFBackend:
         stopped = torch.zeros(b, dtype=torch.bool, device=dev)
         lengths = torch.zeros(b, dtype=torch.long, device=dev)
         eos = torch.tensor(sorted(self.eos_ids), device=dev)
-        dtype = _float_dtype(self.model)
+        step_mask = self._step_masks(batch)
+        direct = self.direct_decode and can_decode_direct(self.model)
         for j in range(steps):
             tok, lp = sample_tokens(
                 logits,
@@ -357,13 +367,42 @@ class HFBackend:
                 break
             col = batch.decode_start + j
             batch.valid[:, col] = active  # a finished row's last token is never attended to
-            mask = attention_masks(
-                batch.valid[:, : col + 1], torch.tensor([col], device=dev), dtype, self.windows
-            )
-            logits = self._forward(
-                tokens[:, j : j + 1], (batch.next_pos + j).unsqueeze(1), mask, cache
-            )
+            mask = step_mask(col)
+            ids, pos = tokens[:, j : j + 1], (batch.next_pos + j).unsqueeze(1)
+            if direct:
+                self.stats["forwards"] += 1
+                self.stats["direct_decode_steps"] += 1
+                logits = decode_logits(self.model, ids, pos, mask, cache)
+            else:
+                logits = self._forward(ids, pos, mask, cache)
         return tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
+
+    def _step_masks(self, batch: _Batch):
+        """``mask(col)``: the attention mask of the decode step that feeds column ``col``, as
+        :func:`attention_masks` gives it once ``batch.valid[:, col]`` holds the rows still active.
+        A full-attention model's is one additive row per sequence, kept across the steps: a column
+        becomes visible when it is fed, and closes after its step where its row had finished."""
+        dtype = _float_dtype(self.model)
+        if set(self.windows) != {"full_attention"}:
+            return lambda col: attention_masks(
+                batch.valid[:, : col + 1],
+                torch.tensor([col], device=batch.valid.device),
+                dtype,
+                self.windows,
+            )
+        low = torch.finfo(dtype).min
+        row = torch.zeros(batch.valid.shape, dtype=dtype, device=batch.valid.device)
+        row.masked_fill_(~batch.valid, low)
+        last = [None]
+
+        def mask(col: int) -> torch.Tensor:
+            if last[0] is not None:  # the previous step's column, for the rows that go on
+                row[:, last[0]].masked_fill_(~batch.valid[:, last[0]], low)
+            row[:, col] = 0.0  # every query attends its own column
+            last[0] = col
+            return row[:, None, None, : col + 1]
+
+        return mask
 
     def _stop_hits(self, tokens: torch.Tensor, rows: torch.Tensor, stop: list[str]) -> torch.Tensor:
         """[B] bool: rows (among ``rows``) whose generated text now contains a stop string.

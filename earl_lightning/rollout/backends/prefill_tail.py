@@ -42,7 +42,7 @@ def can_prefill_tail(model: nn.Module) -> bool:
     return has_llama_layers(model) and full_attention_only(model)
 
 
-def _attention(attn: nn.Module):
+def model_attention(attn: nn.Module):
     """The model's configured attention function (its module's eager one by default)."""
     eager = getattr(sys.modules.get(type(attn).__module__), "eager_attention_forward", None)
     return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
@@ -86,7 +86,7 @@ def _tail_forward(layer: nn.Module):
         k = rope(k.transpose(1, 2), cos, sin, rotate_half)
         k, v = past_key_values.update(k, v, attn.layer_idx)
         mask = None if attention_mask is None else attention_mask[:, :, -1:]
-        out, _ = _attention(attn)(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+        out, _ = model_attention(attn)(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
         x = hidden_states[:, -1:] + attn.o_proj(out.reshape(b, 1, -1))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 

@@ -1,0 +1,113 @@
+"""A decode step through the model's modules without transformers' wrapping
+(``HFBackend(direct_decode=True)``, earl_lightning/rollout/backends/decode_step.py): the logits
+and the cache it leaves equal the model's forward bit for bit, for Qwen2, Llama and Qwen3 layers;
+play draws the same tokens with the same log-probs; a model with hooks, a sliding window or in
+training keeps the model's forward. And the decode mask kept across steps equals the one
+``attention_masks`` builds at every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from earl_lightning.models import build_char_tokenizer, make_tiny_model
+from earl_lightning.rollout.backends.base import GenRequest
+from earl_lightning.rollout.backends.decode_step import can_decode_direct, decode_logits
+from earl_lightning.rollout.backends.hf import HFBackend
+from earl_lightning.rollout.backends.kv import attention_masks, build_cache, gqa_attention
+from tests.unit.test_prefill_tail import BUILDERS, _play
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def model(request, tok):
+    return BUILDERS[request.param](tok).eval()
+
+
+def _one_step(backend, model, direct: bool):
+    """Prefill three ragged rows, then one decode step; its logits and every layer's cache."""
+    reqs = [GenRequest(k, list(range(3, 3 + n))) for k, n in enumerate([4, 11, 7])]
+    entries = [None] * len(reqs)
+    batch = backend._layout(reqs, entries, max_new=3)
+    cache = build_cache(backend.num_layers, batch.capacity, batch.prefix_cols, entries)
+    width = batch.suffix_ids.shape[1]
+    with torch.inference_mode(), gqa_attention(model):
+        cols = torch.arange(width)
+        mask = attention_masks(batch.valid[:, :width], cols, torch.float32, backend.windows)
+        backend._forward(batch.suffix_ids, batch.suffix_pos, mask, cache)
+        batch.valid[:, width] = True
+        mask = attention_masks(
+            batch.valid[:, : width + 1], torch.tensor([width]), torch.float32, backend.windows
+        )
+        ids = torch.tensor([[5], [9], [12]])
+        pos = batch.next_pos.unsqueeze(1)
+        if direct:
+            logits = decode_logits(model, ids, pos, mask, cache)
+        else:
+            logits = backend._forward(ids, pos, mask, cache)
+    return logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def test_logits_and_cache_equal_the_model_forward_bit_for_bit(model, tok):
+    assert can_decode_direct(model)
+    backend = HFBackend(model, tok)
+    (la, kva), (lb, kvb) = _one_step(backend, model, True), _one_step(backend, model, False)
+    assert torch.equal(la, lb)
+    for (ka, va), (kb, vb) in zip(kva, kvb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_play_draws_what_the_model_forward_draws(model, tok):
+    direct, plain = HFBackend(model, tok), HFBackend(model, tok, direct_decode=False)
+    a, b = _play(direct), _play(plain)
+    assert [[o.token_ids for o in outs] for outs in a] == [
+        [o.token_ids for o in outs] for outs in b
+    ]
+    assert [[o.logprobs for o in outs] for outs in a] == [[o.logprobs for o in outs] for outs in b]
+    assert direct.stats["direct_decode_steps"] > 0 and plain.stats["direct_decode_steps"] == 0
+    assert direct.stats["forwards"] == plain.stats["forwards"]
+
+
+def test_hooks_a_window_or_training_keep_the_model_forward(model, tok):
+    seen = []
+    layer = model.get_decoder().layers[0]
+    handle = layer.register_forward_pre_hook(lambda m, args: seen.append(1))
+    try:
+        assert not can_decode_direct(model)
+        backend = HFBackend(model, tok)
+        _play(backend, turns=1)
+        assert backend.stats["direct_decode_steps"] == 0 and len(seen) == backend.stats["forwards"]
+    finally:
+        handle.remove()
+    model.train()
+    try:
+        assert not can_decode_direct(model)
+    finally:
+        model.eval()
+    local = AutoModelForCausalLM.from_pretrained(
+        make_tiny_model("earl-tiny-local", hidden_size=64, intermediate_size=128, sliding_window=8)
+    )
+    assert not can_decode_direct(local.eval())
+
+
+def test_the_kept_mask_equals_the_rebuilt_one(tok):
+    """Rows finish at different steps; at each step the kept mask equals attention_masks'."""
+    model = BUILDERS["qwen2"](tok).eval()
+    backend = HFBackend(model, tok)
+    reqs = [GenRequest(k, list(range(3, 3 + n))) for k, n in enumerate([4, 11, 7, 2])]
+    batch = backend._layout(reqs, [None] * len(reqs), max_new=6)
+    step_mask = backend._step_masks(batch)
+    active = torch.ones(len(reqs), dtype=torch.bool)
+    for j, finished in enumerate([[], [2], [], [0, 3], []]):
+        active[finished] = False
+        col = batch.decode_start + j
+        batch.valid[:, col] = active
+        want = attention_masks(
+            batch.valid[:, : col + 1], torch.tensor([col]), torch.float32, backend.windows
+        )
+        assert torch.equal(step_mask(col), want)
