@@ -11,6 +11,7 @@ the template's whole render of it (:meth:`ChatDeltas.prompt`) and trains it as i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 Messages = list[dict[str, str]]
@@ -30,7 +31,10 @@ class ChatDeltas:
 
     Renders and encodings are remembered for the object's life (one rollout; at most
     :data:`MEMO_ENTRIES` of each): a group's episodes start from the same prompt, and every turn
-    closes with the same scaffolding.
+    closes with the same scaffolding. A render runs the tokenizer's compiled template directly
+    (:func:`direct_renderer`: what ``apply_chat_template`` renders, without its per-call set-up),
+    checked once against ``apply_chat_template``; where they differ, or the template cannot be
+    had, every render goes through ``apply_chat_template``.
 
     Args:
         tokenizer: a tokenizer with a chat template (``apply_chat_template``, ``encode``, ``decode``).
@@ -43,6 +47,8 @@ class ChatDeltas:
             raise ValueError("`tokenizer` has no chat template; multi-turn rollout needs one")
         self.tokenizer, self.tools = tokenizer, tools or None
         self._renders: dict[tuple, str] = {}
+        self._direct = direct_renderer(tokenizer, self.tools)
+        self._checked = False
         self._encodings: dict[str, tuple[int, ...]] = {}
 
     def render(self, messages: Messages, generation_prompt: bool) -> str:
@@ -52,11 +58,23 @@ class ChatDeltas:
         except TypeError:  # a message with unhashable values (e.g. a list of tool calls): no memo
             key, text = None, None
         if text is None:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
-            )
+            text = self._render(messages, generation_prompt)
             if key is not None and len(self._renders) < MEMO_ENTRIES:
                 self._renders[key] = text
+        return text
+
+    def _render(self, messages: Messages, generation_prompt: bool) -> str:
+        if self._direct is not None and self._checked:
+            return self._direct(messages, generation_prompt)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        if self._direct is not None:  # the first render: does the direct one agree?
+            try:
+                same = self._direct(messages, generation_prompt) == text
+            except Exception:  # noqa: BLE001 - any failure means: use apply_chat_template
+                same = False
+            self._direct, self._checked = (self._direct if same else None), True
         return text
 
     def encode(self, text: str) -> list[int]:
@@ -115,6 +133,36 @@ class ChatDeltas:
             min(len(before), len(after)),
         )
         return after[same:]
+
+
+def direct_renderer(
+    tokenizer: Any, tools: list[dict[str, Any]] | None
+) -> Callable[[Messages, bool], str] | None:
+    """``render(messages, generation_prompt)``: the tokenizer's chat template (as
+    ``get_chat_template`` picks it for ``tools``), compiled as transformers compiles it, rendered
+    with the variables ``apply_chat_template`` passes (the special tokens, ``tools``,
+    ``documents=None``, ``messages``, ``add_generation_prompt``) in a context that holds them and
+    the template's globals as they are, where ``Template.render`` copies every global into a new
+    dict first. None where the template or transformers' compiler cannot be had."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        template = _compile_jinja_template(tokenizer.get_chat_template(None, tools))
+        fixed = {
+            **dict(template.globals),
+            **tokenizer.special_tokens_map,
+            "tools": tools,
+            "documents": None,
+        }
+    except Exception:  # noqa: BLE001 - no direct renderer; apply_chat_template renders
+        return None
+
+    def render(messages: Messages, generation_prompt: bool) -> str:
+        variables = {**fixed, "messages": messages, "add_generation_prompt": generation_prompt}
+        context = template.new_context(variables, shared=True)
+        return template.environment.concat(template.root_render_func(context))
+
+    return render
 
 
 def _delta(before: str, after: str, what: str) -> str:

@@ -293,18 +293,19 @@ def test_chat_deltas_remember_renders_and_encodings_within_a_rollout():
     from earl_lightning.rollout.chat import ChatDeltas
 
     tok = load_tokenizer(str(make_tiny_model("earl-tiny")))
-    calls = []
-    real = tok.apply_chat_template
-
-    def counting(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    tok.apply_chat_template = counting
     chat = ChatDeltas(tok)
+    calls = []
+    real = chat._render
+
+    def counting(*a):
+        calls.append(1)
+        return real(*a)
+
+    chat._render = counting
     msgs = [{"role": "user", "content": "board: ..x.."}]
     texts = [chat.prompt(list(msgs)) for _ in range(8)]
-    assert len(calls) == 1 and texts == [real(msgs, tokenize=False, add_generation_prompt=True)] * 8
+    want = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert len(calls) == 1 and texts == [want] * 8
     ids = [chat.encode(texts[0]) for _ in range(3)]
     assert ids == [list(tok.encode(texts[0], add_special_tokens=False))] * 3
     ids[0].append(-1)  # callers may extend what they get; the memo is not touched
