@@ -3,7 +3,8 @@
 and the cache it leaves equal the model's forward bit for bit, for Qwen2, Llama and Qwen3 layers;
 play draws the same tokens with the same log-probs; a model with hooks, a sliding window or in
 training keeps the model's forward. And the decode mask kept across steps equals the one
-``attention_masks`` builds at every step."""
+``attention_masks`` builds at every step, and the call's layout, built as whole tensors, equals the
+row-by-row one."""
 
 from __future__ import annotations
 
@@ -111,3 +112,39 @@ def test_the_kept_mask_equals_the_rebuilt_one(tok):
             batch.valid[:, : col + 1], torch.tensor([col]), torch.float32, backend.windows
         )
         assert torch.equal(step_mask(col), want)
+
+
+def _reference_layout(pad_id, requests, cached, max_new):
+    """The call's columns written row by row, as the backend laid them out before."""
+    suffixes = [r.prompt_ids[c:] for r, c in zip(requests, cached)]
+    prefix_cols, width = max(cached), max(len(s) for s in suffixes)
+    decode_start = prefix_cols + width
+    valid = torch.zeros(len(requests), decode_start + max_new - 1, dtype=torch.bool)
+    ids = torch.full((len(requests), width), pad_id, dtype=torch.long)
+    pos = torch.zeros(len(requests), width, dtype=torch.long)
+    for i, (c, s) in enumerate(zip(cached, suffixes)):
+        valid[i, prefix_cols - c : prefix_cols] = True
+        valid[i, decode_start - len(s) : decode_start] = True
+        ids[i, width - len(s) :] = torch.tensor(s)
+        pos[i, width - len(s) :] = torch.arange(c, c + len(s))
+    return valid, ids, pos
+
+
+def test_the_layout_right_aligns_every_row(tok):
+    """Ragged prompts and cached prefixes (one row cached but for its last token, one not at all):
+    the columns, ids and positions equal the row-by-row layout's."""
+    from earl_lightning.rollout.backends.kv import EpisodeKV
+
+    backend = HFBackend(BUILDERS["qwen2"](tok).eval(), tok)
+    g = torch.Generator().manual_seed(1)
+    lengths, cached = [9, 1, 30, 12, 5], [4, 0, 29, 0, 2]
+    reqs = [
+        GenRequest(k, torch.randint(3, 60, (n,), generator=g).tolist())
+        for k, n in enumerate(lengths)
+    ]
+    entries = [EpisodeKV(r.prompt_ids[:c]) if c else None for r, c in zip(reqs, cached)]
+    batch = backend._layout(reqs, entries, max_new=4)
+    valid, ids, pos = _reference_layout(backend.pad_id, reqs, cached, 4)
+    assert torch.equal(batch.valid, valid)
+    assert torch.equal(batch.suffix_ids, ids) and torch.equal(batch.suffix_pos, pos)
+    assert batch.next_pos.tolist() == lengths

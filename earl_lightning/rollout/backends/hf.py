@@ -267,21 +267,26 @@ class HFBackend:
         columns as they are (holes included), else each row's cache left-padded to the longest."""
         cached = [len(e.ids) if e is not None else 0 for e in entries]
         suffixes = [r.prompt_ids[c:] for r, c in zip(requests, cached)]
+        lens = [len(s) for s in suffixes]
         prefix_cols = max(cached) if prefix_valid is None else prefix_valid.shape[1]
-        width = max(len(s) for s in suffixes)
+        width = max(lens)
         decode_start = prefix_cols + width
         capacity = decode_start + max_new - 1
         b = len(requests)
-        valid = torch.zeros(b, capacity, dtype=torch.bool)
+        # every row's suffix right-aligned at decode_start, its prefix right-aligned at prefix_cols
+        n_t, c_t = torch.tensor(lens), torch.tensor(cached)
+        rows = torch.repeat_interleave(torch.arange(b), n_t)
+        within = torch.arange(rows.numel()) - torch.repeat_interleave(n_t.cumsum(0) - n_t, n_t)
+        at = (width - n_t)[rows] + within
         ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        ids[rows, at] = torch.tensor([t for s in suffixes for t in s], dtype=torch.long)
         pos = torch.zeros(b, width, dtype=torch.long)
-        for i, (c, s) in enumerate(zip(cached, suffixes)):
-            if prefix_valid is None:
-                valid[i, prefix_cols - c : prefix_cols] = True
-            valid[i, decode_start - len(s) : decode_start] = True
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            pos[i, width - len(s) :] = torch.arange(c, c + len(s))
-        self.stats["prefill_tokens"] += sum(len(s) for s in suffixes)
+        pos[rows, at] = c_t[rows] + within
+        valid = torch.zeros(b, capacity, dtype=torch.bool)
+        valid[:, prefix_cols:decode_start] = torch.arange(width) >= (width - n_t)[:, None]
+        if prefix_valid is None:
+            valid[:, :prefix_cols] = torch.arange(prefix_cols) >= (prefix_cols - c_t)[:, None]
+        self.stats["prefill_tokens"] += sum(lens)
         self.stats["reused_tokens"] += sum(cached)
         dev = self.device
         next_pos = torch.tensor([len(r.prompt_ids) for r in requests], dtype=torch.long)
