@@ -1,9 +1,11 @@
 """Multi-turn rollout throughput: KV-cache reuse across turns vs re-prefilling the whole context.
 
-Six methods: ``kv_reuse`` (the default backend: each call takes the previous call's KV buffer
-whole when every request continues one of its rows, a decode step attends with the query
-heads that share a KV head as rows of it, by two matrix products on CPU, and a prefill runs the last layer past its keys and
-values at the last column only), ``kv_whole_layer`` (the same with the whole last layer in every
+Seven methods: ``kv_reuse`` (the default backend: each call takes the previous call's KV buffer
+whole when every request continues one of its rows, a decode step runs the model's modules
+without transformers' per-call wrapping and attends with the query heads that share a KV head as
+rows of it, by two matrix products on CPU, and a prefill runs the last layer past its keys and
+values at the last column only), ``kv_hf_forward`` (the same with every decode step through the
+model's forward: ``HFBackend(direct_decode=False)``), ``kv_whole_layer`` (the same with the whole last layer in every
 prefill: ``HFBackend(prefill_tail=False)``), ``kv_sdpa_rows`` (the rows through SDPA's kernel:
 ``HFBackend(decode_matmul=False)``), ``kv_grouped`` (the same with SDPA's ``enable_gqa`` in
 decode: ``HFBackend(gqa_decode_rows=False)``), ``kv_repack`` (every episode's cache packed anew on
@@ -37,9 +39,18 @@ from earl_lightning.models import load_model, load_tokenizer
 from earl_lightning.rollout import EpisodeSpec, HFBackend, SamplingConfig, rollout
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("kv_reuse", "kv_whole_layer", "kv_sdpa_rows", "kv_grouped", "kv_repack", "reprefill")
+METHODS = (
+    "kv_reuse",
+    "kv_hf_forward",
+    "kv_whole_layer",
+    "kv_sdpa_rows",
+    "kv_grouped",
+    "kv_repack",
+    "reprefill",
+)
 BACKEND_KWARGS = {
     "kv_reuse": {},
+    "kv_hf_forward": {"direct_decode": False},
     "kv_whole_layer": {"prefill_tail": False},
     "kv_sdpa_rows": {"decode_matmul": False},
     "kv_grouped": {"gqa_decode_rows": False},
@@ -194,19 +205,20 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"{'turns':>5} {'context mean/max':>17} {'kv_reuse tok/s':>15} {'reprefill tok/s':>16} {'speedup':>8} "
         f"{'kv/ref CPU s':>14} {'CPU speedup':>12} {'kv_repack tok/s':>16} {'reuse/repack':>13} "
-        f"{'grouped/rows':>13} {'whole/tail':>11} {'sdpa/matmul':>12}"
+        f"{'grouped/rows':>13} {'whole/tail':>11} {'sdpa/matmul':>12} {'hf/direct':>10}"
     )
     for turns in args.turns:
         kv, ref, rep = by[(turns, "kv_reuse")], by[(turns, "reprefill")], by[(turns, "kv_repack")]
         grouped, whole = by[(turns, "kv_grouped")], by[(turns, "kv_whole_layer")]
-        sdpa_rows = by[(turns, "kv_sdpa_rows")]
+        sdpa_rows, hf_forward = by[(turns, "kv_sdpa_rows")], by[(turns, "kv_hf_forward")]
         ctx = f"{kv['context_mean']:.0f}/{kv['context_max']}"
         print(
             f"{turns:>5} {ctx:>17} {kv['tokens_per_s']:>15.1f} {ref['tokens_per_s']:>16.1f} "
             f"{ref['seconds'] / kv['seconds']:>7.2f}x {kv['cpu_seconds']:>6.1f}/{ref['cpu_seconds']:<7.1f} "
             f"{ref['cpu_seconds'] / kv['cpu_seconds']:>11.2f}x {rep['tokens_per_s']:>16.1f} "
             f"{rep['seconds'] / kv['seconds']:>12.3f}x {grouped['seconds'] / kv['seconds']:>12.3f}x "
-            f"{whole['seconds'] / kv['seconds']:>10.3f}x {sdpa_rows['seconds'] / kv['seconds']:>11.3f}x"
+            f"{whole['seconds'] / kv['seconds']:>10.3f}x {sdpa_rows['seconds'] / kv['seconds']:>11.3f}x "
+            f"{hf_forward['seconds'] / kv['seconds']:>9.3f}x"
         )
     loads = [r[k] for r in rows for k in ("load_before", "load_after")]
     print(f"1-minute load average over the points: {min(loads):.2f}-{max(loads):.2f}")
