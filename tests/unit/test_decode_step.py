@@ -148,3 +148,35 @@ def test_the_layout_right_aligns_every_row(tok):
     assert torch.equal(batch.valid, valid)
     assert torch.equal(batch.suffix_ids, ids) and torch.equal(batch.suffix_pos, pos)
     assert batch.next_pos.tolist() == lengths
+
+
+def test_the_rotary_table_is_the_modules_output_at_each_position(model):
+    """Rows of the table equal the rotary module's own cos and sin for ragged positions."""
+    from earl_lightning.rollout.backends.decode_step import rotary_table
+
+    like = torch.empty(0)
+    cos_t, sin_t, first = rotary_table(model, 5, 40, like)
+    positions = torch.tensor([[5], [17], [39], [22]])
+    cos, sin = model.get_decoder().rotary_emb(like, positions)
+    assert torch.equal(cos_t[positions - first], cos) and torch.equal(sin_t[positions - first], sin)
+
+
+def test_a_dynamic_rotary_runs_at_every_step(tok):
+    """Dynamic NTK scaling recomputes its frequencies from the positions seen: no table, and the
+    direct steps still draw what the model's forward draws."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from earl_lightning.rollout.backends.decode_step import rotary_table
+    from tests.unit.test_prefill_tail import _small
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**_small(tok))
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = LlamaForCausalLM(config).eval()
+    assert model.get_decoder().rotary_emb.rope_type == "dynamic"
+    assert rotary_table(model, 0, 8, torch.empty(0)) is None
+    a = _play(HFBackend(model, tok))
+    b = _play(HFBackend(model, tok, direct_decode=False))
+    assert [[o.token_ids for o in outs] for outs in a] == [
+        [o.token_ids for o in outs] for outs in b
+    ]

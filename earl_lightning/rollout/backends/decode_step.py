@@ -32,6 +32,10 @@ from earl_lightning.models.llama_layers import has_llama_layers, rope, rotate_ha
 from earl_lightning.rollout.backends.kv import full_attention_only
 from earl_lightning.rollout.backends.prefill_tail import model_attention
 
+# rotary types whose frequencies do not depend on the positions a call sees (dynamic and longrope
+# recompute theirs from the longest position: their rotary module runs at every step)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
 
 def _layers(model: nn.Module) -> tuple[nn.Module, list[nn.Module]] | None:
     body = model.get_decoder() if hasattr(model, "get_decoder") else None
@@ -72,15 +76,41 @@ def can_decode_direct(model: nn.Module) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def rotary_table(
+    model: nn.Module, first: int, end: int, like: Tensor
+) -> tuple[Tensor, Tensor, int] | None:
+    """The rotary module's cos and sin ``[end - first, head_dim]`` for positions ``first`` to
+    ``end - 1``, computed once for a call's decode steps (``like``: a tensor of the model's dtype
+    and device), and ``first``; None for a rotary type of changing frequencies (not in
+    :data:`STATIC_ROPE`). The module's formula is elementwise in the position, so a row of the
+    table is what a step's own call gives for that position."""
+    rotary = model.get_decoder().rotary_emb
+    if getattr(rotary, "rope_type", None) not in STATIC_ROPE:
+        return None
+    cos, sin = rotary(like, torch.arange(first, end, device=like.device)[None])
+    return cos[0], sin[0], first
+
+
 def decode_logits(
-    model: nn.Module, ids: Tensor, positions: Tensor, mask: Tensor, cache: Any
+    model: nn.Module,
+    ids: Tensor,
+    positions: Tensor,
+    mask: Tensor,
+    cache: Any,
+    rotary: tuple[Tensor, Tensor, int] | None = None,
 ) -> Tensor:
     """[B, V] next-token logits of one fed token per row: ``ids`` and ``positions`` [B, 1],
     ``mask`` the additive [B, 1, 1, K] mask, ``cache`` the transformers ``Cache`` the token's keys
-    and values are written to."""
+    and values are written to; ``rotary``: a :func:`rotary_table` that covers the positions (else
+    the rotary module runs)."""
     body, layers = _layers(model)
     x = body.embed_tokens(ids)
-    cos, sin = body.rotary_emb(x, positions)
+    if rotary is None:
+        cos, sin = body.rotary_emb(x, positions)
+    else:
+        cos_t, sin_t, first = rotary
+        at = positions - first
+        cos, sin = cos_t[at], sin_t[at]
     b = ids.shape[0]
     for layer in layers:
         attn = layer.self_attn

@@ -34,7 +34,11 @@ from earl_lightning.rollout.backends.base import (
     SamplingConfig,
     check_requests,
 )
-from earl_lightning.rollout.backends.decode_step import can_decode_direct, decode_logits
+from earl_lightning.rollout.backends.decode_step import (
+    can_decode_direct,
+    decode_logits,
+    rotary_table,
+)
 from earl_lightning.rollout.backends.kv import (
     EpisodeKV,
     ResidentKV,
@@ -347,8 +351,7 @@ class HFBackend:
         stopped = torch.zeros(b, dtype=torch.bool, device=dev)
         lengths = torch.zeros(b, dtype=torch.long, device=dev)
         eos = torch.tensor(sorted(self.eos_ids), device=dev)
-        step_mask = self._step_masks(batch)
-        direct = self.direct_decode and can_decode_direct(self.model)
+        step_mask, feed = self._step_masks(batch), self._feeder(batch, cache, steps)
         for j in range(steps):
             tok, lp = sample_tokens(
                 logits,
@@ -373,14 +376,25 @@ class HFBackend:
             col = batch.decode_start + j
             batch.valid[:, col] = active  # a finished row's last token is never attended to
             mask = step_mask(col)
-            ids, pos = tokens[:, j : j + 1], (batch.next_pos + j).unsqueeze(1)
-            if direct:
-                self.stats["forwards"] += 1
-                self.stats["direct_decode_steps"] += 1
-                logits = decode_logits(self.model, ids, pos, mask, cache)
-            else:
-                logits = self._forward(ids, pos, mask, cache)
+            logits = feed(tokens[:, j : j + 1], (batch.next_pos + j).unsqueeze(1), mask)
         return tokens.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
+
+    def _feeder(self, batch: _Batch, cache: Any, steps: int):
+        """``feed(ids, positions, mask)``: the logits of a decode step, through
+        :func:`decode_logits` with the call's rotary table where it applies, else the model's
+        forward."""
+        if not (self.direct_decode and can_decode_direct(self.model)):
+            return lambda ids, pos, mask: self._forward(ids, pos, mask, cache)
+        first, end = int(batch.next_pos.min()), int(batch.next_pos.max()) + steps
+        like = batch.valid.new_empty(0, dtype=_float_dtype(self.model))
+        rotary = rotary_table(self.model, first, end, like) if steps > 1 else None
+
+        def feed(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            self.stats["forwards"] += 1
+            self.stats["direct_decode_steps"] += 1
+            return decode_logits(self.model, ids, pos, mask, cache, rotary)
+
+        return feed
 
     def _step_masks(self, batch: _Batch):
         """``mask(col)``: the attention mask of the decode step that feeds column ``col``, as
