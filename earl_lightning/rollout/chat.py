@@ -52,10 +52,13 @@ class ChatDeltas:
         self._encodings: dict[str, tuple[int, ...]] = {}
 
     def render(self, messages: Messages, generation_prompt: bool) -> str:
-        key = (generation_prompt, *(tuple(sorted(m.items())) for m in messages))
+        # a message's items in its own order: the same message written in another key order only
+        # misses the memo (half the cost of sorting them, which every render call paid)
         try:
+            key = (generation_prompt, *(tuple(m.items()) for m in messages))
             text = self._renders.get(key)
-        except TypeError:  # a message with unhashable values (e.g. a list of tool calls): no memo
+        # a message with unhashable values (e.g. a list of tool calls), or not a mapping: no memo
+        except (TypeError, AttributeError):
             key, text = None, None
         if text is None:
             text = self._render(messages, generation_prompt)
