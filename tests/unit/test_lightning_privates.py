@@ -69,13 +69,18 @@ def _defined(tree: ast.AST) -> set[str]:
 
 @functools.cache
 def library_privates() -> frozenset[str]:
+    """The privates the libraries define, less torch's ``nn.Module`` state they also assign
+    (Lightning's DeepSpeed strategy resets a module's ``_forward_hooks``: a torch private, which
+    a Lightning upgrade cannot rename)."""
+    import torch
+
     names: set[str] = set()
     for path in _library_files():
         try:
             names |= _defined(ast.parse(path.read_text(encoding="utf-8")))
         except (SyntaxError, UnicodeDecodeError):  # a template or a vendored file
             continue
-    return frozenset(names)
+    return frozenset(names - set(vars(torch.nn.Module())) - set(dir(torch.nn.Module)))
 
 
 def _is_library(cls: type) -> bool:
