@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from earl_lightning.models import build_char_tokenizer, make_tiny_model
 from earl_lightning.rollout.backends.base import GenRequest
-from earl_lightning.rollout.backends.decode_step import can_decode_direct, decode_logits
+from earl_lightning.rollout.backends.decode_step import can_decode_direct, decode_logits, step_masks
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.backends.kv import attention_masks, build_cache, gqa_attention
 from tests.unit.test_prefill_tail import BUILDERS, _play
@@ -102,7 +102,7 @@ def test_the_kept_mask_equals_the_rebuilt_one(tok):
     backend = HFBackend(model, tok)
     reqs = [GenRequest(k, list(range(3, 3 + n))) for k, n in enumerate([4, 11, 7, 2])]
     batch = backend._layout(reqs, [None] * len(reqs), max_new=6)
-    step_mask = backend._step_masks(batch)
+    step_mask = step_masks(batch.valid, backend.windows, torch.float32)
     active = torch.ones(len(reqs), dtype=torch.bool)
     for j, finished in enumerate([[], [2], [], [0, 3], []]):
         active[finished] = False

@@ -22,6 +22,7 @@ No Lightning here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from earl_lightning.models.llama_layers import has_llama_layers, rope, rotate_half_of
-from earl_lightning.rollout.backends.kv import full_attention_only
+from earl_lightning.rollout.backends.kv import attention_masks, full_attention_only
 from earl_lightning.rollout.backends.prefill_tail import model_attention
 
 # rotary types whose frequencies do not depend on the positions a call sees (dynamic and longrope
@@ -138,3 +139,30 @@ def decode_logits(
         x = x + attn.o_proj(out.reshape(b, 1, -1).contiguous())
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(body.norm(x))[:, -1, :]
+
+
+def step_masks(
+    valid: Tensor, windows: dict[str, int | None], dtype: torch.dtype
+) -> Callable[[int], Tensor | dict[str, Tensor]]:
+    """``mask(col)``: the attention mask of the decode step that feeds column ``col``, as
+    :func:`attention_masks` gives it once ``valid[:, col]`` holds the rows still active (``valid``
+    [B, capacity]: the call's columns, updated in place step by step). A full-attention model's is
+    one additive row per sequence kept across the steps: a column opens when it is fed, and closes
+    after its step where its row had finished; other models' are built at each step."""
+    if set(windows) != {"full_attention"}:
+        return lambda col: attention_masks(
+            valid[:, : col + 1], torch.tensor([col], device=valid.device), dtype, windows
+        )
+    low = torch.finfo(dtype).min
+    row = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+    row.masked_fill_(~valid, low)
+    last: list[int] = []
+
+    def mask(col: int) -> Tensor:
+        if last:  # the previous step's column, for the rows that go on
+            row[:, last[0]].masked_fill_(~valid[:, last[0]], low)
+        row[:, col] = 0.0  # every query attends its own column
+        last[:] = [col]
+        return row[:, None, None, : col + 1]
+
+    return mask

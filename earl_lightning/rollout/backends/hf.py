@@ -38,6 +38,7 @@ from earl_lightning.rollout.backends.decode_step import (
     can_decode_direct,
     decode_logits,
     rotary_table,
+    step_masks,
 )
 from earl_lightning.rollout.backends.kv import (
     EpisodeKV,
@@ -49,7 +50,12 @@ from earl_lightning.rollout.backends.kv import (
     gqa_attention,
 )
 from earl_lightning.rollout.backends.prefill_tail import last_column_only
-from earl_lightning.rollout.backends.sampling import draw_uniforms, row_seed, sample_tokens
+from earl_lightning.rollout.backends.sampling import (
+    draw_uniforms,
+    row_seed,
+    sample_tokens,
+    stop_hits,
+)
 
 
 @dataclass
@@ -351,7 +357,8 @@ class HFBackend:
         stopped = torch.zeros(b, dtype=torch.bool, device=dev)
         lengths = torch.zeros(b, dtype=torch.long, device=dev)
         eos = torch.tensor(sorted(self.eos_ids), device=dev)
-        step_mask, feed = self._step_masks(batch), self._feeder(batch, cache, steps)
+        step_mask = step_masks(batch.valid, self.windows, _float_dtype(self.model))
+        feed = self._feeder(batch, cache, steps)
         for j in range(steps):
             tok, lp = sample_tokens(
                 logits,
@@ -368,7 +375,7 @@ class HFBackend:
             lengths += active.long()
             hit = active & torch.isin(tok, eos)
             if sampling.stop:
-                hit |= self._stop_hits(tokens[:, : j + 1], active & ~hit, sampling.stop)
+                hit |= stop_hits(self.tokenizer, tokens[:, : j + 1], active & ~hit, sampling.stop)
             stopped |= hit
             active &= ~hit
             if j == steps - 1 or not bool(active.any()):
@@ -395,51 +402,6 @@ class HFBackend:
             return decode_logits(self.model, ids, pos, mask, cache, rotary)
 
         return feed
-
-    def _step_masks(self, batch: _Batch):
-        """``mask(col)``: the attention mask of the decode step that feeds column ``col``, as
-        :func:`attention_masks` gives it once ``batch.valid[:, col]`` holds the rows still active.
-        A full-attention model's is one additive row per sequence, kept across the steps: a column
-        becomes visible when it is fed, and closes after its step where its row had finished."""
-        dtype = _float_dtype(self.model)
-        if set(self.windows) != {"full_attention"}:
-            return lambda col: attention_masks(
-                batch.valid[:, : col + 1],
-                torch.tensor([col], device=batch.valid.device),
-                dtype,
-                self.windows,
-            )
-        low = torch.finfo(dtype).min
-        row = torch.zeros(batch.valid.shape, dtype=dtype, device=batch.valid.device)
-        row.masked_fill_(~batch.valid, low)
-        last = [None]
-
-        def mask(col: int) -> torch.Tensor:
-            if last[0] is not None:  # the previous step's column, for the rows that go on
-                row[:, last[0]].masked_fill_(~batch.valid[:, last[0]], low)
-            row[:, col] = 0.0  # every query attends its own column
-            last[0] = col
-            return row[:, None, None, : col + 1]
-
-        return mask
-
-    def _stop_hits(self, tokens: torch.Tensor, rows: torch.Tensor, stop: list[str]) -> torch.Tensor:
-        """[B] bool: rows (among ``rows``) whose generated text now contains a stop string.
-
-        Only the tail that can contain a string completed by the newest token is decoded; any
-        earlier occurrence would already have stopped the row.
-        """
-        hits = torch.zeros_like(rows)
-        # A token decodes to >= 1 character except for partial UTF-8 bytes; twice the longest stop
-        # string plus slack covers a string that ends at the newest token.
-        tail = 2 * max(len(s) for s in stop) + 8
-        idx = rows.nonzero().flatten().tolist()
-        if not idx:
-            return hits
-        texts = self.tokenizer.batch_decode(tokens[idx, -tail:].tolist())
-        for i, text in zip(idx, texts):
-            hits[i] = any(s in text for s in stop)
-        return hits
 
     def _store(
         self,

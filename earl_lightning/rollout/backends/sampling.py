@@ -1,4 +1,5 @@
-"""Batched token sampling shared by generation backends: pure tensor math, no model.
+"""Batched token sampling shared by generation backends (pure tensor math, no model), and the
+check for stop strings in what a row has generated (a tokenizer's decode of its tail).
 
 Sampling is inverse-CDF with one uniform per (row, step), drawn up front. With a seed, each
 row's uniforms come from its own generator seeded by ``(seed, key, prompt length)``, so a row's
@@ -109,3 +110,22 @@ def sample_tokens(
         torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
     )
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def stop_hits(tokenizer, tokens: torch.Tensor, rows: torch.Tensor, stop: list[str]) -> torch.Tensor:
+    """[B] bool: rows (among ``rows``) whose generated text now contains a stop string.
+
+    Only the tail that can contain a string completed by the newest token is decoded; any
+    earlier occurrence would already have stopped the row.
+    """
+    hits = torch.zeros_like(rows)
+    # A token decodes to >= 1 character except for partial UTF-8 bytes; twice the longest stop
+    # string plus slack covers a string that ends at the newest token.
+    tail = 2 * max(len(s) for s in stop) + 8
+    idx = rows.nonzero().flatten().tolist()
+    if not idx:
+        return hits
+    texts = tokenizer.batch_decode(tokens[idx, -tail:].tolist())
+    for i, text in zip(idx, texts):
+        hits[i] = any(s in text for s in stop)
+    return hits
