@@ -11,7 +11,8 @@ prefill: ``HFBackend(prefill_tail=False)``), ``kv_sdpa_rows`` (the rows through 
 decode: ``HFBackend(gqa_decode_rows=False)``), ``kv_repack`` (every episode's cache packed anew on
 each call: ``HFBackend(reuse_buffer=False)``) and ``reprefill``.
 
-All methods play the same ``recall`` episodes (observations padded so the context reaches
+The process's malloc is set up as the RL module sets it (``EARL_HOST_MEMORY``, default
+``retain``: ``earl_lightning/core/host_memory.py``). All methods play the same ``recall`` episodes (observations padded so the context reaches
 about two thousand tokens at 20 turns) with the same seed, so they generate identical tokens;
 the script checks that. Methods are interleaved per turn count (and their order alternates per
 repeat) so that load on a shared machine hits both alike.
@@ -123,8 +124,14 @@ def run_once(backend: HFBackend, tokenizer, turns: int, args: argparse.Namespace
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
+    from earl_lightning.core.host_memory import apply_host_memory
+
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    # malloc as the RL module sets it up (EARL_HOST_MEMORY, default retain): with glibc's own
+    # settings each large temporary is mapped afresh, and which variant pays more page faults
+    # depends on the order of its allocations rather than on its work
+    apply_host_memory()
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model).eval()
     backends = {m: HFBackend(model, tokenizer, **BACKEND_KWARGS[m]) for m in METHODS}
