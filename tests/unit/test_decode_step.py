@@ -74,7 +74,7 @@ def test_play_draws_what_the_model_forward_draws(model, tok):
     assert direct.stats["forwards"] == plain.stats["forwards"]
 
 
-def test_hooks_a_window_or_training_keep_the_model_forward(model, tok):
+def test_hooks_a_window_training_or_flash_attention_keep_the_model_forward(model, tok):
     seen = []
     layer = model.get_decoder().layers[0]
     handle = layer.register_forward_pre_hook(lambda m, args: seen.append(1))
@@ -90,6 +90,14 @@ def test_hooks_a_window_or_training_keep_the_model_forward(model, tok):
         assert not can_decode_direct(model)
     finally:
         model.eval()
+    plain = model.config._attn_implementation
+    model.config._attn_implementation = "flash_attention_2"  # reads the layer's position ids
+    try:
+        assert not can_decode_direct(model)
+    finally:
+        model.config._attn_implementation = plain
+    with gqa_attention(model):  # as generation routes SDPA
+        assert can_decode_direct(model)
     local = AutoModelForCausalLM.from_pretrained(
         make_tiny_model("earl-tiny-local", hidden_size=64, intermediate_size=128, sliding_window=8)
     )

@@ -13,7 +13,9 @@ bit for bit (``tests/unit/test_decode_step.py``). It saves a few tenths of a mil
 noise, ``benchmarks/rollout_kv.py``'s ``kv_hf_forward``).
 
 It applies (:func:`can_decode_direct`) only where nothing else hangs on those calls: Llama-pattern
-layers (:mod:`earl_lightning.models.llama_layers`) with full attention, plain (not DTensor)
+layers (:mod:`earl_lightning.models.llama_layers`) with full attention through eager or SDPA
+attention (:data:`PLAIN_ATTENTION`; a flash-attention kernel reads the position ids the layer
+hands on), plain (not DTensor)
 parameters, and no hook, replaced ``forward`` or accelerate hook on the model, its body, its
 layers or their attention modules. FSDP, tensor parallel, offloading and instrumented models keep
 the model's own forward.
@@ -31,9 +33,18 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from earl_lightning.models.llama_layers import has_llama_layers, rope, rotate_half_of
-from earl_lightning.rollout.backends.kv import attention_masks, full_attention_only
+from earl_lightning.rollout.backends.kv import (
+    GQA_SDPA,
+    GQA_SDPA_ROWS,
+    GQA_SDPA_ROWS_KERNEL,
+    attention_masks,
+    full_attention_only,
+)
 from earl_lightning.rollout.backends.prefill_tail import model_attention
 
+# attention functions that read nothing but the query, keys, values, mask and scaling (the layer's
+# own forward also hands its position ids and cache flags on; flash-attention kernels read those)
+PLAIN_ATTENTION = ("eager", "sdpa", GQA_SDPA, GQA_SDPA_ROWS, GQA_SDPA_ROWS_KERNEL)
 # rotary types whose frequencies do not depend on the positions a call sees (dynamic and longrope
 # recompute theirs from the longest position: their rotary module runs at every step)
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
@@ -61,6 +72,8 @@ def _untouched(module: nn.Module) -> bool:
 def can_decode_direct(model: nn.Module) -> bool:
     """Whether :func:`decode_logits` gives what ``model``'s forward would (see the module's doc)."""
     if model.training or not has_llama_layers(model) or not full_attention_only(model):
+        return False
+    if getattr(model.config, "_attn_implementation", None) not in PLAIN_ATTENTION:
         return False
     found = _layers(model)
     if found is None or not hasattr(model, "lm_head"):
