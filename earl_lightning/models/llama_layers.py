@@ -28,13 +28,21 @@ def text_config(model: nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
+    """The decoder body of a transformers causal LM (``get_decoder()``) and its ``layers`` (None
+    where the model has no ``model.layers``)."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(body, "layers", None)
+    return None if layers is None else (body, layers)
+
+
 def last_layer(model: nn.Module) -> nn.Module | None:
     """The last decoder layer of a transformers causal LM, inside its checkpoint wrapper if it has
     one (None where the model has no ``model.layers``)."""
-    body = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(body, "layers", None)
-    if layers is None or not len(layers):
+    found = decoder_layers(model)
+    if found is None or not len(found[1]):
         return None
+    layers = found[1]
     return getattr(layers[-1], "_checkpoint_wrapped_module", layers[-1])
 
 

@@ -32,7 +32,12 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from earl_lightning.models.llama_layers import has_llama_layers, rope, rotate_half_of
+from earl_lightning.models.llama_layers import (
+    decoder_layers,
+    has_llama_layers,
+    rope,
+    rotate_half_of,
+)
 from earl_lightning.rollout.backends.kv import (
     GQA_SDPA,
     GQA_SDPA_ROWS,
@@ -51,12 +56,17 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def _layers(model: nn.Module) -> tuple[nn.Module, list[nn.Module]] | None:
-    body = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(body, "layers", None)
-    if layers is None:
+    """The decoder body and the layers its forward runs (the config's ``num_hidden_layers``)."""
+    found = decoder_layers(model)
+    if found is None:
         return None
     count = model.config.get_text_config().num_hidden_layers
-    return body, list(layers[:count])
+    return found[0], list(found[1][:count])
+
+
+def has_dtensor(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor (sharded by FSDP2 or tensor parallel)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _untouched(module: nn.Module) -> bool:
@@ -88,7 +98,7 @@ def can_decode_direct(model: nn.Module) -> bool:
     modules = [model, body, *layers, *(layer.self_attn for layer in layers)]
     if not all(_untouched(m) for m in modules):
         return False
-    return not any(isinstance(p, DTensor) for p in model.parameters())
+    return not has_dtensor(model)
 
 
 def rotary_table(

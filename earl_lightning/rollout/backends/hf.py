@@ -37,6 +37,7 @@ from earl_lightning.rollout.backends.base import (
 from earl_lightning.rollout.backends.decode_step import (
     can_decode_direct,
     decode_logits,
+    has_dtensor,
     rotary_table,
     step_masks,
 )
@@ -112,7 +113,7 @@ class HFBackend:
     ):
         check_count("prefill_chunk_elems", prefill_chunk_elems)
         self.model, self.tokenizer = model, tokenizer
-        self._tensor_parallel = _has_dtensor(model)
+        self._tensor_parallel = has_dtensor(model)
         self.reuse_kv, self.prefill_chunk_elems, self.share_prompts = (
             reuse_kv,
             prefill_chunk_elems,
@@ -160,7 +161,7 @@ class HFBackend:
         """Bind the stage's model (the placement for ``layout``); KV cached under another model is
         dropped. Nothing to switch: returns 0.0."""
         if model is not self.model:
-            self.model, self._tensor_parallel = model, _has_dtensor(model)
+            self.model, self._tensor_parallel = model, has_dtensor(model)
             self._cache.clear()
         return 0.0
 
@@ -423,12 +424,6 @@ class HFBackend:
                     f"KV cache of key {req.key}: {counts[i]} columns for {len(ids)} ids"
                 )
             self._cache[req.key] = EpisodeKV(ids, resident=resident, row=i)
-
-
-def _has_dtensor(model: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
