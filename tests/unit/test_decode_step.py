@@ -14,7 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from earl_lightning.models import build_char_tokenizer, make_tiny_model
 from earl_lightning.rollout.backends.base import GenRequest
-from earl_lightning.rollout.backends.decode_step import can_decode_direct, decode_logits, step_masks
+from earl_lightning.rollout.backends.decode_step import (
+    can_decode_direct,
+    decode_logits,
+    decode_parts,
+    step_masks,
+)
 from earl_lightning.rollout.backends.hf import HFBackend
 from earl_lightning.rollout.backends.kv import attention_masks, build_cache, gqa_attention
 from tests.unit.test_prefill_tail import BUILDERS, _play
@@ -30,8 +35,9 @@ def model(request, tok):
     return BUILDERS[request.param](tok).eval()
 
 
-def _one_step(backend, model, direct: bool):
-    """Prefill three ragged rows, then one decode step; its logits and every layer's cache."""
+def _one_step(backend, model, direct: bool, parts: bool = False):
+    """Prefill three ragged rows, then one decode step; its logits and every layer's cache.
+    ``parts``: the direct step with its parts looked up beforehand, as a generation call does."""
     reqs = [GenRequest(k, list(range(3, 3 + n))) for k, n in enumerate([4, 11, 7])]
     entries = [None] * len(reqs)
     batch = backend._layout(reqs, entries, max_new=3)
@@ -48,7 +54,8 @@ def _one_step(backend, model, direct: bool):
         ids = torch.tensor([[5], [9], [12]])
         pos = batch.next_pos.unsqueeze(1)
         if direct:
-            logits = decode_logits(model, ids, pos, mask, cache)
+            found = decode_parts(model) if parts else None
+            logits = decode_logits(model, ids, pos, mask, cache, parts=found)
         else:
             logits = backend._forward(ids, pos, mask, cache)
     return logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
@@ -61,6 +68,24 @@ def test_logits_and_cache_equal_the_model_forward_bit_for_bit(model, tok):
     assert torch.equal(la, lb)
     for (ka, va), (kb, vb) in zip(kva, kvb):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_parts_looked_up_once_give_the_same_step(model, tok):
+    """A call's parts, looked up under its attention setting, give the per-step lookup's numbers;
+    the attention function they hold is the one that setting configures."""
+    backend = HFBackend(model, tok)
+    (la, kva), (lb, kvb) = (
+        _one_step(backend, model, True, parts=True),
+        _one_step(backend, model, True),
+    )
+    assert torch.equal(la, lb)
+    for (ka, va), (kb, vb) in zip(kva, kvb):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    with gqa_attention(model):
+        inside = decode_parts(model)
+    outside = decode_parts(model)
+    assert inside.body is outside.body and len(inside.layers) == model.config.num_hidden_layers
+    assert all(a[2] is not b[2] for a, b in zip(inside.layers, outside.layers))
 
 
 def test_play_draws_what_the_model_forward_draws(model, tok):

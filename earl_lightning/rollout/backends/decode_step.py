@@ -26,6 +26,7 @@ No Lightning here.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -116,6 +117,29 @@ def rotary_table(
     return cos[0], sin[0], first
 
 
+@dataclass(frozen=True)
+class DecodeParts:
+    """What :func:`decode_logits` reads from a model, looked up once for a call's decode steps:
+    the decoder body and, per layer, the layer, its ``rotate_half`` and its attention function (the
+    one configured when looked up: under :func:`~earl_lightning.rollout.backends.kv.gqa_attention`
+    in a generation call)."""
+
+    body: nn.Module
+    layers: tuple[tuple[nn.Module, Callable, Callable], ...]
+
+
+def decode_parts(model: nn.Module) -> DecodeParts:
+    """The :class:`DecodeParts` of a model :func:`can_decode_direct` accepts."""
+    body, layers = _layers(model)
+    return DecodeParts(
+        body,
+        tuple(
+            (layer, rotate_half_of(layer.self_attn), model_attention(layer.self_attn))
+            for layer in layers
+        ),
+    )
+
+
 def decode_logits(
     model: nn.Module,
     ids: Tensor,
@@ -123,12 +147,14 @@ def decode_logits(
     mask: Tensor,
     cache: Any,
     rotary: tuple[Tensor, Tensor, int] | None = None,
+    parts: DecodeParts | None = None,
 ) -> Tensor:
     """[B, V] next-token logits of one fed token per row: ``ids`` and ``positions`` [B, 1],
     ``mask`` the additive [B, 1, 1, K] mask, ``cache`` the transformers ``Cache`` the token's keys
     and values are written to; ``rotary``: a :func:`rotary_table` that covers the positions (else
-    the rotary module runs)."""
-    body, layers = _layers(model)
+    the rotary module runs); ``parts``: the call's :func:`decode_parts` (else looked up here)."""
+    parts = decode_parts(model) if parts is None else parts
+    body = parts.body
     x = body.embed_tokens(ids)
     if rotary is None:
         cos, sin = body.rotary_emb(x, positions)
@@ -137,7 +163,7 @@ def decode_logits(
         at = positions - first
         cos, sin = cos_t[at], sin_t[at]
     b = ids.shape[0]
-    for layer in layers:
+    for layer, rotate_half, attention in parts.layers:
         attn = layer.self_attn
         d = attn.head_dim
         h = layer.input_layernorm(x)
@@ -146,11 +172,10 @@ def decode_logits(
         v = attn.v_proj(h).view(b, 1, -1, d).transpose(1, 2)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head norms before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
-        rotate_half = rotate_half_of(attn)
         q = rope(q.transpose(1, 2), cos, sin, rotate_half)
         k = rope(k.transpose(1, 2), cos, sin, rotate_half)
         k, v = cache.update(k, v, attn.layer_idx)
-        out, _ = model_attention(attn)(
+        out, _ = attention(
             attn,
             q,
             k,

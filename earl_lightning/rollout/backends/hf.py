@@ -37,6 +37,7 @@ from earl_lightning.rollout.backends.base import (
 from earl_lightning.rollout.backends.decode_step import (
     can_decode_direct,
     decode_logits,
+    decode_parts,
     has_dtensor,
     rotary_table,
     step_masks,
@@ -396,11 +397,12 @@ class HFBackend:
         first, end = int(batch.next_pos.min()), int(batch.next_pos.max()) + steps
         like = batch.valid.new_empty(0, dtype=_float_dtype(self.model))
         rotary = rotary_table(self.model, first, end, like) if steps > 1 else None
+        parts = decode_parts(self.model)
 
         def feed(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             self.stats["forwards"] += 1
             self.stats["direct_decode_steps"] += 1
-            return decode_logits(self.model, ids, pos, mask, cache, rotary)
+            return decode_logits(self.model, ids, pos, mask, cache, rotary, parts)
 
         return feed
 
