@@ -11,11 +11,11 @@ prefill: ``HFBackend(prefill_tail=False)``), ``kv_sdpa_rows`` (the rows through 
 decode: ``HFBackend(gqa_decode_rows=False)``), ``kv_repack`` (every episode's cache packed anew on
 each call: ``HFBackend(reuse_buffer=False)``) and ``reprefill``.
 
-The process's malloc is set up as the RL module sets it (``EARL_HOST_MEMORY``, default
-``retain``: ``earl_lightning/core/host_memory.py``). All methods play the same ``recall`` episodes (observations padded so the context reaches
-about two thousand tokens at 20 turns) with the same seed, so they generate identical tokens;
-the script checks that. Methods are interleaved per turn count (and their order alternates per
-repeat) so that load on a shared machine hits both alike.
+The process's malloc is set up as the RL module sets it (``EARL_HOST_MEMORY``, default ``retain``:
+``earl_lightning/core/host_memory.py``). All methods play the same ``recall`` episodes (observations
+padded so the context reaches about two thousand tokens at 20 turns) with the same seed, so they
+generate identical tokens; the script checks that. Methods are interleaved per turn count (and their
+order alternates per repeat) so that load on a shared machine hits both alike.
 
     python benchmarks/rollout_kv.py --quick        # < 3 minutes on 2 CPU cores
     python benchmarks/rollout_kv.py                # more episodes, 3 repeats

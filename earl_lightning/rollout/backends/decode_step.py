@@ -1,24 +1,23 @@
 """A decode step of a Llama-pattern model, run through its modules without transformers' wrapping.
 
 A decode step feeds one token per row. In a small model a large share of its time is not the
-operators but the calls around them: the model's and the decoder body's ``forward`` (argument checks, the output
-dataclasses, the mask preparation that a 4-D mask skips anyway, the output-capture wrappers), each
-decoder layer's and attention module's ``__call__`` and ``forward``. :func:`decode_logits` runs the
-same operators in the same order on the same modules (embedding, the rotary module, per layer the
-norms, the q/k/v/o projections through the module, the rotation as the model's own
-``rotate_half``, the cache's ``update``, the configured attention function, the MLP module; the
-final norm and the LM head) and returns the logits the model's forward would have given,
-bit for bit (``tests/unit/test_decode_step.py``). It saves a few tenths of a millisecond a step
-(the two-layer earl-tiny at 64 rows: a ten-turn rollout 1.12x faster, a twenty-turn one within
-noise, ``benchmarks/rollout_kv.py``'s ``kv_hf_forward``).
+operators but the calls around them: the model's and the decoder body's ``forward`` (argument
+checks, the output dataclasses, the mask preparation that a 4-D mask skips anyway, the
+output-capture wrappers), each decoder layer's and attention module's ``__call__`` and ``forward``.
+:func:`decode_logits` runs the same operators in the same order on the same modules (embedding, the
+rotary module, per layer the norms, the q/k/v/o projections through the module, the rotation as the
+model's own ``rotate_half``, the cache's ``update``, the configured attention function, the MLP
+module; the final norm and the LM head) and returns the logits the model's forward would have given,
+bit for bit (``tests/unit/test_decode_step.py``). It saves a few tenths of a millisecond a step (the
+two-layer earl-tiny at 64 rows: a ten-turn rollout 1.12x faster, a twenty-turn one within noise,
+``benchmarks/rollout_kv.py``'s ``kv_hf_forward``).
 
 It applies (:func:`can_decode_direct`) only where nothing else hangs on those calls: Llama-pattern
 layers (:mod:`earl_lightning.models.llama_layers`) with full attention through eager or SDPA
-attention (:data:`PLAIN_ATTENTION`; a flash-attention kernel reads the position ids the layer
-hands on), plain (not DTensor)
-parameters, and no hook, replaced ``forward`` or accelerate hook on the model, its body, its
-layers or their attention modules. FSDP, tensor parallel, offloading and instrumented models keep
-the model's own forward.
+attention (:data:`PLAIN_ATTENTION`; a flash-attention kernel reads the position ids the layer hands
+on), plain (not DTensor) parameters, and no hook, replaced ``forward`` or accelerate hook on the
+model, its body, its layers or their attention modules. FSDP, tensor parallel, offloading and
+instrumented models keep the model's own forward.
 
 No Lightning here.
 """
