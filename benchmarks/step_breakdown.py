@@ -12,7 +12,8 @@ prints the functions that take the most time.
 The settings: ``on_policy_shortcut`` (``optim.*``: the old log-probs are the training forward's),
 ``share_prefix`` (``optim.*``: a group's prompt runs once in the training forward),
 ``share_prompts`` (``rollout.*``: a group's prompt is prefilled once in the rollout),
-``scored_last_layer`` (``optim.*``: the last layer runs only where an action token is scored).
+``scored_last_layer`` (``optim.*``: the last layer runs only where an action token is scored),
+``causal_chunks`` (``optim.*``: on CPU, causal attention in query chunks).
 
     python benchmarks/step_breakdown.py --off share_prefix share_prompts   # 3 runs per side, 20 steps
     python benchmarks/step_breakdown.py --off on_policy_shortcut --profile
@@ -37,7 +38,13 @@ from benchmarks.vs_trl_sides import RESULT_TAG, RunSpec  # noqa: E402
 from earl_lightning.parallel.launch_env import standalone_env  # noqa: E402
 
 STAGES = ("rollout", "experience", "train")
-SETTINGS = ("on_policy_shortcut", "share_prefix", "share_prompts", "scored_last_layer")
+SETTINGS = (
+    "on_policy_shortcut",
+    "share_prefix",
+    "share_prompts",
+    "scored_last_layer",
+    "causal_chunks",
+)
 
 
 def one_run(spec: RunSpec) -> dict:

@@ -55,6 +55,7 @@ class RunSpec:
     share_prompts: bool = True  # earl only: False prefills every completion's prompt in the rollout
     # earl only: False runs the last layer at every position in the train forward
     scored_last_layer: bool = True
+    causal_chunks: bool = True
     micro_batch_tokens: int = 1 << 20  # earl only: the padded-token budget of one forward/backward
 
     def env_kwargs(self) -> dict:
@@ -166,6 +167,7 @@ def run_earl(spec: RunSpec) -> dict:
             "on_policy_shortcut": spec.on_policy_shortcut,
             "share_prefix": spec.share_prefix,
             "scored_last_layer": spec.scored_last_layer,
+            "causal_chunks": spec.causal_chunks,
         },
     )
     data = EpisodeDataModule(

@@ -344,6 +344,9 @@ class OptimConfig:
             cache (``train/prefix.py``: when it saves >= 25% of the tokens); false runs whole sequences.
         scored_last_layer: the policy forwards' last layer runs only where an action token is scored
             (``train/scored.py``: Llama-pattern models; same loss and gradients); false: everywhere.
+        causal_chunks: on CPU, the policy forwards' causal attention over 384 to 767 positions runs in
+            query chunks of at least 192, each over the keys it sees (``train/causal_chunks.py``: the
+            CPU kernel computes fewer masked pairs; same numbers up to float rounding); false: one call.
     """
 
     lr: float = 1e-3
@@ -357,6 +360,7 @@ class OptimConfig:
     on_policy_shortcut: bool = True
     share_prefix: bool = True
     scored_last_layer: bool = True
+    causal_chunks: bool = True
 
     def __post_init__(self) -> None:
         arg = f"{A}.optim"

@@ -310,6 +310,7 @@ class AgenticRLModule(StepLogging, EvaluationHooks, RolloutPlay, L.LightningModu
             micro_batch_tokens=ctx.budget(self.optim_config.micro_batch_tokens),
             share_prefix=self.optim_config.share_prefix,
             scored=self.optim_config.scored_last_layer,
+            chunked=self.optim_config.causal_chunks,
         )
         kl = self.algorithm_config.kl.coef > 0
         return fill_experience(

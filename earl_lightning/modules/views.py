@@ -54,6 +54,7 @@ def update_view(
         on_policy=exactly_on_policy(rollout, algorithm, optim),
         share_prefix=optim.share_prefix,
         scored_last_layer=optim.scored_last_layer,
+        causal_chunks=optim.causal_chunks,
         correction=algorithm.rollout_correction.spec,
         mask_truncated=algorithm.mask_truncated,
     )

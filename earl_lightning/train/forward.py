@@ -20,6 +20,7 @@ from earl_lightning.algorithms import (
 from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.models import eval_mode
 from earl_lightning.models.lora import adapters_disabled
+from earl_lightning.train.causal_chunks import causal_chunks
 from earl_lightning.train.prefix import PrefixPlan, prefix_plan, shared_prefix_forward
 from earl_lightning.train.scored import (
     MAX_SCORED_SHARE,
@@ -40,6 +41,7 @@ def forward_micro_batch(
     allowed: list[int] | None = None,
     plan: PrefixPlan | None = None,
     scored: bool = False,
+    chunked: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N].
 
@@ -50,14 +52,22 @@ def forward_micro_batch(
     (:mod:`earl_lightning.train.scored`); log-probs and entropy elsewhere are then 0, for callers
     that mask them with ``action_mask`` (values too: GAE reads them on actions only). Taken only
     where it applies (no plan, a model :func:`can_score_last_layer` accepts, actions at most half
-    the positions)."""
-    need_hidden = value_head is not None
+    the positions). ``chunked``: on CPU the layers' causal attention runs in query chunks where that
+    is faster (:mod:`earl_lightning.train.causal_chunks`: the same numbers up to float rounding)."""
     allowed_t = (
         None
         if allowed is None
         else torch.as_tensor(allowed, dtype=torch.long, device=mb.tokens["input_ids"].device)
     )
-    per_position = _per_position(temperature, allowed_t, with_entropy, value_head)
+    with causal_chunks(model, chunked):
+        return _forward(model, mb, temperature, value_head, with_entropy, allowed_t, plan, scored)
+
+
+def _forward(model, mb, temperature, value_head, with_entropy, allowed, plan, scored):
+    """:func:`forward_micro_batch` in its three ways: shared prefixes, the scored last layer, or
+    the plain forward."""
+    need_hidden = value_head is not None
+    per_position = _per_position(temperature, allowed, with_entropy, value_head)
     if plan is not None:
         return shared_prefix_forward(model, mb, plan, per_position, need_hidden=need_hidden)
     if scored:
@@ -66,7 +76,7 @@ def forward_micro_batch(
             mb,
             temperature=temperature,
             with_entropy=with_entropy,
-            allowed=allowed_t,
+            allowed=allowed,
             value_head=value_head,
         )
         if res is not None:
@@ -154,9 +164,11 @@ def fill_logprobs(
     allowed: list[int] | None = None,
     share_prefix: bool = False,
     scored: bool = False,
+    chunked: bool = True,
 ) -> ExperienceBatch:
     """Add per-token ``name`` log-probs (and ``values`` when a value head is given) to the batch.
-    ``scored``: as in :func:`forward_micro_batch` (the tokens that are not actions then get 0)."""
+    ``scored``: as in :func:`forward_micro_batch` (the tokens that are not actions then get 0);
+    ``chunked`` as there."""
     out = {name: torch.zeros(batch.num_tokens)}
     if value_head is not None:
         out["values"] = torch.zeros(batch.num_tokens)
@@ -171,6 +183,7 @@ def fill_logprobs(
                 allowed=allowed,
                 plan=prefix_plan(model, mb, share_prefix),
                 scored=scored,
+                chunked=chunked,
             )
         pos = batch.token_positions(idx)
         out[name][pos] = res["logprobs"].cpu()

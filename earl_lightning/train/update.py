@@ -54,6 +54,8 @@ class UpdateConfig:
     share_prefix: bool
     # the last layer only where an action token is scored (train.scored)
     scored_last_layer: bool
+    # on CPU, causal attention in query chunks where that is faster (train.causal_chunks)
+    causal_chunks: bool
     # importance weights of the rollout's sampled log-probs (algorithms.correction); None: off
     correction: RolloutCorrection | None
     # the rows of episodes cut by a limit leave the loss (train.loss_weights)
@@ -103,6 +105,7 @@ def micro_batch_loss(
         allowed=cfg.allowed_token_ids,
         plan=plan,
         scored=cfg.scored_last_layer,
+        chunked=cfg.causal_chunks,
     )
     mask = mb.padded("loss_mask", 0.0)  # [B, T]: the tokens that count (train.loss_weights)
     logp = mb.pad(res["logprobs"], 0.0)  # [B, T]
