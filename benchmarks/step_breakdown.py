@@ -13,7 +13,8 @@ The settings: ``on_policy_shortcut`` (``optim.*``: the old log-probs are the tra
 ``share_prefix`` (``optim.*``: a group's prompt runs once in the training forward),
 ``share_prompts`` (``rollout.*``: a group's prompt is prefilled once in the rollout),
 ``scored_last_layer`` (``optim.*``: the last layer runs only where an action token is scored),
-``causal_chunks`` (``optim.*``: on CPU, causal attention in query chunks).
+``causal_chunks`` (``optim.*``: on CPU, causal attention in query chunks),
+``rms_norm_backward`` (``optim.*``: the RMSNorms' backward written out).
 
     python benchmarks/step_breakdown.py --off share_prefix share_prompts   # 3 runs per side, 20 steps
     python benchmarks/step_breakdown.py --off on_policy_shortcut --profile
@@ -44,6 +45,7 @@ SETTINGS = (
     "share_prompts",
     "scored_last_layer",
     "causal_chunks",
+    "rms_norm_backward",
 )
 
 

@@ -56,6 +56,7 @@ class RunSpec:
     # earl only: False runs the last layer at every position in the train forward
     scored_last_layer: bool = True
     causal_chunks: bool = True
+    rms_norm_backward: bool = True
     micro_batch_tokens: int = 1 << 20  # earl only: the padded-token budget of one forward/backward
 
     def env_kwargs(self) -> dict:
@@ -168,6 +169,7 @@ def run_earl(spec: RunSpec) -> dict:
             "share_prefix": spec.share_prefix,
             "scored_last_layer": spec.scored_last_layer,
             "causal_chunks": spec.causal_chunks,
+            "rms_norm_backward": spec.rms_norm_backward,
         },
     )
     data = EpisodeDataModule(

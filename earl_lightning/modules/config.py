@@ -347,6 +347,9 @@ class OptimConfig:
         causal_chunks: on CPU, the policy forwards' causal attention over 384 to 767 positions runs in
             query chunks of at least 192, each over the keys it sees (``train/causal_chunks.py``: the
             CPU kernel computes fewer masked pairs; same numbers up to float rounding); false: one call.
+        rms_norm_backward: in fp32, the policy's Llama-pattern RMSNorms run a written-out backward
+            (``train/rms_norm.py``: the same forward bit for bit, gradients up to float rounding, the
+            backward in half the time); false: autograd's.
     """
 
     lr: float = 1e-3
@@ -361,6 +364,7 @@ class OptimConfig:
     share_prefix: bool = True
     scored_last_layer: bool = True
     causal_chunks: bool = True
+    rms_norm_backward: bool = True
 
     def __post_init__(self) -> None:
         arg = f"{A}.optim"

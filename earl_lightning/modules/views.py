@@ -55,6 +55,7 @@ def update_view(
         share_prefix=optim.share_prefix,
         scored_last_layer=optim.scored_last_layer,
         causal_chunks=optim.causal_chunks,
+        rms_norm_backward=optim.rms_norm_backward,
         correction=algorithm.rollout_correction.spec,
         mask_truncated=algorithm.mask_truncated,
     )

@@ -13,13 +13,14 @@ over the keys up to its own last query: the first chunk causal as before, the ot
 explicit causal mask (their queries see every earlier key). At 650 positions that is three chunks
 and 1.33 times the pairs; chunks under ``CHUNK_MIN`` queries fall into the kernel's 32-row blocks,
 which cost more a pair than they save. From ``CHUNK_BELOW`` positions the kernel's 256-row blocks
-waste less and the chunks no longer pay (``benchmarks/causal_chunks.py`` measures both sides).
+waste less and the chunks no longer pay (``benchmarks/train_cpu_paths.py`` measures both sides).
 
 Each query's attention is computed over the keys it sees, as one call computes it, so the output
 and gradients are the single call's up to float rounding (another block split sums in another
 order). Applied where transformers' own ``sdpa`` attention would call the kernel with
 ``is_causal`` (no mask, as many keys as queries) on CPU without dropout; everything else goes to
-``sdpa`` as it is. :func:`causal_chunks` routes a model's ``sdpa`` attention here for a block.
+``sdpa`` as it is. :func:`causal_chunks` routes a model's ``sdpa`` attention here for a block
+(not for a model that recomputes activations in its backward).
 
 No Lightning here.
 """
@@ -36,6 +37,8 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from earl_lightning.parallel.parallelize import recomputes_activations
 
 NAME = "earl_sdpa_causal_chunks"
 # the query length from which the CPU kernel takes 64-row query blocks: no chunk is shorter
@@ -129,9 +132,15 @@ AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 @contextmanager
 def causal_chunks(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Within the block, a ``sdpa`` model's attention runs through the query chunks where they
-    apply; other attention implementations, and ``enabled=False``, are left alone."""
+    apply; other attention implementations, ``enabled=False``, and a model whose layers recompute
+    their forward in the backward while gradients are recorded (the recomputation, outside the
+    block, would run one call and save other tensors) are left alone."""
     config = getattr(model, "config", None)
-    if not enabled or getattr(config, "_attn_implementation", None) != "sdpa":
+    if (
+        not enabled
+        or getattr(config, "_attn_implementation", None) != "sdpa"
+        or (torch.is_grad_enabled() and recomputes_activations(model))
+    ):
         yield
         return
     config._attn_implementation = NAME

@@ -22,6 +22,7 @@ from earl_lightning.models import eval_mode
 from earl_lightning.models.lora import adapters_disabled
 from earl_lightning.train.causal_chunks import causal_chunks
 from earl_lightning.train.prefix import PrefixPlan, prefix_plan, shared_prefix_forward
+from earl_lightning.train.rms_norm import rms_norm_backward
 from earl_lightning.train.scored import (
     MAX_SCORED_SHARE,
     can_score_last_layer,
@@ -42,6 +43,7 @@ def forward_micro_batch(
     plan: PrefixPlan | None = None,
     scored: bool = False,
     chunked: bool = True,
+    norm_backward: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N].
 
@@ -53,13 +55,15 @@ def forward_micro_batch(
     that mask them with ``action_mask`` (values too: GAE reads them on actions only). Taken only
     where it applies (no plan, a model :func:`can_score_last_layer` accepts, actions at most half
     the positions). ``chunked``: on CPU the layers' causal attention runs in query chunks where that
-    is faster (:mod:`earl_lightning.train.causal_chunks`: the same numbers up to float rounding)."""
+    is faster (:mod:`earl_lightning.train.causal_chunks`: the same numbers up to float rounding).
+    ``norm_backward``: the RMSNorms' backward written out (:mod:`earl_lightning.train.rms_norm`:
+    the same forward, gradients up to float rounding)."""
     allowed_t = (
         None
         if allowed is None
         else torch.as_tensor(allowed, dtype=torch.long, device=mb.tokens["input_ids"].device)
     )
-    with causal_chunks(model, chunked):
+    with causal_chunks(model, chunked), rms_norm_backward(model, norm_backward):
         return _forward(model, mb, temperature, value_head, with_entropy, allowed_t, plan, scored)
 
 

@@ -56,6 +56,8 @@ class UpdateConfig:
     scored_last_layer: bool
     # on CPU, causal attention in query chunks where that is faster (train.causal_chunks)
     causal_chunks: bool
+    # the RMSNorms' backward written out (train.rms_norm)
+    rms_norm_backward: bool
     # importance weights of the rollout's sampled log-probs (algorithms.correction); None: off
     correction: RolloutCorrection | None
     # the rows of episodes cut by a limit leave the loss (train.loss_weights)
@@ -106,6 +108,7 @@ def micro_batch_loss(
         plan=plan,
         scored=cfg.scored_last_layer,
         chunked=cfg.causal_chunks,
+        norm_backward=cfg.rms_norm_backward,
     )
     mask = mb.padded("loss_mask", 0.0)  # [B, T]: the tokens that count (train.loss_weights)
     logp = mb.pad(res["logprobs"], 0.0)  # [B, T]

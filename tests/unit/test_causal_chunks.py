@@ -166,3 +166,19 @@ def test_where_they_do_not_apply_transformers_attention_runs_as_it_is(monkeypatc
             assert model.config._attn_implementation == cc.NAME
             raise RuntimeError("inside")
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_not_taken_for_a_model_that_recomputes_its_layers_while_recording(monkeypatch):
+    """Activation checkpointing reruns a layer in the backward, after the block, with one call:
+    the chunks would have saved other tensors (torch raises on that). Without gradients nothing
+    reruns, so the experience forward still takes them."""
+    from earl_lightning.parallel.parallelize import apply_activation_checkpointing
+
+    calls = _spy(monkeypatch)
+    model, mb = _qwen(), _batch()
+    apply_activation_checkpointing(model, enabled=True)
+    res = forward_micro_batch(model, mb, temperature=1.0, chunked=True)
+    (res["logprobs"] * mb.tokens["action_mask"]).sum().backward()  # no CheckpointError
+    assert not calls
+    fill_logprobs(model, mb, name="old", temperature=1.0, micro_batch_tokens=4096)
+    assert calls

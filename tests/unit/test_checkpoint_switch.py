@@ -101,11 +101,11 @@ def _params(mod):
 
 
 def _plain_module():
-    # Wrapped layers run the plain forward (train/scored.py declines them); the reference does too,
-    # so the two runs differ by checkpointing alone and not by the products' float rounding.
-    return module(
-        optim=dict(micro_batch_tokens=1024, on_policy_shortcut=False, scored_last_layer=False)
-    )
+    # Wrapped layers run the plain forward and autograd's norms (train/scored.py and
+    # train/rms_norm.py decline them); the reference does too, so the two runs differ by
+    # checkpointing alone and not by the products' float rounding.
+    optim = dict(micro_batch_tokens=1024, on_policy_shortcut=False, scored_last_layer=False)
+    return module(optim={**optim, "rms_norm_backward": False, "causal_chunks": False})
 
 
 def test_adaptive_switches_to_checkpointing_after_an_oom_with_the_same_parameters(
