@@ -18,6 +18,7 @@ from earl_lightning.models import make_tiny_model
 from earl_lightning.modules.config import OptimConfig
 from earl_lightning.train import causal_chunks as cc
 from earl_lightning.train.forward import fill_logprobs, forward_micro_batch
+from tests.unit.test_scored_last_layer import SMALL
 
 
 def test_chunk_bounds_cover_the_range_in_chunks_of_at_least_192():
@@ -53,17 +54,7 @@ def test_chunks_equal_one_causal_call_forward_and_backward(length, kv_heads):
 
 def _llama():
     torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=101,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=1024,
-        )
-    )
+    return LlamaForCausalLM(LlamaConfig(**{**SMALL, "max_position_embeddings": 1024}))
 
 
 def _qwen():

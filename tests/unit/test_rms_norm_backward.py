@@ -24,17 +24,8 @@ from earl_lightning.train import rms_norm as rn
 from earl_lightning.train import update as update_mod
 from earl_lightning.train.forward import forward_micro_batch
 from earl_lightning.train.update import Models, ppo_update
-from tests.unit.test_scored_last_layer import _batch, _qwen
+from tests.unit.test_scored_last_layer import SMALL, _batch, _qwen
 from tests.updates import reference_update
-
-SMALL = dict(
-    vocab_size=101,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 
 
 @pytest.mark.parametrize("cls", [LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm])
@@ -76,7 +67,7 @@ def test_not_taken_in_bf16_without_gradients_or_when_off():
 
 
 def test_the_block_puts_it_on_every_norm_and_takes_it_off_again():
-    model = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=8))  # q_norm and k_norm too
+    model = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16))  # q_norm and k_norm too
     norms = [m for m in model.modules() if isinstance(m, Qwen3RMSNorm)]
     assert len(norms) == 2 * 4 + 1  # per layer: input, post-attention, q, k; the final norm
     with rn.rms_norm_backward(model):
