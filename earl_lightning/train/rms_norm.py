@@ -9,7 +9,7 @@ weight's gradient reduced over a broadcast. Written out, the backward is
     ∂weight = Σ g · x̂ over every position
     ∂x = r · (g·w − x̂ · mean(g·w · x̂))
 
-which reads the saved input and ``r`` once more and takes half the time
+which reads the saved input and ``r`` once more and takes 0.5–0.7 of the time
 (``benchmarks/train_cpu_paths.py``). The forward is the module's own operators in its order, so
 the outputs are the module's bit for bit; the gradients equal autograd's up to float rounding.
 
