@@ -63,7 +63,7 @@ def chunked_causal_attention(
     """Causal attention of ``query`` [B, H, L, D] over ``key`` / ``value`` [B, KV, L, D] (``KV``
     dividing ``H``: grouped heads are broadcast), in the query chunks ``bounds`` gives; returns
     [B, L, H, D] (the layout transformers' attention functions return)."""
-    b, heads, length, d = query.shape
+    b, heads, length, _ = query.shape
     out = query.new_empty(b, length, heads, value.shape[-1])
     gqa = heads != key.shape[1]
     for lo, hi in zip(bounds[:-1], bounds[1:]):

@@ -85,9 +85,12 @@ def _norms(model: nn.Module) -> list[nn.Module]:
 @contextmanager
 def rms_norm_backward(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Within the block, ``model``'s Llama-pattern RMSNorms run :func:`rms_norm`; nothing changes
-    with ``enabled=False``, or for a model whose layers recompute their forward in the backward
-    (the recomputation, outside the block, would save other tensors)."""
-    norms = _norms(model) if enabled and not recomputes_activations(model) else []
+    with ``enabled=False``, where no gradients are recorded (a no-grad forward, e.g. the experience
+    stage's: :func:`rms_norm` would only hand each call back to the module), or for a model whose
+    layers recompute their forward in the backward (the recomputation, outside the block, would
+    save other tensors)."""
+    apply = enabled and torch.is_grad_enabled() and not recomputes_activations(model)
+    norms = _norms(model) if apply else []
     for m in norms:
         m.forward = rms_norm.__get__(m)  # bound: module(x) -> rms_norm(module, x)
     try:

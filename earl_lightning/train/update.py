@@ -88,6 +88,15 @@ def mini_batch_indices(batch: ExperienceBatch, n: int) -> list[list[int]]:
     return [list(range(bounds[i], bounds[i + 1])) for i in range(n)]
 
 
+def _rollout_mismatch(mb: ExperienceBatch, old: torch.Tensor) -> float:
+    """The largest gap between the rollout's sampled log-probs and ``old`` [B, T] (the log-probs
+    of the weights it sampled with) over every generated token, kept in the loss or not."""
+    generated = mb.padded("action_mask", 0.0)  # [B, T]
+    if not generated.numel():
+        return 0.0
+    return float(((mb.padded("rollout_logprobs", 0.0) - old).abs() * generated).max())
+
+
 def micro_batch_loss(
     models: Models,
     mb: ExperienceBatch,
@@ -125,14 +134,8 @@ def micro_batch_loss(
         "policy/entropy": float((ent.detach() * mask).sum() / denom["tokens"]),
     }
     stats.update({f"policy/{k}": float(v) * share for k, v in loss_stat_means(pstats).items()})
-    # the rollout's log-probs vs the weights it sampled with
     if cfg.on_policy and "rollout_logprobs" in mb.tokens:
-        generated = mb.padded("action_mask", 0.0)  # [B, T]: every generated token, kept or not
-        stats[MISMATCH] = (
-            float(((mb.padded("rollout_logprobs", 0.0) - old).abs() * generated).max())
-            if generated.numel()
-            else 0.0
-        )
+        stats[MISMATCH] = _rollout_mismatch(mb, old)
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.aggregation, **agg)
     if cfg.kl_coef and "ref_logprobs" in mb.tokens:
