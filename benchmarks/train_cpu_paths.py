@@ -1,6 +1,7 @@
-"""The train forward's two CPU paths against what they replace, side by side in one process:
-causal attention in query chunks (``optim.causal_chunks``, ``earl_lightning/train/causal_chunks.py``)
-and the RMSNorm's written-out backward (``optim.rms_norm_backward``, ``train/rms_norm.py``).
+"""The train forward's CPU paths against what they replace, side by side in one process: causal
+attention in query chunks (``optim.causal_chunks``, ``earl_lightning/train/causal_chunks.py``),
+the RMSNorm's written-out backward (``optim.rms_norm_backward``, ``train/rms_norm.py``) and the
+elementwise work compiled (``optim.fused_elementwise``, ``train/fused.py``).
 
 Three measurements, the compared sides alternating (which goes first alternates too),
 ``--repeats`` times, medians:
@@ -13,9 +14,10 @@ Three measurements, the compared sides alternating (which goes first alternates 
   backward against the written-out one;
 - ``train_pass``: the multi-turn train stage's own forward and backward (``forward_micro_batch``
   with the scored last layer, as the trainer runs it) over the ten-turn comparison's batch (64
-  DigitTurns episodes of 650 tokens, ``benchmarks/train_scored.py``) with neither path, each alone
-  and both; before timing, every variant must give the same log-probs (to 1e-5), and the largest
-  gradient difference is reported.
+  DigitTurns episodes of 650 tokens, ``benchmarks/train_scored.py``) with no path, the first two
+  each alone and both, and all three (the defaults; the compiled kernels' one-off compile happens
+  before the timing); before timing, every variant must give the same log-probs (to 1e-5), and the
+  largest gradient difference is reported.
 
 The machine's 2048³ matmul speed and the 1-minute load are recorded with them.
 
@@ -23,7 +25,8 @@ The machine's 2048³ matmul speed and the 1-minute load are recorded with them.
     python benchmarks/train_cpu_paths.py --repeats 2 --batch 4 --lengths 384 650 --out /tmp/c.csv
 
 Writes ``benchmarks/results/train_cpu_paths.csv`` (``what,length,variant,applied,baseline_s,
-variant_s,speedup``: the variant against the row's baseline, one call or autograd or neither path).
+variant_s,speedup``: the variant against the row's baseline, one call or autograd or no path; the
+last row the compiled kernels against the two other paths).
 """
 
 from __future__ import annotations
@@ -47,11 +50,12 @@ from earl_lightning.train import causal_chunks as cc  # noqa: E402
 from earl_lightning.train import rms_norm as rn  # noqa: E402
 
 COLUMNS = ["what", "length", "variant", "applied", "baseline_s", "variant_s", "speedup"]
-TRAIN_VARIANTS = {  # name: (chunked, norm_backward)
-    "neither": (False, False),
-    "chunks": (True, False),
-    "norm_backward": (False, True),
-    "both": (True, True),
+TRAIN_VARIANTS = {  # name: (chunked, norm_backward, fused)
+    "neither": (False, False, False),
+    "chunks": (True, False, False),
+    "norm_backward": (False, True, False),
+    "both": (True, True, False),
+    "fused": (True, True, True),
 }
 
 
@@ -147,9 +151,15 @@ def train_rows(batch: int, repeats: int) -> tuple[list[dict], float]:
     m = mb.tokens["action_mask"]
 
     def train_pass(variant: str):
-        chunked, norms = TRAIN_VARIANTS[variant]
+        chunked, norms, fused = TRAIN_VARIANTS[variant]
         res = forward_micro_batch(
-            model, mb, temperature=1.0, scored=True, chunked=chunked, norm_backward=norms
+            model,
+            mb,
+            temperature=1.0,
+            scored=True,
+            chunked=chunked,
+            norm_backward=norms,
+            fused=fused,
         )
         (-(res["logprobs"] * m).sum() / m.sum()).backward()
         grads = [p.grad for p in model.parameters()]
@@ -170,10 +180,15 @@ def train_rows(batch: int, repeats: int) -> tuple[list[dict], float]:
         return time.perf_counter() - start
 
     med = alternate({v: functools.partial(timed, v) for v in TRAIN_VARIANTS}, repeats)
+    from earl_lightning.train.fused import MIN_ELEMENTS
+
+    # the compiled kernels take calls of MIN_ELEMENTS values and more (a small --batch: none)
+    fused = batch * len(ids) * model.config.hidden_size >= MIN_ELEMENTS
     rows = [
-        _row("train_pass", len(ids), v, True, med["neither"], med[v])
+        _row("train_pass", len(ids), v, fused or v != "fused", med["neither"], med[v])
         for v in list(TRAIN_VARIANTS)[1:]
     ]
+    rows.append(_row("train_pass", len(ids), "fused over both", fused, med["both"], med["fused"]))
     return rows, diff
 
 

@@ -57,6 +57,7 @@ class RunSpec:
     scored_last_layer: bool = True
     causal_chunks: bool = True
     rms_norm_backward: bool = True
+    fused_elementwise: bool = True
     micro_batch_tokens: int = 1 << 20  # earl only: the padded-token budget of one forward/backward
 
     def env_kwargs(self) -> dict:
@@ -170,6 +171,7 @@ def run_earl(spec: RunSpec) -> dict:
             "scored_last_layer": spec.scored_last_layer,
             "causal_chunks": spec.causal_chunks,
             "rms_norm_backward": spec.rms_norm_backward,
+            "fused_elementwise": spec.fused_elementwise,
         },
     )
     data = EpisodeDataModule(

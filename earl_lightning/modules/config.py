@@ -350,6 +350,11 @@ class OptimConfig:
         rms_norm_backward: in fp32, the policy's Llama-pattern RMSNorms run a written-out backward
             (``train/rms_norm.py``: the same forward bit for bit, gradients up to float rounding, the
             backward in 0.5–0.7 of the time); false: autograd's.
+        fused_elementwise: on CPU, where a train forward's activations are large (a million values
+            and more), the policy's Llama-pattern MLPs' ``silu(gate) * up`` and RMSNorms run as
+            kernels ``torch.compile`` fuses, forward and backward (``train/fused.py``: compiled once
+            per process, in seconds; the same numbers up to float rounding; eager where compiling
+            fails, with a warning); false: the modules' own operators.
     """
 
     lr: float = 1e-3
@@ -365,6 +370,7 @@ class OptimConfig:
     scored_last_layer: bool = True
     causal_chunks: bool = True
     rms_norm_backward: bool = True
+    fused_elementwise: bool = True
 
     def __post_init__(self) -> None:
         arg = f"{A}.optim"

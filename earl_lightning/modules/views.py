@@ -56,6 +56,7 @@ def update_view(
         scored_last_layer=optim.scored_last_layer,
         causal_chunks=optim.causal_chunks,
         rms_norm_backward=optim.rms_norm_backward,
+        fused_elementwise=optim.fused_elementwise,
         correction=algorithm.rollout_correction.spec,
         mask_truncated=algorithm.mask_truncated,
     )

@@ -21,6 +21,7 @@ from earl_lightning.batches.experience import ExperienceBatch
 from earl_lightning.models import eval_mode
 from earl_lightning.models.lora import adapters_disabled
 from earl_lightning.train.causal_chunks import causal_chunks
+from earl_lightning.train.fused import fused_elementwise
 from earl_lightning.train.prefix import PrefixPlan, prefix_plan, shared_prefix_forward
 from earl_lightning.train.rms_norm import rms_norm_backward
 from earl_lightning.train.scored import (
@@ -44,6 +45,7 @@ def forward_micro_batch(
     scored: bool = False,
     chunked: bool = True,
     norm_backward: bool = True,
+    fused: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs (and values, entropy) of a micro-batch, unpadded back to [N].
 
@@ -57,13 +59,19 @@ def forward_micro_batch(
     the positions). ``chunked``: on CPU the layers' causal attention runs in query chunks where that
     is faster (:mod:`earl_lightning.train.causal_chunks`: the same numbers up to float rounding).
     ``norm_backward``: the RMSNorms' backward written out (:mod:`earl_lightning.train.rms_norm`:
-    the same forward, gradients up to float rounding)."""
+    the same forward, gradients up to float rounding). ``fused``: on CPU, the MLPs' and RMSNorms'
+    elementwise work in kernels ``torch.compile`` fuses (:mod:`earl_lightning.train.fused`: the
+    same numbers up to float rounding)."""
     allowed_t = (
         None
         if allowed is None
         else torch.as_tensor(allowed, dtype=torch.long, device=mb.tokens["input_ids"].device)
     )
-    with causal_chunks(model, chunked), rms_norm_backward(model, norm_backward):
+    with (
+        causal_chunks(model, chunked),
+        rms_norm_backward(model, norm_backward),
+        fused_elementwise(model, fused),
+    ):
         return _forward(model, mb, temperature, value_head, with_entropy, allowed_t, plan, scored)
 
 

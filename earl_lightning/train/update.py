@@ -58,6 +58,8 @@ class UpdateConfig:
     causal_chunks: bool
     # the RMSNorms' backward written out (train.rms_norm)
     rms_norm_backward: bool
+    # on CPU, the MLPs' and RMSNorms' elementwise work fused by torch.compile (train.fused)
+    fused_elementwise: bool
     # importance weights of the rollout's sampled log-probs (algorithms.correction); None: off
     correction: RolloutCorrection | None
     # the rows of episodes cut by a limit leave the loss (train.loss_weights)
@@ -118,6 +120,7 @@ def micro_batch_loss(
         scored=cfg.scored_last_layer,
         chunked=cfg.causal_chunks,
         norm_backward=cfg.rms_norm_backward,
+        fused=cfg.fused_elementwise,
     )
     mask = mb.padded("loss_mask", 0.0)  # [B, T]: the tokens that count (train.loss_weights)
     logp = mb.pad(res["logprobs"], 0.0)  # [B, T]

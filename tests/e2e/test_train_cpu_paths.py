@@ -33,5 +33,8 @@ def test_script_runs_and_writes_its_csv(tmp_path):
         ("train_pass", "650", "chunks", "True"),
         ("train_pass", "650", "norm_backward", "True"),
         ("train_pass", "650", "both", "True"),
+        # 2 x 650 x 128 values: below the compiled kernels' threshold, so not compiled here
+        ("train_pass", "650", "fused", "False"),
+        ("train_pass", "650", "fused over both", "False"),
     ]
     assert "largest relative gradient difference" in res.stdout
