@@ -22,14 +22,13 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from earl_lightning.modules.config import OptimConfig
 from earl_lightning.modules.views import update_view
-from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.train import fused
 from earl_lightning.train import update as update_mod
 from earl_lightning.train.forward import forward_micro_batch
 from earl_lightning.train.rms_norm import rms_norm_backward
-from earl_lightning.train.update import Models, ppo_update
+from earl_lightning.train.update import Models
 from tests.unit.test_scored_last_layer import SMALL, _batch, _qwen
-from tests.updates import reference_update
+from tests.updates import sgd_update
 
 NONE = {"swiglu": 0, "rms_norm": 0, "rope": 0}
 MLPS = [
@@ -190,28 +189,14 @@ def test_a_failed_compile_warns_and_runs_eagerly(monkeypatch):
     assert not [w for w in later if "fused_elementwise" in str(w.message)]  # tried once
 
 
-def _update(model, batch, on):
-    models = Models(model)
-    opt = torch.optim.SGD(models.parameters(), lr=0.1)
-
-    class Opt:  # what ppo_update uses of Lightning's optimizer wrapper
-        optimizer, param_groups = opt, opt.param_groups
-        step, zero_grad = opt.step, opt.zero_grad
-
-    cfg = reference_update(
-        micro_batch_tokens=64, max_grad_norm=0.0, fused_elementwise=on, entropy_coef=0.01
-    )
-    return ppo_update(models, Opt, None, batch, cfg, Reducer(), lambda loss: loss.backward())
-
-
 def test_ppo_update_through_the_kernels_ends_where_the_eager_one_does(counted):
     base, mb = _qwen(), _batch()
     with torch.no_grad():  # stale old log-probs, so the ratios are not 1 and clipping acts
         mb.tokens["old_logprobs"] = forward_micro_batch(base, mb, temperature=1.0)["logprobs"] + 0.3
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    sa = _update(a, mb, False)
+    sa = sgd_update(a, mb, fused_elementwise=False)
     assert counted == NONE
-    sb = _update(b, mb, True)
+    sb = sgd_update(b, mb, fused_elementwise=True)
     assert counted["swiglu"] and counted["rms_norm"]
     for k in sa:
         assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), k

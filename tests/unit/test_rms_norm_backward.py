@@ -19,13 +19,12 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from earl_lightning.modules.config import OptimConfig
 from earl_lightning.modules.views import update_view
-from earl_lightning.parallel.collectives import Reducer
 from earl_lightning.train import rms_norm as rn
 from earl_lightning.train import update as update_mod
 from earl_lightning.train.forward import forward_micro_batch
-from earl_lightning.train.update import Models, ppo_update
+from earl_lightning.train.update import Models
 from tests.unit.test_scored_last_layer import SMALL, _batch, _qwen
-from tests.updates import reference_update
+from tests.updates import sgd_update
 
 
 @pytest.mark.parametrize("cls", [LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm])
@@ -81,20 +80,6 @@ def test_the_block_puts_it_on_every_norm_and_takes_it_off_again():
     assert not any("forward" in vars(m) for m in norms)
 
 
-def _update(model, batch, on):
-    models = Models(model)
-    opt = torch.optim.SGD(models.parameters(), lr=0.1)
-
-    class Opt:  # what ppo_update uses of Lightning's optimizer wrapper
-        optimizer, param_groups = opt, opt.param_groups
-        step, zero_grad = opt.step, opt.zero_grad
-
-    cfg = reference_update(
-        micro_batch_tokens=64, max_grad_norm=0.0, rms_norm_backward=on, entropy_coef=0.01
-    )
-    return ppo_update(models, Opt, None, batch, cfg, Reducer(), lambda loss: loss.backward())
-
-
 def test_ppo_update_through_it_ends_where_autograds_does(monkeypatch):
     base, mb = _qwen(), _batch()
     with torch.no_grad():  # stale old log-probs, so the ratios are not 1 and clipping acts
@@ -102,9 +87,9 @@ def test_ppo_update_through_it_ends_where_autograds_does(monkeypatch):
     calls, real = [], rn._RMSNorm.apply
     monkeypatch.setattr(rn._RMSNorm, "apply", lambda *a: calls.append(1) or real(*a))
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    sa = _update(a, mb, False)
+    sa = sgd_update(a, mb, rms_norm_backward=False)
     assert not calls
-    sb = _update(b, mb, True)
+    sb = sgd_update(b, mb, rms_norm_backward=True)
     assert calls  # every norm of every micro-batch's forward
     for k in sa:
         assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), k
