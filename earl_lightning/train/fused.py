@@ -181,7 +181,10 @@ def _takes(x: Tensor, *params: Tensor) -> bool:
 def _fused_mlp(module: nn.Module, before: Callable, x: Tensor) -> Tensor:
     if not _takes(x):
         return before(x)
-    return module.down_proj(KERNELS.swiglu(module.gate_proj(x), module.up_proj(x)))
+    gate, up = module.gate_proj(x), module.up_proj(x)
+    if isinstance(gate, DTensor) or isinstance(up, DTensor):  # tensor-parallel projections
+        return module.down_proj(module.act_fn(gate) * up)  # the module's own forward
+    return module.down_proj(KERNELS.swiglu(gate, up))
 
 
 def _fused_norm(module: nn.Module, before: Callable, x: Tensor) -> Tensor:
@@ -196,6 +199,8 @@ def _rope_dispatcher(original: Callable) -> Callable:
     :func:`fused_elementwise` block where the call qualifies, else ``original``."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if torch.compiler.is_compiling():  # inside a model compiled whole: transformers' own
+            return original(q, k, cos, sin, *args, **kwargs)
         if (
             _ROPE_ON.get()
             and not args

@@ -107,6 +107,18 @@ def test_the_rope_dispatcher_hands_calls_outside_a_block_to_the_original(counted
         assert torch.equal(a, b)
 
 
+def test_a_model_compiled_whole_traces_transformers_rope(counted, monkeypatch):
+    """Inside torch.compile's tracing of a whole model the dispatcher hands the call on, so the
+    trace holds transformers' formula, not a context variable's read."""
+    model, mb = _qwen(), _batch()
+    _pass(model, mb, True)
+    assert counted["rope"] >= 1
+    counted["rope"] = 0
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    _pass(model, mb, True)
+    assert counted["rope"] == 0 and counted["swiglu"] >= 1
+
+
 def _pass(model, mb, on: bool):
     model.zero_grad(set_to_none=True)
     res = forward_micro_batch(model, mb, temperature=1.0, scored=True, fused=on)
