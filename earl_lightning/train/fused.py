@@ -104,6 +104,10 @@ class _Kernels:
         return self if self.swiglu is not None else None
 
     def _compile(self, width: int, head_dim: int) -> None:
+        log.info(
+            "optim.fused_elementwise: compiling the MLP, RMSNorm and rotary kernels for the train "
+            "forward (once per process; inductor keeps them on disk for the next)"
+        )
         start = time.perf_counter()
         try:
             kernels = [torch.compile(f, dynamic=True) for f in (swiglu, rms_norm, rope)]
