@@ -31,10 +31,8 @@ No Lightning here.
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -44,10 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from earl_lightning.core import console
 from earl_lightning.parallel.parallelize import recomputes_activations
 from earl_lightning.train.rms_norm import RMS_NORMS
-
-log = logging.getLogger(__name__)
 
 # the classes whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)) (tests check each)
 MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
@@ -104,7 +101,7 @@ class _Kernels:
         return self if self.swiglu is not None else None
 
     def _compile(self, width: int, head_dim: int) -> None:
-        log.info(
+        console.info(
             "optim.fused_elementwise: compiling the MLP, RMSNorm and rotary kernels for the train "
             "forward (once per process; inductor keeps them on disk for the next)"
         )
@@ -114,18 +111,16 @@ class _Kernels:
             for compiled, (eager, args, extra) in zip(kernels, _checks(width, head_dim)):
                 _check(compiled, eager, args, extra)
         except Exception as err:  # noqa: BLE001 - any failure: the eager forward runs
-            warnings.warn(
+            console.warn(
                 "optim.fused_elementwise: torch.compile could not build the fused kernels "
                 f"({type(err).__name__}: {str(err)[:300]}); the train forward runs eagerly. "
-                "Set optim.fused_elementwise: false to skip the attempt.",
-                RuntimeWarning,
-                stacklevel=4,
+                "Set optim.fused_elementwise: false to skip the attempt."
             )
             return
         self.swiglu, self.rms_norm, self.rope = kernels
-        log.info(
-            "optim.fused_elementwise: compiled the fused kernels in %.1f s (once per process)",
-            time.perf_counter() - start,
+        console.info(
+            "optim.fused_elementwise: compiled the kernels in "
+            f"{time.perf_counter() - start:.1f} s (once per process)"
         )
 
 
