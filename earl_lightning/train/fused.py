@@ -57,7 +57,11 @@ ROPE_MODULES = tuple(
 # a call's input from this many values takes the compiled kernel (64 x 650 x 128 is 5.3M)
 MIN_ELEMENTS = 1 << 20
 
-_ROPE_ON: ContextVar[bool] = ContextVar("earl_fused_rope", default=False)
+# inside a fused_elementwise block: the model's hidden and head sizes (what the kernels are first
+# compiled for), for the calls there; None outside
+_BLOCK: ContextVar[tuple[int, int] | None] = ContextVar("earl_fused_block", default=None)
+# the same for the rotary dispatcher: None also where the model's rotary is not the dispatcher's
+_ROPE_BLOCK: ContextVar[tuple[int, int] | None] = ContextVar("earl_fused_rope", default=None)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -165,6 +169,14 @@ def _tuple(out: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 KERNELS = _Kernels()
 
 
+def _kernels(block: ContextVar, x: Tensor, *params: Tensor) -> _Kernels | None:
+    """The kernels for a call with input ``x`` and parameters ``params`` inside a block, where it
+    qualifies; the first such call of the process compiles them (a call that does not qualify
+    never does: small runs compile nothing)."""
+    sizes = block.get()
+    return KERNELS.get(*sizes) if sizes is not None and _takes(x, *params) else None
+
+
 def _takes(x: Tensor, *params: Tensor) -> bool:
     """Whether a call with input ``x`` and parameters ``params`` takes a compiled kernel."""
     return (
@@ -178,19 +190,21 @@ def _takes(x: Tensor, *params: Tensor) -> bool:
 
 
 def _fused_mlp(module: nn.Module, before: Callable, x: Tensor) -> Tensor:
-    if not _takes(x):
+    kernels = _kernels(_BLOCK, x)
+    if kernels is None:
         return before(x)
     gate, up = module.gate_proj(x), module.up_proj(x)
     if isinstance(gate, DTensor) or isinstance(up, DTensor):  # tensor-parallel projections
         return module.down_proj(module.act_fn(gate) * up)  # the module's own forward
-    return module.down_proj(KERNELS.swiglu(gate, up))
+    return module.down_proj(kernels.swiglu(gate, up))
 
 
 def _fused_norm(module: nn.Module, before: Callable, x: Tensor) -> Tensor:
     weight = module.weight
-    if not _takes(x, weight) or not (x.requires_grad or weight.requires_grad):
+    kernels = _kernels(_BLOCK, x, weight) if x.requires_grad or weight.requires_grad else None
+    if kernels is None:
         return before(x)
-    return KERNELS.rms_norm(x, weight, module.variance_epsilon)
+    return kernels.rms_norm(x, weight, module.variance_epsilon)
 
 
 def _rope_dispatcher(original: Callable) -> Callable:
@@ -200,15 +214,13 @@ def _rope_dispatcher(original: Callable) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if torch.compiler.is_compiling():  # inside a model compiled whole: transformers' own
             return original(q, k, cos, sin, *args, **kwargs)
-        if (
-            _ROPE_ON.get()
-            and not args
-            and kwargs.get("unsqueeze_dim", 1) == 1
-            and set(kwargs) <= {"unsqueeze_dim"}
-            and _takes(q, k, cos, sin)
-            and (q.requires_grad or k.requires_grad)
-        ):
-            return KERNELS.rope(q, k, cos, sin)
+        plain = (
+            not args and set(kwargs) <= {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1
+        )
+        if plain and (q.requires_grad or k.requires_grad):
+            kernels = _kernels(_ROPE_BLOCK, q, k, cos, sin)
+            if kernels is not None:
+                return kernels.rope(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
@@ -262,27 +274,28 @@ def _on_cpu(model: nn.Module) -> bool:
 @contextmanager
 def fused_elementwise(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Within the block, ``model``'s Llama-pattern MLPs, RMSNorms and rotary embeddings take the
-    compiled kernels where a call qualifies (see the module's doc); nothing changes with
-    ``enabled=False``, where no gradients are recorded, off CPU, for a model whose layers
-    recompute their forward in the backward, or where the kernels could not be compiled. Enter it
+    compiled kernels where a call qualifies (see the module's doc; the first such call of the
+    process compiles them); nothing changes with ``enabled=False``, where no gradients are
+    recorded, off CPU, for a model whose layers recompute their forward in the backward, or where
+    the kernels could not be compiled. Enter it
     inside :func:`~earl_lightning.train.rms_norm.rms_norm_backward`: a call the kernels do not
     take runs the forward the module had on entry."""
     apply = (
         enabled and torch.is_grad_enabled() and _on_cpu(model) and not recomputes_activations(model)
     )
-    targets = _targets(model) if apply else []
-    if targets and KERNELS.get(*_sizes(model)) is None:
-        targets = []
-    rope_on = bool(targets) and _rope_module(model) is not None
+    targets = _targets(model) if apply and not (KERNELS.tried and KERNELS.swiglu is None) else []
+    sizes = _sizes(model) if targets else None
+    rope = sizes if targets and _rope_module(model) is not None else None
     saved = []
     for m, fused in targets:
         saved.append((m, vars(m).get("forward")))  # a forward put on the instance, if any
         m.forward = _bind(fused, m, m.forward)
-    token = _ROPE_ON.set(rope_on)
+    tokens = _BLOCK.set(sizes), _ROPE_BLOCK.set(rope)
     try:
         yield
     finally:
-        _ROPE_ON.reset(token)
+        _BLOCK.reset(tokens[0])
+        _ROPE_BLOCK.reset(tokens[1])
         for m, own in saved:
             if own is None:
                 del m.forward

@@ -152,6 +152,18 @@ def test_not_taken_without_gradients_when_off_small_or_bf16(counted, monkeypatch
     assert counted == NONE
 
 
+def test_a_forward_without_a_qualifying_call_compiles_nothing(monkeypatch):
+    """The compile is paid at the first call that takes a kernel: small runs (the tests', a
+    quick start's) never pay it."""
+    monkeypatch.setattr(fused, "KERNELS", fused._Kernels())
+    model, mb = _qwen(), _batch()  # 6 rows of about 40 tokens: far below a million values
+    _pass(model, mb, True)
+    assert not fused.KERNELS.tried
+    monkeypatch.setattr(fused, "MIN_ELEMENTS", 1024)
+    _pass(model, mb, True)
+    assert fused.KERNELS.tried and fused.KERNELS.swiglu is not None
+
+
 def test_the_modules_are_restored_and_the_written_out_norm_runs_below_the_threshold(counted):
     model = _qwen()
     norms = [m for m in model.modules() if type(m).__name__ == "Qwen2RMSNorm"]
