@@ -15,7 +15,7 @@ The settings: ``on_policy_shortcut`` (``optim.*``: the old log-probs are the tra
 ``scored_last_layer`` (``optim.*``: the last layer runs only where an action token is scored),
 ``causal_chunks`` (``optim.*``: on CPU, causal attention in query chunks),
 ``rms_norm_backward`` (``optim.*``: the RMSNorms' backward written out),
-``fused_elementwise`` (``optim.*``: on CPU, the MLPs' and norms' elementwise work compiled).
+``fused_elementwise`` (``optim.*``: on CPU, the MLPs', norms' and rotary elementwise work compiled).
 
     python benchmarks/step_breakdown.py --off share_prefix share_prompts   # 3 runs per side, 20 steps
     python benchmarks/step_breakdown.py --off on_policy_shortcut --profile

@@ -351,10 +351,11 @@ class OptimConfig:
             (``train/rms_norm.py``: the same forward bit for bit, gradients up to float rounding, the
             backward in 0.5–0.7 of the time); false: autograd's.
         fused_elementwise: on CPU, where a train forward's activations are large (a million values
-            and more), the policy's Llama-pattern MLPs' ``silu(gate) * up`` and RMSNorms run as
-            kernels ``torch.compile`` fuses, forward and backward (``train/fused.py``: compiled once
-            per process, in seconds; the same numbers up to float rounding; eager where compiling
-            fails, with a warning); false: the modules' own operators.
+            and more), the policy's Llama-pattern MLPs' ``silu(gate) * up``, RMSNorms and rotary
+            embedding run as kernels ``torch.compile`` fuses, forward and backward
+            (``train/fused.py``: compiled once per process, at the first call that qualifies, in
+            seconds; the same numbers up to float rounding; eager where compiling fails, with a
+            warning); false: the modules' own operators.
     """
 
     lr: float = 1e-3

@@ -59,8 +59,8 @@ def forward_micro_batch(
     the positions). ``chunked``: on CPU the layers' causal attention runs in query chunks where that
     is faster (:mod:`earl_lightning.train.causal_chunks`: the same numbers up to float rounding).
     ``norm_backward``: the RMSNorms' backward written out (:mod:`earl_lightning.train.rms_norm`:
-    the same forward, gradients up to float rounding). ``fused``: on CPU, the MLPs' and RMSNorms'
-    elementwise work in kernels ``torch.compile`` fuses (:mod:`earl_lightning.train.fused`: the
+    the same forward, gradients up to float rounding). ``fused``: on CPU, the MLPs', RMSNorms' and
+    rotary embedding's elementwise work in kernels ``torch.compile`` fuses (:mod:`earl_lightning.train.fused`: the
     same numbers up to float rounding)."""
     allowed_t = (
         None

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from earl_lightning.core import console
+from earl_lightning.models.llama_layers import text_config
 from earl_lightning.parallel.parallelize import recomputes_activations
 from earl_lightning.train.rms_norm import RMS_NORMS
 
@@ -58,10 +59,8 @@ ROPE_MODULES = tuple(
 MIN_ELEMENTS = 1 << 20
 
 # inside a fused_elementwise block: the model's hidden and head sizes (what the kernels are first
-# compiled for), for the calls there; None outside
+# compiled for), for the calls there (the modules' and the rotary dispatchers'); None outside
 _BLOCK: ContextVar[tuple[int, int] | None] = ContextVar("earl_fused_block", default=None)
-# the same for the rotary dispatcher: None also where the model's rotary is not the dispatcher's
-_ROPE_BLOCK: ContextVar[tuple[int, int] | None] = ContextVar("earl_fused_rope", default=None)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -103,6 +102,11 @@ class _Kernels:
             self.tried = True
             self._compile(width, head_dim)
         return self if self.swiglu is not None else None
+
+    @property
+    def failed(self) -> bool:
+        """Compiling was tried and did not give the kernels."""
+        return self.tried and self.swiglu is None
 
     def _compile(self, width: int, head_dim: int) -> None:
         console.info(
@@ -169,11 +173,11 @@ def _tuple(out: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 KERNELS = _Kernels()
 
 
-def _kernels(block: ContextVar, x: Tensor, *params: Tensor) -> _Kernels | None:
+def _kernels(x: Tensor, *params: Tensor) -> _Kernels | None:
     """The kernels for a call with input ``x`` and parameters ``params`` inside a block, where it
     qualifies; the first such call of the process compiles them (a call that does not qualify
     never does: small runs compile nothing)."""
-    sizes = block.get()
+    sizes = _BLOCK.get()
     return KERNELS.get(*sizes) if sizes is not None and _takes(x, *params) else None
 
 
@@ -190,7 +194,7 @@ def _takes(x: Tensor, *params: Tensor) -> bool:
 
 
 def _fused_mlp(module: nn.Module, before: Callable, x: Tensor) -> Tensor:
-    kernels = _kernels(_BLOCK, x)
+    kernels = _kernels(x)
     if kernels is None:
         return before(x)
     gate, up = module.gate_proj(x), module.up_proj(x)
@@ -201,7 +205,7 @@ def _fused_mlp(module: nn.Module, before: Callable, x: Tensor) -> Tensor:
 
 def _fused_norm(module: nn.Module, before: Callable, x: Tensor) -> Tensor:
     weight = module.weight
-    kernels = _kernels(_BLOCK, x, weight) if x.requires_grad or weight.requires_grad else None
+    kernels = _kernels(x, weight) if x.requires_grad or weight.requires_grad else None
     if kernels is None:
         return before(x)
     return kernels.rms_norm(x, weight, module.variance_epsilon)
@@ -218,7 +222,7 @@ def _rope_dispatcher(original: Callable) -> Callable:
             not args and set(kwargs) <= {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1
         )
         if plain and (q.requires_grad or k.requires_grad):
-            kernels = _kernels(_ROPE_BLOCK, q, k, cos, sin)
+            kernels = _kernels(q, k, cos, sin)
             if kernels is not None:
                 return kernels.rope(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
@@ -228,20 +232,15 @@ def _rope_dispatcher(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _rope_module(model: nn.Module):
-    """The modeling module (of :data:`ROPE_MODULES`) whose attention layers ``model`` runs, with
-    the dispatcher put on it (once); None where the model's is another, or where its
-    ``apply_rotary_pos_emb`` is no longer transformers' own (another library's, kept)."""
-    names = {type(m).__module__ for m in model.modules()} & set(ROPE_MODULES)
-    module = sys.modules.get(next(iter(names))) if len(names) == 1 else None
-    fn = getattr(module, "apply_rotary_pos_emb", None)
-    if fn is None:
-        return None
-    if not getattr(fn, "earl_dispatcher", False):
-        if getattr(fn, "__module__", None) != module.__name__:
-            return None
-        module.apply_rotary_pos_emb = _rope_dispatcher(fn)
-    return module
+def _install_rope(model: nn.Module) -> None:
+    """Put the dispatcher (once) on each modeling module of :data:`ROPE_MODULES` that ``model``'s
+    layers come from, where its ``apply_rotary_pos_emb`` is still transformers' own (another
+    library's replacement is kept, and its calls never reach a dispatcher)."""
+    for name in {type(m).__module__ for m in model.modules()} & set(ROPE_MODULES):
+        module = sys.modules[name]
+        fn = getattr(module, "apply_rotary_pos_emb", None)
+        if getattr(fn, "__module__", None) == name and not getattr(fn, "earl_dispatcher", False):
+            module.apply_rotary_pos_emb = _rope_dispatcher(fn)
 
 
 def _targets(model: nn.Module) -> list[tuple[nn.Module, Callable]]:
@@ -258,8 +257,7 @@ def _targets(model: nn.Module) -> list[tuple[nn.Module, Callable]]:
 
 def _sizes(model: nn.Module) -> tuple[int, int]:
     """The model's hidden size and head size (16 and 8 where its config does not say)."""
-    config = getattr(model, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(model)
     width = int(getattr(config, "hidden_size", 16))
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     head_dim = getattr(config, "head_dim", None) or (width // heads if heads else 8)
@@ -277,25 +275,24 @@ def fused_elementwise(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     compiled kernels where a call qualifies (see the module's doc; the first such call of the
     process compiles them); nothing changes with ``enabled=False``, where no gradients are
     recorded, off CPU, for a model whose layers recompute their forward in the backward, or where
-    the kernels could not be compiled. Enter it
-    inside :func:`~earl_lightning.train.rms_norm.rms_norm_backward`: a call the kernels do not
-    take runs the forward the module had on entry."""
+    the kernels could not be compiled. Enter it inside
+    :func:`~earl_lightning.train.rms_norm.rms_norm_backward`: a call the kernels do not take runs
+    the forward the module had on entry."""
     apply = (
         enabled and torch.is_grad_enabled() and _on_cpu(model) and not recomputes_activations(model)
     )
-    targets = _targets(model) if apply and not (KERNELS.tried and KERNELS.swiglu is None) else []
-    sizes = _sizes(model) if targets else None
-    rope = sizes if targets and _rope_module(model) is not None else None
+    targets = _targets(model) if apply and not KERNELS.failed else []
+    if targets:
+        _install_rope(model)
     saved = []
     for m, fused in targets:
         saved.append((m, vars(m).get("forward")))  # a forward put on the instance, if any
         m.forward = _bind(fused, m, m.forward)
-    tokens = _BLOCK.set(sizes), _ROPE_BLOCK.set(rope)
+    token = _BLOCK.set(_sizes(model) if targets else None)
     try:
         yield
     finally:
-        _BLOCK.reset(tokens[0])
-        _ROPE_BLOCK.reset(tokens[1])
+        _BLOCK.reset(token)
         for m, own in saved:
             if own is None:
                 del m.forward

@@ -58,7 +58,7 @@ class UpdateConfig:
     causal_chunks: bool
     # the RMSNorms' backward written out (train.rms_norm)
     rms_norm_backward: bool
-    # on CPU, the MLPs' and RMSNorms' elementwise work fused by torch.compile (train.fused)
+    # on CPU, the MLPs', RMSNorms' and rotary elementwise work fused by torch.compile (train.fused)
     fused_elementwise: bool
     # importance weights of the rollout's sampled log-probs (algorithms.correction); None: off
     correction: RolloutCorrection | None
